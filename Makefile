@@ -1,0 +1,37 @@
+# Two commands for a new user: `make demo` (the main job) and `make test`.
+# Both set up .venv first; torch is installed on its own, first, so pip never
+# resolves a CUDA build for it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup demo test lab browser bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[torch,trl,test,bench]'
+	touch $@
+
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian chromium for the browser tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+demo: setup
+	$(VENV)/bin/kldiag demo
+
+lab: setup
+	$(VENV)/bin/kldiag lab
+
+test: setup browser
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/recorder.py
+	$(PY) bench/analyze.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

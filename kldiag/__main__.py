@@ -1,0 +1,5 @@
+import sys
+
+from kldiag.cli import main
+
+sys.exit(main())

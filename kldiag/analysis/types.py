@@ -1,0 +1,120 @@
+"""The analysis contract: its configuration and its result. Every default on one screen.
+
+Everything users see (CLI, report, dashboard, trainer logs) reads an `Analysis`. Tables are
+pyarrow Tables (call `.to_pandas()` to display them); column names are a public contract,
+documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag import estimators as E
+from kldiag.format import Manifest
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """Thresholds and knobs of `kldiag.analyze`. The CLI exposes each one."""
+
+    tau: float = E.TAU  # theta_ll_ref: d > log(tau)
+    weight_limit: float = E.WEIGHT_LIMIT  # weight_blowup: |1 - exp(d)| > weight_limit
+    clamp: float = E.CLAMP  # clamp_saturated: k3 > clamp
+    clip_low: float | None = None  # PPO clip range for rho; None: the manifest's, else 0.2
+    clip_high: float | None = None
+    opsm_delta: float = 1e-4  # DeepSeek off-policy sequence mask threshold on mean(log mu - s)
+    top_k: int = 1000  # worst tokens by |k3 weight| kept in `flags` (every non-finite one too)
+    top_k_sequences: int | None = None  # None: keep every sequence
+    per_rank: bool = False  # also one row per (step, rank)
+    trainer_compatible: bool = False  # add the KL the trainer logs (TRL: micro-batch means)
+    alert_window: int = 20  # trailing steps whose median an alert compares against
+    alert_factor: float = 10.0  # "leaves its recent range": a jump by this factor
+    workers: int = 1  # files analysed in parallel processes
+    strict: bool = False  # corrupt parts raise instead of being skipped with a warning
+    batch_size: int = 1 << 20  # rows per record batch: bounds memory
+    use_cache: bool = True  # per-file partials under RUN/.kldiag/
+
+
+# Histogram bin edges shared by every run, so histograms of runs, files and ranks add up.
+D_EDGES = np.linspace(-40.0, 40.0, 161)  # d = log(pi_ref/pi_theta): log-spaced in the ratio
+ABS_EDGES = np.logspace(-8, 16, 24 * 4 + 1)  # |weight| and rho: 4 bins per decade
+HIST_EDGES: dict[str, np.ndarray] = {
+    "d": D_EDGES,
+    "weight_k3_abs": ABS_EDGES,
+    "weight_k3_is_abs": ABS_EDGES,
+    "rho": ABS_EDGES,
+}
+
+
+@dataclass
+class Histograms:
+    """Per-step histograms. counts[name] has shape [len(steps), len(edges[name]) + 1].
+
+    Bin 0 counts values below edges[0] (and zeros for the log-spaced metrics), bin i counts
+    edges[i-1] <= v < edges[i], the last bin counts values >= edges[-1] including +inf.
+    NaN is not binned (it is counted in the steps table's nonfinite_count).
+    """
+
+    steps: np.ndarray  # int64 [n_steps]
+    edges: dict[str, np.ndarray]
+    counts: dict[str, np.ndarray]  # int64 [n_steps, n_bins]
+
+
+@dataclass
+class Analysis:
+    """Result of `kldiag.analyze(run_dir)`.
+
+    steps:      one row per step (columns in STEP_COLUMNS, more allowed), sorted by step
+    steps_by_rank: one row per (step, rank) when config.per_rank, else None
+    sequences:  one row per sequence (SEQUENCE_COLUMNS)
+    flags:      worst tokens by |k3 weight| plus every non-finite/invalid one (FLAG_COLUMNS)
+    histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
+    alerts:     ALERT_COLUMNS, sorted by step
+    trainer_kl: step, micro-averaged KL as the trainer logs it, when trainer_compatible
+    """
+
+    run_dir: Path
+    manifest: Manifest
+    config: AnalysisConfig
+    steps: pa.Table
+    sequences: pa.Table
+    flags: pa.Table
+    histograms: Histograms
+    alerts: pa.Table
+    steps_by_rank: pa.Table | None = None
+    trainer_kl: pa.Table | None = None
+    files: int = 0  # parts analysed in total
+    files_new: int = 0  # parts computed now (not from the cache)
+    skipped: list[str] = field(default_factory=list)  # parts skipped as corrupt, by path
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+STEP_COLUMNS = (
+    "step", "tokens", "sequences",
+    "k1_mean", "k2_mean", "k3_mean", "k3_is_mean",
+    "weight_k3_abs_mean", "weight_k3_abs_max", "weight_k3_abs_p50", "weight_k3_abs_p90",
+    "weight_k3_abs_p99", "weight_k3_abs_p999",
+    "weight_k3_is_abs_mean", "weight_k3_is_abs_max", "weight_k3_is_abs_p99",
+    "blame_share",
+    "theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count", "nonfinite_count",
+    "invalid_count", "flagged_frac",
+    "rho_mean", "rho_min", "rho_max", "rho_ess", "rho_clip_frac",
+    "drift_abs_mean", "mismatch_kl", "opsm_masked_frac",
+)
+SEQUENCE_COLUMNS = (
+    "step", "seq", "group", "rank", "length", "advantage",
+    "k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max",
+    "flagged_count", "nonfinite_count", "opsm_masked",
+)
+FLAG_COLUMNS = (
+    "step", "seq", "pos", "rank", "micro", "iteration", "token_id", "piece",
+    "logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "mask",
+    "d", "rho", "k3", "k3_is", "weight_k3", "weight_k3_is",
+    "theta_ll_ref", "weight_blowup", "clamp_saturated", "nonfinite", "invalid",
+)
+ALERT_COLUMNS = ("step", "kind", "metric", "value", "baseline", "message")

@@ -1,0 +1,45 @@
+"""The `kldiag` command. Each subcommand lives beside the code it drives and exposes
+`add_parser(subparsers)`, which sets `func(args) -> int` as the parser default."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kldiag import __version__
+from kldiag.errors import KldiagError
+
+# Modules that contribute a subcommand, in the order `kldiag --help` lists them.
+COMMAND_MODULES = (
+    "kldiag.lab",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kldiag", description="Per-token KL-penalty diagnostics for RL training of LLMs.")
+    parser.add_argument("--version", action="version", version=f"kldiag {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KldiagError as e:
+        print(f"kldiag: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Every exception kldiag raises on purpose. Each message names the fix."""
+
+from __future__ import annotations
+
+
+class KldiagError(Exception):
+    """Base class: catch this to handle any error kldiag raises on purpose."""
+
+
+class UnknownEstimatorError(KldiagError, ValueError):
+    """An estimator name that is not in the registry."""
+
+
+class RunFormatError(KldiagError):
+    """A path that is not a kldiag run, or a run whose files do not follow format v1."""
+
+
+class NotARunError(RunFormatError, FileNotFoundError):
+    """The path has no run.json manifest."""
+
+
+class UnsupportedFormatVersionError(RunFormatError):
+    """The manifest declares a format version this kldiag cannot read."""
+
+
+class SchemaError(RunFormatError):
+    """A part file lacks a required column or stores it with the wrong type."""
+
+
+class CorruptPartError(RunFormatError):
+    """A part file cannot be opened as Parquet (truncated, or foreign bytes)."""
+
+
+class EmptyRunError(KldiagError):
+    """A run directory with no published token rows yet."""
+
+
+class RecorderError(KldiagError):
+    """The recorder could not write (raised only in strict mode)."""
+
+
+class IntegrationError(KldiagError):
+    """A trainer integration cannot attach (for example an unsupported trainer version)."""
