@@ -1,10 +1,34 @@
-"""kldiag: per-token KL-penalty diagnostics for RL training of LLMs."""
+"""kldiag: per-token KL-penalty diagnostics for RL training of LLMs.
+
+    import kldiag
+    with kldiag.Recorder("runs/my_run", beta=0.04, estimator="k3") as rec:
+        rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)
+    analysis = kldiag.analyze("runs/my_run")
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
 from kldiag.errors import KldiagError  # noqa: E402
 from kldiag.format import Manifest, open_run  # noqa: E402
 
-__all__ = ["KldiagError", "Manifest", "open_run", "__version__"]
+# Imported on first use: `import kldiag` stays cheap, and torch is never imported by it.
+_LAZY = {
+    "Recorder": "kldiag.recorder",
+    "analyze": "kldiag.analysis",
+    "Analysis": "kldiag.analysis",
+    "AnalysisConfig": "kldiag.analysis",
+}
+
+__all__ = ["KldiagError", "Manifest", "open_run", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kldiag' has no attribute {name!r}")
