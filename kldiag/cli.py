@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kldiag import __version__
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except KldiagError as e:
+    except (KldiagError, ValueError) as e:
+        if os.environ.get("KLDIAG_DEBUG"):
+            raise
         print(f"kldiag: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

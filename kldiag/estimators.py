@@ -240,12 +240,13 @@ def flag_nonfinite(*logps) -> np.ndarray:
 
 
 def flag_invalid(*logps) -> np.ndarray:
-    """Any given log-prob is > 0, i.e. a probability above one."""
+    """Any given log-prob is finite and > 0, i.e. a probability above one (+inf is nonfinite)."""
     present = []
     for x in logps:
         if x is not None:
+            x = _f64(x)
             with np.errstate(invalid="ignore"):
-                present.append(_f64(x) > 0)
+                present.append(np.isfinite(x) & (x > 0))
     return np.logical_or.reduce(present) if present else np.zeros((), dtype=bool)
 
 
