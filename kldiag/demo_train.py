@@ -24,11 +24,11 @@ inside the functions: this module is only imported when a demo runs.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -51,13 +51,14 @@ class DemoConfig:
     prompts_per_step: int = 8
     group_size: int = 8  # completions per prompt (GRPO group)
     length: int = 8  # tokens per completion
-    hidden: int = 64
-    lr: float = 3e-3  # Adam
-    beta: float = 0.1  # KL coefficient
+    hidden: int = 128
+    lr: float = 2e-2  # Adam
+    beta: float = 0.04  # KL coefficient (DeepSeekMath GRPO)
     clip_range: tuple[float, float] = (0.2, 0.2)  # PPO clip of rho: [1 - low, 1 + high]
     lag: int = 4  # the behaviour policy is the policy of `lag` steps ago
     sampler_temperature: float = 1.2  # engine temperature; the trainer assumes 1
     ref_filler_boost: float = 2.0  # nats the reference prefers each filler over a word
+    max_grad_norm: float | None = 1.0  # clip the gradient norm (TRL's default is 1.0)
     seed: int = 0
     threads: int = 1  # torch threads: the matrices are tiny, more threads only add overhead
     pieces: tuple[str, ...] | None = None  # override the vocabulary text (tests)
@@ -175,3 +176,122 @@ def engine_sample(params: dict[str, Any], prompts, length: int, temperature: flo
             tokens.append(prev)
             logps.append(logp.gather(-1, prev[:, None]).squeeze(-1))
     return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
+# ---- GRPO pieces -----------------------------------------------------------------------
+
+
+def group_advantages(rewards, group_size: int, eps: float = 1e-4):
+    """GRPO: (r - mean of its group) / (std of its group + eps); rewards [B] grouped in order."""
+    r = rewards.view(-1, group_size)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def kl_loss(estimator: str, logp, logp_ref, logp_old):
+    """Per-token KL loss [B, T] with the gradient flowing through logp.
+
+    k3 = exp(d) - d - 1, d = logp_ref - logp (Schulman 2020): weight 1 - exp(d).
+    k3_is = rho * k3, rho = exp(logp - logp_old) differentiable (DeepSeek-V3.2 eq. 7):
+    weight rho * (logp - logp_ref) (eq. 9). Same maths as kldiag.estimators, in torch.
+    """
+    import torch
+
+    d = logp_ref - logp
+    k3 = torch.expm1(d) - d
+    if estimator == "k3":
+        return k3
+    if estimator == "k3_is":
+        return torch.exp(logp - logp_old) * k3
+    raise ValueError(f"the demo trains with estimator 'k3' or 'k3_is', not {estimator!r}")
+
+
+def ppo_surrogate(logp, logp_old, advantages, clip_range: tuple[float, float]):
+    """Per-token PPO-clipped policy loss [B, T]: -min(rho A, clip(rho) A)."""
+    import torch
+
+    rho = torch.exp(logp - logp_old)
+    adv = advantages[:, None]
+    clipped = torch.clamp(rho, 1.0 - clip_range[0], 1.0 + clip_range[1])
+    return -torch.minimum(rho * adv, clipped * adv)
+
+
+def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def _ids(step: int, cfg: DemoConfig):
+    """Sequence ids unique in the run and group ids, both [B]."""
+    import torch
+
+    b = cfg.prompts_per_step * cfg.group_size
+    seq = step * b + torch.arange(b)
+    group = step * cfg.prompts_per_step + torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
+    return seq, group
+
+
+def train(cfg: DemoConfig, record: Callable[..., None] | None = None,
+          progress: Callable[[StepStats], None] | None = None) -> TrainResult:
+    """Run the GRPO training; `record(**tensors)` gets each step's per-token evidence with
+    the keywords of `kldiag.Recorder.record`. Deterministic given `cfg.seed`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, record, progress)
+    finally:
+        torch.set_num_threads(threads)  # the caller's process keeps its own setting
+
+
+def _train(cfg: DemoConfig, record, progress) -> TrainResult:
+    import torch
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    params = init_params(cfg, gen)
+    ref = _snapshot(params)
+    history = deque([_snapshot(params)], maxlen=cfg.lag + 1)  # history[0]: `lag` steps ago
+    opt = torch.optim.Adam(list(params.values()), lr=cfg.lr)
+    scores = torch.as_tensor(token_scores(), dtype=torch.float32)
+    fillers = torch.as_tensor(FILLER_IDS)
+    result, start = TrainResult(cfg), time.perf_counter()
+    for step in range(cfg.steps):
+        behaviour = history[0]
+        prompts = torch.randint(N_PROMPT, (cfg.prompts_per_step,), generator=gen).repeat_interleave(cfg.group_size)
+        tokens, logp_sampler = engine_sample(behaviour, prompts, cfg.length, cfg.sampler_temperature, gen)
+        rewards = scores[prompts[:, None], tokens].mean(1)
+        advantages = group_advantages(rewards, cfg.group_size)
+        with torch.no_grad():
+            logp_old = token_logp(all_logits(behaviour, prompts, tokens), tokens)
+            logp_ref = token_logp(all_logits(ref, prompts, tokens), tokens)
+        logits = all_logits(params, prompts, tokens)
+        logp = token_logp(logits, tokens)
+        loss = (ppo_surrogate(logp, logp_old, advantages, cfg.clip_range)
+                + cfg.beta * kl_loss(cfg.estimator, logp, logp_ref, logp_old)).mean()
+        opt.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm or float("inf"))
+        opt.step()
+        history.append(_snapshot(params))
+        if record is not None:
+            seq, group = _ids(step, cfg)
+            record(step=step, logp=logp.detach(), logp_old=logp_old, logp_ref=logp_ref,
+                   logp_sampler=logp_sampler, advantages=advantages, mask=torch.ones_like(tokens, dtype=torch.bool),
+                   token_ids=tokens + N_PROMPT, seq_ids=seq, group_ids=group)
+        with torch.no_grad():
+            p_fill = torch.softmax(logits, -1)[..., fillers].sum(-1).mean()
+        stats = StepStats(step, float(rewards.mean()), float(p_fill),
+                          float(torch.isin(tokens, fillers).float().mean()), float(grad_norm))
+        result.history.append(stats)
+        if progress is not None:
+            progress(stats)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run_config(cfg: DemoConfig) -> dict[str, Any]:
+    """What the demo writes to the run manifest's `config` (the analysis reads beta,
+    estimator and clip_range from there)."""
+    d = {k: v for k, v in vars(cfg).items() if k != "pieces"}
+    d["clip_range"] = list(cfg.clip_range)
+    return d

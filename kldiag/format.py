@@ -341,3 +341,32 @@ def write_vocab(run_dir: str | os.PathLike, tokenizer: Any) -> Path:
     table = pa.table({"token_id": pa.array(range(len(pieces)), pa.int32()), "piece": pa.array(pieces, pa.string())},
                      schema=VOCAB_SCHEMA)
     return publish_part(table, run_dir, VOCAB, use_dictionary=False, write_statistics=False)
+
+
+# ---- per-rank writer statistics ------------------------------------------------------
+
+WRITER_STATS = "writer.json"  # RUN/tokens/rank=R/writer.json: not a part name, so readers skip it
+
+
+def write_rank_stats(run_dir: str | os.PathLike, rank: int, stats: dict[str, Any]) -> Path:
+    """Write one rank's writer statistics (rows, files, bytes, ...) atomically."""
+    path = rank_dir(run_dir, rank) / WRITER_STATS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, json.dumps(stats, indent=2, sort_keys=True).encode())
+    return path
+
+
+def read_rank_stats(run_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """rank -> writer statistics, for every rank directory that has a readable writer.json."""
+    out: dict[int, dict[str, Any]] = {}
+    root = Path(run_dir) / TOKENS_DIR
+    if not root.is_dir():
+        return out
+    for rdir in root.iterdir():
+        m = RANK_RE.match(rdir.name)
+        try:
+            if m:
+                out[int(m.group(1))] = json.loads((rdir / WRITER_STATS).read_text())
+        except (OSError, ValueError):
+            continue  # a rank that has not published yet, or a foreign file: nothing to add
+    return out

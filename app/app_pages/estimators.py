@@ -1,0 +1,50 @@
+"""Estimators: what k1, k2, k3, k3_is and clamped k3 would have done on this run's tokens."""
+
+import dash_charts as C
+import dash_data as D
+import streamlit as st
+
+from kldiag import views_estimators as VE
+
+DELTAS = [0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
+
+st.title("Estimators")
+run = D.current()
+if run is None:
+    st.stop()
+D.column_notices(run)
+p = D.estimator_partial(run.path, run.keys)
+if p.skipped:
+    st.warning("Skipped unreadable parts: " + ", ".join(p.skipped))
+
+if p.tokens:
+    st.subheader("Values and gradient weights on this run's tokens")
+    st.dataframe(VE.estimator_table(p), hide_index=True, width="stretch")
+    cs = VE.clamp_summary(p)
+    c = st.columns(4)
+    c[0].metric("Tokens in the loss", f"{cs['tokens']:,}")
+    c[1].metric("Flagged", f"{cs['flagged_frac']:.3%}")
+    c[2].metric("Clamp-saturated (k3 > clamp)", f"{cs['clamp_saturated_frac']:.3%}")
+    c[3].metric("Share of |k3 weight| lost to the clamp", f"{cs['k3_weight_lost_share']:.1%}",
+                help="verl/OpenRLHF/ROLL/AReaL clamp the k3 value: these tokens get no KL gradient")
+    st.plotly_chart(C.weight_scatter(p.sample, p.tokens))
+else:
+    st.info("No token in the loss has a reference log-prob: there is no KL estimate to compare.")
+
+st.subheader("Off-policy sequence mask (DeepSeek-V3.2)")
+st.caption("A sequence is masked when its advantage is negative and the mean over its tokens of "
+           "log mu - log pi_theta exceeds delta (mu: the sampler's log-prob, else pi_old's).")
+if p.seqs.empty:
+    st.info("No sequences yet.")
+    st.stop()
+delta = st.select_slider("delta", DELTAS, value=1e-4, key="opsm_delta", format_func=lambda v: f"{v:g}")
+masked = VE.opsm_masked(p.seqs, delta)
+st.metric(f"Sequences masked at delta = {delta:g}", f"{masked.mean():.2%}", help=f"{int(masked.sum())} of {len(masked)}")
+left, right = st.columns(2)
+curve = VE.opsm_curve(p.seqs, [d for d in DELTAS if d > 0])
+fig = C.lines(curve, ["masked_frac"], "Masked fraction as delta slides", x="delta")
+fig.update_xaxes(type="log")
+if delta > 0:
+    fig.add_vline(x=delta, line_dash="dot")
+left.plotly_chart(fig)
+right.plotly_chart(C.lines(VE.opsm_by_step(p.seqs, delta), ["masked_frac"], f"Masked fraction per step, delta = {delta:g}"))

@@ -1,0 +1,52 @@
+"""Overview: headline figures, alerts, and step trends with alert onsets marked."""
+
+import dash_charts as C
+import dash_data as D
+import streamlit as st
+
+from kldiag import views as V
+
+st.title("Overview")
+run = D.current()
+if run is None:
+    st.stop()
+D.column_notices(run)
+if run.analysis.skipped:
+    st.warning("Skipped unreadable parts: " + ", ".join(run.analysis.skipped))
+
+h = V.headline(run.steps)
+row1, row2 = st.columns(4), st.columns(4)
+row1[0].metric("Steps", f"{h['steps']:,}", help=f"last step {h.get('last_step', '-')}")
+row1[1].metric("Tokens", f"{h['tokens']:,}")
+if h["steps"]:
+    row1[2].metric("Latest k3 mean", f"{h['k3_mean']:.3g}")
+    row1[3].metric("Latest k3_is mean", f"{h['k3_is_mean']:.3g}")
+    row2[0].metric("Max |k3 weight|", f"{h['weight_k3_abs_max']:.3g}")
+    row2[1].metric("Max |k3_is weight|", f"{h['weight_k3_is_abs_max']:.3g}")
+    row2[2].metric("Flagged tokens", f"{h['flagged_frac']:.3%}")
+    row2[3].metric("Alerts", f"{len(run.alerts)}")
+
+onsets = V.onset_steps(run.alerts)
+st.subheader("Alerts")
+if run.alerts.empty:
+    st.success("No alerts: every metric stayed within its recent range.")
+else:
+    st.dataframe(run.alerts, hide_index=True, width="stretch")
+
+st.subheader("Step trends")
+s = run.steps
+left, right = st.columns(2)
+left.plotly_chart(C.lines(s, ["k3_mean", "k3_is_mean"], "KL estimate per step: k3 vs k3_is", True, onsets))
+right.plotly_chart(C.lines(s, ["weight_k3_abs_max", "weight_k3_abs_p99", "weight_k3_is_abs_max",
+                               "weight_k3_is_abs_p99"], "|gradient weight|: max and p99", True, onsets))
+left, right = st.columns(2)
+left.plotly_chart(C.lines(s, ["theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count",
+                              "nonfinite_count", "invalid_count"], "Flagged tokens per step", False, onsets))
+right.plotly_chart(C.lines(s, ["blame_share", "flagged_frac"],
+                           "Blame share: flagged tokens' share of |k3 weight|", False, onsets))
+left, right = st.columns(2)
+left.plotly_chart(C.lines(s, ["rho_min", "rho_mean", "rho_max"], "rho = pi_theta / pi_old", True, onsets))
+right.plotly_chart(C.lines(s, ["rho_clip_frac", "drift_abs_mean", "mismatch_kl", "opsm_masked_frac"],
+                           "Off-policy drift and sampler mismatch", False, onsets))
+with st.expander("Steps table"):
+    st.dataframe(s, hide_index=True, width="stretch")

@@ -1,0 +1,167 @@
+"""The app's cached loaders and shared sidebar. Pages only display what these return.
+
+Run directories come from KLDIAG_RUNS (os.pathsep-separated; tests set it) or else from
+the script's arguments after `--` (`kldiag dashboard` passes them). Every loader is keyed
+on the run's part keys (rank/name/size/mtime of each published file), so a newly
+published part invalidates it; kldiag.analyze itself is incremental (RUN/.kldiag cache).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+import kldiag
+from kldiag import format as F
+from kldiag import views as V
+from kldiag import views_estimators as VE
+from kldiag.errors import EmptyRunError, KldiagError, NotARunError
+
+RUNS_ENV = "KLDIAG_RUNS"
+LIVE_SECONDS = 3.0
+
+
+def run_paths() -> list[str]:
+    """The run directories this app shows, in the order given."""
+    env = os.environ.get(RUNS_ENV)
+    if env:
+        return [p for p in env.split(os.pathsep) if p]
+    return [a for a in sys.argv[1:] if not a.startswith("-")]
+
+
+def labels(paths: list[str]) -> dict[str, str]:
+    """Display name -> path."""
+    return {V.run_label(p, paths): p for p in paths}
+
+
+# ---- cached loaders (keyed on the part keys: a new file re-keys them) -----------------
+
+
+@st.cache_resource(max_entries=16, show_spinner="Analysing the run ...")
+def _analysis(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
+    return kldiag.analyze(path)
+
+
+@st.cache_resource(max_entries=16)
+def _tables(path: str, keys: tuple[str, ...]) -> dict[str, pd.DataFrame]:
+    a = _analysis(path, keys)
+    return {name: getattr(a, name).to_pandas() for name in ("steps", "sequences", "flags", "alerts")}
+
+
+@st.cache_resource(max_entries=4096)
+def _part_partial(path: str, key: str, _part: F.PartInfo) -> VE.EstimatorPartial:
+    return VE.part_partial(_part)  # keyed on (run, part key): a part is immutable once published
+
+
+@st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
+def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
+    """What each estimator does on the run's own tokens; only new parts are read."""
+    wanted = set(keys)
+    return VE.merge_partials([_part_partial(path, p.key, p) for p in F.list_parts(path) if p.key in wanted])
+
+
+@st.cache_resource(max_entries=8)
+def _vocab(path: str, mtime_ns: int) -> dict[int, str] | None:
+    return F.open_run(path).vocab()
+
+
+@st.cache_data(max_entries=64)
+def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFrame:
+    """One sequence's tokens with every per-token quantity and decoded text."""
+    vocab_file = Path(path) / F.VOCAB
+    mtime = vocab_file.stat().st_mtime_ns if vocab_file.is_file() else 0
+    return V.read_sequence(path, step, seq, vocab=_vocab(path, mtime))
+
+
+@st.cache_data(max_entries=64)
+def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
+    return V.columns_present(path)
+
+
+# ---- what pages call -----------------------------------------------------------------
+
+
+class Loaded:
+    """A run that analysed: its path, part keys, Analysis and pandas tables."""
+
+    def __init__(self, path: str, keys: tuple[str, ...]):
+        self.path, self.keys = path, keys
+        self.analysis = _analysis(path, keys)
+        t = _tables(path, keys)
+        self.steps, self.sequences, self.flags, self.alerts = t["steps"], t["sequences"], t["flags"], t["alerts"]
+        self.present = present(path, keys)
+
+
+def load(path: str) -> Loaded | None:
+    """The run's analysis, or None after showing on the page why there is none."""
+    try:
+        F.read_manifest(path)
+        keys = V.part_keys(path)
+        if not keys:
+            raise EmptyRunError(f"{path} has no published token parts yet")
+        return Loaded(path, keys)
+    except NotARunError as e:
+        st.error(f"Not a kldiag run: {e}")
+    except EmptyRunError:
+        st.info(f"{path} has no tokens yet: nothing has been published. Turn on **Live** in the sidebar "
+                "to refresh when the trainer writes its first part.")
+    except KldiagError as e:
+        st.error(f"Cannot analyse {path}: {e}")
+    return None
+
+
+def current() -> Loaded | None:
+    """The run chosen in the sidebar, loaded; shows a message and returns None otherwise."""
+    paths = run_paths()
+    if not paths:
+        st.error("No run directory given. Start the app with `kldiag dashboard RUN_DIR [RUN_DIR ...]`.")
+        return None
+    by_label = labels(paths)
+    label = st.session_state.get("run_label")
+    return load(by_label.get(label, paths[0]))
+
+
+def column_notices(run: Loaded) -> None:
+    """Say what a run without some columns cannot show."""
+    if not run.present.get("logp_ref", True):
+        st.info("This run has no reference log-probs (logp_ref is null: beta = 0 or not recorded): "
+                "KL values, weights and flags are not defined; rho and drift still are.")
+    if not run.present.get("logp_old", True):
+        st.info("On-policy run (logp_old is null): rho = 1, so k3_is equals k3 in value and k2 in weight.")
+
+
+def sidebar() -> None:
+    """Run picker and the live toggle; call once from main.py before the page runs."""
+    paths = run_paths()
+    with st.sidebar:
+        if len(paths) > 1:
+            st.selectbox("Run", list(labels(paths)), key="run_label")
+        elif paths:
+            st.caption(f"Run: `{paths[0]}`")
+        live = st.toggle("Live", key="live", help="Re-read the run every few seconds and show new steps.")
+        seconds = st.number_input("Refresh every (s)", 1.0, 600.0, LIVE_SECONDS, key="live_seconds",
+                                  disabled=not live)
+    _watch(paths, seconds if live else None)
+
+
+def _watch(paths: list[str], every: float | None) -> None:
+    @st.fragment(run_every=every)
+    def watcher() -> None:
+        keys = tuple(_safe_keys(p) for p in paths)
+        if st.session_state.get("_part_keys", keys) != keys:
+            st.session_state["_part_keys"] = keys
+            st.rerun(scope="app")
+        st.session_state["_part_keys"] = keys
+
+    watcher()
+
+
+def _safe_keys(path: str) -> tuple[str, ...]:
+    try:
+        return V.part_keys(path)
+    except OSError:
+        return ()

@@ -1,0 +1,158 @@
+"""`kldiag demo`: watch K3 blow up, and the corrected estimator not, in about a minute.
+
+Trains the tiny GRPO task of kldiag.demo_train twice from the same seed, once with the K3
+KL loss and once with k3_is (DeepSeek-V3.2 eq. 7), records both with `kldiag.Recorder`
+into OUT/demo_k3 and OUT/demo_k3_is, analyses them (`kldiag.analyze`), prints a summary
+of both, writes a post-mortem report of each (kldiag.report) and opens the dashboard on
+the pair. Needs torch (CPU is enough).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kldiag import format as F
+from kldiag.errors import KldiagError
+
+ESTIMATORS = ("k3", "k3_is")
+FINAL_STEPS = 20  # "final" reward and filler probability: mean over the last steps
+RUN_ENTRIES = {F.MANIFEST, F.VOCAB, F.TOKENS_DIR, F.CACHE_DIR}
+
+
+@dataclass
+class DemoRun:
+    """One of the pair: where it was recorded and what the training saw."""
+
+    estimator: str
+    run_dir: Path
+    seconds: float  # training time, recording included
+    final_reward: float
+    final_p_punished: float  # pi_theta's mass on the punished tokens (the fillers)
+    max_grad_norm: float  # before clipping
+    median_grad_norm: float
+    rows: int  # token rows the recorder published
+
+
+def run_dir_name(estimator: str) -> str:
+    return f"demo_{estimator}"
+
+
+def _fresh_run_dir(path: Path) -> Path:
+    """Empty `path` for a new recording, but only if it is a kldiag run (or absent/empty):
+    a demo must never delete a directory it did not write."""
+    if path.exists():
+        entries = {p.name for p in path.iterdir()}
+        if entries and (F.MANIFEST not in entries or not entries <= RUN_ENTRIES):
+            raise KldiagError(f"{path} exists and is not a kldiag demo run; pass another --out directory")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def _mean_last(values: list[float]) -> float:
+    tail = values[-FINAL_STEPS:]
+    return sum(tail) / len(tail)
+
+
+def train_one(cfg, out: Path, progress: bool = False) -> DemoRun:
+    """Train and record one run of the pair into OUT/demo_<estimator>."""
+    import kldiag
+    from kldiag import demo_train as T
+
+    run_dir = _fresh_run_dir(out / run_dir_name(cfg.estimator))
+
+    def show(s: T.StepStats) -> None:
+        if progress and (s.step % 25 == 0 or s.step == cfg.steps - 1):
+            print(f"  [{cfg.estimator:5s}] step {s.step:4d}  reward {s.reward:+.3f}  "
+                  f"p(punished) {s.p_punished:.4f}  grad norm {s.grad_norm:.3f}", file=sys.stderr)
+
+    with kldiag.Recorder(run_dir, beta=cfg.beta, estimator=cfg.estimator, clip_range=cfg.clip_range,
+                         trainer="kldiag-demo", trainer_version=kldiag.__version__, config=T.run_config(cfg),
+                         tokenizer=T.vocab(cfg), tags={"demo": True}) as rec:
+        result = T.train(cfg, record=rec.record, progress=show)
+    grads = sorted(s.grad_norm for s in result.history)
+    return DemoRun(cfg.estimator, run_dir, result.seconds, _mean_last([s.reward for s in result.history]),
+                   _mean_last([s.p_punished for s in result.history]), grads[-1], grads[len(grads) // 2],
+                   rec.stats["rows"])
+
+
+def run_pair(out: str | Path, steps: int | None = None, seed: int | None = None,
+             progress: bool = False) -> list[DemoRun]:
+    """Train and record the K3 run and its k3_is twin (same seed, same everything else)."""
+    from kldiag import demo_train as T
+
+    base = T.DemoConfig()
+    changes: dict[str, Any] = {k: v for k, v in (("steps", steps), ("seed", seed)) if v is not None}
+    out = Path(out)
+    return [train_one(dataclasses.replace(base, estimator=e, **changes), out, progress) for e in ESTIMATORS]
+
+
+def summarize(run: DemoRun, analysis) -> dict[str, Any]:
+    """The figures the demo prints for one run, from its analysis and its training."""
+    steps = analysis.steps
+    col = lambda name: [v for v in steps.column(name).to_pylist() if v is not None]
+    return {
+        "run": run.run_dir.name,
+        "estimator": run.estimator,
+        "max_weight_k3": max(col("weight_k3_abs_max"), default=float("nan")),
+        "max_weight_k3_is": max(col("weight_k3_is_abs_max"), default=float("nan")),
+        "weight_blowup_tokens": int(sum(col("weight_blowup_count"))),
+        "theta_ll_ref_tokens": int(sum(col("theta_ll_ref_count"))),
+        "final_reward": run.final_reward,
+        "final_p_punished": run.final_p_punished,
+        "grad_norm_max": run.max_grad_norm,
+        "grad_norm_median": run.median_grad_norm,
+        "train_seconds": run.seconds,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    loss_weight = s["max_weight_k3"] if s["estimator"] == "k3" else s["max_weight_k3_is"]
+    return (f"{s['run']:12s} loss {s['estimator']:5s}  max |weight of its loss| {loss_weight:10.1f}   "
+            f"max |k3 weight| {s['max_weight_k3']:10.1f}   max |k3_is weight| {s['max_weight_k3_is']:6.1f}\n"
+            f"{'':12s} K3-blow-up tokens {s['weight_blowup_tokens']:6d}   final reward {s['final_reward']:+.3f}   "
+            f"p(punished) {s['final_p_punished']:.4f}   grad norm median {s['grad_norm_median']:.2f} "
+            f"max {s['grad_norm_max']:.2f}   trained in {s['train_seconds']:.1f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kldiag
+
+    out = Path(args.out)
+    print(f"kldiag demo: training the K3 run and its k3_is twin into {out}/", file=sys.stderr)
+    runs = run_pair(out, steps=args.steps, seed=args.seed, progress=not args.quiet)
+    for r in runs:
+        analysis = kldiag.analyze(r.run_dir)
+        print(format_summary(summarize(r, analysis)))
+        if not args.no_report:
+            from kldiag import report
+
+            path = out / f"{r.run_dir.name}.report.html"
+            rep = report.build_report(analysis)
+            report.write_html(rep, path)
+            print(f"{'':12s} verdict: {rep.verdict.upper()}; report: {path}")
+    if args.no_dashboard:
+        return 0
+    from kldiag import dashboard
+
+    return dashboard.run(argparse.Namespace(runs=[str(r.run_dir) for r in runs], port=args.port, host="127.0.0.1"))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("demo", help="train a tiny GRPO run with K3 and with k3_is, then diagnose both",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="kldiag_runs", help="where the runs go: OUT/demo_k3, OUT/demo_k3_is "
+                   "(default ./kldiag_runs; an existing demo run there is replaced)")
+    p.add_argument("--no-dashboard", action="store_true", help="do not open the dashboard at the end")
+    p.add_argument("--no-report", action="store_true", help="do not write OUT/demo_*.report.html")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 200; fewer for a quick look)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 0); both runs share it")
+    p.add_argument("--port", type=int, default=8501, help="dashboard port (default 8501)")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.set_defaults(func=run)

@@ -1,0 +1,415 @@
+"""Attach kldiag to TRL's `GRPOTrainer`: one line, no change to the maths, no extra forward.
+
+    from kldiag.integrations.trl import attach
+    rec = attach(trainer, "runs/my_run")     # before trainer.train()
+    trainer.train()                          # the recorder closes when training ends
+
+Per micro-batch of the loss it records what `GRPOTrainer._compute_loss` used: the current
+log-probs and entropies (captured from the loss's own call to
+`_get_per_token_logps_and_entropies`, detached and copied), `old_per_token_logps` (null, i.e.
+on-policy, when TRL used the detached current values), `ref_per_token_logps` (beta > 0),
+`sampling_per_token_logps` (when an inference engine supplied them), advantages, the loss
+mask (completion mask times TRL's tool mask), completion token ids, and a sequence id
+assigned when the generation batch is produced, so it stays the same across the
+`num_iterations` reuses of that batch.
+
+Steps: a row's `step` is the optimizer step whose metrics TRL logs for that micro-batch,
+i.e. `trainer.state.global_step + 1` while the loss is computed (the Trainer increments
+global_step after the optimizer step, then logs). `micro` counts loss calls within the
+step; `iteration` is the reuse index (0 .. num_iterations - 1) of the generation batch.
+
+On every logging step, a few `kldiag/...` metrics (computed with kldiag.estimators from the
+host copies, accumulated since the last log) are added to the dict TRL logs, so they reach
+W&B/TensorBoard and `trainer.state.log_history` like TRL's own `kl`.
+
+The hook relies on private GRPOTrainer methods; `attach` checks the TRL version and their
+signatures and raises `IntegrationError` (naming SUPPORTED_TRL) rather than failing mid-run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any
+
+import numpy as np
+
+from kldiag import estimators as E
+from kldiag.errors import IntegrationError
+
+SUPPORTED_TRL = ">=1.16,<1.17"  # keep in step with the `trl` extra in pyproject.toml
+_TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
+SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
+METRIC_PREFIX = "kldiag/"
+
+# Private GRPOTrainer methods the hook wraps, with the parameters it passes or reads.
+_REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "compute_entropy"),
+    "_generate_and_score_completions": ("inputs",),
+    "_compute_loss": ("model", "inputs"),
+    "compute_loss": ("model", "inputs"),
+    "_prepare_inputs": ("generation_batch",),
+    "log": ("logs",),
+}
+_REQUIRED_ATTRIBUTES = ("_step", "beta", "num_iterations", "num_generations", "accelerator", "state", "args",
+                        "processing_class", "model")
+
+
+# ---- attach ---------------------------------------------------------------------------
+
+
+def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
+    """Record every loss micro-batch of `trainer` (a trl.GRPOTrainer or subclass) into `run_dir`.
+
+    `recorder_options` go to `kldiag.Recorder` (e.g. rotate_steps, every_n_steps, strict);
+    `config` and `tags` given there are merged over what the hook derives from GRPOConfig.
+    Returns the Recorder; it is closed when training ends (trainer's on_train_end).
+    Raises IntegrationError for an unsupported TRL version or a trainer already attached.
+    """
+    check_supported(trainer)
+    if getattr(trainer, "_kldiag_hook", None) is not None:
+        raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
+    from kldiag.recorder import Recorder
+
+    options = recorder_defaults(trainer)
+    options["config"] = {**options["config"], **(recorder_options.pop("config", None) or {})}
+    options.update(recorder_options)
+    rec = Recorder(run_dir, **options)
+    hook = _Hook(trainer, rec, strict=bool(options.get("strict", False)))
+    hook.install()
+    return rec
+
+
+def check_supported(trainer: Any) -> None:
+    """Raise IntegrationError unless trl's version and the trainer's private API are what the hook needs."""
+    try:
+        import trl
+        from packaging.version import InvalidVersion, Version
+    except ImportError as e:
+        raise IntegrationError(f"kldiag.integrations.trl needs trl{SUPPORTED_TRL}: pip install 'kldiag[trl]' ({e})")
+    try:
+        release = Version(trl.__version__).release[:2]
+    except InvalidVersion:
+        release = (0, 0)
+    if not (_TRL_MIN <= release < _TRL_MAX):
+        raise IntegrationError(f"kldiag.integrations.trl supports trl{SUPPORTED_TRL}, found trl {trl.__version__}; "
+                               f"install a supported version: pip install 'trl{SUPPORTED_TRL}'")
+    if not isinstance(trainer, trl.GRPOTrainer):
+        raise IntegrationError(f"attach() expects a trl.GRPOTrainer or a subclass, got {type(trainer).__name__}")
+    for name, params in _REQUIRED_METHODS.items():
+        # TRL's own methods must match exactly; a subclass override may also take *args/**kwargs.
+        for cls, lenient in ((trl.GRPOTrainer, False), (type(trainer), True)):
+            missing = _missing_parameters(getattr(cls, name, None), params, lenient)
+            if missing:
+                raise IntegrationError(
+                    f"{cls.__name__}.{name} is missing or lacks parameters {missing}; kldiag's TRL hook supports "
+                    f"trl{SUPPORTED_TRL} (found trl {trl.__version__}); use a supported TRL or the plain "
+                    "kldiag.Recorder API")
+    absent = [a for a in _REQUIRED_ATTRIBUTES if not hasattr(trainer, a)]
+    if absent:
+        raise IntegrationError(f"{type(trainer).__name__} lacks attributes {absent} that kldiag's TRL hook reads; "
+                               f"it supports trl{SUPPORTED_TRL} (found trl {trl.__version__})")
+
+
+def _missing_parameters(method: Any, params: tuple[str, ...], lenient: bool = False) -> list[str]:
+    if not callable(method):
+        return list(params)
+    try:
+        found = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return list(params)
+    kinds = {p.kind for p in found.values()}
+    if lenient and {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+        return []
+    return [p for p in params if p not in found]
+
+
+def recorder_defaults(trainer: Any) -> dict[str, Any]:
+    """Recorder keyword arguments derived from the trainer: manifest config, versions, vocab, rank."""
+    import transformers
+    import trl
+
+    args = trainer.args
+    config = {
+        "beta": float(args.beta),
+        "estimator": "k3_is" if args.use_bias_correction_kl else "k3",
+        "clip_range": [float(trainer.epsilon_low), float(trainer.epsilon_high)],
+        "use_bias_correction_kl": bool(args.use_bias_correction_kl),
+        "loss_type": args.loss_type,
+        "importance_sampling_level": args.importance_sampling_level,
+        "epsilon_low": float(trainer.epsilon_low),
+        "epsilon_high": float(trainer.epsilon_high),
+        "num_iterations": int(args.num_iterations),
+        "off_policy_mask_threshold": args.off_policy_mask_threshold,
+        "num_generations": int(trainer.num_generations),
+        "per_device_train_batch_size": int(args.per_device_train_batch_size),
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "steps_per_generation": int(args.steps_per_generation),
+        "max_completion_length": args.max_completion_length,
+        "logging_steps": args.logging_steps,
+        "use_vllm": bool(args.use_vllm),
+        "trl_version": trl.__version__,
+        "transformers_version": transformers.__version__,
+    }
+    acc = trainer.accelerator
+    return {"beta": config["beta"], "estimator": config["estimator"], "clip_range": config["clip_range"],
+            "trainer": "trl", "trainer_version": trl.__version__, "config": config,
+            "tokenizer": _tokenizer_of(trainer.processing_class),
+            "world_size": int(acc.num_processes), "rank": int(acc.process_index)}
+
+
+def _tokenizer_of(processing_class: Any) -> Any:
+    # A multimodal processor carries its tokenizer as an attribute.
+    return getattr(processing_class, "tokenizer", None) or processing_class
+
+
+# ---- metrics for the trainer's logs --------------------------------------------------
+
+# Partial sums merged across micro-batches and ranks: summed, except the maxima.
+_SUM_KEYS = ("tokens", "k3_sum", "k3_is_sum", "flagged", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum",
+             "nonfinite")
+_MAX_KEYS = ("weight_k3_abs_max", "weight_k3_is_abs_max", "rho_max")
+
+
+def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.ndarray | None,
+                   mask: np.ndarray) -> dict[str, float]:
+    """Partial sums of one micro-batch over its loss tokens. Inputs [B, T]; logp_old None = on-policy.
+
+    k3 / weight_k3 (Schulman 2020), k3_is / its weight (DeepSeek-V3.2 eq. 7/9), flags of
+    DESIGN.md section 3. Non-finite weights stay +inf in the maxima; NaN ones are left out
+    of the sums (counted in `nonfinite`).
+    """
+    keep = np.asarray(mask, dtype=bool)
+    s = np.asarray(logp)[keep]
+    o = s if logp_old is None else np.asarray(logp_old)[keep]
+    out = dict.fromkeys(_SUM_KEYS, 0.0) | dict.fromkeys(_MAX_KEYS, 0.0)
+    out["tokens"] = float(s.size)
+    if s.size == 0:
+        return out
+    rho = E.rho(s, o)
+    out["rho_max"] = _nanmax(rho)
+    if logp_ref is None:
+        out["nonfinite"] = float(np.count_nonzero(E.flag_nonfinite(s, o)))
+        return out
+    r = np.asarray(logp_ref)[keep]
+    w_abs = np.abs(E.weight_k3(s, r))
+    f = E.flags(s, r, o)
+    flagged = f.theta_ll_ref | f.weight_blowup | f.clamp_saturated | f.nonfinite | f.invalid
+    summable = ~np.isnan(w_abs)
+    out.update(
+        k3_sum=_nansum(E.k3(s, r)), k3_is_sum=_nansum(E.k3_is(s, r, o)), flagged=float(np.count_nonzero(flagged)),
+        weight_k3_abs_sum=float(np.sum(w_abs[summable])),
+        weight_k3_abs_flagged_sum=float(np.sum(w_abs[summable & flagged])),
+        nonfinite=float(np.count_nonzero(f.nonfinite)),
+        weight_k3_abs_max=_nanmax(w_abs), weight_k3_is_abs_max=_nanmax(np.abs(E.weight_k3_is(s, r, o))))
+    return out
+
+
+def _nansum(x: np.ndarray) -> float:
+    return float(np.sum(x[~np.isnan(x)]))
+
+
+def _nanmax(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(np.max(x)) if x.size else 0.0
+
+
+def merge_partials(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Associative merge of two `batch_partials` results."""
+    return {k: a[k] + b[k] for k in _SUM_KEYS} | {k: max(a[k], b[k]) for k in _MAX_KEYS}
+
+
+def log_metrics(p: dict[str, float], has_ref: bool) -> dict[str, float]:
+    """The `kldiag/...` metrics added to TRL's logs, from merged partials.
+
+    Means here are token-weighted over the logging window (TRL's `kl` is a mean of
+    micro-batch means). blame_share: share of the total |k3 weight| carried by flagged tokens.
+    """
+    n = max(p["tokens"], 1.0)
+    out = {"rho_max": p["rho_max"], "nonfinite_count": p["nonfinite"]}
+    if has_ref:
+        total = p["weight_k3_abs_sum"]
+        blame = 1.0 if np.isinf(total) else (p["weight_k3_abs_flagged_sum"] / total if total > 0 else 0.0)
+        out.update(k3_mean=p["k3_sum"] / n, k3_is_mean=p["k3_is_sum"] / n, flagged_frac=p["flagged"] / n,
+                   blame_share=blame, weight_k3_abs_max=p["weight_k3_abs_max"],
+                   weight_k3_is_abs_max=p["weight_k3_is_abs_max"])
+    return {METRIC_PREFIX + k: float(v) for k, v in out.items()}
+
+
+# ---- the hook --------------------------------------------------------------------------
+
+
+class _Hook:
+    """Instance-level wrappers around one trainer's methods (subclass overrides stay inside them)."""
+
+    WRAPPED = ("_generate_and_score_completions", "compute_loss", "_get_per_token_logps_and_entropies", "log")
+
+    def __init__(self, trainer: Any, rec: Any, strict: bool = False):
+        self.trainer, self.rec, self.strict = trainer, rec, strict
+        self.active = True
+        self.has_ref = float(trainer.beta) != 0.0
+        self.failures = 0
+        self._armed = False  # inside compute_loss: the next log-prob call is the loss's own
+        self._captured: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._next_seq = 0  # first sequence id of the next generation batch (global, all ranks)
+        self._step: int | None = None
+        self._micro = 0
+        self._window: dict[str, float] | None = None  # partials since the last log
+
+    def install(self) -> None:
+        t = self.trainer
+        handlers = (self._on_generate, self._on_compute_loss, self._on_logps, self._on_log)
+        for name, handler in zip(self.WRAPPED, handlers):
+            original = getattr(t, name)  # bound: the subclass's override if there is one
+            setattr(t, name, functools.wraps(original)(functools.partial(handler, original)))
+        t.add_callback(_close_callback(self))
+        t._kldiag_hook = self
+
+    def close(self) -> None:
+        self.active = False
+        self.rec.close()
+
+    # -- wrappers: each calls the original with the same arguments and returns its result
+
+    def _on_generate(self, original, inputs, *args, **kwargs):
+        out = original(inputs, *args, **kwargs)
+        if self.active and self.trainer.model.training and isinstance(out, dict):
+            self._guarded(self._assign_seq_ids, out)
+        return out
+
+    def _on_compute_loss(self, original, model, inputs, *args, **kwargs):
+        if not (self.active and self.trainer.model.training):
+            return original(model, inputs, *args, **kwargs)
+        self._armed, self._captured = True, None
+        try:
+            loss = original(model, inputs, *args, **kwargs)
+        finally:
+            self._armed = False
+        captured, self._captured = self._captured, None
+        if captured is not None:
+            self._guarded(self._record, inputs, *captured)
+        return loss
+
+    def _on_logps(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self._armed and self._captured is None:
+            self._capture(out)
+        return out
+
+    def _on_log(self, original, logs, *args, **kwargs):
+        if self.active and self._window is not None and self.trainer.model.training and isinstance(logs, dict):
+            self._guarded(self._add_metrics, logs)
+        return original(logs, *args, **kwargs)
+
+    # -- work
+
+    def _assign_seq_ids(self, out: dict) -> None:
+        import torch
+
+        b = int(out["completion_ids"].shape[0])
+        acc = self.trainer.accelerator
+        start = self._next_seq + int(acc.process_index) * b
+        self._next_seq += b * int(acc.num_processes)
+        # On the CPU: TRL's shuffle and split index it like any [B] tensor, at no device cost.
+        out[SEQ_KEY] = torch.arange(start, start + b, dtype=torch.long)
+
+    def _capture(self, out: tuple) -> None:
+        # Copied now: the loss goes on using these tensors after this call returns.
+        self._captured = (_host(out[0], copy=True), None if out[1] is None else _host(out[1], copy=True))
+
+    def _record(self, inputs: dict, logp: np.ndarray, entropy: np.ndarray | None) -> None:
+        t = self.trainer
+        step = int(t.state.global_step) + 1  # the step TRL logs this micro-batch's metrics at
+        if step != self._step:
+            self._step, self._micro = step, 0
+        micro, self._micro = self._micro, self._micro + 1
+        per_generation = int(t.args.steps_per_generation)
+        iteration = (int(t._step) % (per_generation * int(t.num_iterations))) // per_generation
+        completion = _host(inputs["completion_mask"]).astype(bool)
+        mask = completion & _host(inputs["tool_mask"]).astype(bool) if "tool_mask" in inputs else completion
+        logp_old = _host_or_none(inputs.get("old_per_token_logps"))
+        logp_ref = _host_or_none(inputs.get("ref_per_token_logps")) if self.has_ref else None
+        seq = self._seq_ids(inputs, logp.shape[0])
+        partials = batch_partials(logp, logp_ref, logp_old, mask)
+        self._window = partials if self._window is None else merge_partials(self._window, partials)
+        self.rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref,
+                        logp_sampler=_host_or_none(inputs.get("sampling_per_token_logps")),
+                        advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
+                        token_ids=_host(inputs["completion_ids"]), seq_ids=seq,
+                        group_ids=seq // int(t.num_generations), entropy=entropy, micro=micro, iteration=iteration)
+
+    def _seq_ids(self, inputs: dict, b: int) -> np.ndarray:
+        seq = inputs.get(SEQ_KEY)
+        if seq is not None:
+            return _host(seq).astype(np.int64)
+        # A subclass that builds its own inputs: fresh ids, unique but not stable across reuses.
+        if self._next_seq == 0:
+            warnings.warn(f"kldiag: inputs carry no {SEQ_KEY!r}; sequence ids will not be stable across "
+                          "num_iterations reuses (does a subclass bypass _generate_and_score_completions?)",
+                          stacklevel=3)
+        start, self._next_seq = self._next_seq, self._next_seq + b
+        return np.arange(start, start + b, dtype=np.int64)
+
+    def _add_metrics(self, logs: dict) -> None:
+        partials, self._window = _reduce_across_ranks(self._window, self.trainer.accelerator), None
+        logs.update(log_metrics(partials, self.has_ref))
+
+    def _guarded(self, fn, *args) -> None:
+        """Recording never kills training unless strict: failures are counted and warned about once."""
+        try:
+            fn(*args)
+        except Exception as e:
+            if self.strict:
+                raise
+            self.failures += 1
+            if self.failures == 1:
+                warnings.warn(f"kldiag: recording failed and is skipped ({type(e).__name__}: {e}); training goes "
+                              "on. Pass strict=True to attach() to raise instead.", stacklevel=3)
+
+
+def _reduce_across_ranks(p: dict[str, float], accelerator: Any) -> dict[str, float]:
+    if int(accelerator.num_processes) == 1:
+        return p
+    import torch
+
+    keys = (*_SUM_KEYS, *_MAX_KEYS)
+    local = torch.tensor([p[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    every = accelerator.gather(local).view(-1, len(keys)).cpu().numpy()
+    merged = dict(zip(_SUM_KEYS, every[:, :len(_SUM_KEYS)].sum(axis=0)))
+    return merged | dict(zip(_MAX_KEYS, every[:, len(_SUM_KEYS):].max(axis=0)))
+
+
+def _close_callback(hook: _Hook) -> Any:
+    from transformers import TrainerCallback
+
+    class KldiagCloseCallback(TrainerCallback):
+        """Closes the recorder when training ends, so the run is complete when train() returns."""
+
+        def on_train_end(self, args, state, control, **kwargs):
+            hook.close()
+
+    return KldiagCloseCallback()
+
+
+def _host(x: Any, copy: bool = False) -> np.ndarray:
+    """Host numpy array of a tensor: floats as float32 (bf16/fp16 widened), device tensors copied.
+
+    Without `copy`, a CPU tensor is viewed, not copied: such views are only read before the
+    wrapper returns, and Recorder.record copies what it keeps, so no tensor the loss uses is
+    ever written to.
+    """
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        dtype = torch.float32 if x.is_floating_point() else x.dtype
+        if x.device.type == "cpu" and x.dtype == dtype and not copy:
+            return x.numpy()
+        return x.to(device="cpu", dtype=dtype, copy=True).numpy()
+    return np.array(x, copy=copy)
+
+
+def _host_or_none(x: Any) -> np.ndarray | None:
+    return None if x is None else _host(x)

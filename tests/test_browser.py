@@ -1,0 +1,127 @@
+"""The dashboard in a real headless Chromium: `kldiag dashboard` serves two sample runs,
+every page loads without a Streamlit exception and draws its charts, hostile token text
+stays text, and the live toggle shows a part published while the app runs.
+
+Uses Debian's chromium (`make browser` installs it); playwright downloads nothing.
+Screenshots land in artifacts/screenshots/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import APP_EVIL_PIECE, app_make_runs
+from playwright.sync_api import Page, expect, sync_playwright
+
+from kldiag.synth import SynthConfig, make_run
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+# url_path -> what proves the page drew: plotly charts, or the flags table's grid.
+# Overview is the default page: Streamlit serves it at the root, not under its url_path.
+PAGES = {"": ".main-svg", "distributions": ".main-svg", "tokens": '[data-testid="stDataFrame"]',
+         "sequence": ".main-svg", "estimators": ".main-svg", "compare": ".main-svg"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kldiag dashboard exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"the dashboard did not answer on {url} within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    runs = app_make_runs(tmp_path_factory.mktemp("browser_runs"))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("KLDIAG_RUNS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kldiag", "dashboard", str(runs["k3"]), str(runs["k3_is"]),
+                             "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        yield url, runs
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.dialogs = []
+        pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+        yield pg
+        browser.close()
+
+
+def _open(page: Page, url: str, path: str, ready: str) -> None:
+    page.goto(f"{url}/{path}")
+    page.locator(ready).first.wait_for(timeout=30_000)
+    # Streamlit keeps adding elements while the script runs; wait for the run to finish.
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
+
+
+@pytest.mark.parametrize("path", list(PAGES), ids=[p or "overview" for p in PAGES])
+def test_page_renders_charts_without_exception(server, page, path):
+    url, _ = server
+    _open(page, url, path, PAGES[path])
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert page.locator(PAGES[path]).count() >= 1
+    assert page.get_by_text("Page not found").count() == 0
+
+
+def test_sequence_shows_hostile_piece_as_text(server, page):
+    url, _ = server
+    _open(page, url, "sequence", ".kldiag-seq")
+    seq = page.locator(".kldiag-seq").first
+    assert APP_EVIL_PIECE in seq.inner_text()
+    assert seq.locator("img").count() == 0
+    assert page.dialogs == []
+
+
+def test_live_toggle_shows_new_step(server, page):
+    url, runs = server
+    _open(page, url, "", ".main-svg")
+    steps = page.locator('[data-testid="stMetric"]').filter(has_text="Steps").first
+    expect(steps).to_contain_text("12")
+    page.get_by_text("Live", exact=True).click()
+    make_run(runs["k3"], SynthConfig(steps=13, seqs_per_step=16, seq_len=(8, 24), vocab_size=64, seed=1),
+             steps=range(12, 13), manifest=False)
+    expect(steps).to_contain_text("13", timeout=20_000)
+    assert page.locator('[data-testid="stException"]').count() == 0
