@@ -75,45 +75,51 @@ def bench_hold(batches: list[dict], n: int, dtype: torch.dtype, run_dir: Path, p
         t1 = time.perf_counter()
         [copy(t) for t in data[i % len(data)].values()]
         bare, clone = bare + t1 - t0, clone + time.perf_counter() - t1
-    out = {"bare_s": bare, "clone_s": clone}
+    out = {"bare_s": bare / n, "clone_s": clone / n}
     for regime, pause in (("paced", pace_s), ("back to back", 0.0)):
-        hold = 0.0
+        hold = []
         with kldiag.Recorder(run_dir / regime.replace(" ", "_"), rotate_seconds=None) as rec:
             for i in range(n):
                 t0 = time.perf_counter()
                 rec.record(step=i // 8, micro=i % 8, **data[i % len(data)])
-                hold += time.perf_counter() - t0
+                hold.append(time.perf_counter() - t0)
                 time.sleep(pause)
-        out[regime] = hold
+        out[regime] = (float(np.mean(hold)), float(np.median(hold)))
     return out
 
 
-def bench_writer(batches: list[dict], n: int, run_dir: Path) -> dict[str, float]:
-    """End-to-end tokens/s (first record() to close()) vs pq.write_table of the same rows."""
-    t0 = time.perf_counter()
-    with kldiag.Recorder(run_dir, rotate_seconds=None) as rec:
-        for i in range(n):
-            rec.record(step=i // 8, micro=i % 8, **batches[i % len(batches)])
-    wall = time.perf_counter() - t0
+def bench_writer(batches: list[dict], n: int, run_dir: Path, repeats: int) -> dict[str, float]:
+    """End-to-end tokens/s (first record() to close()) vs pq.write_table of the same rows.
+
+    Alternates the two `repeats` times and keeps each one's median (the machine is shared).
+    """
+    walls, directs = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        with kldiag.Recorder(run_dir / f"rec-{r}", rotate_seconds=None) as rec:
+            for i in range(n):
+                rec.record(step=i // 8, micro=i % 8, **batches[i % len(batches)])
+        walls.append(time.perf_counter() - t0)
+        tables = [pq.read_table(p.path) for p in F.list_parts(run_dir / f"rec-{r}")]
+        t0 = time.perf_counter()
+        for j, table in enumerate(tables):
+            pq.write_table(table, run_dir / f"direct-{j}.parquet", compression="zstd", compression_level=1)
+        directs.append(time.perf_counter() - t0)
     stats = rec.stats
-    tables = [pq.read_table(p.path) for p in F.list_parts(run_dir)]
-    t0 = time.perf_counter()
-    for j, table in enumerate(tables):
-        pq.write_table(table, run_dir / f"direct-{j}.parquet", compression="zstd", compression_level=1)
-    direct = time.perf_counter() - t0
-    return {"wall_s": wall, "direct_s": direct, "rows": stats["rows"], "bytes": stats["bytes"],
-            "files": stats["files"], "table": tables[0]}
+    return {"wall_s": float(np.median(walls)), "direct_s": float(np.median(directs)), "rows": stats["rows"],
+            "bytes": stats["bytes"], "files": stats["files"], "table": tables[0]}
 
 
 def bench_encodings(table: pa.Table, out: Path) -> list[tuple[str, float, float]]:
     """(option, bytes/token, write seconds) for the Parquet encodings considered."""
+    ints_dict = [c for c in F.TOKEN_SCHEMA.names if c not in F.FLOAT_COLUMNS]
+    enc = F.PARQUET_WRITE_OPTIONS["column_encoding"]
     variants = {
-        "format.PARQUET_WRITE_OPTIONS (dictionary ints, plain floats)": {},
-        "+ byte_stream_split floats": {"use_dictionary": [c for c in F.PARQUET_WRITE_OPTIONS["use_dictionary"]],
-                                       "column_encoding": dict.fromkeys(F.FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
-        "recorder without BSS (delta ints, plain floats)": {**W.WRITE_OPTIONS, "column_encoding": {
-            k: v for k, v in W.WRITE_OPTIONS["column_encoding"].items() if k not in F.FLOAT_COLUMNS}},
-        "recorder (delta ints, plain token ids, BSS floats)": W.WRITE_OPTIONS,
+        "dictionary ints, plain floats": {"use_dictionary": ints_dict, "column_encoding": None},
+        "dictionary ints, BSS floats": {"use_dictionary": ints_dict,
+                                        "column_encoding": dict.fromkeys(F.FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
+        "delta ints, plain floats": {"column_encoding": {k: v for k, v in enc.items() if k not in F.FLOAT_COLUMNS}},
+        "format v1 (delta ints, plain token ids, BSS floats)": {},
     }
     bf16_valued = table.set_column(
         table.schema.get_field_index("logp"), "logp",
@@ -144,30 +150,32 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=104, help="micro-batches (104 x [64, 2048] ~ 10M tokens)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--time", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3, help="writer measurements (median kept)")
     ap.add_argument("--distinct", type=int, default=16, help="distinct micro-batches generated, then cycled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = make_batches(args.distinct, args.batch, args.time)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        w = bench_writer(batches, args.batches, tmp / "writer")
+        w = bench_writer(batches, args.batches, tmp / "writer", args.repeats)
         tps, direct_tps = w["rows"] / w["wall_s"], w["rows"] / w["direct_s"]
         print(f"tokens recorded: {w['rows']:,} in {args.batches} micro-batches of [{args.batch}, {args.time}], "
               f"{w['files']} parts")
-        print(f"writer: {tps / 1e6:.2f} M tokens/s end to end (record() .. close()); pyarrow write_table of the "
-              f"same tables: {direct_tps / 1e6:.2f} M tokens/s; ratio {tps / direct_tps:.2f}")
+        print(f"writer: {tps / 1e6:.2f} M tokens/s end to end (record() .. close(), median of {args.repeats}); "
+              f"pyarrow write_table of the same tables: {direct_tps / 1e6:.2f} M tokens/s; ratio {tps / direct_tps:.2f}")
         print(f"bytes/token on disk: {w['bytes'] / w['rows']:.2f} (bar: <= 14)")
         pace = 2 * w["wall_s"] / args.batches
-        print(f"hold: paced = {pace * 1e3:.0f} ms of 'compute' after each record() (2x the writer's time per "
-              "micro-batch); back to back = no pause")
+        print(f"hold per record() call: paced = {pace * 1e3:.0f} ms of 'compute' after each call (2x the "
+              "writer's time per micro-batch); back to back = no pause, so once queue_batches are in flight "
+              "record() waits for the writer (backpressure='block')")
         for dtype in (torch.float32, torch.bfloat16):
             h = bench_hold(batches, args.batches, dtype, tmp / f"hold-{str(dtype)[6:]}", pace)
-            name = str(dtype)[6:]
-            print(f"  {name} CPU tensors: bare .cpu().numpy() {h['bare_s'] / args.batches * 1e6:.0f} us/call, "
-                  f".clone().numpy() {h['clone_s'] / args.batches * 1e6:.0f} us/call")
+            print(f"  {str(dtype)[6:]} CPU tensors: bare .cpu().numpy() {h['bare_s'] * 1e6:.0f} us, "
+                  f".clone().numpy() {h['clone_s'] * 1e6:.0f} us")
             for regime in ("paced", "back to back"):
-                print(f"    record() {regime}: {h[regime] / args.batches * 1e6:.0f} us/call; ratio to bare "
-                      f"{h[regime] / h['bare_s']:.1f}, to clone {h[regime] / h['clone_s']:.2f}")
+                mean, median = h[regime]
+                print(f"    record() {regime}: mean {mean * 1e6:.0f} us, median {median * 1e6:.0f} us; "
+                      f"median / bare {median / h['bare_s']:.1f}, median / clone {median / h['clone_s']:.2f}")
         shift, torch_float = bench_bf16_widening(batches)
         print(f"bf16 -> float32 on the host (writer thread): bit shift {shift / 1e6:.0f} M values/s, "
               f"torch .float() {torch_float / 1e6:.0f} M values/s")

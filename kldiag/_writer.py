@@ -32,17 +32,6 @@ from kldiag import format as F
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
-# Parquet options on top of kldiag.format.PARQUET_WRITE_OPTIONS, measured in bench/recorder.py:
-# delta encoding stores the constant runs of step/micro/rank/seq/group and the +1 runs of pos
-# in a few bits, faster than dictionaries; plain token ids are smaller than a dictionary of
-# 100k+ pieces; byte-stream-split puts the float bytes side by side, so the zero low bytes of
-# bf16-valued log-probs compress away (17% smaller than plain there, 0-1% on full float32).
-WRITE_OPTIONS: dict[str, Any] = {
-    "use_dictionary": False,
-    "column_encoding": {**dict.fromkeys(("step", "micro", "iteration", "rank", "seq", "group", "pos"),
-                                        "DELTA_BINARY_PACKED"),
-                        **dict.fromkeys(F.FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
-}
 STATS_KEYS = ("rows", "files", "bytes", "dropped_rows", "lost_rows", "write_errors",
               "nonfinite", "invalid", "sampled_out_rows", "skipped_steps")
 
@@ -272,7 +261,7 @@ class Writer(threading.Thread):
             if self.index is None:
                 self.index = _next_index(self.directory)
             name = F.part_name(min(steps), max(steps), self.index)
-            path = F.publish_part(table, self.directory, name, **WRITE_OPTIONS)
+            path = F.publish_part(table, self.directory, name)
             self.index += 1
             self.stats["rows"] += rows
             self.stats["files"] += 1

@@ -6,11 +6,7 @@ answer (bin i holds edges[i-1] <= v < edges[i]) in a few ns: the top bits of a f
 mapped to an order-preserving integer, index a table of cells; each cell holds at most one
 edge, so one comparison against it finishes the job.
 
-Two monotone maps let one binning serve two histograms: |k3 weight| = |expm1(d)| is
-monotone on each side of d = 0, and rho = exp(s - o) is monotone in s - o. The edges are
-mapped back into d- (or s - o) space exactly, by stepping to the first float64 at which the
-image crosses the edge (`_first_at_least`), so no value lands in a different bin than
-searchsorted on the image would put it.
+The d edges are uniform with a power-of-two step, so d's bin is exact arithmetic.
 """
 
 from __future__ import annotations
@@ -41,11 +37,11 @@ class BinTable:
     edges: np.ndarray
     shift: int
     lo: np.ndarray  # int16 [cells]: bins of the cell's smallest value
-    cut: np.ndarray  # float64 [cells]: the one edge inside the cell, else +inf
+    cut: np.ndarray  # float64 [cells]: the one edge inside the cell, else NaN
     positive: bool  # values are known >= +0.0: skip the sign fold
 
     @classmethod
-    def build(cls, edges: np.ndarray, positive: bool = False, shift: int = 48) -> "BinTable":
+    def build(cls, edges: np.ndarray, positive: bool = False, shift: int = 48) -> BinTable:
         edges = np.asarray(edges, dtype=np.float64)
         if np.any(np.diff(edges) <= 0):
             raise ValueError("histogram edges must be strictly increasing")
@@ -57,7 +53,7 @@ class BinTable:
         raise ValueError("histogram edges too close together for a BinTable")
 
     @classmethod
-    def _try(cls, edges: np.ndarray, positive: bool, shift: int) -> "BinTable | None":
+    def _try(cls, edges: np.ndarray, positive: bool, shift: int) -> BinTable | None:
         half = 1 << (63 - shift)
         cells = np.arange(-half, half, dtype=np.int64)
         first = _from_ordered(cells << shift)
@@ -69,7 +65,8 @@ class BinTable:
         hi = np.searchsorted(edges, last, side="right")
         if np.any(hi - lo > 1):
             return None
-        cut = np.where(hi > lo, edges[np.minimum(lo, len(edges) - 1)], np.inf)
+        # NaN where the cell holds no edge: v >= NaN is False, even for v = +inf.
+        cut = np.where(hi > lo, edges[np.minimum(lo, len(edges) - 1)], np.nan)
         if positive:  # only the non-negative half is ever indexed
             lo, cut = lo[half:], cut[half:]
         return cls(edges, shift, lo.astype(np.int16), cut, positive)
@@ -86,75 +83,30 @@ class BinTable:
         return out
 
 
-def _first_at_least(f, target: float, guess: float, increasing: bool = True) -> float:
-    """Smallest float64 t with f(t) >= target (f monotone increasing), starting at `guess`.
-
-    With increasing=False: the smallest t with f(t) < target for decreasing f.
-    """
-    def ok(t: float) -> bool:
-        with np.errstate(over="ignore"):
-            val = float(f(np.float64(t)))
-        return val >= target if increasing else val < target
-
-    t = np.float64(guess)
-    while ok(t):
-        t = np.nextafter(t, -np.inf)
-    while not ok(t):
-        t = np.nextafter(t, np.inf)
-    return float(t)
-
-
-def _d_images_of_abs_edges() -> np.ndarray:
-    """d-space edges at which |expm1(d)| crosses an ABS_EDGES edge (both signs of d)."""
-    pos = [_first_at_least(np.expm1, e, np.log1p(e)) for e in ABS_EDGES]
-    neg = [_first_at_least(lambda t: -np.expm1(t), e, np.log1p(-e), increasing=False)
-           for e in ABS_EDGES if e < 1.0]
-    return np.array(neg + pos)
-
-
-@dataclass(frozen=True)
-class FineBins:
-    """One binning of a variable that yields several exact histograms through maps."""
-
-    table: BinTable
-    maps: dict[str, np.ndarray]  # histogram name -> one-hot [n_fine, n_bins] int64
-
-    def counts(self, fine_counts: np.ndarray) -> dict[str, np.ndarray]:
-        """[rows, n_fine] fine counts -> {name: [rows, n_bins]} histogram counts."""
-        return {name: fine_counts @ onehot for name, onehot in self.maps.items()}
-
-
-def _onehot(target: np.ndarray, n_bins: int) -> np.ndarray:
-    out = np.zeros((len(target), n_bins), np.int64)
-    out[np.arange(len(target)), target] = 1
-    return out
-
-
-def _representatives(edges: np.ndarray) -> np.ndarray:
-    """One value inside each bin of `edges` (bin 0 is below edges[0])."""
-    return np.concatenate([[edges[0] - 1.0], edges])
-
-
-def d_fine_bins() -> FineBins:
-    """Binning of d that gives both the d histogram and the |k3 weight| histogram."""
-    edges = np.unique(np.concatenate([D_EDGES, _d_images_of_abs_edges()]))
-    rep = _representatives(edges)
-    with np.errstate(over="ignore"):
-        w_abs = np.abs(np.expm1(rep))
-    maps = {"d": _onehot(np.searchsorted(D_EDGES, rep, side="right"), len(D_EDGES) + 1),
-            "weight_k3_abs": _onehot(np.searchsorted(ABS_EDGES, w_abs, side="right"), len(ABS_EDGES) + 1)}
-    return FineBins(BinTable.build(edges), maps)
-
-
-def rho_fine_bins() -> FineBins:
-    """Binning of s - o that gives the rho = exp(s - o) histogram."""
-    edges = np.array([_first_at_least(np.exp, e, np.log(e)) for e in ABS_EDGES])
-    return FineBins(BinTable.build(edges), {"rho": np.eye(len(ABS_EDGES) + 1, dtype=np.int64)})
-
-
 def abs_table() -> BinTable:
-    """Direct binning of non-negative values against ABS_EDGES (|k3_is weight|)."""
+    """Binning of non-negative values (|weights|, rho) against ABS_EDGES."""
     return BinTable.build(ABS_EDGES, positive=True)
+
+
+_D_STEP = 0.5  # a power of two: d / _D_STEP is exact
+_D_OFFSET = -D_EDGES[0] / _D_STEP  # edges[i] = (i - _D_OFFSET) * _D_STEP
+_D_UNIFORM = bool(float(_D_OFFSET).is_integer() and np.array_equal(
+    D_EDGES, (np.arange(len(D_EDGES)) - _D_OFFSET) * _D_STEP))
+
+
+def d_bins(d: np.ndarray) -> np.ndarray:
+    """searchsorted(D_EDGES, d, "right") for non-NaN d, by exact arithmetic on uniform edges.
+
+    edges[i] <= d  <=>  i <= d / step + offset  <=>  i <= floor(d / step) + offset, and
+    d / step is exact in binary floating point, so no value crosses an edge by rounding.
+    """
+    if not _D_UNIFORM:
+        return np.searchsorted(D_EDGES, d, side="right")
+    k = np.floor(d * (1.0 / _D_STEP))
+    np.clip(k, -_D_OFFSET - 1.0, len(D_EDGES) - 1.0 - _D_OFFSET, out=k)
+    out = k.astype(np.intp)
+    out += int(_D_OFFSET) + 1
+    return out
 
 
 def quantile(counts: np.ndarray, edges: np.ndarray, q: float, vmax: float) -> float:

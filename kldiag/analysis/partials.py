@@ -1,0 +1,112 @@
+"""Per-file partial results: computed by streaming one part, cached, merged associatively.
+
+A `Partial` holds four keyed tables (keyed.py): per (step, rank) aggregates, per
+(step, seq) aggregates, the top_k rows by |k3 weight|, and the first top_k rows with a
+non-finite or positive log-prob. `merge` is associative and commutative up to float
+rounding of sums (tests/test_analysis_partials.py); `analyze` always merges the files'
+partials in part order, so a cached re-analysis equals a full recompute bit for bit.
+
+Cache: RUN/.kldiag/partials/<sha1(part key, settings)>.npz, numpy arrays only (no pickle),
+written atomically. The key holds the part's (rank, name, size, mtime_ns) and every
+setting that changes the partial, so editing a threshold recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from kldiag.analysis import keyed
+from kldiag.analysis.kernel import COLUMNS, Thresholds
+from kldiag.analysis.stats import batch_partials, select_first, select_top
+from kldiag.format import CACHE_DIR, PartInfo, open_part
+
+PARTIAL_VERSION = 1  # bump when the meaning of a partial column changes
+TABLES = ("steps", "seqs", "top", "bad")
+
+
+@dataclass
+class Partial:
+    """Mergeable partial results of one or more parts."""
+
+    steps: keyed.Keyed = field(default_factory=dict)
+    seqs: keyed.Keyed = field(default_factory=dict)
+    top: keyed.Keyed = field(default_factory=dict)
+    bad: keyed.Keyed = field(default_factory=dict)
+    rows: int = 0
+
+
+def merge(partials: Sequence[Partial], top_k: int) -> Partial:
+    """Merge partials: aggregates by key, flagged rows by their total order, kept to top_k."""
+    return Partial(
+        steps=keyed.merge([p.steps for p in partials]),
+        seqs=keyed.merge([p.seqs for p in partials]),
+        top=select_top(keyed.concat([p.top for p in partials]), top_k),
+        bad=select_first(keyed.concat([p.bad for p in partials]), top_k),
+        rows=sum(p.rows for p in partials),
+    )
+
+
+def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
+    """Stream one part (only COLUMNS) batch by batch; memory is bounded by batch_size."""
+    pf = open_part(part, COLUMNS)
+    steps, seqs, top, bad, rows = [], [], {}, {}, 0
+    floor = -np.inf
+    for batch in pf.iter_batches(batch_size=batch_size, columns=list(COLUMNS)):
+        r = batch_partials(batch, part.rank, th, floor)
+        steps.append(r.steps)
+        seqs.append(r.seqs)
+        top = select_top(keyed.concat([top, r.top]), th.top_k)
+        bad = select_first(keyed.concat([bad, r.bad]), th.top_k)
+        if top and len(top["wabs"]) >= th.top_k:
+            floor = float(top["wabs"][-1])  # later batches only need candidates above it
+        rows += batch.num_rows
+    return Partial(keyed.merge(steps), keyed.merge(seqs), top, bad, rows)
+
+
+# ---- cache -----------------------------------------------------------------------------
+
+
+def cache_key(part: PartInfo, th: Thresholds) -> str:
+    settings = json.dumps([PARTIAL_VERSION, part.key, th.__dict__], sort_keys=True)
+    return hashlib.sha1(settings.encode()).hexdigest()
+
+
+def cache_path(run_dir: Path, part: PartInfo, th: Thresholds) -> Path:
+    return run_dir / CACHE_DIR / "partials" / f"{cache_key(part, th)}.npz"
+
+
+def save(path: Path, p: Partial) -> bool:
+    """Write a partial atomically; False when the run directory is read-only."""
+    arrays = {f"{t}/{name}": col for t in TABLES for name, col in getattr(p, t).items()}
+    arrays["rows"] = np.array(p.rows)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+
+
+def load(path: Path) -> Partial | None:
+    """A cached partial, or None when absent or unreadable (it is then recomputed)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tables: dict[str, dict] = {t: {} for t in TABLES}
+            for name in z.files:
+                if name == "rows":
+                    continue
+                t, col = name.split("/", 1)
+                tables[t][col] = z[name]
+            return Partial(**tables, rows=int(z["rows"]))
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
