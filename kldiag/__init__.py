@@ -12,8 +12,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from kldiag.errors import KldiagError  # noqa: E402
-from kldiag.format import Manifest, open_run  # noqa: E402
+from kldiag.errors import KldiagError
+from kldiag.format import Manifest, open_run
 
 # Imported on first use: `import kldiag` stays cheap, and torch is never imported by it.
 _LAZY = {
@@ -23,7 +23,7 @@ _LAZY = {
     "AnalysisConfig": "kldiag.analysis",
 }
 
-__all__ = ["KldiagError", "Manifest", "open_run", "__version__", *_LAZY]
+__all__ = ["Analysis", "AnalysisConfig", "KldiagError", "Manifest", "Recorder", "__version__", "analyze", "open_run"]
 
 
 def __getattr__(name: str) -> Any:

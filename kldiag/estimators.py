@@ -24,7 +24,8 @@ flag), never NaN: numpy warnings about overflow are silenced on purpose.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 

@@ -20,9 +20,10 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -92,7 +93,7 @@ class Manifest:
         return {**extra, **d}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "run.json") -> "Manifest":
+    def from_dict(cls, d: dict[str, Any], source: str = "run.json") -> Manifest:
         if d.get("format") != FORMAT_NAME:
             raise RunFormatError(f"{source} is not a kldiag manifest (format={d.get('format')!r}); "
                                  "point kldiag at a directory written by kldiag.Recorder")
@@ -171,15 +172,15 @@ def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 # are smaller than a dictionary of 100k+ pieces; byte-stream-split puts float bytes side by
 # side, so the zero low bytes of bf16-valued log-probs compress away (17% smaller there).
 INT_ID_COLUMNS = ("step", "micro", "iteration", "rank", "seq", "group", "pos")
-PARQUET_WRITE_OPTIONS: dict[str, Any] = dict(
-    compression="zstd",
-    compression_level=1,
-    use_dictionary=False,
-    column_encoding={**dict.fromkeys(INT_ID_COLUMNS, "DELTA_BINARY_PACKED"),
+PARQUET_WRITE_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "compression_level": 1,
+    "use_dictionary": False,
+    "column_encoding": {**dict.fromkeys(INT_ID_COLUMNS, "DELTA_BINARY_PACKED"),
                      **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
-    row_group_size=1 << 20,
-    write_statistics=["step"],
-)
+    "row_group_size": 1 << 20,
+    "write_statistics": ["step"],
+}
 
 
 def publish_part(table: pa.Table, directory: str | os.PathLike, name: str, **options: Any) -> Path:
