@@ -42,9 +42,15 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
 
 
 def heatmap(steps: np.ndarray, labels: Sequence[str], z: np.ndarray, title: str) -> go.Figure:
-    fig = go.Figure(go.Heatmap(x=steps, y=list(labels), z=z, colorscale="Viridis",
-                               colorbar={"title": "share"}, hovertemplate="step %{x}<br>%{y}<br>share %{z:.3g}"
-                               "<extra></extra>"))
+    """Share of each step's tokens per bin on a log colour scale, so rare tails stay visible."""
+    with np.errstate(divide="ignore"):
+        logz = np.where(z > 0, np.log10(np.where(z > 0, z, 1.0)), np.nan)  # empty bins stay blank
+    lo = int(np.floor(np.nanmin(logz))) if np.isfinite(logz).any() else -4
+    ticks = list(range(lo, 1))
+    fig = go.Figure(go.Heatmap(
+        x=steps, y=list(labels), z=logz, customdata=z, colorscale="Viridis", zmin=lo, zmax=0,
+        colorbar={"title": "share", "tickvals": ticks, "ticktext": [f"1e{t}" if t else "1" for t in ticks]},
+        hovertemplate="step %{x}<br>%{y}<br>share %{customdata:.3g}<extra></extra>"))
     fig.update_layout(title=title, height=440, margin={"l": 10, "r": 10, "t": 40, "b": 10}, xaxis_title="step")
     return fig
 
@@ -52,7 +58,7 @@ def heatmap(steps: np.ndarray, labels: Sequence[str], z: np.ndarray, title: str)
 def bands(df: pd.DataFrame, title: str, log_y: bool) -> go.Figure:
     """TensorBoard-style distribution: shaded p1-p99, p10-p90, p25-p75 bands and the median."""
     fig = go.Figure()
-    for (lo, hi), alpha in zip((("p1", "p99"), ("p10", "p90"), ("p25", "p75")), (0.15, 0.25, 0.35)):
+    for (lo, hi), alpha in zip((("p1", "p99"), ("p10", "p90"), ("p25", "p75")), (0.15, 0.25, 0.35), strict=True):
         fig.add_trace(go.Scatter(x=df["step"], y=df[hi], mode="lines", line={"width": 0}, showlegend=False,
                                  hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=df["step"], y=df[lo], mode="lines", line={"width": 0}, fill="tonexty",

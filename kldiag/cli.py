@@ -14,6 +14,7 @@ from kldiag.errors import KldiagError
 # Modules that contribute a subcommand, in the order `kldiag --help` lists them.
 COMMAND_MODULES = (
     "kldiag.lab",
+    "kldiag.analysis.cli",
     "kldiag.dashboard",
     "kldiag.demo",
     "kldiag.report",

@@ -1,4 +1,4 @@
-"""`kldiag demo`: watch K3 blow up, and the corrected estimator not, in about a minute.
+"""`kldiag demo`: watch K3 blow up, and the corrected estimator not, in seconds on a CPU.
 
 Trains the tiny GRPO task of kldiag.demo_train twice from the same seed, once with the K3
 KL loss and once with k3_is (DeepSeek-V3.2 eq. 7), records both with `kldiag.Recorder`
@@ -70,7 +70,7 @@ def train_one(cfg, out: Path, progress: bool = False) -> DemoRun:
     def show(s: T.StepStats) -> None:
         if progress and (s.step % 25 == 0 or s.step == cfg.steps - 1):
             print(f"  [{cfg.estimator:5s}] step {s.step:4d}  reward {s.reward:+.3f}  "
-                  f"p(punished) {s.p_punished:.4f}  grad norm {s.grad_norm:.3f}", file=sys.stderr)
+                  f"p(punished) {100 * s.p_punished:6.3g}%  grad norm {s.grad_norm:.3f}", file=sys.stderr)
 
     with kldiag.Recorder(run_dir, beta=cfg.beta, estimator=cfg.estimator, clip_range=cfg.clip_range,
                          trainer="kldiag-demo", trainer_version=kldiag.__version__, config=T.run_config(cfg),
@@ -96,7 +96,10 @@ def run_pair(out: str | Path, steps: int | None = None, seed: int | None = None,
 def summarize(run: DemoRun, analysis) -> dict[str, Any]:
     """The figures the demo prints for one run, from its analysis and its training."""
     steps = analysis.steps
-    col = lambda name: [v for v in steps.column(name).to_pylist() if v is not None]
+
+    def col(name: str) -> list[float]:
+        return [v for v in steps.column(name).to_pylist() if v is not None]
+
     return {
         "run": run.run_dir.name,
         "estimator": run.estimator,
@@ -116,9 +119,10 @@ def format_summary(s: dict[str, Any]) -> str:
     loss_weight = s["max_weight_k3"] if s["estimator"] == "k3" else s["max_weight_k3_is"]
     return (f"{s['run']:12s} loss {s['estimator']:5s}  max |weight of its loss| {loss_weight:10.1f}   "
             f"max |k3 weight| {s['max_weight_k3']:10.1f}   max |k3_is weight| {s['max_weight_k3_is']:6.1f}\n"
-            f"{'':12s} K3-blow-up tokens {s['weight_blowup_tokens']:6d}   final reward {s['final_reward']:+.3f}   "
-            f"p(punished) {s['final_p_punished']:.4f}   grad norm median {s['grad_norm_median']:.2f} "
-            f"max {s['grad_norm_max']:.2f}   trained in {s['train_seconds']:.1f} s")
+            f"{'':12s} tokens with |k3 weight| > 10: {s['weight_blowup_tokens']:5d}   final reward "
+            f"{s['final_reward']:+.3f}   p(punished) {100 * s['final_p_punished']:.3g}%   "
+            f"grad norm median {s['grad_norm_median']:.2f} max {s['grad_norm_max']:.2f}   "
+            f"trained in {s['train_seconds']:.1f} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,17 +135,24 @@ def run(args: argparse.Namespace) -> int:
         analysis = kldiag.analyze(r.run_dir)
         print(format_summary(summarize(r, analysis)))
         if not args.no_report:
-            from kldiag import report
+            from kldiag.report import build_report
+            from kldiag.report_render import write_html
 
             path = out / f"{r.run_dir.name}.report.html"
-            rep = report.build_report(analysis)
-            report.write_html(rep, path)
+            rep = build_report(analysis)
+            write_html(rep, path)
             print(f"{'':12s} verdict: {rep.verdict.upper()}; report: {path}")
     if args.no_dashboard:
         return 0
     from kldiag import dashboard
 
     return dashboard.run(argparse.Namespace(runs=[str(r.run_dir) for r in runs], port=args.port, host="127.0.0.1"))
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -151,7 +162,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default ./kldiag_runs; an existing demo run there is replaced)")
     p.add_argument("--no-dashboard", action="store_true", help="do not open the dashboard at the end")
     p.add_argument("--no-report", action="store_true", help="do not write OUT/demo_*.report.html")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 200; fewer for a quick look)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps (default 200; fewer for a quick look)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0); both runs share it")
     p.add_argument("--port", type=int, default=8501, help="dashboard port (default 8501)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")

@@ -10,18 +10,18 @@ arrays), each with a name that `--fail-on` accepts, so a CI job or a cron can ga
   blame       under a K3 loss, a step where flagged tokens carry over half of the |k3 weight|
   latent      K3's weight on this run's own tokens exceeds --blowup-weight, whatever loss the run
               uses (a K3 run would blow up on these tokens; K3 *values* logged here are huge)
-  mismatch    sampler/trainer mismatch dominates: the mean of log(pi_old/mu) KL exceeds the
-              policy drift |log pi_theta - log pi_old| and --mismatch-kl (default 0.01)
+  mismatch    sampler/trainer mismatch dominates: the mean KL(mu||pi_old) per token exceeds
+              --mismatch-kl (default 0.01) and its typical |log ratio|, sqrt(2 KL), exceeds the
+              policy drift mean |log pi_theta - log pi_old|
 
 Verdict: "unstable" when blowup or nonfinite fires, "warning" when blame or mismatch fires,
-"healthy" otherwise (latent is a note). `--fail-on blowup,nonfinite` (or `all`) exits 1 when any named rule fires.
-Token text is model output, hence untrusted: every piece goes through html.escape.
+"healthy" otherwise (latent is a note). `--fail-on blowup,nonfinite` (or `all`) exits 1 when
+any named rule fires. The text summary and the HTML page are rendered by kldiag.report_render.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import math
 import sys
 from collections.abc import Callable
@@ -35,7 +35,7 @@ from kldiag import estimators as E
 
 # The per-step column holding the max |gradient weight| of each KL loss a trainer uses.
 LOSS_WEIGHT_COLUMN = {"k3": "weight_k3_abs_max", "k3_is": "weight_k3_is_abs_max"}
-DEFAULT_ESTIMATOR = "k3"  # what TRL (before use_bias_correction_kl), verl and OpenRLHF use
+DEFAULT_ESTIMATOR = "k3"  # verl's and OpenRLHF's, and TRL's with use_bias_correction_kl=False
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,11 @@ def rule_blowup(steps, loss_weight_max, estimator: str, limit: float) -> RuleRes
     w = np.nan_to_num(np.asarray(loss_weight_max, dtype=np.float64), nan=0.0)
     step = first_step(steps, w > limit)
     if step is None:
-        return RuleResult("blowup", False, None, f"max |{estimator} weight| {_num(w.max(initial=0))} "
-                          f"stays below {_num(limit)}")
+        return RuleResult("blowup", False, None, f"max |{estimator} weight| {fmt_num(w.max(initial=0))} "
+                          f"stays below {fmt_num(limit)}")
     peak = int(np.argmax(w))
-    return RuleResult("blowup", True, step, f"|{estimator} weight| exceeds {_num(limit)} from step {step}, "
-                      f"up to {_num(w[peak])} at step {int(steps[peak])}")
+    return RuleResult("blowup", True, step, f"|{estimator} weight| exceeds {fmt_num(limit)} from step {step}, "
+                      f"up to {fmt_num(w[peak])} at step {int(steps[peak])}")
 
 
 def rule_nonfinite(steps, nonfinite_count, invalid_count) -> RuleResult:
@@ -137,24 +137,28 @@ def rule_latent(steps, weight_k3_max, estimator: str, limit: float) -> RuleResul
     w = np.nan_to_num(np.asarray(weight_k3_max, dtype=np.float64), nan=0.0)
     step = first_step(steps, w > limit)
     if step is None:
-        return RuleResult("latent", False, None, f"K3's weights stay below {_num(limit)} on this run's tokens")
+        return RuleResult("latent", False, None, f"K3's weights stay below {fmt_num(limit)} on this run's tokens")
     whose = "this run's loss" if estimator == "k3" else f"K3 (not this run's loss, {estimator})"
-    return RuleResult("latent", True, step, f"the weight of {whose} reaches {_num(w.max())} on this run's "
+    return RuleResult("latent", True, step, f"the weight of {whose} reaches {fmt_num(w.max())} on this run's "
                       f"tokens, from step {step}")
 
 
 def rule_mismatch(steps, mismatch_kl, drift_abs_mean, limit: float) -> RuleResult:
+    """Mismatch dominates when its KL passes `limit` and its typical log-ratio, sqrt(2 KL)
+    (k3 ~ x^2/2 for small x), exceeds the policy drift mean |log pi_theta - log pi_old|."""
     kl = np.asarray(mismatch_kl, dtype=np.float64)
     drift = np.asarray(drift_abs_mean, dtype=np.float64)
-    if not np.any(np.isfinite(kl)):
+    if not np.any(np.isfinite(kl) & (kl > 0)):
         return RuleResult("mismatch", False, None, "no sampler log-probs recorded (logp_sampler): "
                           "mismatch unknown")
-    mean_kl, mean_drift = float(np.nanmean(kl)), float(np.nanmean(drift)) if np.any(np.isfinite(drift)) else 0.0
-    fired = mean_kl > limit and mean_kl > mean_drift
+    mean_kl = float(np.nanmean(kl))
+    mean_drift = float(np.nanmean(drift)) if np.any(np.isfinite(drift)) else 0.0
+    fired = mean_kl > limit and math.sqrt(2 * mean_kl) > mean_drift
     step = first_step(steps, np.nan_to_num(kl) > limit) if fired else None
     verb = "dominates" if fired else "does not dominate"
-    return RuleResult("mismatch", fired, step, f"sampler/trainer mismatch {verb}: mean KL(pi_old||mu) "
-                      f"{mean_kl:.3g} per token vs policy drift {mean_drift:.3g} (limit {limit:g})")
+    return RuleResult("mismatch", fired, step, f"sampler/trainer mismatch {verb}: mean KL(mu||pi_old) "
+                      f"{mean_kl:.3g} per token (|log ratio| ~ {math.sqrt(2 * mean_kl):.3g}) vs policy drift "
+                      f"|log pi_theta/pi_old| {mean_drift:.3g} (limit {limit:g})")
 
 
 RULE_NAMES = ("blowup", "nonfinite", "blame", "latent", "mismatch")
@@ -195,7 +199,7 @@ def recommendations(fired: set[str], estimator: str, facts: dict[str, Any]) -> l
                    "rho * log(pi_theta/pi_ref) grows like a log where K3's 1 - pi_ref/pi_theta explodes.")
     if "blowup" in fired and estimator != "k3":
         out.append(f"The {estimator} weights blow up through rho = pi_theta/pi_old (max rho "
-                   f"{_num(facts.get('rho_max', math.nan))}): reduce staleness (fewer steps between "
+                   f"{fmt_num(facts.get('rho_max', math.nan))}): reduce staleness (fewer steps between "
                    "generation and training) or mask off-policy sequences (below).")
     if fired & {"blowup", "blame"}:
         out.append("Set an off-policy sequence mask: TRL `GRPOConfig(off_policy_mask_threshold=...)` "
@@ -216,8 +220,15 @@ def recommendations(fired: set[str], estimator: str, facts: dict[str, Any]) -> l
     return out or ["Nothing to fix: the KL term's gradient weights stay bounded and every value is finite."]
 
 
-def _num(x: float) -> str:
+def fmt_weight_max(row: dict[str, Any]) -> str:
+    return ("<= " if row.get("weight_bound") else "") + fmt_num(row["weight_max"])
+
+
+def fmt_num(x: float) -> str:
+    """3 significant digits; NaN (a metric the run cannot give) as n/a, infinities as inf."""
     x = float(x)
+    if math.isnan(x):
+        return "n/a"
     if not math.isfinite(x):
         return str(x)
     return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.3e}"
@@ -226,7 +237,7 @@ def _num(x: float) -> str:
 # ---- building the report from an Analysis --------------------------------------------------
 
 
-def _col(table, name: str, dtype=np.float64) -> np.ndarray:
+def column(table, name: str, dtype=np.float64) -> np.ndarray:
     """A column as a numpy array with nulls as NaN (or zeros for counts); absent: all NaN."""
     if name not in table.column_names:
         return np.full(table.num_rows, np.nan)
@@ -236,19 +247,28 @@ def _col(table, name: str, dtype=np.float64) -> np.ndarray:
 
 def evaluate_rules(steps_table, estimator: str, cfg: ReportConfig) -> list[RuleResult]:
     """Every rule of RULE_NAMES on the steps table of an Analysis."""
-    s = _col(steps_table, "step", np.int64)
-    column = LOSS_WEIGHT_COLUMN.get(estimator)
-    blowup = (rule_blowup(s, _col(steps_table, column), estimator, cfg.blowup_weight) if column else
-              RuleResult("blowup", False, None, f"not judged: kldiag tracks the weights of the k3 and k3_is "
-                         f"losses, this run uses {estimator}"))
-    return [
-        blowup,
-        rule_nonfinite(s, np.nan_to_num(_col(steps_table, "nonfinite_count")),
-                       np.nan_to_num(_col(steps_table, "invalid_count"))),
-        rule_blame(s, _col(steps_table, "blame_share"), estimator, cfg.blame_share),
-        rule_latent(s, _col(steps_table, "weight_k3_abs_max"), estimator, cfg.blowup_weight),
-        rule_mismatch(s, _col(steps_table, "mismatch_kl"), _col(steps_table, "drift_abs_mean"), cfg.mismatch_kl),
+    s = column(steps_table, "step", np.int64)
+    weight_col = LOSS_WEIGHT_COLUMN.get(estimator)
+    kl_rules = [
+        rule_blowup(s, column(steps_table, weight_col), estimator, cfg.blowup_weight) if weight_col else
+        RuleResult("blowup", False, None, f"not judged: kldiag tracks the weights of the k3 and k3_is "
+                   f"losses, this run uses {estimator}"),
+        rule_blame(s, column(steps_table, "blame_share"), estimator, cfg.blame_share),
+        rule_latent(s, column(steps_table, "weight_k3_abs_max"), estimator, cfg.blowup_weight),
     ]
+    if not has_reference(steps_table):
+        kl_rules = [RuleResult(r.name, False, None, "not judged: no reference log-probs (logp_ref) recorded, "
+                               "so no KL term") for r in kl_rules]
+    nonfinite = rule_nonfinite(s, np.nan_to_num(column(steps_table, "nonfinite_count")),
+                               np.nan_to_num(column(steps_table, "invalid_count")))
+    mismatch = rule_mismatch(s, column(steps_table, "mismatch_kl"), column(steps_table, "drift_abs_mean"),
+                             cfg.mismatch_kl)
+    return [kl_rules[0], nonfinite, *kl_rules[1:], mismatch]
+
+
+def has_reference(steps_table) -> bool:
+    """Whether any token had a reference log-prob (the KL means are null without one)."""
+    return bool(np.isfinite(column(steps_table, "k3_mean")).any())
 
 
 def first_alert(alerts_table) -> tuple[int, str, str] | None:
@@ -265,35 +285,51 @@ def _weighted_mean(values: np.ndarray, tokens: np.ndarray) -> float:
     return float(np.sum(values[ok] * tokens[ok]) / np.sum(tokens[ok])) if ok.any() else math.nan
 
 
-def comparison(steps_table) -> list[dict[str, Any]]:
-    """The estimators on the run's own tokens: mean value, its worst step, and max |weight|."""
-    tokens = _col(steps_table, "tokens")
+def abs_bound(edges: np.ndarray, counts: np.ndarray) -> float:
+    """An upper bound of |v| over a histogram (Histograms layout: bin 0 below edges[0], bin i
+    in [edges[i-1], edges[i]), the last one at or above edges[-1]); 0 when it is empty."""
+    lo = np.concatenate([[-np.inf], edges])
+    hi = np.concatenate([edges, [np.inf]])
+    used = np.flatnonzero(np.asarray(counts).reshape(-1, len(edges) + 1).sum(0))
+    return float(np.max(np.maximum(np.abs(lo[used]), np.abs(hi[used])))) if len(used) else 0.0
+
+
+def comparison(steps_table, histograms=None) -> list[dict[str, Any]]:
+    """The estimators on the run's own tokens: mean value, its worst step, and max |weight|.
+
+    k2's weight is s - r = -d: bounded here from the run's histogram of d (bin precision).
+    """
+    tokens = column(steps_table, "tokens")
     rows = []
     for name in ("k1", "k2", "k3", "k3_is"):
-        mean = _col(steps_table, f"{name}_mean")
+        mean = column(steps_table, f"{name}_mean")
         row = {"estimator": name, "mean": _weighted_mean(mean, tokens),
                "worst_step_mean": float(np.nanmax(mean)) if np.isfinite(mean).any() else math.nan,
                "weight_max": math.nan, "weight_p99": math.nan, "target": E.ESTIMATORS[name].target}
         if name == "k1":
             row["weight_max"] = row["weight_p99"] = 1.0
+        if name == "k2" and histograms is not None and "d" in histograms.counts:
+            row["weight_max"] = abs_bound(histograms.edges["d"], histograms.counts["d"])
+            row["weight_bound"] = True
         if name in LOSS_WEIGHT_COLUMN:
-            row["weight_max"] = float(np.nanmax(_col(steps_table, f"weight_{name}_abs_max"), initial=0.0))
-            row["weight_p99"] = float(np.nanmax(_col(steps_table, f"weight_{name}_abs_p99"), initial=0.0))
+            row["weight_max"] = float(np.nanmax(column(steps_table, f"weight_{name}_abs_max"), initial=0.0))
+            row["weight_p99"] = float(np.nanmax(column(steps_table, f"weight_{name}_abs_p99"), initial=0.0))
         rows.append(row)
     return rows
 
 
 def _contexts(run_dir: Path, seqs: list[int]) -> dict[int, dict[int, int | None]]:
     """seq -> {pos: token_id} for the given sequences, streamed from the run's parts."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from kldiag.format import open_run
 
     out: dict[int, dict[int, int | None]] = {s: {} for s in seqs}
-    wanted = np.asarray(seqs, dtype=np.int64)
+    wanted = pa.array(seqs, pa.int64())
     for batch in open_run(run_dir).iter_batches(columns=["seq", "pos", "token_id"]):
         hit = batch.filter(pc.is_in(batch.column(0), value_set=wanted))
-        for seq, pos, tok in zip(*(hit.column(i).to_pylist() for i in range(3))):
+        for seq, pos, tok in zip(*(hit.column(i).to_pylist() for i in range(3)), strict=True):
             out[seq][pos] = tok
     return out
 
@@ -303,14 +339,17 @@ def offenders(analysis, limit: int, context: int) -> list[Offender]:
     flags = analysis.flags
     if flags.num_rows == 0:
         return []
-    w = np.abs(np.nan_to_num(_col(flags, "weight_k3"), nan=0.0))
+    w = np.abs(np.nan_to_num(column(flags, "weight_k3"), nan=0.0))
     order = np.argsort(-w, kind="stable")[:limit]
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
     from kldiag.format import open_run
 
     vocab = open_run(analysis.run_dir).vocab() or {}
     seq_tokens = _contexts(analysis.run_dir, sorted({r["seq"] for r in rows}))
-    piece = lambda t: "?" if t is None else vocab.get(t, f"<{t}>")
+
+    def piece(t: int | None) -> str:
+        return "?" if t is None else vocab.get(t, f"<{t}>")
+
     out = []
     for r in rows:
         toks = seq_tokens.get(r["seq"], {})
@@ -330,136 +369,18 @@ def build_report(analysis, config: ReportConfig = ReportConfig()) -> Report:
     rules = evaluate_rules(steps, estimator, config)
     by_name = {r.name: r for r in rules}
     facts = {
-        "steps": steps.num_rows, "tokens": int(np.nansum(_col(steps, "tokens"))),
-        "beta": manifest_cfg.get("beta"), "rho_max": float(np.nanmax(_col(steps, "rho_max"), initial=0.0)),
-        "opsm_masked_frac": float(np.nanmean(_col(steps, "opsm_masked_frac"))) if steps.num_rows else 0.0,
+        "steps": steps.num_rows, "tokens": int(np.nansum(column(steps, "tokens"))),
+        "beta": manifest_cfg.get("beta"), "rho_max": float(np.nanmax(column(steps, "rho_max"), initial=0.0)),
+        "opsm_masked_frac": float(np.nanmean(column(steps, "opsm_masked_frac"))) if steps.num_rows else 0.0,
         "nonfinite_step": by_name["nonfinite"].step,
-        "flagged_tokens": int(np.nansum(_col(steps, "weight_blowup_count"))),
+        "flagged_tokens": int(np.nansum(column(steps, "weight_blowup_count"))),
         "blowup_weight": config.blowup_weight,
     }
     fired = {r.name for r in rules if r.fired}
     onset = by_name["blowup"].step if "blowup" in fired else by_name["nonfinite"].step
     return Report(Path(analysis.run_dir), estimator, not manifest_cfg.get("estimator"), verdict(rules), rules,
                   onset, first_alert(analysis.alerts), offenders(analysis, config.top_tokens, config.context),
-                  comparison(steps), recommendations(fired, estimator, facts), facts, analysis)
-
-
-# ---- rendering -----------------------------------------------------------------------------
-
-
-def printable(piece: str) -> str:
-    """Token text safe for a terminal: control characters (ANSI escapes included) as \\x.. escapes."""
-    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in piece)
-
-
-def format_text(rep: Report) -> str:
-    """The short stdout summary."""
-    f = rep.facts
-    assumed = " (assumed: the manifest does not say)" if rep.estimator_assumed else ""
-    lines = [(f"kldiag report: {rep.run_dir}  (loss {rep.estimator}{assumed}, beta {f['beta']}, "
-              f"{f['steps']} steps, {f['tokens']} tokens)"),
-             f"verdict: {rep.verdict.upper()}" + (f"  onset at step {rep.onset_step}" if rep.onset_step is not None
-                                                  else "")]
-    if rep.first_moved:
-        lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
-    lines += [f"  [{'FIRED' if r.fired else 'ok':5s}] {r.name:9s} {r.message}" for r in rep.rules]
-    if rep.offenders:
-        lines.append("top offending tokens (largest |k3 weight|):")
-    for o in rep.offenders[:5]:
-        ctx = printable("".join(o.before)) + "[" + printable(o.piece) + "]" + printable("".join(o.after))
-        lines.append(f"  step {o.step:5d} seq {o.seq} pos {o.pos}: |k3 w| {_num(abs(o.weight_k3))}  "
-                     f"|k3_is w| {_num(abs(o.weight_k3_is))}  pi_ref/pi_theta = e^{o.d:.1f}  {ctx}")
-    lines.append("estimators on this run's tokens: " + "; ".join(
-        f"{c['estimator']} mean {_num(c['mean'])} max|w| {_num(c['weight_max'])}" for c in rep.comparison
-        if c["estimator"] != "k1"))
-    lines += ["recommendations:"] + [f"  - {r}" for r in rep.recommendations]
-    return "\n".join(lines)
-
-
-def figures(rep: Report) -> list[Any]:
-    """Plotly figures: loss weights, flagged tokens, KL values, off-policy signals, per step."""
-    import plotly.graph_objects as go
-
-    s = rep.analysis.steps
-    x = _col(s, "step", np.int64)
-
-    def fig(title: str, names: list[str], log: bool, ytitle: str) -> Any:
-        f = go.Figure([go.Scatter(x=x, y=_col(s, n), name=n, mode="lines") for n in names if n in s.column_names])
-        f.update_layout(title=title, xaxis_title="step", yaxis_title=ytitle, height=340,
-                        margin={"l": 60, "r": 20, "t": 50, "b": 40}, yaxis_type="log" if log else "linear")
-        if rep.onset_step is not None:
-            f.add_vline(x=rep.onset_step, line_dash="dash", line_color="red", annotation_text="onset")
-        return f
-
-    w = fig("Max |gradient weight| per step (K3: 1 - pi_ref/pi_theta; k3_is: rho log(pi_theta/pi_ref))",
-            ["weight_k3_abs_max", "weight_k3_is_abs_max", "weight_k3_abs_p99"], True, "|weight|")
-    w.add_hline(y=rep.facts["blowup_weight"], line_dash="dot", annotation_text="blow-up limit")
-    return [w,
-            fig("Flagged tokens per step", ["weight_blowup_count", "theta_ll_ref_count", "clamp_saturated_count",
-                                            "nonfinite_count"], False, "tokens"),
-            fig("KL estimates per step (token means)", ["k2_mean", "k3_mean", "k3_is_mean"], True, "value"),
-            fig("Off-policy: rho and sampler mismatch", ["rho_max", "mismatch_kl", "drift_abs_mean",
-                                                         "opsm_masked_frac"], True, "value")]
-
-
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-.v-healthy{color:#1a7f37}.v-warning{color:#9a6700}.v-unstable{color:#cf222e}code{background:#f4f4f4}
-mark{background:#ffd7d5;font-weight:bold}.ctx{font-family:monospace;white-space:pre}"""
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """An HTML table; every cell is escaped here (cells are plain text)."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _offender_rows(rep: Report) -> str:
-    rows = []
-    for o in rep.offenders:
-        ctx = (html.escape("".join(o.before)) + "<mark>" + html.escape(o.piece) + "</mark>"
-               + html.escape("".join(o.after)))
-        cells = [str(o.step), str(o.seq), str(o.pos), _num(o.weight_k3), _num(o.weight_k3_is), f"{o.d:.2f}"]
-        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td class=ctx>{ctx}</td></tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("step", "seq", "pos", "k3 weight", "k3_is weight",
-                                             "d = log(pi_ref/pi_theta)", "in context"))
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
-
-
-def render_html(rep: Report) -> str:
-    """One self-contained HTML page: Plotly's JavaScript is embedded once, with the first figure."""
-    import plotly.io as pio
-
-    figs = figures(rep) if rep.analysis is not None and rep.analysis.steps.num_rows else []
-    plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
-    e, f = html.escape, rep.facts
-    first = (f"<p>First metric to leave its recent range: <b>{e(rep.first_moved[1])}</b> at step "
-             f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
-    onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
-    comp = _table(["estimator", "mean value", "worst step mean", "max |weight|", "p99 |weight| (worst step)",
-                   "expected gradient"], [[c["estimator"], _num(c["mean"]), _num(c["worst_step_mean"]),
-                                           _num(c["weight_max"]), _num(c["weight_p99"]), c["target"]]
-                                          for c in rep.comparison])
-    rules = _table(["rule", "fired", "first step", "finding"],
-                   [[r.name, "yes" if r.fired else "no", "" if r.step is None else r.step, r.message]
-                    for r in rep.rules])
-    recs = "".join(f"<li>{e(r)}</li>" for r in rep.recommendations)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(rep.run_dir.name)}"
-            f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
-            f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
-            f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"
-            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{first}{rules}"
-            f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
-            f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
-            f"<h2>Estimators on this run's tokens</h2>{comp}</body></html>")
-
-
-def write_html(rep: Report, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(rep), encoding="utf-8")
-    return path
+                  comparison(steps, analysis.histograms), recommendations(fired, estimator, facts), facts, analysis)
 
 
 # ---- command line --------------------------------------------------------------------------
@@ -478,6 +399,8 @@ def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> 
     analysis = (analyze or kldiag.analyze)(args.run_dir)
     cfg = ReportConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl)
     rep = build_report(analysis, cfg)
+    from kldiag.report_render import format_text, write_html  # plotly: only when rendering
+
     path = write_html(rep, args.output)
     print(format_text(rep))
     print(f"report: {path}")
@@ -497,5 +420,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--blowup-weight", type=float, default=ReportConfig.blowup_weight,
                    help="|gradient weight| of the loss beyond which a token is a blow-up (default 100)")
     p.add_argument("--mismatch-kl", type=float, default=ReportConfig.mismatch_kl,
-                   help="mean KL(pi_old||mu) per token above which mismatch can dominate (default 0.01)")
+                   help="mean KL(mu||pi_old) per token above which mismatch can dominate (default 0.01)")
     p.set_defaults(func=run)

@@ -91,14 +91,24 @@ def _f64(col: pa.ChunkedArray | pa.Array | np.ndarray) -> np.ndarray:
     return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONFIG) -> dict[str, np.ndarray]:
-    """Every per-token quantity from the four log-prob columns (float64 [n], NaN = absent).
+def nulls(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
+    """Where each log-prob column is null (absent), as bool [n] (a NaN value is not null)."""
+    return {c: np.asarray(table.column(c).is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            for c in LOGP_COLUMNS}
 
-    logp_old absent means on-policy: rho = 1. logp_ref absent leaves the KL columns NaN.
+
+def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONFIG,
+           absent: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every per-token quantity from the four log-prob columns (float64 [n]).
+
+    `absent` marks null entries (see `nulls`); without it NaN means absent (except in logp). An absent
+    logp_old means on-policy: rho = 1. An absent logp_ref leaves the KL columns NaN.
     Returns d, rho, k1, k2, k3, k3_is, weight_k2/k3/k3_is, their abs, and the flags.
     """
+    if absent is None:  # logp is never null in format v1: a NaN there is always a finding
+        absent = {c: np.isnan(cols[c]) & (c != "logp") for c in LOGP_COLUMNS}
     s, r = cols["logp"], cols["logp_ref"]
-    o = np.where(np.isnan(cols["logp_old"]), s, cols["logp_old"])
+    o = np.where(absent["logp_old"], s, cols["logp_old"])
     out = {"d": E.log_ratio(s, r), "rho": E.rho(s, o)}
     for name in ("k1", "k2", "k3"):
         out[name] = E.value(name, s, r)
@@ -111,12 +121,11 @@ def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONF
     flags = E.flags(s, r, tau=config.tau, limit=config.weight_limit, clamp=config.clamp)
     for name in ("theta_ll_ref", "weight_blowup", "clamp_saturated"):
         out[name] = np.asarray(getattr(flags, name))
-    # A null column is absent, not non-finite: only present values can be findings.
-    raw = [cols[c] for c in LOGP_COLUMNS]
-    present = [~np.isnan(x) for x in raw]
-    out["nonfinite"] = np.logical_or.reduce([np.isinf(x) for x in raw]) | np.isnan(s)
+    # A null is absent, not non-finite: only present values can be findings.
+    present = [(cols[c], ~absent[c]) for c in LOGP_COLUMNS]
+    out["nonfinite"] = np.logical_or.reduce([p & ~np.isfinite(x) for x, p in present])
     with np.errstate(invalid="ignore"):
-        out["invalid"] = np.logical_or.reduce([p & (x > 0) for p, x in zip(present, raw)])
+        out["invalid"] = np.logical_or.reduce([p & (x > 0) for x, p in present])
     out["flagged"] = out["theta_ll_ref"] | out["weight_blowup"] | out["clamp_saturated"]
     return out
 
@@ -138,7 +147,7 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     table = pa.concat_tables(tables) if tables else F.TOKEN_SCHEMA.empty_table()
     table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
-    for name, values in derive({c: _f64(table.column(c)) for c in LOGP_COLUMNS}, config).items():
+    for name, values in derive({c: _f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
         df[name] = values
     df["piece"] = decode(df["token_id"], vocab)
     return df
@@ -245,11 +254,13 @@ def _nanmax(col: pd.Series) -> float:
 
 
 def onset_steps(alerts: pd.DataFrame) -> list[tuple[int, str]]:
-    """(step, label) of the first alert of each (kind, metric): where to draw a vertical line."""
+    """(step, label) where a vertical line goes: the first alert of each kind, one line per
+    step, its label naming every kind that starts there."""
     if alerts.empty:
         return []
-    first = alerts.sort_values("step", kind="stable").groupby(["kind", "metric"], sort=False).head(1)
-    return [(int(r.step), f"{r.kind}: {r.metric}") for r in first.itertuples(index=False)]
+    first = alerts.sort_values("step", kind="stable").groupby("kind", sort=False).head(1)
+    kinds = first.groupby("step", sort=True)["kind"].agg(lambda k: ", ".join(dict.fromkeys(k)))
+    return [(int(step), str(label)) for step, label in kinds.items()]
 
 
 def filter_flags(flags: pd.DataFrame, step_range: tuple[int, int] | None = None,

@@ -21,7 +21,7 @@ from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
-from kldiag.views import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quantiles
+from kldiag.views import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quantiles, nulls
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
@@ -66,10 +66,11 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
     cols = {c: _f64(batch.column(c)) for c in LOGP_COLUMNS}
-    keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~np.isnan(cols["logp_ref"])
+    absent = nulls(batch)
+    keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
     part = EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
-    part.seqs = _seq_gaps(batch, cols, keep)
-    q = derive({c: v[keep] for c, v in cols.items()}, config)
+    part.seqs = _seq_gaps(batch, cols, absent)
+    q = derive({c: v[keep] for c, v in cols.items()}, config, {c: v[keep] for c, v in absent.items()})
     part.flagged = int(q["flagged"].sum())
     part.clamp_saturated = int(q["clamp_saturated"].sum())
     with np.errstate(invalid="ignore"):
@@ -105,14 +106,14 @@ def _abs_hist(w: np.ndarray) -> np.ndarray:
     return np.bincount(idx, minlength=len(ABS_EDGES) + 1)
 
 
-def _seq_gaps(batch, cols: dict[str, np.ndarray], keep: np.ndarray) -> pd.DataFrame:
+def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray]) -> pd.DataFrame:
     """Per (step, seq): advantage and the sum/count of log mu - s over tokens in the loss.
 
     mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
     """
     s = cols["logp"]
-    mu = np.where(np.isnan(cols["logp_sampler"]), cols["logp_old"], cols["logp_sampler"])
-    mu = np.where(np.isnan(mu), s, mu)
+    mu = np.where(absent["logp_sampler"], cols["logp_old"], cols["logp_sampler"])
+    mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
     in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
     df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
                        "advantage": _f64(batch.column("advantage")),

@@ -171,7 +171,7 @@ def test_dashboard_command_binds_localhost_headless_with_runs_after_dashdash(app
     assert (args.host, args.port) == ("127.0.0.1", 8999)
     cmd = streamlit_command([app_runs["k3"], app_runs["k3_is"]], args.port, args.host)
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(app_path()) == str(MAIN)
-    opts = dict(zip(cmd[5:cmd.index("--"):2], cmd[6:cmd.index("--"):2]))
+    opts = dict(zip(cmd[5:cmd.index("--"):2], cmd[6:cmd.index("--"):2], strict=True))
     assert opts == {"--server.address": "127.0.0.1", "--server.port": "8999", "--server.headless": "true",
                     "--browser.gatherUsageStats": "false"}
     assert cmd[cmd.index("--") + 1:] == [str(app_runs["k3"]), str(app_runs["k3_is"])]

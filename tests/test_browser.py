@@ -81,7 +81,7 @@ def server(tmp_path_factory):
 def page(server):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg = browser.new_page(viewport={"width": 1400, "height": 2200})
         pg.dialogs = []
         pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
         yield pg

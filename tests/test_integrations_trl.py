@@ -13,11 +13,8 @@ import warnings
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+import torch
+import trl
 
 import kldiag
 from kldiag import estimators as E
@@ -129,8 +126,22 @@ def test_analyze_trainer_compatible_reproduces_trl_kl(runs, corrected):
     analysis = kldiag.analyze(run, kldiag.AnalysisConfig(trainer_compatible=True))
     assert analysis.trainer_kl is not None
     tk = analysis.trainer_kl.to_pydict()
-    value_column = next(c for c in tk if c != "step")
-    ours = dict(zip(tk["step"], tk[value_column]))
+    ours = dict(zip(tk["step"], tk["kl"], strict=True))
+    trl_kl = logged(trainer, "kl")
+    assert sorted(ours) == sorted(trl_kl)
+    for step, value in trl_kl.items():
+        assert ours[step] == pytest.approx(value, rel=1e-5, abs=1e-9), step
+
+
+@pytest.mark.parametrize("layout", [
+    {"steps_per_generation": 1, "max_steps": 2},  # both passes over a batch inside one optimizer step
+    {"importance_sampling_level": "sequence", "max_steps": 4},  # TRL's coef_1 is per sequence
+    {"num_iterations": 1, "max_steps": 2},  # on-policy: logp_old null
+], ids=["reuse_in_step", "sequence_is", "on_policy"])
+def test_analyze_trainer_compatible_in_other_layouts(tiny_model_dir, tmp_path, layout):
+    trainer, run, _ = train_attached(tiny_model_dir, tmp_path, **layout)
+    tk = kldiag.analyze(run, kldiag.AnalysisConfig(trainer_compatible=True)).trainer_kl.to_pydict()
+    ours = dict(zip(tk["step"], tk["kl"], strict=True))
     trl_kl = logged(trainer, "kl")
     assert sorted(ours) == sorted(trl_kl)
     for step, value in trl_kl.items():
@@ -186,20 +197,34 @@ def test_kldiag_metrics_appear_in_log_history(runs):
     assert max(logged(trainer, "kldiag/rho_max").values()) > 1.0  # reuse iterations are off-policy
 
 
-def test_log_metrics_match_rows(runs):
-    trainer, run, _ = runs[True]
-    t = kldiag.open_run(run).read().to_pandas()
-    t = t[t["mask"]]
-    for step, value in logged(trainer, "kldiag/weight_k3_abs_max").items():
-        rows = t[t["step"] == step]
-        expected = np.abs(E.weight_k3(rows["logp"].to_numpy(), rows["logp_ref"].to_numpy())).max()
-        assert value == pytest.approx(expected, rel=1e-12)
+@pytest.mark.parametrize("corrected", [False, True])
+def test_log_metrics_agree_with_analysis(runs, corrected):
+    trainer, run, _ = runs[corrected]
+    steps = kldiag.analyze(run).steps.to_pandas().set_index("step")
+    for name in ("k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged_frac",
+                 "blame_share", "rho_max", "nonfinite_count"):
+        for step, value in logged(trainer, kt.METRIC_PREFIX + name).items():
+            assert value == pytest.approx(steps.loc[step, name], rel=1e-6, abs=1e-12), (name, step)
 
 
 def test_on_policy_batches_have_null_logp_old(tiny_model_dir, tmp_path):
     trainer, run, _ = train_attached(tiny_model_dir, tmp_path, num_iterations=1, max_steps=2)
     t = kldiag.open_run(run).read().to_pandas()
     assert t["logp_old"].isna().all() and (t["iteration"] == 0).all()
+    mine = recorded_trainer_kl(run)
+    for step, value in logged(trainer, "kl").items():
+        assert mine[step] == pytest.approx(value, rel=1e-5, abs=1e-9)
+
+
+def test_reuse_within_one_optimizer_step(tiny_model_dir, tmp_path):
+    # steps_per_generation=1 < gradient_accumulation_steps: both passes over a batch share a step.
+    trainer, run, _ = train_attached(tiny_model_dir, tmp_path, steps_per_generation=1, max_steps=2)
+    t = kldiag.open_run(run).read().to_pandas()
+    per_micro = t.groupby(["step", "micro"]).agg(iteration=("iteration", "first"), seqs=("seq", frozenset))
+    for step in (1, 2):
+        assert list(per_micro.loc[step, "iteration"]) == [0, 1]
+        assert per_micro.loc[(step, 0), "seqs"] == per_micro.loc[(step, 1), "seqs"]
+    assert t["logp_old"].isna().all()  # no optimizer step between the passes: TRL reuses logp
     mine = recorded_trainer_kl(run)
     for step, value in logged(trainer, "kl").items():
         assert mine[step] == pytest.approx(value, rel=1e-5, abs=1e-9)

@@ -10,6 +10,7 @@ import pytest
 
 import kldiag
 from kldiag import report as R
+from kldiag import report_render
 from kldiag.cli import main
 
 SAMPLE_LOGS = Path(__file__).resolve().parent.parent / "sample_logs"
@@ -52,8 +53,8 @@ def test_rule_latent_says_whose_weight_it_is():
 
 
 def test_rule_mismatch_needs_to_dominate_the_drift():
-    kl = np.full(6, 0.05)
-    assert R.rule_mismatch(STEPS, kl, np.full(6, 0.01), 0.01).fired
+    kl = np.full(6, 0.05)  # a typical |log(pi_old/mu)| of sqrt(0.1) = 0.32
+    assert R.rule_mismatch(STEPS, kl, np.full(6, 0.1), 0.01).fired
     assert not R.rule_mismatch(STEPS, kl, np.full(6, 0.5), 0.01).fired  # drift is larger
     assert not R.rule_mismatch(STEPS, np.full(6, 0.001), np.zeros(6), 0.01).fired
     unknown = R.rule_mismatch(STEPS, np.full(6, np.nan), np.zeros(6), 0.01)
@@ -85,7 +86,26 @@ def test_recommendations_are_concrete():
 
 
 def test_printable_neutralises_terminal_escapes():
-    assert R.printable("\x1b[31m um\n") == "\\x1b[31m um\\n"
+    assert report_render.printable("\x1b[31m um\n") == "\\x1b[31m um\\n"
+
+
+def test_in_context_keeps_subword_spaces_and_spaces_out_words():
+    def offender(before, piece, after):
+        return R.Offender(1, 2, 3, piece, before, after, -500.0, 2.0, 6.2)
+
+    mark = lambda p: f"[{p}]"  # noqa: E731
+    assert report_render.in_context(offender([" the", " cat"], " um", ["."]), str, mark) == " the cat[ um]."
+    assert report_render.in_context(offender(["the", "cat"], "um", []), str, mark) == "the cat [um]"
+
+
+def test_abs_bound_of_a_histogram():
+    edges = np.array([-2.0, -1.0, 0.0, 1.0, 2.0])
+    counts = np.zeros((3, 6), dtype=np.int64)
+    assert R.abs_bound(edges, counts) == 0.0
+    counts[1, 3] = 4  # 0 <= v < 1
+    assert R.abs_bound(edges, counts) == 1.0
+    counts[2, 0] = 1  # below -2
+    assert R.abs_bound(edges, counts) == np.inf
 
 
 # ---- the report on real runs ----------------------------------------------------------------
@@ -133,18 +153,17 @@ def test_report_on_the_corrected_sample_run_is_healthy(tmp_path, capsys):
 def test_html_is_self_contained_and_escapes_untrusted_token_text(tmp_path, capsys):
     from kldiag import demo
     from kldiag import demo_train as T
-
-    pytest.importorskip("torch")
     pieces = list(T.vocab())
-    pieces[T.N_PROMPT + T.FILLER_IDS[0]] = EVIL  # a punished token: it will be a top offender
+    for i in T.FILLER_IDS:  # the punished tokens: the top offenders
+        pieces[T.N_PROMPT + i] = EVIL
     cfg = T.DemoConfig(steps=60, pieces=tuple(pieces))
     run = demo.train_one(cfg, tmp_path).run_dir
     rep = R.build_report(kldiag.analyze(run))
     assert EVIL in {o.piece for o in rep.offenders}
-    page = R.render_html(rep)
+    page = report_render.render_html(rep)
     assert EVIL not in page and "<img" not in page and html.escape(EVIL) in page
-    assert page.count("<script") >= 2 and "cdn.plot.ly" not in page  # plotly.js embedded once
-    assert len(page) > 1_000_000
+    assert page.count("<script") >= 2 and "<script src=" not in page  # plotly.js embedded, nothing fetched
+    assert page.count("plotly.js v") == 1  # the bundle, once
 
 
 def test_fail_on_rejects_unknown_rules(tmp_path, capsys):
@@ -160,3 +179,13 @@ def test_nonfinite_run_is_unstable(tmp_path):
     rep = R.build_report(kldiag.analyze(tmp_path / "nan"))
     assert rep.verdict == "unstable" and rep.onset_step == 3
     assert R.exit_code(rep, ("nonfinite",)) == 1 and R.exit_code(rep, ("blowup",)) == 0
+
+
+def test_run_without_reference_is_not_judged_on_kl(tmp_path):
+    from kldiag.synth import SynthConfig, make_run
+
+    make_run(tmp_path / "noref", SynthConfig(steps=4, reference=False, on_policy=True))
+    rep = R.build_report(kldiag.analyze(tmp_path / "noref"))
+    assert rep.verdict == "healthy"
+    assert all("not judged" in r.message for r in rep.rules if r.name in ("blowup", "blame", "latent"))
+    assert "no reference log-probs" in report_render.format_text(rep)

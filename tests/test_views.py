@@ -78,6 +78,10 @@ def test_derive_reports_nonfinite_and_invalid():
     q = V.derive(_cols(logp=[np.nan, -1.0, 0.5], logp_ref=[-1.0, -np.inf, -1.0]))
     assert q["nonfinite"].tolist() == [True, True, False]
     assert q["invalid"].tolist() == [False, False, True]
+    # With null masks, a NaN *value* of a present column is a finding, a null is not.
+    cols = _cols(logp=[-1.0, -1.0], logp_ref=[np.nan, np.nan])
+    absent = {c: np.array([False, True]) if c == "logp_ref" else np.isnan(v) for c, v in cols.items()}
+    assert V.derive(cols, absent=absent)["nonfinite"].tolist() == [True, False]
 
 
 # ---- one sequence --------------------------------------------------------------------
@@ -147,9 +151,10 @@ def test_headline_onsets_and_compare():
     assert h["steps"] == 2 and h["tokens"] == 400 and h["k3_mean"] == 5.0
     assert h["weight_k3_abs_max"] == 900.0 and h["flagged_frac"] == pytest.approx(30 / 400)
     assert V.headline(steps.iloc[:0]) == {"steps": 0, "tokens": 0}
-    alerts = pd.DataFrame({"step": [7, 5, 9], "kind": ["jump", "jump", "nonfinite"],
-                           "metric": ["weight_k3_abs_max"] * 2 + ["logp"]})
-    assert V.onset_steps(alerts) == [(5, "jump: weight_k3_abs_max"), (9, "nonfinite: logp")]
+    alerts = pd.DataFrame({"step": [7, 5, 9, 5, 6], "kind": ["jump", "jump", "nonfinite", "blame", "blame"],
+                           "metric": ["weight_k3_abs_max"] * 2 + ["logp", "blame_share", "blame_share"]})
+    assert V.onset_steps(alerts) == [(5, "jump, blame"), (9, "nonfinite")]
+    assert V.onset_steps(alerts.iloc[:0]) == []
     long = V.compare_steps({"a": steps, "b": steps.assign(k3_mean=[1.0, 2.0])}, "k3_mean")
     assert long.groupby("run")["value"].sum().to_dict() == {"a": 5.1, "b": 3.0}
     assert V.compare_steps({"a": steps}, "missing").empty

@@ -39,7 +39,8 @@ if p.seqs.empty:
     st.stop()
 delta = st.select_slider("delta", DELTAS, value=1e-4, key="opsm_delta", format_func=lambda v: f"{v:g}")
 masked = VE.opsm_masked(p.seqs, delta)
-st.metric(f"Sequences masked at delta = {delta:g}", f"{masked.mean():.2%}", help=f"{int(masked.sum())} of {len(masked)}")
+st.metric(f"Sequences masked at delta = {delta:g}", f"{masked.mean():.2%}",
+          help=f"{int(masked.sum())} of {len(masked)}")
 left, right = st.columns(2)
 curve = VE.opsm_curve(p.seqs, [d for d in DELTAS if d > 0])
 fig = C.lines(curve, ["masked_frac"], "Masked fraction as delta slides", x="delta")
@@ -47,4 +48,5 @@ fig.update_xaxes(type="log")
 if delta > 0:
     fig.add_vline(x=delta, line_dash="dot")
 left.plotly_chart(fig)
-right.plotly_chart(C.lines(VE.opsm_by_step(p.seqs, delta), ["masked_frac"], f"Masked fraction per step, delta = {delta:g}"))
+right.plotly_chart(C.lines(VE.opsm_by_step(p.seqs, delta), ["masked_frac"],
+                           f"Masked fraction per step, delta = {delta:g}"))

@@ -34,7 +34,7 @@ in_step = seqs[seqs["step"] == step].sort_values("weight_k3_abs_max", ascending=
 choices = in_step["seq"].astype(int).tolist()
 if st.session_state.get("seq_seq") not in choices:
     st.session_state["seq_seq"] = choices[0]
-worst_by_seq = dict(zip(choices, in_step["weight_k3_abs_max"]))
+worst_by_seq = dict(zip(choices, in_step["weight_k3_abs_max"], strict=True))
 seq = c2.selectbox("Sequence (worst first)", choices, key="seq_seq",
                    format_func=lambda s: f"{s}  (max |k3 weight| {worst_by_seq[s]:.3g})")
 quantity = c3.radio("Colour by", list(V.SEQUENCE_QUANTITIES), horizontal=True, key="seq_quantity",

@@ -26,13 +26,13 @@ from kldiag.analysis.types import ABS_EDGES, D_EDGES
 LOGPS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 COLUMNS = ("step", "micro", "iteration", "seq", "group", "pos", "token_id", *LOGPS, "advantage", "mask")
 N_D, N_ABS = len(D_EDGES) + 1, len(ABS_EDGES) + 1
-_ABS = bins.abs_table()
+ABS = bins.abs_table()
 D_ZERO_BIN = int(np.searchsorted(D_EDGES, 0.0, side="right"))
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What the kernel needs from AnalysisConfig (resolved clip range)."""
+    """What the kernel needs from AnalysisConfig (clip range resolved from the manifest)."""
 
     tau: float
     weight_limit: float
@@ -40,6 +40,20 @@ class Thresholds:
     clip_low: float
     clip_high: float
     top_k: int
+
+    def d_window(self) -> tuple[float, float]:
+        """(low, high): a token with low <= d <= high fires none of the d-flags.
+
+        theta_ll_ref needs d > log(tau); weight_blowup needs exp(d) - 1 > W (d > log1p(W))
+        or, when W < 1, 1 - exp(d) > W; clamp_saturated needs k3 > C, which needs
+        d > log1p(C) or d < -C (k3 <= C on [-C, log1p(C)]). A small margin absorbs rounding;
+        the flags themselves are then evaluated exactly on the few tokens outside.
+        """
+        high = min(np.log(self.tau), np.log1p(self.weight_limit), np.log1p(self.clamp))
+        low = -self.clamp
+        if self.weight_limit < 1.0:
+            low = max(low, np.log1p(-self.weight_limit))
+        return low * (1 + 1e-9) - 1e-12, high * (1 - 1e-9) - 1e-12
 
 
 def token_values(s: np.ndarray, r: np.ndarray, o: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -71,160 +85,35 @@ def _nan_to_inf(out: np.ndarray, a: np.ndarray, b: np.ndarray, sign_b: float) ->
     return np.where(bad, sign * np.inf, out)
 
 
-# ---- columns -------------------------------------------------------------------------
+# ---- columns and segments ----------------------------------------------------------
 
 
-def f64(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(values float64 with NaN at nulls, null mask or None); (None, None) if all null."""
+def f32(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(float32 values, NaN at nulls; null mask or None); (None, None) if every row is null."""
     col = batch.column(name)
     if col.null_count == len(col):
         return None, None
-    values = col.to_numpy(zero_copy_only=False).astype(np.float64)
+    values = col.to_numpy(zero_copy_only=False)
     return values, (np.asarray(col.is_null()) if col.null_count else None)
 
 
-def ints(batch: pa.RecordBatch, name: str, fill: int = 0) -> np.ndarray:
+def ints(batch: pa.RecordBatch, name: str) -> np.ndarray:
     col = batch.column(name)
-    if col.null_count:
-        col = col.fill_null(fill)
-    return col.to_numpy(zero_copy_only=False)
-
-
-class Seg:
-    """Consecutive segments of given lengths (zeros allowed) and reductions over them."""
-
-    def __init__(self, lengths: np.ndarray):
-        self.lengths = lengths
-        self.n = len(lengths)
-        self.nonempty = lengths > 0
-        self.dense = bool(self.nonempty.all())
-        self.starts = (np.cumsum(lengths) - lengths)[self.nonempty]
-
-    def _put(self, reduced: np.ndarray, fill, dtype) -> np.ndarray:
-        if self.dense:
-            return reduced
-        out = np.full(self.n, fill, dtype)
-        out[self.nonempty] = reduced
-        return out
-
-    def sum(self, a: np.ndarray) -> np.ndarray:
-        if not len(a):
-            return np.zeros(self.n)
-        return self._put(np.add.reduceat(a, self.starts), 0.0, np.float64)
-
-    def count(self, b: np.ndarray) -> np.ndarray:
-        if not len(b):
-            return np.zeros(self.n, np.int64)
-        return self._put(np.add.reduceat(b, self.starts, dtype=np.int64), 0, np.int64)
-
-    def max(self, a: np.ndarray) -> np.ndarray:
-        if not len(a):
-            return np.full(self.n, np.nan)
-        return self._put(np.fmax.reduceat(a, self.starts), np.nan, np.float64)
-
-    def min(self, a: np.ndarray) -> np.ndarray:
-        if not len(a):
-            return np.full(self.n, np.nan)
-        return self._put(np.fmin.reduceat(a, self.starts), np.nan, np.float64)
-
-    def hist(self, bin_index: np.ndarray, n_bins: int) -> np.ndarray:
-        """[n, n_bins] counts of bin_index per segment."""
-        if self.n == 1:
-            return np.bincount(bin_index, minlength=n_bins)[None, :]
-        seg_id = np.repeat(np.arange(self.n), self.lengths)
-        flat = np.bincount(seg_id * n_bins + bin_index, minlength=self.n * n_bins)
-        return flat.reshape(self.n, n_bins)
-
-
-def finite_sum(seg: Seg, v: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sum of the finite values, their count) per segment; v has no NaN from excluded rows."""
-    fin = np.isfinite(v)
-    if fin.all():
-        return seg.sum(v), n_valid
-    return seg.sum(np.where(fin, v, 0.0)), n_valid - seg.count(~fin)
-
-
-# ---- one batch -------------------------------------------------------------------------
-
-
-@dataclass
-class Tokens:
-    """The masked tokens of a batch (compressed), with validity of each derived value."""
-
-    d: np.ndarray  # logp_ref - logp; 0 where not valid_d
-    valid_d: np.ndarray | None  # None: every token valid
-    rho: np.ndarray  # exp(logp - logp_old); NaN where not valid_x
-    rho0: np.ndarray  # rho with 0 where not valid_x
-    x0: np.ndarray  # logp - logp_old; 0 where not valid_x
-    valid_x: np.ndarray | None
-    has_ref: bool
-
-
-def _valid(v: np.ndarray) -> np.ndarray | None:
-    ok = np.isfinite(v)
-    return None if ok.all() else ok
-
-
-def masked_tokens(s: np.ndarray, r: np.ndarray | None, o: np.ndarray | None,
-                  o_null: np.ndarray | None) -> Tokens:
-    """d and rho of the masked tokens (arrays already compressed to mask true)."""
-    if r is None:
-        d, valid_d = np.zeros_like(s), np.zeros(len(s), bool)
-    else:
-        d = r - s
-        valid_d = _valid(d)
-        if valid_d is not None:
-            d[~valid_d] = 0.0
-    if o is None:
-        x = np.zeros_like(s)
-    else:
-        x = s - o
-        if o_null is not None:
-            x[o_null] = 0.0  # a row without logp_old is on-policy: rho = 1
-    valid_x = _valid(x)
-    if valid_x is None:
-        with np.errstate(over="ignore"):
-            rho = np.exp(x)
-        return Tokens(d, valid_d, rho, rho, x, None, r is not None)
-    x[~valid_x] = np.nan
-    with np.errstate(over="ignore"):
-        rho = np.exp(x)
-    rho0 = np.where(valid_x, rho, 0.0)
-    x[~valid_x] = 0.0
-    return Tokens(d, valid_d, rho, rho0, x, valid_x, r is not None)
-
-
-def _both(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
-    if a is None:
-        return b
-    return a if b is None else a & b
-
-
-def _count(seg: Seg, valid: np.ndarray | None) -> np.ndarray:
-    return seg.lengths if valid is None else seg.count(valid)
-
-
-def _fix_products(prod: np.ndarray, valid: np.ndarray | None, rho0: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """rho * value: 0 * inf is +-inf for a valid token (estimators), 0 for an excluded one."""
-    nan = np.isnan(prod)
-    if not nan.any():
-        return prod
-    sign = np.sign(np.where(np.isinf(other), other, 1.0))
-    fixed = np.where(nan, sign * np.inf, prod)
-    return fixed if valid is None else np.where(valid, fixed, np.where(nan, 0.0, prod))
+    return (col.fill_null(0) if col.null_count else col).to_numpy(zero_copy_only=False)
 
 
 @dataclass
 class Batch:
-    """Raw columns of a record batch as numpy (float64 log-probs, NaN at nulls)."""
+    """A record batch as numpy: int keys, bool mask, float32 log-probs (NaN at nulls)."""
 
     n: int
     step: np.ndarray
     seq: np.ndarray
     mask: np.ndarray
-    lp: dict[str, np.ndarray | None]  # LOGPS and "advantage"
+    raw: dict[str, np.ndarray | None]  # LOGPS and "advantage", float32
     null: dict[str, np.ndarray | None]  # null masks, None when no row is null
-    arrow: pa.RecordBatch  # for the columns read only at a few rows (group, pos, token_id)
+    arrow: pa.RecordBatch  # columns read only at a few rows (group, pos, token_id, ...)
+    clean: bool  # no null row in a present column, every log-prob finite and <= 0
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> Batch:
@@ -232,23 +121,31 @@ class Batch:
         if len(step) > 1 and np.any(step[1:] < step[:-1]):  # not step-ordered: sort once
             batch = batch.take(pa.array(np.argsort(step, kind="stable")))
             step = ints(batch, "step")
-        lp, null = {}, {}
+        raw, null, clean = {}, {}, True
         for name in (*LOGPS, "advantage"):
-            lp[name], null[name] = f64(batch, name)
-        mask = batch.column("mask").fill_null(False).to_numpy(zero_copy_only=False)
-        return cls(batch.num_rows, step, ints(batch, "seq"), mask, lp, null, batch)
+            raw[name], null[name] = f32(batch, name)
+            if name in LOGPS and raw[name] is not None:
+                # max is NaN if any NaN; +inf or > 0 fails too; min catches -inf.
+                clean &= null[name] is None and bool(raw[name].max() <= 0) and bool(np.isfinite(raw[name].min()))
+        mask = batch.column("mask")
+        mask = (mask.fill_null(False) if mask.null_count else mask).to_numpy(zero_copy_only=False)
+        return cls(batch.num_rows, step, ints(batch, "seq"), mask, raw, null, batch, clean)
 
     def at(self, name: str, rows: np.ndarray, fill: int = 0) -> np.ndarray:
         """Integer column `name` at `rows` (nulls as `fill`), without converting the rest."""
-        col = self.arrow.column(name).take(pa.array(rows, pa.int64()))
-        return col.fill_null(fill).to_numpy(zero_copy_only=False).astype(np.int64)
+        col = self.arrow.column(name)
+        if col.null_count:
+            col = col.fill_null(fill)
+        return col.to_numpy(zero_copy_only=False)[rows].astype(np.int64)
 
-    def nonfinite_invalid(self) -> tuple[np.ndarray, np.ndarray]:
-        """[n] bool: any present log-prob NaN/inf; any log-prob > 0."""
+    def bad_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Row indices with a non-finite present log-prob, and with a log-prob > 0."""
+        if self.clean:
+            return np.zeros(0, np.intp), np.zeros(0, np.intp)
         nf = np.zeros(self.n, bool)
         inv = np.zeros(self.n, bool)
         for name in LOGPS:
-            v = self.lp[name]
+            v = self.raw[name]
             if v is None:
                 continue
             bad = ~np.isfinite(v)
@@ -257,4 +154,75 @@ class Batch:
             nf |= bad
             with np.errstate(invalid="ignore"):
                 inv |= v > 0
-        return nf, inv
+        return np.flatnonzero(nf), np.flatnonzero(inv)
+
+
+class Seg:
+    """Consecutive segments of given lengths (zeros allowed), and reductions over them.
+
+    Few segments (a batch spans a few steps): slice reductions, which are pairwise and
+    SIMD; many (sequences): ufunc.reduceat over the non-empty segments.
+    """
+
+    SLICES = 16
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths = np.asarray(lengths, np.int64)
+        self.n = len(lengths)
+        self.ends = np.cumsum(self.lengths)
+        self.begins = self.ends - self.lengths
+        self.nonempty = self.lengths > 0
+        self.dense = bool(self.nonempty.all())
+        self.starts = self.begins[self.nonempty]
+
+    def _reduce(self, ufunc, a: np.ndarray, fill, dtype=None) -> np.ndarray:
+        if self.n <= self.SLICES:
+            out = np.full(self.n, fill, dtype or np.result_type(a, type(fill)))
+            for i in np.flatnonzero(self.nonempty):
+                out[i] = ufunc.reduce(a[self.begins[i]:self.ends[i]], dtype=dtype)
+            return out
+        red = ufunc.reduceat(a, self.starts, dtype=dtype) if len(a) else np.zeros(0, dtype or a.dtype)
+        if self.dense:
+            return red
+        out = np.full(self.n, fill, red.dtype)
+        out[self.nonempty] = red
+        return out
+
+    def sum(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(np.add, a, 0.0)
+
+    def count(self, b: np.ndarray) -> np.ndarray:
+        return self._reduce(np.add, b, 0, np.int64)
+
+    def max(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(np.fmax, a, np.nan)  # fmax: NaN (an excluded token) never wins
+
+    def min(self, a: np.ndarray) -> np.ndarray:
+        return self._reduce(np.fmin, a, np.nan)
+
+    def count_at(self, idx: np.ndarray) -> np.ndarray:
+        """How many of the sorted positions `idx` fall in each segment."""
+        return np.searchsorted(idx, self.ends) - np.searchsorted(idx, self.begins)
+
+    def hist(self, bin_index: np.ndarray, n_bins: int) -> np.ndarray:
+        """[n, n_bins] counts of bin_index per segment."""
+        if self.n <= self.SLICES:
+            out = np.zeros((self.n, n_bins), np.int64)
+            for i, (a, b) in enumerate(zip(self.begins, self.ends, strict=True)):
+                out[i] = np.bincount(bin_index[a:b], minlength=n_bins)
+            return out
+        seg_id = np.repeat(np.arange(self.n), self.lengths)
+        return np.bincount(seg_id * n_bins + bin_index, minlength=self.n * n_bins).reshape(self.n, n_bins)
+
+
+def finite_sum(seg: Seg, v: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of the finite values, their count) per segment. Excluded tokens must hold 0.
+
+    The plain sum is finite exactly when every summand is (barring overflow of the sum,
+    which takes the exact path too), so the common case costs one pass.
+    """
+    total = seg.sum(v)
+    if np.isfinite(total).all():
+        return total, n_valid
+    fin = np.isfinite(v)
+    return seg.sum(np.where(fin, v, 0.0)), n_valid - seg.count(~fin)

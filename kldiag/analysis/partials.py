@@ -16,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -53,12 +55,56 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
     )
 
 
+KERNEL_ROWS = 1 << 18  # rows per kernel call: its float64 temporaries stay a few MB each
+
+
+def prefetched(items: Iterator, depth: int = 2) -> Iterator:
+    """Yield from `items`, produced by a background thread `depth` ahead.
+
+    Parquet decoding releases the GIL, so the next batch decodes while numpy works on this
+    one. Errors are re-raised here; closing the generator stops the thread.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop, done = threading.Event(), object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, which raises it
+            q.put(e)
+        q.put(done)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def _chunks(pf, batch_size: int) -> Iterator:
+    for batch in pf.iter_batches(batch_size=batch_size, columns=list(COLUMNS)):
+        for start in range(0, batch.num_rows, KERNEL_ROWS):
+            yield batch.slice(start, KERNEL_ROWS)
+
+
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
     """Stream one part (only COLUMNS) batch by batch; memory is bounded by batch_size."""
     pf = open_part(part, COLUMNS)
     steps, seqs, top, bad, rows = [], [], {}, {}, 0
     floor = -np.inf
-    for batch in pf.iter_batches(batch_size=batch_size, columns=list(COLUMNS)):
+    for batch in prefetched(_chunks(pf, batch_size)):
         r = batch_partials(batch, part.rank, th, floor)
         steps.append(r.steps)
         seqs.append(r.seqs)

@@ -64,7 +64,7 @@ def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
     """Record every loss micro-batch of `trainer` (a trl.GRPOTrainer or subclass) into `run_dir`.
 
     `recorder_options` go to `kldiag.Recorder` (e.g. rotate_steps, every_n_steps, strict);
-    `config` and `tags` given there are merged over what the hook derives from GRPOConfig.
+    A `config` given there is merged over the one the hook derives from GRPOConfig.
     Returns the Recorder; it is closed when training ends (trainer's on_train_end).
     Raises IntegrationError for an unsupported TRL version or a trainer already attached.
     """
@@ -88,7 +88,8 @@ def check_supported(trainer: Any) -> None:
         import trl
         from packaging.version import InvalidVersion, Version
     except ImportError as e:
-        raise IntegrationError(f"kldiag.integrations.trl needs trl{SUPPORTED_TRL}: pip install 'kldiag[trl]' ({e})")
+        raise IntegrationError(
+            f"kldiag.integrations.trl needs trl{SUPPORTED_TRL}: pip install 'kldiag[trl]' ({e})") from e
     try:
         release = Version(trl.__version__).release[:2]
     except InvalidVersion:
@@ -261,7 +262,7 @@ class _Hook:
     def install(self) -> None:
         t = self.trainer
         handlers = (self._on_generate, self._on_compute_loss, self._on_logps, self._on_log)
-        for name, handler in zip(self.WRAPPED, handlers):
+        for name, handler in zip(self.WRAPPED, handlers, strict=True):
             original = getattr(t, name)  # bound: the subclass's override if there is one
             setattr(t, name, functools.wraps(original)(functools.partial(handler, original)))
         t.add_callback(_close_callback(self))
@@ -377,8 +378,8 @@ def _reduce_across_ranks(p: dict[str, float], accelerator: Any) -> dict[str, flo
     keys = (*_SUM_KEYS, *_MAX_KEYS)
     local = torch.tensor([p[k] for k in keys], dtype=torch.float64, device=accelerator.device)
     every = accelerator.gather(local).view(-1, len(keys)).cpu().numpy()
-    merged = dict(zip(_SUM_KEYS, every[:, :len(_SUM_KEYS)].sum(axis=0)))
-    return merged | dict(zip(_MAX_KEYS, every[:, len(_SUM_KEYS):].max(axis=0)))
+    merged = dict(zip(_SUM_KEYS, every[:, :len(_SUM_KEYS)].sum(axis=0), strict=True))
+    return merged | dict(zip(_MAX_KEYS, every[:, len(_SUM_KEYS):].max(axis=0), strict=True))
 
 
 def _close_callback(hook: _Hook) -> Any:

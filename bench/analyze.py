@@ -1,0 +1,161 @@
+"""Analysis throughput against baselines measured in the same run (DESIGN.md section 5).
+
+    python bench/analyze.py                 # 50M synthetic tokens (about 1 GB in a temp dir)
+    python bench/analyze.py --tokens 10e6   # smaller and faster
+
+Prints, for a run written by kldiag.synth with the recorder's Parquet settings:
+- end-to-end `kldiag.analyze` (1 worker, no cache) tokens/s, as a ratio to one DuckDB
+  query computing per-step means and maxima of the same estimators over the same files
+  (target >= 2x), and to pyarrow reading only the columns analysis reads (target <= 1.5x
+  the time);
+- the time of an incremental re-analysis after one more part file (cache on);
+- peak RSS of an analysis in a fresh process, for a 10M-token prefix and the whole run
+  (target: flat).
+Each timing is the best of --repeat runs, interleaved, because the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.kernel import COLUMNS
+from kldiag.format import MANIFEST, TOKENS_DIR, list_parts
+from kldiag.synth import SynthConfig, make_run
+
+SEQS, MEAN_LEN = 1000, 500  # per step: 500k tokens
+
+DUCKDB_QUERY = """
+WITH t AS (
+  SELECT step, logp_ref::DOUBLE - logp::DOUBLE AS d,
+         COALESCE(logp::DOUBLE - logp_old::DOUBLE, 0) AS x
+  FROM read_parquet('{glob}') WHERE mask
+)
+SELECT step, count(*) AS tokens, avg(-d) AS k1_mean, avg(0.5 * d * d) AS k2_mean,
+  avg(exp(d) - d - 1) AS k3_mean, avg(exp(x) * (exp(d) - d - 1)) AS k3_is_mean,
+  avg(abs(exp(d) - 1)) AS weight_k3_abs_mean, max(abs(exp(d) - 1)) AS weight_k3_abs_max,
+  max(exp(x) * abs(d)) AS weight_k3_is_abs_max, avg(exp(x)) AS rho_mean, min(exp(x)) AS rho_min,
+  max(exp(x)) AS rho_max, count(*) FILTER (WHERE d > ln(20)) AS theta_ll_ref_count,
+  count(*) FILTER (WHERE abs(exp(d) - 1) > 10) AS weight_blowup_count
+FROM t GROUP BY step ORDER BY step
+"""
+
+
+def make(root: Path, tokens: float) -> tuple[Path, int]:
+    steps = max(2, int(round(tokens / (SEQS * MEAN_LEN))))
+    cfg = SynthConfig(steps=steps, seqs_per_step=SEQS, seq_len=(MEAN_LEN // 2, MEAN_LEN * 3 // 2), vocab_size=0,
+                      blowup_step=steps // 2, rows_per_file=1 << 20)
+    t = time.perf_counter()
+    make_run(root / "run", cfg)
+    rows = sum(pq.ParquetFile(p.path).metadata.num_rows for p in list_parts(root / "run"))
+    print(f"wrote {rows / 1e6:.1f}M tokens, {len(list_parts(root / 'run'))} parts, "
+          f"{sum(p.size for p in list_parts(root / 'run')) / 1e6:.0f} MB in {time.perf_counter() - t:.1f}s")
+    return root / "run", steps
+
+
+def time_analyze(run: Path) -> float:
+    t = time.perf_counter()
+    analyze(run, AnalysisConfig(use_cache=False))
+    return time.perf_counter() - t
+
+
+def time_pyarrow(run: Path) -> float:
+    t = time.perf_counter()
+    for part in list_parts(run):
+        for _ in pq.ParquetFile(part.path).iter_batches(batch_size=1 << 20, columns=list(COLUMNS)):
+            pass
+    return time.perf_counter() - t
+
+
+def time_duckdb(run: Path) -> float:
+    import duckdb
+
+    con = duckdb.connect()
+    t = time.perf_counter()
+    con.execute(DUCKDB_QUERY.format(glob=f"{run}/{TOKENS_DIR}/rank=*/part-*.parquet")).fetchall()
+    return time.perf_counter() - t
+
+
+def peak_rss_mb(run: Path) -> float:
+    code = ("import resource, sys; from kldiag.analysis import analyze, AnalysisConfig; "
+            "analyze(sys.argv[1], AnalysisConfig(use_cache=False)); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def prefix_run(run: Path, dest: Path, rows: float) -> Path:
+    """A run holding the first parts of `run` (hard links) up to about `rows` rows."""
+    (dest / TOKENS_DIR / "rank=0").mkdir(parents=True)
+    shutil.copy(run / MANIFEST, dest / MANIFEST)
+    total = 0
+    for part in list_parts(run):
+        if total >= rows:
+            break
+        os.link(part.path, dest / TOKENS_DIR / "rank=0" / part.path.name)
+        total += pq.ParquetFile(part.path).metadata.num_rows
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=float, default=50e6)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kldiag-bench-") as tmp:
+        root = Path(tmp)
+        run, steps = make(root, args.tokens)
+        rows = sum(pq.ParquetFile(p.path).metadata.num_rows for p in list_parts(run))
+        time_analyze(run)  # warm: imports, page cache
+        best = {"analyze": 1e9, "duckdb": 1e9, "pyarrow": 1e9}
+        for _ in range(args.repeat):
+            best["analyze"] = min(best["analyze"], time_analyze(run))
+            best["duckdb"] = min(best["duckdb"], time_duckdb(run))
+            best["pyarrow"] = min(best["pyarrow"], time_pyarrow(run))
+        figures = {"tokens": rows, **{f"{k}_s": v for k, v in best.items()},
+                   **{f"{k}_mtok_s": rows / v / 1e6 for k, v in best.items()}}
+        figures["analyze_vs_duckdb_speed"] = best["duckdb"] / best["analyze"]
+        figures["analyze_vs_pyarrow_time"] = best["analyze"] / best["pyarrow"]
+        analyze(run)  # fills the cache
+        make_run(run, SynthConfig(steps=steps + 2, seqs_per_step=SEQS, seq_len=(MEAN_LEN // 2, MEAN_LEN * 3 // 2),
+                                  vocab_size=0, blowup_step=steps // 2), steps=range(steps, steps + 2), manifest=False)
+        t = time.perf_counter()
+        inc = analyze(run)
+        figures["incremental_s"] = time.perf_counter() - t
+        figures["incremental_files_new"] = inc.files_new
+        figures["full_over_incremental"] = best["analyze"] / figures["incremental_s"]
+        small = prefix_run(run, root / "prefix", min(10e6, rows / 5))
+        figures["rss_mb_small"] = peak_rss_mb(small)
+        figures["rss_mb_full"] = peak_rss_mb(run)
+        figures["rss_small_tokens"] = sum(pq.ParquetFile(p.path).metadata.num_rows for p in list_parts(small))
+    report(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+def report(f: dict) -> None:
+    print(f"tokens: {f['tokens'] / 1e6:.1f}M (best of runs; shared machine, expect +-20% noise)")
+    print(f"  kldiag analyze   {f['analyze_s']:.2f}s  {f['analyze_mtok_s']:.1f} M tokens/s")
+    print(f"  DuckDB query     {f['duckdb_s']:.2f}s  {f['duckdb_mtok_s']:.1f} M tokens/s")
+    print(f"  pyarrow read     {f['pyarrow_s']:.2f}s  {f['pyarrow_mtok_s']:.1f} M tokens/s ({len(COLUMNS)} columns)")
+    print(f"analyze / DuckDB speed:  {f['analyze_vs_duckdb_speed']:.2f}x   (target >= 2)")
+    print(f"analyze / pyarrow time:  {f['analyze_vs_pyarrow_time']:.2f}x   (target <= 1.5)")
+    print(f"incremental re-analysis after {f['incremental_files_new']} new part(s): {f['incremental_s']:.2f}s "
+          f"({f['full_over_incremental']:.1f}x faster than a full analysis)")
+    print(f"peak RSS: {f['rss_mb_small']:.0f} MB at {f['rss_small_tokens'] / 1e6:.0f}M tokens, "
+          f"{f['rss_mb_full']:.0f} MB at {f['tokens'] / 1e6:.0f}M tokens (target: flat)")
+
+
+if __name__ == "__main__":
+    main()

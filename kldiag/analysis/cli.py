@@ -1,0 +1,136 @@
+"""`kldiag analyze RUN_DIR`: per-step summary and alerts; --out writes the tables, --json a summary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from kldiag.analysis.engine import analyze
+from kldiag.analysis.types import Analysis, AnalysisConfig
+
+# Options that are not thresholds, handled by hand.
+_SKIP = {"workers", "strict", "use_cache"}
+SUMMARY_COLUMNS = ("step", "tokens", "k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_abs_p99",
+                   "blame_share", "flagged_frac", "nonfinite_count", "rho_max")
+MAX_ROWS = 40
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("analyze", help="analyse a run directory: per-step metrics, flags, alerts",
+                              description=__doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV here")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
+    p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")
+    p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
+    p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
+    defaults = AnalysisConfig()
+    for f in dataclasses.fields(AnalysisConfig):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=f"(AnalysisConfig.{f.name})")
+        else:
+            kind = int if isinstance(default, int) or f.name == "top_k_sequences" else float
+            p.add_argument(flag, type=kind, default=default, help=f"default {default} (AnalysisConfig.{f.name})")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(AnalysisConfig) if f.name not in _SKIP}
+    return AnalysisConfig(**kw, workers=args.workers, strict=args.strict, use_cache=not args.no_cache)
+
+
+def run(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = analyze(args.run_dir, config_from_args(args))
+    for w in caught:
+        print(f"kldiag: warning: {w.message}", file=sys.stderr)
+    if args.out:
+        write_tables(a, args.out)
+    if args.json:
+        print(json.dumps(summary(a), indent=2, default=_json_default))
+    else:
+        print(render(a))
+    return 0
+
+
+def write_tables(a: Analysis, out: Path) -> list[Path]:
+    """steps, sequences, flags, alerts (and trainer_kl, steps_by_rank) as .parquet and .csv."""
+    out.mkdir(parents=True, exist_ok=True)
+    named = {"steps": a.steps, "sequences": a.sequences, "flags": a.flags, "alerts": a.alerts,
+             "trainer_kl": a.trainer_kl, "steps_by_rank": a.steps_by_rank}
+    written = []
+    for name, table in named.items():
+        if table is None:
+            continue
+        pq.write_table(table, out / f"{name}.parquet")
+        pcsv.write_csv(table, out / f"{name}.csv")
+        written += [out / f"{name}.parquet", out / f"{name}.csv"]
+    return written
+
+
+def _json_default(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no NaN or infinity: a missing value is null, an overflow the string "inf"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def summary(a: Analysis) -> dict[str, Any]:
+    """What --json prints: run facts, the per-step table, alerts, worst tokens (first 20)."""
+    return {
+        "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
+        "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
+        "steps": [{k: _clean(v) for k, v in r.items()} for r in a.steps.to_pylist()],
+        "alerts": [{k: _clean(v) for k, v in r.items()} for r in a.alerts.to_pylist()],
+        "flags": [{k: _clean(v) for k, v in r.items()} for r in a.flags.slice(0, 20).to_pylist()],
+        "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render(a: Analysis) -> str:
+    """A readable per-step table (first and last rows when long) and the alerts."""
+    t = a.steps.select(list(SUMMARY_COLUMNS))
+    rows = t.to_pylist()
+    shown = rows if len(rows) <= MAX_ROWS else rows[: MAX_ROWS // 2] + [None] + rows[-MAX_ROWS // 2:]
+    cells = [[_fmt(r[c]) for c in SUMMARY_COLUMNS] if r else ["..."] * len(SUMMARY_COLUMNS) for r in shown]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(SUMMARY_COLUMNS)]
+    lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
+             f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(SUMMARY_COLUMNS, widths, strict=True)))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    if len(rows) > MAX_ROWS:
+        lines.append(f"({len(rows) - MAX_ROWS} steps not shown; --out DIR or --json gives all)")
+    lines.append("")
+    lines.append(f"alerts ({a.alerts.num_rows}):" if a.alerts.num_rows else "alerts: none")
+    lines += [f"  {m}" for m in a.alerts.column("message").to_pylist()]
+    if a.skipped:
+        lines.append(f"skipped {len(a.skipped)} unreadable part(s): " + ", ".join(a.skipped))
+    return "\n".join(lines)

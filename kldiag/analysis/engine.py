@@ -1,0 +1,149 @@
+"""`analyze(run_dir)`: stream every part once, cache its partial, merge, build the tables.
+
+Parts are independent: each is reduced to a `Partial` (partials.py) by streaming record
+batches, in this process or in `config.workers` processes, or read back from the cache in
+RUN/.kldiag/. Partials are merged in part order whatever the workers did, so the result
+of a cached, incremental or parallel analysis equals a full serial recompute exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+
+from kldiag.analysis import alerts, partials, tables
+from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis.types import Analysis, AnalysisConfig
+from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
+from kldiag.format import Manifest, PartInfo, open_run
+
+
+def validate(cfg: AnalysisConfig) -> None:
+    """Raise ValueError naming the option when a threshold makes no sense."""
+    checks = [("tau", cfg.tau > 1, "> 1 (pi_theta at least tau times below pi_ref)"),
+              ("weight_limit", cfg.weight_limit > 0, "> 0"), ("clamp", cfg.clamp > 0, "> 0"),
+              ("clip_low", cfg.clip_low is None or 0 <= cfg.clip_low < 1, "in [0, 1)"),
+              ("clip_high", cfg.clip_high is None or cfg.clip_high >= 0, ">= 0"),
+              ("top_k", cfg.top_k >= 0, ">= 0"), ("alert_window", cfg.alert_window >= 1, ">= 1"),
+              ("alert_factor", cfg.alert_factor > 1, "> 1"), ("workers", cfg.workers >= 1, ">= 1"),
+              ("batch_size", cfg.batch_size >= 1, ">= 1"),
+              ("top_k_sequences", cfg.top_k_sequences is None or cfg.top_k_sequences >= 0, ">= 0 or None")]
+    for name, ok, want in checks:
+        if not ok:
+            raise ValueError(f"AnalysisConfig.{name} = {getattr(cfg, name)!r} must be {want}")
+
+
+def thresholds(cfg: AnalysisConfig, manifest: Manifest) -> Thresholds:
+    """Kernel thresholds; the clip range comes from the config, else the manifest, else 0.2."""
+    clip = manifest.config.get("clip_range") or [0.2, 0.2]
+    if isinstance(clip, (int, float)):
+        clip = [clip, clip]
+    low = cfg.clip_low if cfg.clip_low is not None else float(clip[0])
+    high = cfg.clip_high if cfg.clip_high is not None else float(clip[1])
+    return Thresholds(float(cfg.tau), float(cfg.weight_limit), float(cfg.clamp), low, high, int(cfg.top_k))
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed buffers for reuse instead of returning them to the OS.
+
+    The kernel allocates many batch-sized temporaries; page-faulting fresh ones costs as
+    much as the arithmetic (measured in bench/analyze.py). Caps: 256 MiB kept.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: serve batch temporaries from the heap
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to this much freed memory
+    except (OSError, AttributeError):
+        pass
+
+
+def _compute(part: PartInfo, th: Thresholds, batch_size: int) -> partials.Partial | Exception:
+    """Worker entry point: a Partial, or the error that made the part unreadable."""
+    keep_freed_memory()
+    try:
+        return partials.compute_part(part, th, batch_size)
+    except (RunFormatError, OSError, pa.ArrowException) as e:
+        return e
+
+
+def _skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> None:
+    if strict:
+        raise error if isinstance(error, RunFormatError) else CorruptPartError(
+            f"part file {part.path} is unreadable ({error}); delete it or move it out of the run") from error
+    warnings.warn(f"kldiag: skipping part {part.path}: {error}", stacklevel=3)
+    skipped.append(str(part.path))
+
+
+def part_partials(run_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: AnalysisConfig,
+                  skipped: list[str]) -> tuple[list[partials.Partial], int]:
+    """The partial of every readable part, in part order; also how many were computed now."""
+    found: dict[int, partials.Partial] = {}
+    if cfg.use_cache:
+        for i, part in enumerate(parts):
+            cached = partials.load(partials.cache_path(run_dir, part, th))
+            if cached is not None:
+                found[i] = cached
+    todo = [i for i in range(len(parts)) if i not in found]
+    if cfg.workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo))) as pool:
+            results = list(pool.map(_compute, [parts[i] for i in todo], [th] * len(todo),
+                                    [cfg.batch_size] * len(todo)))
+    else:
+        results = [_compute(parts[i], th, cfg.batch_size) for i in todo]
+    for i, result in zip(todo, results, strict=True):
+        if isinstance(result, Exception):
+            _skip(parts[i], result, cfg.strict, skipped)
+            continue
+        found[i] = result
+        if cfg.use_cache:
+            partials.save(partials.cache_path(run_dir, parts[i], th), result)
+    return [found[i] for i in sorted(found)], len(todo)
+
+
+def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) -> Analysis:
+    """Analyse a run directory (format v1); see kldiag.analysis.types.Analysis for the result.
+
+    Raises NotARunError / UnsupportedFormatVersionError for a directory that is not a
+    readable run, EmptyRunError when it holds no token rows yet.
+    """
+    cfg = config or AnalysisConfig()
+    validate(cfg)
+    t0 = time.perf_counter()
+    keep_freed_memory()
+    run = open_run(run_dir)
+    parts = run.parts()
+    if not parts:
+        raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank=R/part-*.parquet); "
+                            "record some steps first, or wait for the recorder to rotate its first file")
+    th = thresholds(cfg, run.manifest)
+    skipped: list[str] = []
+    found, computed = part_partials(run.path, parts, th, cfg, skipped)
+    merged = partials.merge(found, th.top_k)
+    if merged.rows == 0:
+        raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
+                            f"{len(skipped)} skipped as unreadable)")
+    return build(run, cfg, merged, len(parts), computed, skipped, time.perf_counter() - t0)
+
+
+def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, computed: int,
+          skipped: list[str], seconds: float) -> Analysis:
+    per_step = tables.by_step(merged.steps)
+    steps = tables.step_table(per_step, merged.seqs, cfg)
+    flags = tables.flag_table(merged.top, merged.bad, run.vocab(), cfg)
+    return Analysis(
+        run_dir=run.path, manifest=run.manifest, config=cfg, steps=steps,
+        sequences=tables.sequence_table(merged.seqs, cfg), flags=flags,
+        histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg),
+        steps_by_rank=tables.step_table(merged.steps, merged.seqs, cfg, ("step", "rank")) if cfg.per_rank else None,
+        trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config) if cfg.trainer_compatible else None,
+        files=files, files_new=computed, skipped=skipped,
+        info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9)})

@@ -1,0 +1,80 @@
+"""Partials merge associatively: any grouping and order of files gives the same result."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kldiag.analysis import keyed, partials
+from kldiag.analysis.kernel import Thresholds
+from kldiag.format import list_parts
+from kldiag.synth import SynthConfig, make_run
+
+TH = Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 25)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "p"
+    # Small files and batches: sequences and steps span files, ranks share steps.
+    make_run(run, SynthConfig(steps=6, seqs_per_step=8, seq_len=(5, 30), ranks=2, rows_per_file=300,
+                              blowup_step=3, blowup_frac=0.05, nonfinite=((2, "logp"),)))
+    found = list_parts(run)
+    return [partials.compute_part(p, TH, batch_size=97) for p in found]
+
+
+def assert_same(a: partials.Partial, b: partials.Partial) -> None:
+    assert a.rows == b.rows
+    for table in partials.TABLES:
+        x, y = getattr(a, table), getattr(b, table)
+        assert sorted(x) == sorted(y), table
+        for col in x:
+            if col.startswith("sum_"):  # float sums: equal up to summation order
+                np.testing.assert_allclose(x[col], y[col], rtol=1e-12, err_msg=f"{table}.{col}")
+            else:
+                np.testing.assert_array_equal(x[col], y[col], err_msg=f"{table}.{col}")
+
+
+def test_merge_order_and_grouping_do_not_matter(parts):
+    assert len(parts) >= 4
+    reference = partials.merge(parts, TH.top_k)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        shuffled = [parts[i] for i in rng.permutation(len(parts))]
+        assert_same(partials.merge(shuffled, TH.top_k), reference)
+    head, tail = parts[: len(parts) // 2], parts[len(parts) // 2:]
+    nested = partials.merge([partials.merge(tail, TH.top_k), partials.merge(head, TH.top_k)], TH.top_k)
+    assert_same(nested, reference)
+    pairwise = parts[0]
+    for p in parts[1:]:
+        pairwise = partials.merge([p, pairwise], TH.top_k)
+    assert_same(pairwise, reference)
+
+
+def test_merged_sequences_are_whole(parts):
+    merged = partials.merge(parts, TH.top_k)
+    keys = list(zip(merged.seqs["step"], merged.seqs["seq"], strict=True))
+    assert len(keys) == len(set(keys)) == 6 * 8 * 2
+    assert merged.steps["n_nonfinite"].sum() == 1
+    assert len(merged.top["wabs"]) == TH.top_k and np.all(np.diff(merged.top["wabs"]) <= 0)
+
+
+def test_cache_roundtrip(parts, tmp_path):
+    path = tmp_path / "p.npz"
+    assert partials.save(path, parts[0])
+    assert_same(partials.load(path), parts[0])
+    path.write_bytes(b"not a zip")
+    assert partials.load(path) is None
+
+
+def test_reduce_by_key_combines_each_column_by_its_prefix():
+    t = {"step": np.array([2, 1, 2]), "sum_x": np.array([1.0, 2.0, 3.0]), "max_y": np.array([np.nan, 5.0, 4.0]),
+         "first_g": np.array([7, 8, 9]), "h_z": np.array([[1, 0], [0, 1], [2, 2]])}
+    for perm in itertools.permutations(range(3)):
+        out = keyed.reduce_by_key({k: v[list(perm)] for k, v in t.items()})
+        np.testing.assert_array_equal(out["step"], [1, 2])
+        np.testing.assert_array_equal(out["sum_x"], [2.0, 4.0])
+        np.testing.assert_array_equal(out["max_y"], [5.0, 4.0])
+        np.testing.assert_array_equal(out["h_z"], [[0, 1], [3, 2]])
