@@ -109,7 +109,8 @@ def test_flags_alerts_and_sequences(bad_run):
     assert ("weight_blowup_onset", 6) in kinds and ("nonfinite", 4) in kinds and ("invalid", 9) in kinds
     assert all(r["step"] >= 6 for r in a.alerts.to_pylist() if r["kind"] == "blame_share")
     seqs = a.sequences.to_pandas()
-    assert len(seqs) == 12 * 12 * 2 and seqs["flagged_count"].sum() >= a.steps.column("weight_blowup_count").to_numpy().sum()
+    blowups = a.steps.column("weight_blowup_count").to_numpy().sum()
+    assert len(seqs) == 12 * 12 * 2 and seqs["flagged_count"].sum() >= blowups
     per_step = seqs.groupby("step")["length"].sum().to_numpy()
     np.testing.assert_array_equal(per_step, a.steps.column("rows").to_numpy())
 
@@ -118,7 +119,8 @@ def test_per_rank_rows_add_up(bad_run):
     a = analyze(bad_run, AnalysisConfig(use_cache=False, per_rank=True))
     by_rank = a.steps_by_rank.to_pandas()
     assert set(by_rank["rank"]) == {0, 1}
-    np.testing.assert_array_equal(by_rank.groupby("step")["tokens"].sum().to_numpy(), a.steps.column("tokens").to_numpy())
+    tokens = by_rank.groupby("step")["tokens"].sum().to_numpy()
+    np.testing.assert_array_equal(tokens, a.steps.column("tokens").to_numpy())
 
 
 def test_incremental_equals_full_recompute(tmp_path):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import trl
+from transformers import TrainerCallback
 
 import kldiag
 from kldiag import estimators as E
@@ -246,8 +247,24 @@ class SubclassedGRPOTrainer(trl.GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
 
+class LogsSeenByCallbacks(TrainerCallback):
+    """What W&B/TensorBoard callbacks receive: the dict passed to on_log."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
 def test_user_subclass_is_recorded(tiny_model_dir, tmp_path):
-    trainer, run, _ = train_attached(tiny_model_dir, tmp_path, trainer_cls=SubclassedGRPOTrainer, max_steps=2)
+    seen = LogsSeenByCallbacks()
+    trainer = make_trainer(tiny_model_dir, tmp_path / "out", SubclassedGRPOTrainer, max_steps=2)
+    trainer.add_callback(seen)
+    run = tmp_path / "run"
+    kt.attach(trainer, run)
+    trainer.train()
+    assert [any(k.startswith("kldiag/") for k in logs) for logs in seen.logs] == [True, True, False]
     assert SubclassedGRPOTrainer.calls == 4
     mine = recorded_trainer_kl(run)
     trl_kl = logged(trainer, "kl")

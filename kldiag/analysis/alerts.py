@@ -76,8 +76,9 @@ def _jumps(step, v, cfg: AnalysisConfig, kind: str, metric: str, floor, gate, mi
             fire &= v >= min_count
     out = []
     for i in _onsets(np.nan_to_num(fire, nan=False).astype(bool)):
+        jump = f"{v[i] / base[i]:.0f}x" if base[i] > 0 else "up from 0"
         out.append((int(step[i]), kind, metric, float(v[i]), float(base[i]),
-                    f"step {step[i]}: {metric} = {v[i]:.3g}, {v[i] / base[i]:.0f}x its median over the previous "
+                    f"step {step[i]}: {metric} = {v[i]:.3g}, {jump} its median over the previous "
                     f"{cfg.alert_window} steps ({base[i]:.3g})"))
     return out
 

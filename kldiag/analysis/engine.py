@@ -9,6 +9,7 @@ of a cached, incremental or parallel analysis equals a full serial recompute exa
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import sys
 import time
@@ -94,7 +95,9 @@ def part_partials(run_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: Ana
                 found[i] = cached
     todo = [i for i in range(len(parts)) if i not in found]
     if cfg.workers > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo))) as pool:
+        # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
+        ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=ctx) as pool:
             results = list(pool.map(_compute, [parts[i] for i in todo], [th] * len(todo),
                                     [cfg.batch_size] * len(todo)))
     else:

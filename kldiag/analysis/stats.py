@@ -207,6 +207,8 @@ def top_rows(b: Batch, rank: int, th: Thresholds, t: Tokens, idx: np.ndarray | N
 
 def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf) -> BatchResult:
     """Everything the analysis keeps from one record batch of format v1 columns."""
+    if batch.num_rows == 0:
+        return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
     st, sq = segment_starts([b.step]), segment_starts([b.step, b.seq])
     rows_st, rows_sq = Seg(np.diff(np.append(st, b.n))), Seg(np.diff(np.append(sq, b.n)))
