@@ -8,7 +8,7 @@ import pytest
 
 from kldiag import estimators as E
 from kldiag.analysis import bins
-from kldiag.analysis.kernel import Batch, Seg, Thresholds, token_values
+from kldiag.analysis.kernel import Batch, Seg, Thresholds
 from kldiag.analysis.stats import flagged
 from kldiag.analysis.tokens import masked_tokens
 from kldiag.analysis.types import ABS_EDGES, D_EDGES
@@ -24,16 +24,6 @@ def _grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     o = np.roll(s, 3)
     typical = -rng.exponential(1.0, (3, 500))
     return (np.concatenate([s, typical[0]]), np.concatenate([r, typical[1]]), np.concatenate([o, typical[2]]))
-
-
-def test_token_values_equal_estimators():
-    s, r, o = _grid()
-    v = token_values(s, r, o)
-    with np.errstate(all="ignore"):
-        expected = {"k1": E.k1(s, r), "k2": E.k2(s, r), "k3": E.k3(s, r), "weight_k3": E.weight_k3(s, r),
-                    "rho": E.rho(s, o), "k3_is": E.k3_is(s, r, o), "weight_k3_is": E.weight_k3_is(s, r, o)}
-    for name, want in expected.items():
-        np.testing.assert_array_equal(v[name], want, err_msg=name)
 
 
 def _batch(s, r, o, m=None, mask=None) -> Batch:
@@ -57,18 +47,24 @@ def _batch(s, r, o, m=None, mask=None) -> Batch:
 
 def test_masked_tokens_equal_estimators_on_float32_inputs():
     s, r, o = (a.astype(np.float32) for a in _grid())
+    s[:3], r[3:6], o[6:9] = [np.nan, np.inf, -np.inf], [np.nan, np.inf, -np.inf], [np.nan, np.inf, -np.inf]
     mask = np.random.default_rng(1).random(len(s)) > 0.2
     b = _batch(s, r, o, mask=mask)
     t = masked_tokens(b, np.flatnonzero(mask))
     s64, r64, o64 = (a[mask].astype(np.float64) for a in (s, r, o))
-    valid = np.isfinite(r64 - s64)
     with np.errstate(all="ignore"):
+        valid, valid_x = np.isfinite(r64 - s64), np.isfinite(s64 - o64)
+        both = valid & valid_x
         np.testing.assert_array_equal(t.d[valid], E.log_ratio(s64, r64)[valid])
         np.testing.assert_array_equal(t.k3[valid], E.k3(s64, r64)[valid])
         np.testing.assert_array_equal(t.w[valid], np.abs(E.weight_k3(s64, r64))[valid])
-        np.testing.assert_array_equal(t.rho, E.rho(s64, o64))
-        np.testing.assert_array_equal(t.k3_is[valid], E.k3_is(s64, r64, o64)[valid])
-        np.testing.assert_array_equal(t.w_is[valid], np.abs(E.weight_k3_is(s64, r64, o64))[valid])
+        np.testing.assert_array_equal(t.rho[valid_x], E.rho(s64, o64)[valid_x])
+        np.testing.assert_array_equal(t.k3_is[both], E.k3_is(s64, r64, o64)[both])
+        np.testing.assert_array_equal(t.w_is[both], np.abs(E.weight_k3_is(s64, r64, o64))[both])
+    # Excluded tokens hold 0 in the summed arrays and NaN in rho, so sums need no mask.
+    assert not valid.all() and np.all(t.d[~valid] == 0) and np.all(t.k3[~valid] == 0)
+    assert np.all(np.isnan(t.rho[~valid_x])) and np.all(t.rho0[~valid_x] == 0) and np.all(t.k3_is[~both] == 0)
+    with np.errstate(all="ignore"):
         fl = E.flags(s64, r64, o64, tau=20.0, limit=10.0, clamp=10.0)
     f = flagged(t, Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 10), np.zeros(0, np.intp))
     for name in ("theta", "blowup", "clamp"):

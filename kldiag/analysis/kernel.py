@@ -1,16 +1,14 @@
-"""The streaming kernel: one record batch -> per-step, per-sequence and flag partials.
+"""Kernel building blocks: columns of a record batch as numpy, segments, thresholds.
 
-Per-token maths is that of kldiag.estimators (DESIGN.md section 2), derived from
-d = logp_ref - logp and x = logp - logp_old computed once (tests/test_analysis_kernel.py
-checks every value against estimators.py):
+Per-token maths (tokens.py) is that of kldiag.estimators (DESIGN.md section 2), derived
+from d = logp_ref - logp and x = logp - logp_old computed once
+(tests/test_analysis_kernel.py checks every value against estimators.py):
 
     k1 = -d    k2 = d^2 / 2    k3 = expm1(d) - d    weight_k3 = -expm1(d)
     rho = exp(x)    k3_is = rho * k3    weight_k3_is = rho * (-d)
 
-Everything is float64. Only tokens in the loss (mask true) enter the step and sequence
-metrics; a metric's sums skip tokens where its value is not finite (counted separately),
-so a NaN never turns a mean into NaN. Batches are grouped by step and by (step, seq) with
-np.add.reduceat over runs of equal keys: recorder files are step-ordered, so no sort.
+Everything is float64. Rows are grouped by step and by (step, seq) as runs of equal
+consecutive keys (`Seg`): recorder files are step-ordered, so no sort is needed.
 """
 
 from __future__ import annotations
@@ -53,36 +51,8 @@ class Thresholds:
         low = -self.clamp
         if self.weight_limit < 1.0:
             low = max(low, np.log1p(-self.weight_limit))
-        return low * (1 + 1e-9) - 1e-12, high * (1 - 1e-9) - 1e-12
-
-
-def token_values(s: np.ndarray, r: np.ndarray, o: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Per-token values the kernel uses, from float64 log-probs [n] (o None: on-policy).
-
-    Shapes [n]. Overflow gives +-inf, and a product 0 * inf of finite inputs gives +inf,
-    as in estimators._nan_to_inf_product.
-    """
-    d = r - s
-    x = np.zeros_like(s) if o is None else s - o
-    with np.errstate(over="ignore", invalid="ignore"):
-        em = np.expm1(d)
-        k3 = np.where(d == np.inf, np.inf, em - d)
-        rho = np.exp(x)
-        k3_is = rho * k3
-        w_is = rho * -d
-    k3_is = _nan_to_inf(k3_is, rho, k3, 1.0)
-    w_is = _nan_to_inf(w_is, rho, d, -1.0)
-    return {"d": d, "x": x, "k1": -d, "k2": 0.5 * d * d, "k3": k3, "weight_k3": -em,
-            "rho": rho, "k3_is": k3_is, "weight_k3_is": w_is}
-
-
-def _nan_to_inf(out: np.ndarray, a: np.ndarray, b: np.ndarray, sign_b: float) -> np.ndarray:
-    bad = np.isnan(out)
-    if not bad.any():
-        return out
-    bad &= ~np.isnan(a) & ~np.isnan(b)
-    sign = np.sign(np.where(np.isinf(a), a, 1.0)) * np.sign(np.where(np.isinf(b), sign_b * b, 1.0))
-    return np.where(bad, sign * np.inf, out)
+        # Shrink the window toward 0 on both sides: a token on its border is always evaluated.
+        return low * (1 - 1e-9) + 1e-12, high * (1 - 1e-9) - 1e-12
 
 
 # ---- columns and segments ----------------------------------------------------------
