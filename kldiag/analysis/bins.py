@@ -109,6 +109,13 @@ def d_bins(d: np.ndarray) -> np.ndarray:
     return out
 
 
+def d_grid() -> np.ndarray:
+    """(1 / step, offset, number of edges) of D_EDGES, for the compiled d_bins (fused.d_bin)."""
+    if not _D_UNIFORM:
+        raise ValueError("D_EDGES must be uniform with a power-of-two step for exact binning")
+    return np.array([1.0 / _D_STEP, _D_OFFSET, float(len(D_EDGES))])
+
+
 def quantile(counts: np.ndarray, edges: np.ndarray, q: float, vmax: float) -> float:
     """q-quantile from log-spaced histogram counts [n_bins], interpolated geometrically.
 

@@ -1,14 +1,7 @@
-"""Kernel building blocks: columns of a record batch as numpy, segments, thresholds.
+"""Kernel inputs: the columns of a record batch as numpy, and the thresholds.
 
-Per-token maths (tokens.py) is that of kldiag.estimators (DESIGN.md section 2), derived
-from d = logp_ref - logp and x = logp - logp_old computed once
-(tests/test_analysis_kernel.py checks every value against estimators.py):
-
-    k1 = -d    k2 = d^2 / 2    k3 = expm1(d) - d    weight_k3 = -expm1(d)
-    rho = exp(x)    k3_is = rho * k3    weight_k3_is = rho * (-d)
-
-Everything is float64. Rows are grouped by step and by (step, seq) as runs of equal
-consecutive keys (`Seg`): recorder files are step-ordered, so no sort is needed.
+The per-token maths and the one pass over a batch are in fused.py; this module turns a
+record batch into the arrays it reads (float32 log-probs as stored, NaN at nulls).
 """
 
 from __future__ import annotations
@@ -18,14 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import bins
-from kldiag.analysis.types import ABS_EDGES, D_EDGES
-
 LOGPS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 COLUMNS = ("step", "micro", "iteration", "seq", "group", "pos", "token_id", *LOGPS, "advantage", "mask")
-N_D, N_ABS = len(D_EDGES) + 1, len(ABS_EDGES) + 1
-ABS = bins.abs_table()
-D_ZERO_BIN = int(np.searchsorted(D_EDGES, 0.0, side="right"))
 
 
 @dataclass(frozen=True)
@@ -39,23 +26,8 @@ class Thresholds:
     clip_high: float
     top_k: int
 
-    def d_window(self) -> tuple[float, float]:
-        """(low, high): a token with low <= d <= high fires none of the d-flags.
 
-        theta_ll_ref needs d > log(tau); weight_blowup needs exp(d) - 1 > W (d > log1p(W))
-        or, when W < 1, 1 - exp(d) > W; clamp_saturated needs k3 > C, which needs
-        d > log1p(C) or d < -C (k3 <= C on [-C, log1p(C)]). A small margin absorbs rounding;
-        the flags themselves are then evaluated exactly on the few tokens outside.
-        """
-        high = min(np.log(self.tau), np.log1p(self.weight_limit), np.log1p(self.clamp))
-        low = -self.clamp
-        if self.weight_limit < 1.0:
-            low = max(low, np.log1p(-self.weight_limit))
-        # Shrink the window toward 0 on both sides: a token on its border is always evaluated.
-        return low * (1 - 1e-9) + 1e-12, high * (1 - 1e-9) - 1e-12
-
-
-# ---- columns and segments ----------------------------------------------------------
+# ---- columns ----------------------------------------------------------
 
 
 def f32(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -125,74 +97,3 @@ class Batch:
             with np.errstate(invalid="ignore"):
                 inv |= v > 0
         return np.flatnonzero(nf), np.flatnonzero(inv)
-
-
-class Seg:
-    """Consecutive segments of given lengths (zeros allowed), and reductions over them.
-
-    Few segments (a batch spans a few steps): slice reductions, which are pairwise and
-    SIMD; many (sequences): ufunc.reduceat over the non-empty segments.
-    """
-
-    SLICES = 16
-
-    def __init__(self, lengths: np.ndarray):
-        self.lengths = np.asarray(lengths, np.int64)
-        self.n = len(lengths)
-        self.ends = np.cumsum(self.lengths)
-        self.begins = self.ends - self.lengths
-        self.nonempty = self.lengths > 0
-        self.dense = bool(self.nonempty.all())
-        self.starts = self.begins[self.nonempty]
-
-    def _reduce(self, ufunc, a: np.ndarray, fill, dtype=None) -> np.ndarray:
-        if self.n <= self.SLICES:
-            out = np.full(self.n, fill, dtype or np.result_type(a, type(fill)))
-            for i in np.flatnonzero(self.nonempty):
-                out[i] = ufunc.reduce(a[self.begins[i]:self.ends[i]], dtype=dtype)
-            return out
-        red = ufunc.reduceat(a, self.starts, dtype=dtype) if len(a) else np.zeros(0, dtype or a.dtype)
-        if self.dense:
-            return red
-        out = np.full(self.n, fill, red.dtype)
-        out[self.nonempty] = red
-        return out
-
-    def sum(self, a: np.ndarray) -> np.ndarray:
-        return self._reduce(np.add, a, 0.0)
-
-    def count(self, b: np.ndarray) -> np.ndarray:
-        return self._reduce(np.add, b, 0, np.int64)
-
-    def max(self, a: np.ndarray) -> np.ndarray:
-        return self._reduce(np.fmax, a, np.nan)  # fmax: NaN (an excluded token) never wins
-
-    def min(self, a: np.ndarray) -> np.ndarray:
-        return self._reduce(np.fmin, a, np.nan)
-
-    def count_at(self, idx: np.ndarray) -> np.ndarray:
-        """How many of the sorted positions `idx` fall in each segment."""
-        return np.searchsorted(idx, self.ends) - np.searchsorted(idx, self.begins)
-
-    def hist(self, bin_index: np.ndarray, n_bins: int) -> np.ndarray:
-        """[n, n_bins] counts of bin_index per segment."""
-        if self.n <= self.SLICES:
-            out = np.zeros((self.n, n_bins), np.int64)
-            for i, (a, b) in enumerate(zip(self.begins, self.ends, strict=True)):
-                out[i] = np.bincount(bin_index[a:b], minlength=n_bins)
-            return out
-        seg_id = np.repeat(np.arange(self.n), self.lengths)
-        return np.bincount(seg_id * n_bins + bin_index, minlength=self.n * n_bins).reshape(self.n, n_bins)
-
-
-def finite_sum(seg: Seg, v: np.ndarray, n_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sum of the finite values, their count) per segment. Excluded tokens must hold 0.
-
-    The plain sum is finite exactly when every summand is (barring overflow of the sum,
-    which takes the exact path too), so the common case costs one pass.
-    """
-    total = seg.sum(v)
-    if np.isfinite(total).all():
-        return total, n_valid
-    fin = np.isfinite(v)
-    return seg.sum(np.where(fin, v, 0.0)), n_valid - seg.count(~fin)

@@ -29,7 +29,7 @@ from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import CACHE_DIR, PartInfo, open_part
 
-PARTIAL_VERSION = 1  # bump when the meaning of a partial column changes
+PARTIAL_VERSION = 2  # bump when the meaning of a partial column changes
 TABLES = ("steps", "seqs", "top", "bad")
 
 
@@ -55,7 +55,7 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
     )
 
 
-KERNEL_ROWS = 1 << 18  # rows per kernel call: its float64 temporaries stay a few MB each
+KERNEL_ROWS = 1 << 20  # rows per kernel call: bounds its per-row output (8 bytes a row)
 
 
 def prefetched(items: Iterator, depth: int = 2) -> Iterator:

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import bins
-from kldiag.analysis.keyed import Keyed, reduce_segments, segment_starts
-from kldiag.analysis.kernel import ABS, D_ZERO_BIN, LOGPS, N_ABS, N_D, Batch, Seg, Thresholds, finite_sum
-from kldiag.analysis.tokens import Tokens, masked_tokens
+from kldiag.analysis import bins, fused
+from kldiag.analysis.keyed import Keyed
+from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
 from kldiag.analysis.types import ABS_EDGES
+
+ABS = bins.abs_table()
+D_GRID = bins.d_grid()
 
 TOP_ORDER = ("step", "rank", "seq", "pos", "micro", "iteration")
 
@@ -29,123 +31,69 @@ class BatchResult:
     bad: Keyed  # the first top_k tokens with a non-finite or positive log-prob
 
 
-@dataclass
-class Flagged:
-    """Sorted indices (into the masked tokens) of the tokens each flag fires on."""
-
-    theta: np.ndarray
-    blowup: np.ndarray
-    clamp: np.ndarray
-    any: np.ndarray  # any flag, including non-finite/invalid log-probs
-
-
-def flagged(t: Tokens, th: Thresholds, bad_masked: np.ndarray) -> Flagged:
-    """Exact flags, evaluated only on tokens outside the window where none can fire."""
-    low, high = th.d_window()
-    cand = np.flatnonzero((t.d > high) | (t.d < low))
-    d, w, k3 = t.d[cand], t.w[cand], t.k3[cand]
-    theta, blowup, clamp = cand[d > np.log(th.tau)], cand[w > th.weight_limit], cand[k3 > th.clamp]
-    anyf = np.union1d(np.union1d(theta, blowup), np.union1d(clamp, bad_masked))
-    return Flagged(theta, blowup, clamp, anyf)
-
-
-def step_partial(b: Batch, rank: int, th: Thresholds, t: Tokens, f: Flagged, rows: Seg, seg: Seg,
-                 bad: tuple[np.ndarray, np.ndarray]) -> Keyed:
-    """One row per step run of the batch: sums, counts, extremes and histograms."""
-    n_d, n_x = t.count_d(seg), t.count_x(seg)
-    out: Keyed = {"step": b.step[rows.begins], "rank": np.full(seg.n, rank, np.int64), "n_d": n_d, "n_x": n_x}
-    out["sum_k1"] = -seg.sum(t.d)
-    out["sum_k2"] = 0.5 * seg.sum(t.d * t.d)
-    out["sum_w"], out["n_w"] = finite_sum(seg, t.w, n_d)
-    out["sum_w_is"], out["n_w_is"] = finite_sum(seg, t.w_is, t.count_dx(seg))
-    w_flag = np.zeros(len(t.d))
-    w_flag[f.any] = t.w[f.any]
-    out["sum_w_flagged"], _ = finite_sum(seg, w_flag, n_d)
-    out["sum_rho"], out["n_rho"] = finite_sum(seg, t.rho0, n_x)
-    with np.errstate(over="ignore"):
-        out["sum_rho2"], _ = finite_sum(seg, t.rho0 * t.rho0, n_x)
-    out["sum_drift"] = seg.sum(np.abs(t.x0))
-    out["max_rho"], out["min_rho"] = seg.max(t.rho), seg.min(t.rho)
-    with np.errstate(invalid="ignore"):
-        out["n_clip"] = seg.count((t.rho < 1.0 - th.clip_low) | (t.rho > 1.0 + th.clip_high))
-    out["sum_mismatch"], out["n_mismatch"] = t.mismatch(seg)
-    for name in ("theta", "blowup", "clamp"):
-        out[f"n_{name}"] = seg.count_at(getattr(f, name))
-    out["n_nonfinite"], out["n_invalid"] = rows.count_at(bad[0]), rows.count_at(bad[1])
-    out.update(histograms(seg, t, seg.lengths - n_d, seg.lengths - n_x, seg.lengths - t.count_dx(seg)))
-    return out
-
-
-def histograms(seg: Seg, t: Tokens, not_d, not_x, not_dx) -> Keyed:
-    """Per-step histograms. Excluded tokens hold 0, so they are taken out of 0's bin."""
-    h_d = seg.hist(bins.d_bins(t.d), N_D)
-    h_d[:, D_ZERO_BIN] -= not_d
-    h_w = seg.hist(ABS(t.w), N_ABS)
-    h_w[:, 0] -= not_d
-    h_w_is = seg.hist(ABS(t.w_is), N_ABS)
-    h_w_is[:, 0] -= not_dx
-    h_rho = seg.hist(ABS(t.rho0), N_ABS)
-    h_rho[:, 0] -= not_x
-    return {"h_d": h_d, "h_weight_k3_abs": h_w, "h_weight_k3_is_abs": h_w_is, "h_rho": h_rho}
-
-
-def seq_partial(b: Batch, rank: int, rows: Seg, seg: Seg, t: Tokens, f: Flagged, bad_rows: np.ndarray) -> Keyed:
+def seq_keyed(b: Batch, rank: int, starts: np.ndarray, seq_f: np.ndarray, seq_i: np.ndarray) -> Keyed:
     """One row per (step, seq) run of the batch; rows of one sequence merge later by key."""
-    first = rows.begins
+    first = starts[:-1]
     out: Keyed = {"step": b.step[first], "seq": b.seq[first],
-                  "first_group": b.at("group", first, -1), "first_rank": np.full(seg.n, rank, np.int64),
+                  "first_group": b.at("group", first, -1), "first_rank": np.full(len(first), rank, np.int64),
                   "first_micro": b.at("micro", first), "first_iteration": b.at("iteration", first),
-                  "n_rows": rows.lengths, "n_tokens": seg.lengths}
-    n_d, n_dx = t.count_d(seg), t.count_dx(seg)
-    out["sum_k3"], out["n_k3"] = finite_sum(seg, t.k3, n_d)
-    out["sum_k3_is"], out["n_k3_is"] = finite_sum(seg, t.k3_is, n_dx)
-    out["max_w"], out["max_w_is"] = seg.max(t.w), seg.max(t.w_is)
-    out["n_flagged"] = seg.count_at(f.any)
-    out["n_nonfinite"] = rows.count_at(bad_rows)
-    adv = b.raw["advantage"]
-    if adv is None:
-        out["sum_adv"], out["n_adv"] = np.zeros(seg.n), np.zeros(seg.n, np.int64)
-    else:
-        ok = np.isfinite(adv)
-        out["sum_adv"], out["n_adv"] = rows.sum(np.where(ok, adv, 0.0).astype(np.float64)), rows.count(ok)
-    out["sum_opsm"], out["n_opsm"] = finite_sum(seg, t.opsm(), seg.lengths)
-    out.update(trainer_sums(b, rows, seg, t, out))
+                  "n_rows": np.diff(starts)}
+    out.update({name: seq_i[:, c] for c, name in enumerate(fused.SEQ_I)})
+    out.update({name: seq_f[:, c] for c, name in enumerate(fused.SEQ_F)})
+    out["n_opsm"] = out["n_tokens"]
+    out.update(trainer_sums(b, starts, out))
     return out
 
 
-def trainer_sums(b: Batch, rows: Seg, seg: Seg, t: Tokens, seqs: Keyed) -> Keyed:
-    """Per-sequence sums of TRL's per-token KL times the mask, with IEEE semantics.
+def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed) -> Keyed:
+    """Per-sequence sums of TRL's per-token KL times the mask (fused.trl_pass).
 
-    TRL sums (kl * mask) over every token, so a non-finite kl outside the mask still gives
-    NaN (0 * inf); batches whose values are all finite reuse the masked sums.
+    When every log-prob is finite and every masked k3 and k3_is too, these are the masked
+    sums already computed; otherwise a second pass applies TRL's IEEE semantics.
     """
     null_ref = b.null["logp_ref"]
-    n_ref = rows.lengths - rows.count(null_ref) if null_ref is not None else \
-        (rows.lengths if t.has_ref else np.zeros(rows.n, np.int64))
-    if b.clean and t.valid_d is None and np.all(seqs["n_k3"] == seg.lengths) \
-            and np.all(seqs["n_k3_is"] == seg.lengths):
-        return {"sum_trl_k3": seqs["sum_k3"], "sum_trl_k3_is": seqs["sum_k3_is"],
-                "sum_trl_x": seg.sum(t.x0), "n_trl_ref": n_ref}
-    s = b.raw["logp"].astype(np.float64)
-    r, o = b.raw["logp_ref"], b.raw["logp_old"]
-    maskf = b.mask.astype(np.float64)
-    dd = (np.full(b.n, np.nan) if r is None else r.astype(np.float64)) - s
-    x = np.zeros(b.n) if o is None else s - o
-    if o is not None and b.null["logp_old"] is not None:
-        x[b.null["logp_old"]] = 0.0  # TRL uses logp itself when there is no old log-prob
-    with np.errstate(over="ignore", invalid="ignore"):
-        kl = np.exp(dd) - dd - 1.0
-        return {"sum_trl_k3": rows.sum(kl * maskf), "sum_trl_k3_is": rows.sum(kl * np.exp(x) * maskf),
-                "sum_trl_x": rows.sum(x * maskf), "n_trl_ref": n_ref}
-
-
-def steps_from_seqs(seqs: Keyed) -> Keyed:
-    """The per-step sums that are sums of per-sequence ones (same batch, step-grouped)."""
-    names = ("n_rows", "n_tokens", "sum_k3", "n_k3", "sum_k3_is", "n_k3_is", "max_w", "max_w_is")
-    sub = {"step": seqs["step"], **{k: seqs[k] for k in names}}
-    out = reduce_segments(sub, segment_starts([seqs["step"]]))
-    out.pop("step")
+    n_rows = seqs["n_rows"]
+    n_ref = n_rows - np.add.reduceat(null_ref.astype(np.int64), starts[:-1]) if null_ref is not None else \
+        (n_rows if b.raw["logp_ref"] is not None else np.zeros(len(n_rows), np.int64))
+    out = {"sum_trl_k3": seqs["sum_k3"], "sum_trl_k3_is": seqs["sum_k3_is"], "sum_trl_x": seqs.pop("sum_trl_x"),
+           "n_trl_ref": n_ref}
+    if b.clean and b.raw["logp_ref"] is not None and np.array_equal(seqs["n_k3"], seqs["n_tokens"]) \
+            and np.array_equal(seqs["n_k3_is"], seqs["n_tokens"]):
+        return out
+    a = kernel_inputs(b)
+    trl = fused.trl_pass(starts, a["s"], a["r"], a["o"], a["o_null"], a["mask"])
+    out.update(sum_trl_k3=trl[:, 0], sum_trl_k3_is=trl[:, 1], sum_trl_x=trl[:, 2])
     return out
+
+
+def step_keyed(b: Batch, rank: int, starts: np.ndarray, sidx: np.ndarray, res: tuple) -> Keyed:
+    """One row per step run of the batch: sums, counts, extremes and histograms."""
+    _, _, step_f, step_i, h_d, h_w, h_w_is, h_rho, _ = res
+    first_seq = np.flatnonzero(np.diff(sidx, prepend=-1))
+    step_begin = starts[first_seq]
+    out: Keyed = {"step": b.step[step_begin], "rank": np.full(len(step_begin), rank, np.int64),
+                  "n_rows": np.diff(np.append(step_begin, b.n))}
+    out.update({name: step_f[:, c] for c, name in enumerate(fused.STEP_F)})
+    out.update({name: step_i[:, c] for c, name in enumerate(fused.STEP_I)})
+    out.update(h_d=h_d, h_weight_k3_abs=h_w, h_weight_k3_is_abs=h_w_is, h_rho=h_rho)
+    return out
+
+
+def kernel_inputs(b: Batch) -> dict[str, np.ndarray]:
+    """The batch's columns as the kernel takes them: read-only, an empty array for a missing one.
+
+    One array type per argument whatever the batch, so the kernel compiles once.
+    """
+    def ro(a, dtype):
+        a = np.empty(0, dtype) if a is None else np.ascontiguousarray(a, dtype)
+        a.flags.writeable = False
+        return a
+
+    raw = b.raw
+    return {"s": ro(raw["logp"], np.float32), "r": ro(raw["logp_ref"], np.float32),
+            "o": ro(raw["logp_old"], np.float32), "m": ro(raw["logp_sampler"], np.float32),
+            "adv": ro(raw["advantage"], np.float32), "mask": ro(b.mask, np.bool_),
+            "o_null": ro(b.null["logp_old"] if raw["logp_old"] is not None else None, np.bool_)}
 
 
 # ---- flagged rows ------------------------------------------------------------------------
@@ -191,15 +139,13 @@ def top_threshold(h_w: np.ndarray, top_k: int) -> float:
     return float(ABS_EDGES[len(from_top) - 2 - i])
 
 
-def top_rows(b: Batch, rank: int, th: Thresholds, t: Tokens, idx: np.ndarray | None, thr: float) -> Keyed:
-    cand = np.flatnonzero(t.w >= thr)
-    if t.valid_d is not None:
-        cand = cand[t.valid_d[cand]]
+def top_rows(b: Batch, rank: int, th: Thresholds, wtop: np.ndarray, thr: float) -> Keyed:
+    """The top_k rows by |k3 weight| among those >= thr (wtop: NaN where not a candidate)."""
+    cand = np.flatnonzero(wtop >= thr)
     if len(cand) > th.top_k:  # keep the k largest values and their ties, then order exactly
-        kth = np.partition(t.w[cand], len(cand) - th.top_k)[len(cand) - th.top_k]
-        cand = cand[t.w[cand] >= kth]
-    rows = cand if idx is None else idx[cand]
-    return select_top(flag_rows(b, rank, rows, t.w[cand]), th.top_k)
+        kth = np.partition(wtop[cand], len(cand) - th.top_k)[len(cand) - th.top_k]
+        cand = cand[wtop[cand] >= kth]
+    return select_top(flag_rows(b, rank, cand, wtop[cand]), th.top_k)
 
 
 # ---- one batch ---------------------------------------------------------------------------
@@ -210,25 +156,23 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     if batch.num_rows == 0:
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
-    st, sq = segment_starts([b.step]), segment_starts([b.step, b.seq])
-    rows_st, rows_sq = Seg(np.diff(np.append(st, b.n))), Seg(np.diff(np.append(sq, b.n)))
-    idx = None if b.mask.all() else np.flatnonzero(b.mask)
-    if idx is None:
-        seg_st, seg_sq = rows_st, rows_sq
-    else:
-        cum = np.concatenate([[0], np.cumsum(b.mask, dtype=np.int64)])
-        seg_st, seg_sq = Seg(cum[rows_st.ends] - cum[rows_st.begins]), Seg(cum[rows_sq.ends] - cum[rows_sq.begins])
-    bad = b.bad_rows()
-    bad_any = np.union1d(*bad)
-    bad_masked = bad_any if idx is None else np.searchsorted(idx, bad_any[b.mask[bad_any]])
-    t = masked_tokens(b, idx)
-    f = flagged(t, th, bad_masked)
-    seqs = seq_partial(b, rank, rows_sq, seg_sq, t, f, bad_any)
-    steps = step_partial(b, rank, th, t, f, rows_st, seg_st, bad)
-    steps.update(steps_from_seqs(seqs))
-    steps["n_flagged"] = seg_st.count_at(f.any)
+    a = kernel_inputs(b)
+    starts = fused.seq_starts(b.step, b.seq)
+    sidx, n_steps = fused.step_of_seqs(b.step, starts)
+    nonfinite, invalid = b.bad_rows()
+    code = np.zeros(b.n if len(nonfinite) or len(invalid) else 0, np.uint8)
+    code[nonfinite] |= fused.BAD_NONFINITE
+    code[invalid] |= fused.BAD_INVALID
+    code.flags.writeable = False
+    params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
+    res = fused.fused_pass(starts, sidx, n_steps, a["s"], a["r"], a["o"], a["m"], a["o_null"], a["mask"], a["adv"],
+                           code, params, ABS.lo, ABS.cut, ABS.shift, len(ABS_EDGES) + 1, D_GRID)
+    seqs = seq_keyed(b, rank, starts, res[0], res[1])
+    steps = step_keyed(b, rank, starts, sidx, res)
+    wtop = res[-1]
     thr = max(top_threshold(steps["h_weight_k3_abs"], th.top_k), top_floor)
-    top = top_rows(b, rank, th, t, idx, thr) if th.top_k > 0 else {}
+    top = top_rows(b, rank, th, wtop, thr) if th.top_k > 0 else {}
+    bad_any = np.flatnonzero(code)
     bad_sel = select_first(flag_rows(b, rank, bad_any, np.full(len(bad_any), np.nan)), th.top_k) \
         if len(bad_any) else {}
     return BatchResult(steps, seqs, top, bad_sel)
