@@ -162,7 +162,8 @@ def main() -> None:
         print(f"tokens recorded: {w['rows']:,} in {args.batches} micro-batches of [{args.batch}, {args.time}], "
               f"{w['files']} parts")
         print(f"writer: {tps / 1e6:.2f} M tokens/s end to end (record() .. close(), median of {args.repeats}); "
-              f"pyarrow write_table of the same tables: {direct_tps / 1e6:.2f} M tokens/s; ratio {tps / direct_tps:.2f}")
+              f"pyarrow write_table of the same tables: {direct_tps / 1e6:.2f} M tokens/s; "
+              f"ratio {tps / direct_tps:.2f}")
         print(f"bytes/token on disk: {w['bytes'] / w['rows']:.2f} (bar: <= 14)")
         pace = 2 * w["wall_s"] / args.batches
         print(f"hold per record() call: paced = {pace * 1e3:.0f} ms of 'compute' after each call (2x the "

@@ -309,7 +309,7 @@ class Run:
         if not path.is_file():
             return None
         t = pq.read_table(path)
-        return dict(zip(t.column("token_id").to_pylist(), t.column("piece").to_pylist()))
+        return dict(zip(t.column("token_id").to_pylist(), t.column("piece").to_pylist(), strict=True))
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, trainer={self.manifest.trainer.get('name')!r})"

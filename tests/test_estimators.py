@@ -53,7 +53,7 @@ def test_weight_matches_autograd(name, logps):
 @pytest.mark.parametrize("name", sorted(E.ESTIMATORS))
 def test_value_matches_torch(name, logps):
     s, r, o = logps
-    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in zip("sro", (s, r, o))}
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in zip("sro", (s, r, o), strict=True)}
     want = _torch_values(t["s"], t["r"], t["o"])[name].numpy()
     # expm1-based k3 is more accurate than torch's exp(d) - d - 1 near d = 0: compare with
     # an absolute tolerance scaled to float64 rounding of exp(d).
