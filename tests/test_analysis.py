@@ -216,3 +216,58 @@ def test_cli(bad_run, tmp_path, capsys):
 def test_lazy_top_level_export(bad_run):
     assert kldiag.analyze is analyze and kldiag.AnalysisConfig is AnalysisConfig
     assert isinstance(kldiag.analyze(bad_run, NOCACHE).steps, pa.Table)
+
+
+def test_trainer_kl_logging_windows_match_trl_log(tmp_path):
+    """logging_steps = 4: TRL logs at steps 4, 8, ... the mean of every micro-batch kl since its last log."""
+    run = tmp_path / "w"
+    make_run(run, SynthConfig(**SMALL, extra_config={"logging_steps": 4}))
+    got = analyze(run, AnalysisConfig(use_cache=False, trainer_compatible=True)).trainer_kl.to_pandas()
+    t = open_run(run).read().to_pandas()
+    s, r = (t[c].to_numpy(np.float64) for c in ("logp", "logp_ref"))
+    t["num"], t["den"] = (np.exp(r - s) - (r - s) - 1) * t["mask"], t["mask"].astype(float)
+    micro = t.groupby(["step", "micro", "iteration"])[["num", "den"]].sum().reset_index()
+    micro["kl"] = micro["num"] / micro["den"].clip(lower=1)
+    micro["end"] = -(-micro["step"] // 4) * 4
+    want = micro.groupby("end")["kl"].mean()  # TRL: one list of micro-batch values per window
+    logged = got.dropna(subset=["logged_kl"])
+    assert list(logged["window_end"]) == list(want.index) == [0, 4, 8, 12]
+    assert list(logged["step"]) == [0, 4, 8, 11]  # the last window is logged with the final metrics
+    np.testing.assert_allclose(logged["logged_kl"], want.to_numpy(), rtol=1e-9)
+    assert got["logged_kl"].isna().sum() == len(got) - 4
+
+
+def test_opsm_delta_defaults_to_the_manifest_threshold(tmp_path):
+    run = tmp_path / "o"
+    make_run(run, SynthConfig(**SMALL, extra_config={"off_policy_mask_threshold": 1e9}))
+    a = analyze(run, NOCACHE)
+    assert a.config.opsm_delta == 1e9 and a.steps.column("opsm_masked_frac").to_pylist() == [0.0] * 12
+    explicit = analyze(run, AnalysisConfig(use_cache=False, opsm_delta=1e-4))
+    assert explicit.config.opsm_delta == 1e-4 and max(explicit.steps.column("opsm_masked_frac").to_pylist()) > 0
+    shutil.rmtree(run)
+    make_run(run, SynthConfig(**SMALL))
+    assert analyze(run, NOCACHE).config.opsm_delta == 1e-4  # no threshold in the manifest: TRL's default
+    with pytest.raises(ValueError, match="opsm_delta"):
+        analyze(run, AnalysisConfig(opsm_delta=float("nan")))
+
+
+def test_blame_share_is_zero_without_weight():
+    """Policy equal to the reference: no |k3 weight| at all, so none on flagged tokens (not null)."""
+    from kldiag.analysis.tables import blame_share
+
+    got = blame_share(np.array([0.0, 1.0, 0.0]), np.array([0.0, 4.0, 0.0]), np.array([5, 5, 0]))
+    assert got[0] == 0.0 and got[1] == 0.25 and np.isnan(got[2])
+
+
+def test_policy_equal_to_reference_gives_no_silent_null(tmp_path):
+    run = tmp_path / "eq"
+    make_run(run, SynthConfig(**SMALL))
+    table = open_run(run).read()
+    path = next((run / "tokens").rglob("*.parquet"))
+    import pyarrow.parquet as pq
+
+    part = pq.read_table(path)
+    pq.write_table(part.set_column(part.schema.get_field_index("logp_ref"), "logp_ref", part.column("logp")), path)
+    row = analyze(run, NOCACHE).steps.to_pylist()[int(pq.read_table(path).column("step")[0].as_py())]
+    assert table.num_rows > 0 and row["blame_share"] == 0.0 and row["k3_mean"] == 0.0
+    assert all(v is not None for k, v in row.items() if k not in ("mismatch_kl",)), row

@@ -1,4 +1,4 @@
-"""The kernel's per-token values and bins equal kldiag.estimators and np.searchsorted."""
+"""The compiled kernel's per-token values, flags and bins equal kldiag.estimators and np.searchsorted."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import pyarrow as pa
 import pytest
 
 from kldiag import estimators as E
-from kldiag.analysis import bins
-from kldiag.analysis.kernel import Batch, Seg, Thresholds
-from kldiag.analysis.stats import flagged
-from kldiag.analysis.tokens import masked_tokens
+from kldiag.analysis import bins, fused
+from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis.stats import ABS, D_GRID, batch_partials
 from kldiag.analysis.types import ABS_EDGES, D_EDGES
 from kldiag.format import TOKEN_SCHEMA
 
@@ -26,13 +25,12 @@ def _grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (np.concatenate([s, typical[0]]), np.concatenate([r, typical[1]]), np.concatenate([o, typical[2]]))
 
 
-def _batch(s, r, o, m=None, mask=None) -> Batch:
+def _record_batch(s, r, o, mask=None, step=None) -> pa.RecordBatch:
     n = len(s)
-    cols = {"step": np.zeros(n, np.int64), "micro": np.zeros(n, np.int32), "iteration": np.zeros(n, np.int16),
-            "rank": np.zeros(n, np.int16), "seq": np.arange(n) // 7, "group": np.zeros(n, np.int64),
-            "pos": np.arange(n, dtype=np.int32) % 7, "token_id": np.zeros(n, np.int32),
-            "logp": s, "logp_old": o, "logp_ref": r,
-            "logp_sampler": m if m is not None else np.full(n, np.nan), "advantage": np.ones(n),
+    cols = {"step": np.zeros(n, np.int64) if step is None else step, "micro": np.zeros(n, np.int32),
+            "iteration": np.zeros(n, np.int16), "rank": np.zeros(n, np.int16), "seq": np.arange(n) // 7,
+            "group": np.zeros(n, np.int64), "pos": np.arange(n, dtype=np.int32) % 7, "token_id": np.zeros(n, np.int32),
+            "logp": s, "logp_old": o, "logp_ref": r, "logp_sampler": np.full(n, np.nan), "advantage": np.ones(n),
             "mask": np.ones(n, bool) if mask is None else mask, "entropy": np.zeros(n)}
     arrays = []
     for f in TOKEN_SCHEMA:
@@ -42,47 +40,60 @@ def _batch(s, r, o, m=None, mask=None) -> Batch:
             arrays.append(pa.array(a, mask=np.isnan(a) if f.name == "logp_sampler" else None))
         else:
             arrays.append(pa.array(np.asarray(a).astype(f.type.to_pandas_dtype())))
-    return Batch.from_arrow(pa.RecordBatch.from_arrays(arrays, schema=TOKEN_SCHEMA))
+    return pa.RecordBatch.from_arrays(arrays, schema=TOKEN_SCHEMA)
 
 
-def test_masked_tokens_equal_estimators_on_float32_inputs():
+def _bad_inputs():
     s, r, o = (a.astype(np.float32) for a in _grid())
     s[:3], r[3:6], o[6:9] = [np.nan, np.inf, -np.inf], [np.nan, np.inf, -np.inf], [np.nan, np.inf, -np.inf]
-    mask = np.random.default_rng(1).random(len(s)) > 0.2
-    b = _batch(s, r, o, mask=mask)
-    t = masked_tokens(b, np.flatnonzero(mask))
-    s64, r64, o64 = (a[mask].astype(np.float64) for a in (s, r, o))
+    return s, r, o
+
+
+def test_token_values_equal_estimators_on_float32_inputs():
+    """fused.token on fused.exps' values is estimators.py bit for bit (both use numpy's exp/expm1)."""
+    s, r, o = _bad_inputs()
+    ex = fused.exps(s, r, o, np.zeros(0, np.float32), np.zeros(0, bool))
+    got = np.array([fused.token(ex[0][i], ex[1][i], ex[2][i], ex[3][i]) for i in range(len(s))], np.float64)
+    d, valid_d, _, valid_x, rho, k3, w, k3_is, w_is = got.T
+    valid_d, valid_x = valid_d.astype(bool), valid_x.astype(bool)
+    s64, r64, o64 = (a.astype(np.float64) for a in (s, r, o))
     with np.errstate(all="ignore"):
-        valid, valid_x = np.isfinite(r64 - s64), np.isfinite(s64 - o64)
-        both = valid & valid_x
-        np.testing.assert_array_equal(t.d[valid], E.log_ratio(s64, r64)[valid])
-        np.testing.assert_array_equal(t.k3[valid], E.k3(s64, r64)[valid])
-        np.testing.assert_array_equal(t.w[valid], np.abs(E.weight_k3(s64, r64))[valid])
-        np.testing.assert_array_equal(t.rho[valid_x], E.rho(s64, o64)[valid_x])
-        np.testing.assert_array_equal(t.k3_is[both], E.k3_is(s64, r64, o64)[both])
-        np.testing.assert_array_equal(t.w_is[both], np.abs(E.weight_k3_is(s64, r64, o64))[both])
-    # Excluded tokens hold 0 in the summed arrays and NaN in rho, so sums need no mask.
-    assert not valid.all() and np.all(t.d[~valid] == 0) and np.all(t.k3[~valid] == 0)
-    assert np.all(np.isnan(t.rho[~valid_x])) and np.all(t.rho0[~valid_x] == 0) and np.all(t.k3_is[~both] == 0)
-    with np.errstate(all="ignore"):
-        fl = E.flags(s64, r64, o64, tau=20.0, limit=10.0, clamp=10.0)
-    f = flagged(t, Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 10), np.zeros(0, np.intp))
-    for name in ("theta", "blowup", "clamp"):
-        got = np.zeros(len(s64), bool)
-        got[getattr(f, name)] = True
-        want = {"theta": fl.theta_ll_ref, "blowup": fl.weight_blowup, "clamp": fl.clamp_saturated}[name]
-        np.testing.assert_array_equal(got, want & valid, err_msg=name)
+        np.testing.assert_array_equal(valid_d, np.isfinite(r64 - s64))
+        np.testing.assert_array_equal(valid_x, np.isfinite(s64 - o64))
+        both = valid_d & valid_x
+        np.testing.assert_array_equal(d[valid_d], E.log_ratio(s64, r64)[valid_d])
+        np.testing.assert_array_equal(k3[valid_d], E.k3(s64, r64)[valid_d])
+        np.testing.assert_array_equal(w[valid_d], np.abs(E.weight_k3(s64, r64))[valid_d])
+        np.testing.assert_array_equal(rho[valid_x], E.rho(s64, o64)[valid_x])
+        np.testing.assert_array_equal(k3_is[both], E.k3_is(s64, r64, o64)[both])
+        np.testing.assert_array_equal(w_is[both], np.abs(E.weight_k3_is(s64, r64, o64))[both])
+    # Excluded tokens hold 0 in the summed values and NaN in rho.
+    assert not valid_d.all() and np.all(d[~valid_d] == 0) and np.all(k3[~valid_d] == 0) and np.all(w[~valid_d] == 0)
+    assert np.all(np.isnan(rho[~valid_x])) and np.all(k3_is[~both] == 0) and np.all(w_is[~both] == 0)
 
 
 @pytest.mark.parametrize("tau,limit,clamp", [(20.0, 10.0, 10.0), (1.5, 0.5, 0.1), (1e6, 1e6, 1e6)])
-def test_flag_window_never_misses_a_flag(tau, limit, clamp):
-    th = Thresholds(tau, limit, clamp, 0.2, 0.2, 10)
-    low, high = th.d_window()
-    d = np.linspace(low, high, 20001)
-    with np.errstate(over="ignore"):
-        assert not np.any(d > np.log(tau))
-        assert not np.any(np.abs(np.expm1(d)) > limit)
-        assert not np.any(np.expm1(d) - d > clamp)
+def test_batch_flags_and_histograms_equal_estimators(tau, limit, clamp):
+    s, r, o = _bad_inputs()
+    mask = np.random.default_rng(1).random(len(s)) > 0.2
+    step = np.repeat(np.arange(3), -(-len(s) // 3))[: len(s)]
+    res = batch_partials(_record_batch(s, r, o, mask=mask, step=step), 0, Thresholds(tau, limit, clamp, 0.2, 0.2, 10))
+    s64, r64, o64 = (a.astype(np.float64) for a in (s, r, o))
+    with np.errstate(all="ignore"):
+        fl = E.flags(s64, r64, o64, tau=tau, limit=limit, clamp=clamp)
+        d, w, rho = E.log_ratio(s64, r64), np.abs(E.weight_k3(s64, r64)), E.rho(s64, o64)
+        w_is = np.abs(E.weight_k3_is(s64, r64, o64))
+    valid_d, valid_x = np.isfinite(d) & mask, np.isfinite(s64 - o64) & mask
+    for i in range(3):
+        at = step == i
+        for name, want in (("n_theta", fl.theta_ll_ref), ("n_blowup", fl.weight_blowup),
+                           ("n_clamp", fl.clamp_saturated)):
+            assert res.steps[name][i] == np.sum(want & valid_d & at), name
+        for name, v, edges, ok in (("h_d", d, D_EDGES, valid_d), ("h_weight_k3_abs", w, ABS_EDGES, valid_d),
+                                   ("h_weight_k3_is_abs", w_is, ABS_EDGES, valid_d & valid_x),
+                                   ("h_rho", rho, ABS_EDGES, valid_x)):
+            want = np.bincount(np.searchsorted(edges, v[ok & at], side="right"), minlength=len(edges) + 1)
+            np.testing.assert_array_equal(res.steps[name][i], want, err_msg=name)
 
 
 def test_bin_table_equals_searchsorted():
@@ -94,6 +105,11 @@ def test_bin_table_equals_searchsorted():
     d = np.concatenate([rng.uniform(-50, 50, 10000), D_EDGES, np.nextafter(D_EDGES, -np.inf), [-0.0, np.inf, -np.inf]])
     np.testing.assert_array_equal(signed(d), np.searchsorted(D_EDGES, d, side="right"))
     np.testing.assert_array_equal(bins.d_bins(d), np.searchsorted(D_EDGES, d, side="right"))
+    finite = d[np.isfinite(d)]
+    np.testing.assert_array_equal([fused.d_bin(x, *D_GRID) for x in finite],
+                                  np.searchsorted(D_EDGES, finite, side="right"))
+    np.testing.assert_array_equal([fused.abs_bin(x, ABS.shift, ABS.lo, ABS.cut) for x in v],
+                                  np.searchsorted(ABS_EDGES, v, side="right"))
 
 
 def test_quantile_is_within_one_bin():
@@ -103,17 +119,3 @@ def test_quantile_is_within_one_bin():
     for q in (0.5, 0.9, 0.99, 0.999):
         est, true = bins.quantile(counts, ABS_EDGES, q, v.max()), np.quantile(v, q)
         assert true / 10 ** 0.25 <= est <= true * 10 ** 0.25
-
-
-def test_seg_reductions_match_slices_for_few_and_many_segments():
-    rng = np.random.default_rng(4)
-    for n_seg in (3, 40):
-        lengths = rng.integers(0, 5, n_seg)
-        v = rng.normal(size=int(lengths.sum()))
-        seg = Seg(lengths)
-        ends = np.cumsum(lengths)
-        want = [v[e - n:e].sum() for e, n in zip(ends, lengths, strict=True)]
-        np.testing.assert_allclose(seg.sum(v), want)
-        mx = seg.max(v)
-        for i, (e, n) in enumerate(zip(ends, lengths, strict=True)):
-            assert (np.isnan(mx[i]) if n == 0 else mx[i] == v[e - n:e].max())

@@ -43,7 +43,10 @@ def add_parser(subparsers: Any) -> None:
             p.add_argument(flag, action="store_true", help=f"(AnalysisConfig.{f.name})")
         else:
             kind = int if isinstance(default, int) or f.name == "top_k_sequences" else float
-            p.add_argument(flag, type=kind, default=default, help=f"default {default} (AnalysisConfig.{f.name})")
+            if f.name == "opsm_delta":
+                default = "the manifest's off_policy_mask_threshold, else 1e-4"
+            p.add_argument(flag, type=kind, default=getattr(defaults, f.name),
+                           help=f"default {default} (AnalysisConfig.{f.name})")
     p.set_defaults(func=run)
 
 

@@ -9,6 +9,8 @@ of a cached, incremental or parallel analysis equals a full serial recompute exa
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import math
 import multiprocessing
 import os
 import sys
@@ -25,6 +27,8 @@ from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
 from kldiag.format import Manifest, PartInfo, open_run
 
+OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
+
 
 def validate(cfg: AnalysisConfig) -> None:
     """Raise ValueError naming the option when a threshold makes no sense."""
@@ -35,6 +39,7 @@ def validate(cfg: AnalysisConfig) -> None:
               ("top_k", cfg.top_k >= 0, ">= 0"), ("alert_window", cfg.alert_window >= 1, ">= 1"),
               ("alert_factor", cfg.alert_factor > 1, "> 1"), ("workers", cfg.workers >= 1, ">= 1"),
               ("batch_size", cfg.batch_size >= 1, ">= 1"),
+              ("opsm_delta", cfg.opsm_delta is None or math.isfinite(cfg.opsm_delta), "a finite number or None"),
               ("top_k_sequences", cfg.top_k_sequences is None or cfg.top_k_sequences >= 0, ">= 0 or None")]
     for name, ok, want in checks:
         if not ok:
@@ -49,6 +54,14 @@ def thresholds(cfg: AnalysisConfig, manifest: Manifest) -> Thresholds:
     low = cfg.clip_low if cfg.clip_low is not None else float(clip[0])
     high = cfg.clip_high if cfg.clip_high is not None else float(clip[1])
     return Thresholds(float(cfg.tau), float(cfg.weight_limit), float(cfg.clamp), low, high, int(cfg.top_k))
+
+
+def resolved(cfg: AnalysisConfig, manifest: Manifest) -> AnalysisConfig:
+    """cfg with opsm_delta from the manifest's off_policy_mask_threshold when unset, else 1e-4."""
+    if cfg.opsm_delta is not None:
+        return cfg
+    delta = manifest.config.get("off_policy_mask_threshold")
+    return dataclasses.replace(cfg, opsm_delta=OPSM_DELTA if delta is None else float(delta))
 
 
 def keep_freed_memory() -> None:
@@ -134,7 +147,7 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) ->
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")
-    return build(run, cfg, merged, len(parts), computed, skipped, time.perf_counter() - t0)
+    return build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
 
 
 def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, computed: int,

@@ -55,7 +55,7 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
     )
 
 
-KERNEL_ROWS = 1 << 20  # rows per kernel call: bounds its per-row output (8 bytes a row)
+KERNEL_ROWS = 1 << 18  # rows per kernel call
 
 
 def prefetched(items: Iterator, depth: int = 2) -> Iterator:
@@ -94,9 +94,8 @@ def prefetched(items: Iterator, depth: int = 2) -> Iterator:
 
 
 def _chunks(pf, batch_size: int) -> Iterator:
-    for batch in pf.iter_batches(batch_size=batch_size, columns=list(COLUMNS)):
-        for start in range(0, batch.num_rows, KERNEL_ROWS):
-            yield batch.slice(start, KERNEL_ROWS)
+    # Small batches fill the decode/kernel pipeline quickly: a part is a few of them.
+    yield from pf.iter_batches(batch_size=min(batch_size, KERNEL_ROWS), columns=list(COLUMNS))
 
 
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:

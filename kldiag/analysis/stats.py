@@ -165,8 +165,9 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     code[invalid] |= fused.BAD_INVALID
     code.flags.writeable = False
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
-    res = fused.fused_pass(starts, sidx, n_steps, a["s"], a["r"], a["o"], a["m"], a["o_null"], a["mask"], a["adv"],
-                           code, params, ABS.lo, ABS.cut, ABS.shift, len(ABS_EDGES) + 1, D_GRID)
+    ex = fused.exps(a["s"], a["r"], a["o"], a["m"], a["o_null"])
+    res = fused.fused_pass(starts, sidx, n_steps, a["s"], a["o"], a["m"], a["o_null"], a["mask"], a["adv"],
+                           code, ex, params, ABS.lo, ABS.cut, ABS.shift, len(ABS_EDGES) + 1, D_GRID)
     seqs = seq_keyed(b, rank, starts, res[0], res[1])
     steps = step_keyed(b, rank, starts, sidx, res)
     wtop = res[-1]

@@ -66,7 +66,7 @@ def step_table(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys: tup
         cols[f"weight_k3_abs_{name}"] = quantiles(h_w, w_max, q)
     cols.update(weight_k3_is_abs_mean=ratio(p["sum_w_is"], p["n_w_is"]), weight_k3_is_abs_max=w_is_max,
                 weight_k3_is_abs_p99=quantiles(p["h_weight_k3_is_abs"], w_is_max, 0.99),
-                blame_share=ratio(p["sum_w_flagged"], np.where(has_d, p["sum_w"], 0.0)),
+                blame_share=blame_share(p["sum_w_flagged"], p["sum_w"], p["n_w"]),
                 theta_ll_ref_count=p["n_theta"], weight_blowup_count=p["n_blowup"],
                 clamp_saturated_count=p["n_clamp"], nonfinite_count=p["n_nonfinite"],
                 invalid_count=p["n_invalid"], flagged_frac=ratio(p["n_flagged"], p["n_tokens"]))
@@ -81,6 +81,16 @@ def step_table(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys: tup
     names = [*keys, *[c for c in STEP_COLUMNS if c not in keys], "rows"]
     arrays = [_nullable(cols[c]) if np.asarray(cols[c]).dtype.kind == "f" else pa.array(cols[c]) for c in names]
     return pa.table(arrays, names=names)
+
+
+def blame_share(sum_flagged: np.ndarray, sum_w: np.ndarray, n_w: np.ndarray) -> np.ndarray:
+    """Share of the finite |k3 weight| carried by flagged tokens.
+
+    0 when the total weight is 0 (policy equals reference, as at a trainer's first step: no
+    weight, so none of it on flagged tokens); null only when no token has a finite weight.
+    """
+    share = ratio(sum_flagged, sum_w)
+    return np.where((n_w > 0) & (sum_w == 0), 0.0, share)
 
 
 def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +208,8 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any]) -> pa.Table:
     logging window, skipping NaN.
     """
     empty = pa.table({"step": pa.array([], pa.int64()), "kl": pa.array([], pa.float64()),
-                      "micro_batches": pa.array([], pa.int64()), "kl_sum": pa.array([], pa.float64())})
+                      "micro_batches": pa.array([], pa.int64()), "kl_sum": pa.array([], pa.float64()),
+                      "window_end": pa.array([], pa.int64()), "logged_kl": pa.array([], pa.float64())})
     if not seqs:
         return empty
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
@@ -216,5 +227,28 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any]) -> pa.Table:
     per_step = keyed.reduce_by_key({"step": micro["step"], "sum_kl": np.where(ok, value, 0.0),
                                     "n_micro": ok.astype(np.int64)})
     kl = ratio(per_step["sum_kl"], per_step["n_micro"])
-    return pa.table({"step": pa.array(per_step["step"]), "kl": _nullable(kl),
-                     "micro_batches": pa.array(per_step["n_micro"]), "kl_sum": pa.array(per_step["sum_kl"])})
+    table = pa.table({"step": pa.array(per_step["step"]), "kl": _nullable(kl),
+                      "micro_batches": pa.array(per_step["n_micro"]), "kl_sum": pa.array(per_step["sum_kl"])})
+    return with_logging_windows(table, int(config.get("logging_steps") or 1))
+
+
+def with_logging_windows(table: pa.Table, logging_steps: int) -> pa.Table:
+    """Add `window_end` and `logged_kl`: the value TRL logs with `logging_steps` > 1.
+
+    TRL logs at steps that are multiples of logging_steps (kldiag's step is TRL's
+    global_step at logging time) the mean of every micro-batch value since the previous
+    log, and the rest of a window with the final metrics at the end of training. So
+    window_end = ceil(step / logging_steps) * logging_steps, and logged_kl, set on the last
+    step of each window in the table (null on the others), is sum(kl_sum) / sum(micro_batches)
+    over the window.
+    """
+    if logging_steps < 1:
+        raise ValueError(f"logging_steps = {logging_steps} must be >= 1 (manifest config)")
+    step = table.column("step").to_numpy()
+    end = -(-step // logging_steps) * logging_steps
+    sums = keyed.reduce_by_key({"end": end, "sum_kl": table.column("kl_sum").to_numpy(),
+                                "n_micro": table.column("micro_batches").to_numpy()})
+    logged = np.full(len(step), np.nan)
+    last = np.flatnonzero(np.append(end[1:] != end[:-1], True)) if len(step) else np.zeros(0, np.intp)
+    logged[last] = ratio(sums["sum_kl"], sums["n_micro"])
+    return table.append_column("window_end", pa.array(end)).append_column("logged_kl", _nullable(logged))

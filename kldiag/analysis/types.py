@@ -27,7 +27,7 @@ class AnalysisConfig:
     clamp: float = E.CLAMP  # clamp_saturated: k3 > clamp
     clip_low: float | None = None  # PPO clip range for rho; None: the manifest's, else 0.2
     clip_high: float | None = None
-    opsm_delta: float = 1e-4  # DeepSeek off-policy sequence mask threshold on mean(log mu - s)
+    opsm_delta: float | None = None  # off-policy sequence mask on mean(log mu - s); None: manifest's, else 1e-4
     top_k: int = 1000  # worst tokens by |k3 weight| kept in `flags` (every non-finite one too)
     top_k_sequences: int | None = None  # None: keep every sequence
     per_rank: bool = False  # also one row per (step, rank)
