@@ -9,11 +9,12 @@ differ, and beta > 0, so TRL logs `kl`.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import trl
 from transformers import TrainerCallback
 
@@ -24,32 +25,14 @@ from kldiag.integrations import trl as kt
 
 pytestmark = pytest.mark.slow
 
-WORDS = [
-    "the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "red", "blue", "big", "small", "and",
-    "then", "it", "was", "happy", "sad", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-]
+# The example builds the tiny model; the test reuses it, so both stay in step.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from trl_grpo import WORDS, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    text = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(12)) for i in range(100)]
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(text, trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<eos>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                        eos_token="<eos>")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), seed=0)
 
 
 def count_cats(completions, **kwargs):
