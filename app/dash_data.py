@@ -125,6 +125,17 @@ def current() -> Loaded | None:
     return load(by_label.get(label, paths[0]))
 
 
+def page(title: str) -> Loaded:
+    """Every run page's prelude: its title, the chosen run loaded (or stop with a message)
+    and notices for columns the run lacks."""
+    st.title(title)
+    run = current()
+    if run is None:
+        st.stop()
+    column_notices(run)
+    return run
+
+
 def column_notices(run: Loaded) -> None:
     """Say what a run without some columns cannot show."""
     if not run.present.get("logp_ref", True):

@@ -13,11 +13,7 @@ METRICS = {
     "rho": ("rho = pi_theta / pi_old", True),
 }
 
-st.title("Distributions")
-run = D.current()
-if run is None:
-    st.stop()
-D.column_notices(run)
+run = D.page("Distributions")
 hist = run.analysis.histograms
 available = [m for m in METRICS if m in hist.counts]
 if not available or len(hist.steps) == 0:

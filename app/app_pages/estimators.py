@@ -8,11 +8,7 @@ from kldiag import views_estimators as VE
 
 DELTAS = [0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
 
-st.title("Estimators")
-run = D.current()
-if run is None:
-    st.stop()
-D.column_notices(run)
+run = D.page("Estimators")
 p = D.estimator_partial(run.path, run.keys)
 if p.skipped:
     st.warning("Skipped unreadable parts: " + ", ".join(p.skipped))

@@ -6,11 +6,7 @@ import streamlit as st
 
 from kldiag import views as V
 
-st.title("Overview")
-run = D.current()
-if run is None:
-    st.stop()
-D.column_notices(run)
+run = D.page("Overview")
 if run.analysis.skipped:
     st.warning("Skipped unreadable parts: " + ", ".join(run.analysis.skipped))
 

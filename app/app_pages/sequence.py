@@ -9,11 +9,7 @@ from kldiag import views as V
 
 WINDOW = 2000  # tokens rendered as text at once
 
-st.title("Sequence")
-run = D.current()
-if run is None:
-    st.stop()
-D.column_notices(run)
+run = D.page("Sequence")
 seqs = run.sequences
 if seqs.empty:
     st.info("This run has no sequences yet.")

@@ -9,11 +9,7 @@ SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", 
          "k3", "k3_is", "weight_k3", "weight_k3_is", "weight_k3_abs", *V.FLAG_NAMES]
 SORTS = ["weight_k3_abs", "weight_k3", "weight_k3_is", "d", "rho", "k3", "k3_is", "step", "seq"]
 
-st.title("Tokens: worst and flagged")
-run = D.current()
-if run is None:
-    st.stop()
-D.column_notices(run)
+run = D.page("Tokens: worst and flagged")
 flags = run.flags
 if flags.empty:
     st.success("No token was flagged in this run.")
