@@ -298,8 +298,13 @@ class Run:
 
     def read(self, columns: Sequence[str] | None = None, strict: bool = False) -> pa.Table:
         """All published rows as one table (small runs and tests; analysis streams instead)."""
+        return self.read_parts(None, columns, strict)
+
+    def read_parts(self, parts: Sequence[PartInfo] | None, columns: Sequence[str] | None = None,
+                   strict: bool = False) -> pa.Table:
+        """The rows of `parts` (None: every published part) as one table, corrupt parts skipped."""
         columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
-        batches = list(self.iter_batches(columns, strict=strict))
+        batches = list(self.iter_batches(columns, strict=strict, parts=parts))
         schema = pa.schema([TOKEN_SCHEMA.field(c) for c in columns])
         return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag import format as F
@@ -70,15 +70,19 @@ def run_label(path: str | os.PathLike, others: Sequence[str | os.PathLike] = ())
 
 
 def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:
-    """Which optional log-prob columns hold any value, judged on the newest part.
+    """Which optional log-prob columns hold any value, judged on the newest readable part.
 
     A run without logp_ref has no KL to diagnose; without logp_old it is on-policy (rho = 1).
     """
     parts = F.list_parts(run_dir)
     if not parts:
         return {c: False for c in LOGP_COLUMNS}
-    t = pq.read_table(parts[-1].path, columns=list(LOGP_COLUMNS))
-    return {c: t.column(c).null_count < t.num_rows for c in LOGP_COLUMNS}
+    run = F.open_run(run_dir)
+    for part in reversed(parts):  # the newest part that reads (corrupt ones warn by name)
+        t = run.read_parts([part], columns=LOGP_COLUMNS)
+        if t.num_rows:
+            return {c: t.column(c).null_count < t.num_rows for c in LOGP_COLUMNS}
+    return {c: False for c in LOGP_COLUMNS}
 
 
 # ---- per-token quantities ------------------------------------------------------------
@@ -142,10 +146,9 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     An unknown (step, seq) gives an empty frame.
     """
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
-    filters = [("step", "=", int(step)), ("seq", "=", int(seq))]
-    tables = [pq.read_table(p.path, filters=filters, schema=F.TOKEN_SCHEMA) for p in parts]
-    table = pa.concat_tables(tables) if tables else F.TOKEN_SCHEMA.empty_table()
-    table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
+    table = F.open_run(run_dir).read_parts(parts)
+    keep = pc.and_(pc.equal(table.column("step"), int(step)), pc.equal(table.column("seq"), int(seq)))
+    table = table.filter(keep).sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive({c: _f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
         df[name] = values

@@ -260,3 +260,16 @@ def test_batch_partial_accepts_tables_with_nulls():
                   "logp_sampler": pa.nulls(2, pa.float32())})
     p = VE._batch_partial(t, AnalysisConfig(), 10, 0)
     assert p.tokens == 1 and p.seqs["n"].tolist() == [1] and p.seqs["gap_sum"].tolist() == [0.0]
+
+
+def test_sequence_and_columns_skip_a_corrupt_part_by_name(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=2, seqs_per_step=4, seq_len=(4, 6), seed=5))
+    good = V.read_sequence(tmp_path, 0, int(F.open_run(tmp_path).read(["seq"]).column("seq")[0].as_py()))
+    bad = F.rank_dir(tmp_path, 0) / F.part_name(0, 9, 99)
+    bad.write_bytes(b"PAR1 not really parquet")
+    with pytest.warns(UserWarning, match=bad.name):
+        again = V.read_sequence(tmp_path, 0, int(good["seq"].iloc[0]))
+    assert len(again) == len(good) > 0
+    with pytest.warns(UserWarning, match=bad.name):
+        present = V.columns_present(tmp_path)
+    assert present["logp"] and present["logp_ref"]  # judged on the newest part that reads
