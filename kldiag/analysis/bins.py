@@ -1,97 +1,46 @@
 """Exact, fast histogram binning against the shared edges of types.HIST_EDGES.
 
-`np.searchsorted` costs ~35 ns per value against ~100 edges; the analysis bins four values
-per token, so it would cost more than reading the Parquet. `BinTable` gives the same
-answer (bin i holds edges[i-1] <= v < edges[i]) in a few ns: the top bits of a float64,
-mapped to an order-preserving integer, index a table of cells; each cell holds at most one
-edge, so one comparison against it finishes the job.
+Both edge sets are chosen so that a bin index is a few integer operations, with no search
+and no table, so the compiled kernel bins four values per token inside a vectorised loop:
 
-The d edges are uniform with a power-of-two step, so d's bin is exact arithmetic.
+- ABS_EDGES are c_j * 2^e with c_j the float64 nearest 2^(j/2), j = 0, 1: one octave holds
+  two bins, and v >= c_j * 2^e compares v's exponent bits with e and its mantissa bits with
+  those of c_j, exactly (scaling by 2^e changes no mantissa bit).
+- D_EDGES are uniform with a power-of-two step, so d's bin is exact arithmetic.
+
+`abs_bins` and `d_bins` (numpy) equal np.searchsorted(edges, v, side="right") for every
+non-NaN v (tests/test_analysis_kernel.py); fused.abs_bin and fused.d_bin are their per-value twins.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from kldiag.analysis.types import ABS_EDGES, D_EDGES
+from kldiag.analysis.types import ABS_EDGES, ABS_PER_OCTAVE, D_EDGES
 
-_LOW63 = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+_MANT = (1 << 52) - 1
+# Mantissa bits of c_1.., and the shift that maps edges[0] to bin 1.
+ABS_MANTISSAS = np.ascontiguousarray(ABS_EDGES[1:ABS_PER_OCTAVE]).view(np.int64) & _MANT
+ABS_K0 = ABS_PER_OCTAVE * int(np.float64(ABS_EDGES[0]).view(np.int64) >> 52) - 1
+if not (ABS_EDGES[0] == 2.0 ** np.floor(np.log2(ABS_EDGES[0])) and ABS_PER_OCTAVE == 2
+        and np.array_equal(ABS_EDGES[ABS_PER_OCTAVE::ABS_PER_OCTAVE], 2 * ABS_EDGES[:-ABS_PER_OCTAVE:ABS_PER_OCTAVE])):
+    raise ImportError("ABS_EDGES must be c_j * 2^e, two per octave from a power of two (kldiag.analysis.types)")
 
 
-def ordered_bits(v: np.ndarray) -> np.ndarray:
-    """int64 keys with the order of the float64 values (an involution on the bits)."""
+def abs_bins(v: np.ndarray) -> np.ndarray:
+    """searchsorted(ABS_EDGES, v, "right") for v >= +0.0 (+inf included), int64."""
     b = np.ascontiguousarray(v, dtype=np.float64).view(np.int64)
-    return b ^ ((b >> 63) & _LOW63)
-
-
-def _from_ordered(o: np.ndarray) -> np.ndarray:
-    return (o ^ ((o >> 63) & _LOW63)).view(np.float64)
-
-
-@dataclass(frozen=True)
-class BinTable:
-    """bin(v) == np.searchsorted(edges, v, side="right") for every non-NaN float64 v."""
-
-    edges: np.ndarray
-    shift: int
-    lo: np.ndarray  # int16 [cells]: bins of the cell's smallest value
-    cut: np.ndarray  # float64 [cells]: the one edge inside the cell, else NaN
-    positive: bool  # values are known >= +0.0: skip the sign fold
-
-    @classmethod
-    def build(cls, edges: np.ndarray, positive: bool = False, shift: int = 48) -> BinTable:
-        edges = np.asarray(edges, dtype=np.float64)
-        if np.any(np.diff(edges) <= 0):
-            raise ValueError("histogram edges must be strictly increasing")
-        while shift > 36:
-            table = cls._try(edges, positive, shift)
-            if table is not None:
-                return table
-            shift -= 1
-        raise ValueError("histogram edges too close together for a BinTable")
-
-    @classmethod
-    def _try(cls, edges: np.ndarray, positive: bool, shift: int) -> BinTable | None:
-        half = 1 << (63 - shift)
-        cells = np.arange(-half, half, dtype=np.int64)
-        first = _from_ordered(cells << shift)
-        last = _from_ordered(((cells + 1) << shift) - 1)
-        nan_first, nan_last = np.isnan(first), np.isnan(last)
-        last = np.where(nan_last, np.where(last.view(np.int64) < 0, -np.inf, np.inf), last)
-        first = np.where(nan_first, np.where(first.view(np.int64) < 0, -np.inf, np.inf), first)
-        lo = np.searchsorted(edges, first, side="right")
-        hi = np.searchsorted(edges, last, side="right")
-        if np.any(hi - lo > 1):
-            return None
-        # NaN where the cell holds no edge: v >= NaN is False, even for v = +inf.
-        cut = np.where(hi > lo, edges[np.minimum(lo, len(edges) - 1)], np.nan)
-        if positive:  # only the non-negative half is ever indexed
-            lo, cut = lo[half:], cut[half:]
-        return cls(edges, shift, lo.astype(np.int16), cut, positive)
-
-    def __call__(self, v: np.ndarray) -> np.ndarray:
-        """Bin index (intp) of each value; NaN must be removed by the caller."""
-        v = np.ascontiguousarray(v, dtype=np.float64)
-        if self.positive:
-            cell = v.view(np.int64) >> self.shift
-        else:
-            cell = (ordered_bits(v) >> self.shift) + (1 << (63 - self.shift))
-        out = self.lo.take(cell).astype(np.intp)
-        out += v >= self.cut.take(cell)
-        return out
-
-
-def abs_table() -> BinTable:
-    """Binning of non-negative values (|weights|, rho) against ABS_EDGES."""
-    return BinTable.build(ABS_EDGES, positive=True)
+    k = ABS_PER_OCTAVE * (b >> 52) - ABS_K0
+    mant = b & _MANT
+    for m in ABS_MANTISSAS:
+        k += mant >= m
+    return np.clip(k, 0, len(ABS_EDGES))
 
 
 _D_STEP = 0.5  # a power of two: d / _D_STEP is exact
 _D_OFFSET = -D_EDGES[0] / _D_STEP  # edges[i] = (i - _D_OFFSET) * _D_STEP
-_D_UNIFORM = bool(float(_D_OFFSET).is_integer() and np.array_equal(
-    D_EDGES, (np.arange(len(D_EDGES)) - _D_OFFSET) * _D_STEP))
+if not (float(_D_OFFSET).is_integer() and np.array_equal(D_EDGES, (np.arange(len(D_EDGES)) - _D_OFFSET) * _D_STEP)):
+    raise ImportError("D_EDGES must be uniform with a power-of-two step (kldiag.analysis.types)")
 
 
 def d_bins(d: np.ndarray) -> np.ndarray:
@@ -100,26 +49,22 @@ def d_bins(d: np.ndarray) -> np.ndarray:
     edges[i] <= d  <=>  i <= d / step + offset  <=>  i <= floor(d / step) + offset, and
     d / step is exact in binary floating point, so no value crosses an edge by rounding.
     """
-    if not _D_UNIFORM:
-        return np.searchsorted(D_EDGES, d, side="right")
-    k = np.floor(d * (1.0 / _D_STEP))
+    k = np.floor(np.asarray(d, dtype=np.float64) * (1.0 / _D_STEP))
     np.clip(k, -_D_OFFSET - 1.0, len(D_EDGES) - 1.0 - _D_OFFSET, out=k)
-    out = k.astype(np.intp)
+    out = k.astype(np.int64)
     out += int(_D_OFFSET) + 1
     return out
 
 
 def d_grid() -> np.ndarray:
-    """(1 / step, offset, number of edges) of D_EDGES, for the compiled d_bins (fused.d_bin)."""
-    if not _D_UNIFORM:
-        raise ValueError("D_EDGES must be uniform with a power-of-two step for exact binning")
+    """(1 / step, offset, number of edges) of D_EDGES, for the compiled d_bin (fused.d_bin)."""
     return np.array([1.0 / _D_STEP, _D_OFFSET, float(len(D_EDGES))])
 
 
 def quantile(counts: np.ndarray, edges: np.ndarray, q: float, vmax: float) -> float:
     """q-quantile from log-spaced histogram counts [n_bins], interpolated geometrically.
 
-    Exact to within one bin (a factor 10**0.25 for ABS_EDGES); never above `vmax`.
+    Exact to within one bin (a factor 2**0.5 for ABS_EDGES); never above `vmax`.
     """
     n = counts.sum()
     if n == 0:

@@ -6,16 +6,18 @@ and x = logp - logp_old, each float32 input converted to float64 as it is read:
     k1 = -d    k2 = d^2 / 2    k3 = expm1(d) - d    weight_k3 = -expm1(d)
     rho = exp(x)    k3_is = rho * k3    weight_k3_is = rho * (-d)
 
-`token` is the one place these are computed; tests/test_analysis_kernel.py checks it against
-estimators.py (exactly, or within 1 ulp where LLVM's exp/expm1 rounds differently from
-numpy's). A token is *valid for d* when d is finite and *valid for x* when x is finite (a
-null logp_old means on-policy: x = 0). Invalid tokens hold 0 in every sum and are not
-binned; sums keep finite summands only and count them (docs/metrics.md).
+`token` is the one place these are computed, with fastexp's vectorised exp and expm1;
+tests/test_analysis_kernel.py checks it against estimators.py (within 2 ulp). A token is
+*valid for d* when d is finite and *valid for x* when x is finite (a null logp_old means
+on-policy: x = 0). Invalid tokens hold 0 in every sum and are not binned; sums keep
+finite summands only and count them (docs/metrics.md).
 
 Rows are grouped by (step, seq) as runs of equal consecutive keys: recorder files are
-step-ordered. Sums run per sequence, then add into their step, so a step's sum is the sum
-of its sequences' sums. Functions are compiled once and cached on disk (numba cache=True)
-and release the GIL, so the next batch decodes on another core meanwhile.
+step-ordered. Sums run per sequence, then add into their step. Within a sequence, rows go
+in chunks of CHUNK: a branch-free loop that LLVM vectorises computes every per-token value
+and sum and writes the histogram bins of the chunk, then a scalar loop counts the bins.
+Functions are compiled once and cached on disk (numba cache=True) and release the GIL, so
+the next batch decodes on another core meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ import math
 import numpy as np
 from numba import njit
 
+from kldiag.analysis import fastexp
+
 JIT = dict(cache=True, nogil=True, error_model="numpy")
+# Per-token helpers are inlined into the kernel by numba (inline="always"): left to LLVM,
+# which declines to inline functions this large, the calls keep the loop from vectorising.
+# Sums may be reordered (vectorised reductions); NaN and inf are still honoured.
+SUMS = dict(JIT, fastmath={"reassoc", "contract", "nsz"})
+CHUNK = 256  # rows per vectorised chunk: its bin buffers stay in L1
 
 # Columns of the float and count outputs, per sequence and per step (partial names, stats.py).
 SEQ_F = ("sum_k3", "sum_k3_is", "max_w", "max_w_is", "sum_adv", "sum_opsm", "sum_trl_x")
@@ -35,66 +44,31 @@ STEP_F = ("sum_k1", "sum_k2", "sum_w", "sum_w_is", "sum_w_flagged", "sum_rho", "
 STEP_I = ("n_d", "n_x", "n_w", "n_w_is", "n_rho", "n_clip", "n_mismatch", "n_theta", "n_blowup", "n_clamp",
           "n_nonfinite", "n_invalid", "n_flagged", "n_tokens", "n_k3", "n_k3_is")
 BAD_NONFINITE, BAD_INVALID = 1, 2  # bits of the per-row code of bad log-probs
+MANT = (1 << 52) - 1
+NONE_BITS = -1  # int64 bits of "no value yet" for maxima of values >= +0.0
+MIN_NONE_BITS = 0x7FF8_0000_0000_0000  # above +inf's bits: "no value yet" for minima
 
 
-def exps(s, r, o, m, o_null) -> tuple[np.ndarray, ...]:
-    """(d, expm1(d), x, exp(x), z, expm1(z)) float64 [n] with numpy's SIMD exp and expm1.
-
-    d = r - s, x = s - o (0 without a logp_old column; a null logp_old is logp itself),
-    z = o - m (o = s without a logp_old column; NaN without a sampler). Non-finite values
-    are left for `token` to exclude. A scalar libm exp costs ~5x numpy's vector one here.
-    """
-    s64 = s.astype(np.float64)
-    n = len(s64)
-    o64 = s64 if len(o) != n else o.astype(np.float64)
-    if len(o_null) == n:
-        o64[o_null] = s64[o_null]
-    with np.errstate(all="ignore"):
-        d = r - s64 if len(r) == n else np.full(n, np.nan)
-        x = s64 - o64 if len(o) == n else np.zeros(n)
-        z = o64 - m if len(m) == n else np.zeros(0)
-        return d, np.expm1(d), x, np.exp(x), z, np.expm1(z)
+@njit(inline="always", **JIT)
+def finite(v):
+    """math.isfinite, safe under fastmath "reassoc": numba's isfinite is folded to True there."""
+    return abs(v) < np.inf
 
 
-@njit(**JIT)
-def token(d, em, x, rho):
-    """(d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is) of one token from `exps`' values.
-
-    Invalid: d = 0, x = 0, rho = NaN, k3_is = w_is = 0. rho * k3 and rho * |d| are 0 * inf
-    only at a valid token, where estimators.py gives +inf (the limit of the product).
-    """
-    valid_d = math.isfinite(d)
-    if not valid_d:
-        d, em = 0.0, 0.0
-    valid_x = math.isfinite(x)
-    if not valid_x:
-        x, rho = 0.0, np.nan
-    k3 = em - d
-    w = abs(em)
-    k3_is, w_is = 0.0, 0.0
-    if valid_d and valid_x:
-        k3_is = rho * k3
-        if math.isnan(k3_is):
-            k3_is = -np.inf if k3 == -np.inf else np.inf
-        w_is = rho * abs(d)
-        if math.isnan(w_is):
-            w_is = np.inf
-    return d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is
+@njit(inline="always", **JIT)
+def abs_bin(v, m1, k0, n_edges):
+    """bins.abs_bins for one value >= +0.0: exponent and mantissa bits against the edges'."""
+    b = np.float64(v).view(np.int64)
+    k = 2 * (b >> 52) - k0 + np.int64((b & MANT) >= m1)
+    return min(max(k, 0), n_edges)
 
 
-@njit(**JIT)
-def abs_bin(v, shift, lo, cut):
-    """bins.BinTable (positive) for one value >= +0.0: searchsorted(edges, v, "right")."""
-    cell = np.float64(v).view(np.int64) >> shift
-    return lo[cell] + (1 if v >= cut[cell] else 0)
-
-
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def d_bin(d, inv_step, offset, n_edges):
     """bins.d_bins for one value: exact arithmetic on uniform edges with a power-of-two step."""
     k = np.floor(d * inv_step)  # a float: math.floor returns an int64, which overflows
     k = min(max(k, -offset - 1.0), n_edges - 1.0 - offset)
-    return int(k) + int(offset) + 1
+    return np.int64(k) + np.int64(offset) + 1
 
 
 @njit(**JIT)
@@ -124,166 +98,280 @@ def step_of_seqs(step, starts):
     return out, k + 1
 
 
-@njit(**JIT)
-def fused_pass(starts, sidx, n_steps, s, o, m, o_null, mask, adv, bad, ex, params, abs_lo, abs_cut, abs_shift,
-               n_abs, d_grid):
+@njit(inline="always", **JIT)
+def token(sv, ov, rv):
+    """(d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is) of one token, float64 inputs.
+
+    Invalid: d = 0, x = 0, rho = NaN, k3_is = w_is = 0. rho * k3 and rho * |d| are 0 * inf
+    only at a valid token, where estimators.py gives +inf (the limit of the product).
+    """
+    d = rv - sv
+    valid_d = finite(d)
+    d = d if valid_d else 0.0
+    x = sv - ov
+    valid_x = finite(x)
+    x = x if valid_x else 0.0
+    em = fastexp.expm1(d)
+    rho = fastexp.exp(x)
+    k3 = em - d  # >= 0: expm1(d) >= d
+    w = abs(em)
+    k3_is = rho * k3
+    k3_is = np.inf if k3_is != k3_is else k3_is
+    w_is = rho * abs(d)
+    w_is = np.inf if w_is != w_is else w_is
+    both = valid_d & valid_x
+    return (d, valid_d, x, valid_x, rho if valid_x else np.nan, k3, w, k3_is if both else 0.0,
+            w_is if both else 0.0)
+
+
+@njit(inline="always", **JIT)
+def bad_code(sv, ov, rv, mv):
+    """BAD_NONFINITE | BAD_INVALID bits of one row's raw log-probs (absent columns repeat s)."""
+    ok = finite(sv) & finite(ov) & finite(rv) & finite(mv)
+    invalid = (sv > 0.0) | (ov > 0.0) | (rv > 0.0) | (mv > 0.0)
+    return np.int64(not ok) * BAD_NONFINITE + np.int64(invalid) * BAD_INVALID
+
+
+@njit(inline="always", **JIT)
+def mismatch(sv, ov, mv, masked, has_m):
+    """(y, k3 of z = o - m, z valid) of one token: y = m - s (o - s without a sampler value)."""
+    use_m = has_m & (mv == mv)
+    y = (mv if use_m else ov) - sv
+    z = ov - mv
+    zok = has_m & masked & finite(z)
+    z = z if zok else 0.0
+    kz = fastexp.expm1(z) - z
+    return y, kz, zok & finite(kz)
+
+
+@njit(inline="always", **JIT)
+def bits(v):
+    return np.float64(v).view(np.int64)
+
+
+@njit(inline="always", **JIT)
+def from_bits(b, none):
+    return np.nan if b == none else np.int64(b).view(np.float64)
+
+
+# Accumulators of chunk_sums, in this order. The first 16 counts are STEP_I's.
+ACC_F = ("sum_d", "sum_d2", "sum_w", "sum_w_is", "sum_wf", "sum_rho", "sum_rho2", "sum_drift", "sum_mm",
+         "sum_k3", "sum_k3_is", "sum_adv", "sum_opsm", "sum_x")
+ACC_I = (*STEP_I, "n_bad", "n_adv")
+ACC_B = ("max_rho", "min_rho", "max_w", "max_w_is")  # bits of values >= +0.0
+FIELD = 10  # bits per histogram bin in chunk_sums' packed words
+COUNT_BITS = 9  # bits per count packed in a word: a chunk holds at most CHUNK = 256 rows
+
+
+@njit(inline="always", **SUMS)
+def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed):
+    """(ACC_F, ACC_I as three packed words, ACC_B) of one chunk's rows (column slices), and
+    packed[i] = row i's four histogram bins (FIELD bits each; n_edges + 1: not binned).
+
+    One branch-free loop, so that LLVM vectorises it: conditions are combined with & and |,
+    finite values are masked by multiplying with 0/1, values that may be inf by a select.
+    It runs over range(len) of slices: with range(c0, c1) numba cannot prove i >= 0, every
+    load pays for negative-index wraparound, and the loop ran 4x slower and, through LLVM's
+    runtime alias checks, took its scalar path at some addresses only, so its sums rounded
+    differently from run to run (tests/test_analysis_kernel.py checks they do not).
+    """
+    has_m, has_adv = has[2] != 0, has[3] != 0
+    auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID  # has_bad: take bad[], else compute
+    r_nan = 0.0 if has[1] != 0 else np.nan  # d = NaN for every token without a reference
+    log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
+    m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
+    n_dbin = np.int64(d_grid[2]) + 1
+    sum_d = sum_d2 = sum_w = sum_w_is = sum_wf = sum_rho = sum_rho2 = sum_drift = sum_mm = 0.0
+    sum_k3 = sum_k3_is = sum_adv = sum_opsm = sum_x = 0.0
+    cnt0 = cnt1 = cnt2 = 0  # the 18 counts, COUNT_BITS each (see unpack_counts)
+    max_r = max_w = max_w_is = NONE_BITS
+    min_r = MIN_NONE_BITS
+    for i in range(len(s)):
+        sv, ov, rv, mv = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(m[i])
+        code = np.int64(bad[i]) | (bad_code(sv, ov, rv, mv) & auto)  # no branch: bad[] is 0 unless has_bad
+        av = np.float64(adv[i])
+        aok = has_adv & finite(av)
+        sum_adv += av if aok else 0.0
+        mk = mask[i]
+        d, vd, x, vx, rho, k3, w, k3_is, w_is = token(sv, ov, rv + r_nan)
+        vd, vx = vd & mk, vx & mk
+        both = vd & vx
+        theta, blow, clamped = vd & (d > log_tau), mk & (w > limit), mk & (k3 > clamp)
+        flag = theta | blow | clamped | (mk & (code != 0))
+        max_w = max(max_w, bits(w) if mk else NONE_BITS)  # w >= +0.0: its bits order like it
+        max_w_is = max(max_w_is, bits(w_is) if mk else NONE_BITS)
+        dv = d * np.float64(vd)
+        sum_d += dv
+        sum_d2 += dv * dv
+        kok, wok = vd & finite(k3), vd & finite(w)
+        sum_k3 += k3 if kok else 0.0
+        wv = w if wok else 0.0
+        sum_w += wv
+        sum_wf += wv * np.float64(flag)
+        xv = x * np.float64(vx)
+        sum_x += xv
+        sum_drift += abs(xv)
+        rok = vx & finite(rho)
+        rv_ = rho if rok else 0.0
+        sum_rho += rv_
+        r2 = rv_ * rv_
+        sum_rho2 += r2 if finite(r2) else 0.0
+        max_r = max(max_r, bits(rho) if vx else NONE_BITS)
+        min_r = min(min_r, bits(rho) if vx else MIN_NONE_BITS)
+        clip = vx & ((rho < clip_lo) | (rho > clip_hi))
+        kiok, wiok = both & finite(k3_is), both & finite(w_is)
+        sum_k3_is += k3_is if kiok else 0.0
+        sum_w_is += w_is if wiok else 0.0
+        y, kz, zok = mismatch(sv, ov, mv, mk, has_m)
+        sum_opsm += y if mk & finite(y) else 0.0
+        sum_mm += kz if zok else 0.0
+        # one add per word instead of 18: fewer live registers, so the loop vectorises well
+        cnt0 += pack7(vd, vx, wok, wiok, rok, clip, zok)
+        cnt1 += pack7(theta, blow, clamped, code & BAD_NONFINITE != 0, code >> 1 != 0, flag, mk)
+        cnt2 += pack7(kok, kiok, code != 0, aok, False, False, False)
+        b_d = d_bin(d, d_grid[0], d_grid[1], d_grid[2]) if vd else n_dbin
+        b_w = abs_bin(w, m1, k0, n_abs) if vd else n_abs + 1
+        b_wi = abs_bin(w_is, m1, k0, n_abs) if both else n_abs + 1
+        b_r = abs_bin(rho if vx else 1.0, m1, k0, n_abs) if vx else n_abs + 1
+        packed[i] = b_d | (b_w << FIELD) | (b_wi << (2 * FIELD)) | (b_r << (3 * FIELD))
+    return ((sum_d, sum_d2, sum_w, sum_w_is, sum_wf, sum_rho, sum_rho2, sum_drift, sum_mm, sum_k3, sum_k3_is,
+             sum_adv, sum_opsm, sum_x), (cnt0, cnt1, cnt2), (max_r, min_r, max_w, max_w_is))
+
+
+@njit(inline="always", **JIT)
+def pack7(a, b, c, d, e, f, g):
+    """Seven 0/1 flags as COUNT_BITS-bit fields of one int64: summing words sums each field."""
+    return (np.int64(a) | (np.int64(b) << COUNT_BITS) | (np.int64(c) << 2 * COUNT_BITS)
+            | (np.int64(d) << 3 * COUNT_BITS) | (np.int64(e) << 4 * COUNT_BITS) | (np.int64(f) << 5 * COUNT_BITS)
+            | (np.int64(g) << 6 * COUNT_BITS))
+
+
+@njit(inline="always", **JIT)
+def unpack_counts(words, out):
+    """Add the fields of chunk_sums' count words into `out`, in ACC_I order."""
+    low = (1 << COUNT_BITS) - 1
+    w0, w1, w2 = words
+    # w0: n_d, n_x, n_w, n_w_is, n_rho, n_clip, n_mm; w1: n_theta, n_blowup, n_clamp, n_nonfinite,
+    # n_invalid, n_flagged, n_tokens; w2: n_k3, n_k3_is, n_bad, n_adv (ACC_I's order, by design)
+    for q in range(7):
+        out[q] += (w0 >> (q * COUNT_BITS)) & low
+        out[7 + q] += (w1 >> (q * COUNT_BITS)) & low
+    for q in range(4):
+        out[14 + q] += (w2 >> (q * COUNT_BITS)) & low
+
+
+@njit(inline="always", **JIT)
+def bad_rows_of(c0, c1, s, o, r, m, bad, auto, out, n_out):
+    """Append rows c0..c1 with a bad code to out[n_out:]; the new n_out."""
+    for i in range(c0, c1):
+        code = np.int64(bad[i]) | (bad_code(np.float64(s[i]), np.float64(o[i]), np.float64(r[i]),
+                                            np.float64(m[i])) & auto)
+        if code:
+            out[n_out] = i
+            n_out += 1
+    return n_out
+
+
+@njit(inline="always", **JIT)
+def count_bins(packed, rows, h_d, h_w, h_w_is, h_rho):
+    """Add the packed bins of `rows` rows into one step's histograms (last bin: not binned)."""
+    low = (1 << FIELD) - 1
+    for t in range(rows):
+        p = packed[t]
+        h_d[p & low] += 1
+        h_w[(p >> FIELD) & low] += 1
+        h_w_is[(p >> (2 * FIELD)) & low] += 1
+        h_rho[(p >> (3 * FIELD)) & low] += 1
+
+
+@njit(**SUMS)
+def fused_pass(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid):
     """Every per-sequence and per-step partial of one batch, in one pass over its rows.
 
-    starts: seq_starts; sidx: step_of_seqs. s, o, m, adv: float32 [n] logp, logp_old,
-    logp_sampler, advantage, empty when the column is all null; o_null, bad: [n] or empty;
-    ex: the arrays of `exps`. params: log(tau), weight_limit, clamp, 1 - clip_low,
-    1 + clip_high. abs_*: a bins.BinTable of n_abs - 1 edges; d_grid: 1 / step, offset,
-    number of d edges. Returns seq_f [n_seq, SEQ_F], seq_i [n_seq, SEQ_I], step_f, step_i,
-    the four histograms [n_steps, bins], and |weight_k3| per row (NaN where
-    not masked or not valid for d: the top-k candidates).
+    starts: seq_starts; sidx: step_of_seqs. s, o, r, m, adv: float32 [n] logp, logp_old,
+    logp_ref, logp_sampler, advantage; an absent column is passed as s with its has[] entry
+    0 (has = [has_o, has_r, has_m, has_adv, has_bad]); a null logp_old row holds s
+    (on-policy). mask: bool [n]. bad: uint8 [n] codes of bad rows, used when has_bad (nulls
+    make NaN ambiguous), else zeros and the codes are computed here. params: log(tau),
+    weight_limit, clamp, 1 - clip_low, 1 + clip_high. abs_grid: bins.ABS_MANTISSAS[0], ABS_K0,
+    number of |weight| edges; d_grid: 1 / step, offset, number of d edges. Returns
+    seq_f [n_seq, SEQ_F], seq_i [n_seq, SEQ_I], step_f, step_i, the four histograms
+    [n_steps, bins] and the rows with a bad code.
     """
     n, n_seq = len(s), len(starts) - 1
-    has_o, has_m, has_adv = len(o) == n, len(m) == n, len(adv) == n
-    ed, eem, ex_, erho, ez, eez = ex
-    has_onull, has_bad = len(o_null) == n, len(bad) == n
-    log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
-    n_dbin = int(d_grid[2]) + 1
+    n_abs, n_d_edges = abs_grid[2], np.int64(d_grid[2])
     seq_f = np.zeros((n_seq, len(SEQ_F)))
     seq_i = np.zeros((n_seq, len(SEQ_I)), np.int64)
     step_f = np.zeros((n_steps, len(STEP_F)))
     step_i = np.zeros((n_steps, len(STEP_I)), np.int64)
-    for k in range(n_steps):
-        for c in (8, 9, 13, 14):  # max_rho, min_rho, max_w, max_w_is: NaN = no value
-            step_f[k, c] = np.nan
-    h_d = np.zeros((n_steps, n_dbin), np.int64)
-    h_w = np.zeros((n_steps, n_abs), np.int64)
-    h_w_is = np.zeros((n_steps, n_abs), np.int64)
-    h_rho = np.zeros((n_steps, n_abs), np.int64)
-    wtop = np.empty(n)
+    step_b = np.empty((n_steps, 4), np.int64)
+    step_b[:, 0], step_b[:, 1], step_b[:, 2], step_b[:, 3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
+    h_d = np.zeros((n_steps, n_d_edges + 2), np.int64)  # the last bin is for tokens not binned
+    h_w = np.zeros((n_steps, n_abs + 2), np.int64)
+    h_w_is = np.zeros((n_steps, n_abs + 2), np.int64)
+    h_rho = np.zeros((n_steps, n_abs + 2), np.int64)
+    packed = np.empty(CHUNK, np.int64)
+    auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
+    acc_f, acc_i, acc_b = np.empty(len(ACC_F)), np.empty(len(ACC_I), np.int64), np.empty(4, np.int64)
+    bad_rows = np.empty(n, np.int64)
+    n_bad_rows = 0
     for j in range(n_seq):
         k = sidx[j]
-        # per-sequence accumulators
-        sum_k3 = sum_k3_is = sum_adv = sum_opsm = sum_x = 0.0
-        max_w = max_w_is = np.nan
-        n_tok = n_k3 = n_k3_is = n_flag = n_bad = n_adv = 0
-        # per-step accumulators of this sequence
-        sum_d = sum_d2 = sum_w = sum_w_is = sum_wf = sum_rho = sum_rho2 = sum_drift = sum_mm = 0.0
-        max_rho = min_rho = np.nan
-        n_d = n_x = n_w = n_w_is = n_rho = n_clip = n_mm = n_theta = n_blow = n_clamp = n_nf = n_inv = 0
-        for i in range(starts[j], starts[j + 1]):
-            code = bad[i] if has_bad else 0
-            if code:
-                n_bad += 1
-                n_nf += code & 1
-                n_inv += (code >> 1) & 1
-            if has_adv:
-                a = adv[i]
-                if math.isfinite(a):
-                    sum_adv += np.float64(a)
-                    n_adv += 1
-            if not mask[i]:
-                wtop[i] = np.nan
-                continue
-            sv = np.float64(s[i])
-            ov = np.float64(o[i]) if has_o else sv
-            on = has_onull and o_null[i]
-            if on:
-                ov = sv
-            d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is = token(ed[i], eem[i], ex_[i], erho[i])
-            n_tok += 1
-            wtop[i] = w if valid_d else np.nan
-            theta, blow, clamped = d > log_tau, w > limit, k3 > clamp
-            flag = theta or blow or clamped or code != 0
-            n_theta += theta
-            n_blow += blow
-            n_clamp += clamped
-            n_flag += flag
-            max_w, max_w_is = fmax(max_w, w), fmax(max_w_is, w_is)  # invalid tokens count as 0, as before
-            if valid_d:
-                n_d += 1
-                sum_d += d
-                sum_d2 += d * d
-                h_d[k, d_bin(d, d_grid[0], d_grid[1], d_grid[2])] += 1
-                h_w[k, abs_bin(w, abs_shift, abs_lo, abs_cut)] += 1
-                if math.isfinite(k3):
-                    sum_k3 += k3
-                    n_k3 += 1
-                if math.isfinite(w):
-                    sum_w += w
-                    n_w += 1
-                    if flag:
-                        sum_wf += w
-            if valid_x:
-                n_x += 1
-                sum_x += x
-                sum_drift += abs(x)
-                h_rho[k, abs_bin(rho, abs_shift, abs_lo, abs_cut)] += 1
-                if math.isfinite(rho):
-                    sum_rho += rho
-                    n_rho += 1
-                    rho2 = rho * rho
-                    if math.isfinite(rho2):
-                        sum_rho2 += rho2
-                max_rho, min_rho = fmax(max_rho, rho), fmin(min_rho, rho)
-                if rho < clip_lo or rho > clip_hi:
-                    n_clip += 1
-                if valid_d:
-                    h_w_is[k, abs_bin(w_is, abs_shift, abs_lo, abs_cut)] += 1
-                    if math.isfinite(k3_is):
-                        sum_k3_is += k3_is
-                        n_k3_is += 1
-                    if math.isfinite(w_is):
-                        sum_w_is += w_is
-                        n_w_is += 1
-            base = ov if has_o else sv
-            if has_m:
-                mv = np.float64(m[i])
-                y = (base - sv) if math.isnan(mv) else (mv - sv)
-                z = ez[i]
-                if math.isfinite(z):
-                    kz = eez[i] - z
-                    if math.isfinite(kz):
-                        sum_mm += kz
-                        n_mm += 1
-            else:
-                y = base - sv
-            if math.isfinite(y):
-                sum_opsm += y
-        f = seq_f[j]
-        f[0], f[1], f[2], f[3], f[4], f[5], f[6] = sum_k3, sum_k3_is, max_w, max_w_is, sum_adv, sum_opsm, sum_x
-        c = seq_i[j]
-        c[0], c[1], c[2], c[3], c[4], c[5] = n_tok, n_k3, n_k3_is, n_flag, n_bad, n_adv
-        g = step_f[k]
-        g[0] -= sum_d
-        g[1] += 0.5 * sum_d2
-        g[2] += sum_w
-        g[3] += sum_w_is
-        g[4] += sum_wf
-        g[5] += sum_rho
-        g[6] += sum_rho2
-        g[7] += sum_drift
-        g[8] = fmax(g[8], max_rho)
-        g[9] = fmin(g[9], min_rho)
-        g[10] += sum_mm
-        g[11] += sum_k3
-        g[12] += sum_k3_is
-        g[13] = fmax(g[13], max_w)
-        g[14] = fmax(g[14], max_w_is)
-        h = step_i[k]
-        for c_, v in enumerate((n_d, n_x, n_w, n_w_is, n_rho, n_clip, n_mm, n_theta, n_blow, n_clamp, n_nf, n_inv,
-                                n_flag, n_tok, n_k3, n_k3_is)):
-            h[c_] += v
-    return seq_f, seq_i, step_f, step_i, h_d, h_w, h_w_is, h_rho, wtop
+        acc_f[:], acc_i[:] = 0.0, 0
+        acc_b[0], acc_b[1], acc_b[2], acc_b[3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
+        for c0 in range(starts[j], starts[j + 1], CHUNK):
+            c1 = min(c0 + CHUNK, starts[j + 1])
+            s_, o_, r_, m_, mask_ = s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], mask[c0:c1]
+            cf, ci, cb = chunk_sums(s_, o_, r_, m_, adv[c0:c1], mask_, bad[c0:c1], has, params, abs_grid, d_grid,
+                                    packed)
+            for q in range(len(ACC_F)):
+                acc_f[q] += cf[q]
+            unpack_counts(ci, acc_i)
+            acc_b[0], acc_b[1] = max(acc_b[0], cb[0]), min(acc_b[1], cb[1])
+            acc_b[2], acc_b[3] = max(acc_b[2], cb[2]), max(acc_b[3], cb[3])
+            count_bins(packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k])
+            if (ci[2] >> (2 * COUNT_BITS)) & ((1 << COUNT_BITS) - 1):  # n_bad: note the rows
+                n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, bad, auto, bad_rows, n_bad_rows)
+        add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
+    for k in range(n_steps):
+        step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
+        step_f[k, 13], step_f[k, 14] = from_bits(step_b[k, 2], NONE_BITS), from_bits(step_b[k, 3], NONE_BITS)
+    return (seq_f, seq_i, step_f, step_i, h_d[:, :n_d_edges + 1], h_w[:, :n_abs + 1], h_w_is[:, :n_abs + 1],
+            h_rho[:, :n_abs + 1], bad_rows[:n_bad_rows])
+
+
+@njit(inline="always", **JIT)
+def add_sequence(acc_f, acc_i, acc_b, seq_f, seq_i, step_f, step_i, step_b):
+    """Write one sequence's row (SEQ_F, SEQ_I) and add it into its step's (STEP_F, STEP_I)."""
+    seq_f[0], seq_f[1] = acc_f[9], acc_f[10]  # sum_k3, sum_k3_is
+    seq_f[2], seq_f[3] = from_bits(acc_b[2], NONE_BITS), from_bits(acc_b[3], NONE_BITS)
+    seq_f[4], seq_f[5], seq_f[6] = acc_f[11], acc_f[12], acc_f[13]  # sum_adv, sum_opsm, sum_x
+    for c, q in enumerate((13, 14, 15, 12, 16, 17)):  # n_tokens, n_k3, n_k3_is, n_flagged, n_bad, n_adv
+        seq_i[c] = acc_i[q]
+    step_f[0] -= acc_f[0]  # sum_k1 = -sum_d
+    step_f[1] += 0.5 * acc_f[1]  # sum_k2
+    for c in range(2, 8):  # sum_w .. sum_drift
+        step_f[c] += acc_f[c]
+    step_f[10] += acc_f[8]  # sum_mismatch
+    step_f[11] += acc_f[9]
+    step_f[12] += acc_f[10]
+    for q in range(len(STEP_I)):
+        step_i[q] += acc_i[q]
+    step_b[0], step_b[1] = max(step_b[0], acc_b[0]), min(step_b[1], acc_b[1])
+    step_b[2], step_b[3] = max(step_b[2], acc_b[2]), max(step_b[3], acc_b[3])
 
 
 @njit(**JIT)
-def fmax(a, b):
-    """np.fmax: NaN only when both are NaN."""
-    if math.isnan(a):
-        return b
-    return a if math.isnan(b) or a >= b else b
-
-
-@njit(**JIT)
-def fmin(a, b):
-    if math.isnan(a):
-        return b
-    return a if math.isnan(b) or a <= b else b
+def top_candidates(s, r, mask, d_hi, d_lo):
+    """Masked rows whose d = r - s is >= d_hi or <= d_lo: where |k3 weight| may reach a threshold."""
+    out = np.empty(len(s), np.int64)
+    k = 0
+    for i in range(len(s)):
+        d = np.float64(r[i]) - np.float64(s[i])
+        if mask[i] and (d >= d_hi or d <= d_lo):
+            out[k] = i
+            k += 1
+    return out[:k]
 
 
 @njit(**JIT)

@@ -44,6 +44,15 @@ def ints(batch: pa.RecordBatch, name: str) -> np.ndarray:
     return (col.fill_null(0) if col.null_count else col).to_numpy(zero_copy_only=False)
 
 
+def bools(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """A bool column as numpy, nulls False; unpacks Arrow's bitmap (20x its to_numpy)."""
+    col = batch.column(name)
+    if col.null_count:
+        col = col.fill_null(False)
+    bits = np.frombuffer(col.buffers()[1], np.uint8)
+    return np.unpackbits(bits, count=col.offset + len(col), bitorder="little")[col.offset:].view(bool)
+
+
 @dataclass
 class Batch:
     """A record batch as numpy: int keys, bool mask, float32 log-probs (NaN at nulls)."""
@@ -55,7 +64,6 @@ class Batch:
     raw: dict[str, np.ndarray | None]  # LOGPS and "advantage", float32
     null: dict[str, np.ndarray | None]  # null masks, None when no row is null
     arrow: pa.RecordBatch  # columns read only at a few rows (group, pos, token_id, ...)
-    clean: bool  # no null row in a present column, every log-prob finite and <= 0
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> Batch:
@@ -63,15 +71,15 @@ class Batch:
         if len(step) > 1 and np.any(step[1:] < step[:-1]):  # not step-ordered: sort once
             batch = batch.take(pa.array(np.argsort(step, kind="stable")))
             step = ints(batch, "step")
-        raw, null, clean = {}, {}, True
+        raw, null = {}, {}
         for name in (*LOGPS, "advantage"):
             raw[name], null[name] = f32(batch, name)
-            if name in LOGPS and raw[name] is not None:
-                # max is NaN if any NaN; +inf or > 0 fails too; min catches -inf.
-                clean &= null[name] is None and bool(raw[name].max() <= 0) and bool(np.isfinite(raw[name].min()))
-        mask = batch.column("mask")
-        mask = (mask.fill_null(False) if mask.null_count else mask).to_numpy(zero_copy_only=False)
-        return cls(batch.num_rows, step, ints(batch, "seq"), mask, raw, null, batch, clean)
+        return cls(batch.num_rows, step, ints(batch, "seq"), bools(batch, "mask"), raw, null, batch)
+
+    @property
+    def partial_nulls(self) -> bool:
+        """Some log-prob column is null on some rows only: NaN no longer tells a bad value."""
+        return any(self.null[name] is not None for name in LOGPS)
 
     def at(self, name: str, rows: np.ndarray, fill: int = 0) -> np.ndarray:
         """Integer column `name` at `rows` (nulls as `fill`), without converting the rest."""
@@ -80,20 +88,17 @@ class Batch:
             col = col.fill_null(fill)
         return col.to_numpy(zero_copy_only=False)[rows].astype(np.int64)
 
-    def bad_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Row indices with a non-finite present log-prob, and with a log-prob > 0."""
-        if self.clean:
-            return np.zeros(0, np.intp), np.zeros(0, np.intp)
-        nf = np.zeros(self.n, bool)
-        inv = np.zeros(self.n, bool)
+    def bad_codes(self) -> np.ndarray:
+        """fused.BAD_* bits per row, from present values only (nulls are absence, not findings)."""
+        code = np.zeros(self.n, np.uint8)
         for name in LOGPS:
             v = self.raw[name]
             if v is None:
                 continue
-            bad = ~np.isfinite(v)
-            if self.null[name] is not None:
-                bad &= ~self.null[name]
-            nf |= bad
             with np.errstate(invalid="ignore"):
-                inv |= v > 0
-        return np.flatnonzero(nf), np.flatnonzero(inv)
+                nf, inv = ~np.isfinite(v), v > 0
+            if self.null[name] is not None:
+                nf &= ~self.null[name]
+            code[nf] |= 1
+            code[inv] |= 2
+        return code

@@ -17,7 +17,7 @@ from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
 from kldiag.analysis.types import ABS_EDGES
 
-ABS = bins.abs_table()
+ABS_GRID = np.array([*bins.ABS_MANTISSAS, bins.ABS_K0, len(ABS_EDGES)], np.int64)  # see fused.abs_bin
 D_GRID = bins.d_grid()
 
 TOP_ORDER = ("step", "rank", "seq", "pos", "micro", "iteration")
@@ -31,7 +31,7 @@ class BatchResult:
     bad: Keyed  # the first top_k tokens with a non-finite or positive log-prob
 
 
-def seq_keyed(b: Batch, rank: int, starts: np.ndarray, seq_f: np.ndarray, seq_i: np.ndarray) -> Keyed:
+def seq_keyed(b: Batch, rank: int, starts: np.ndarray, seq_f: np.ndarray, seq_i: np.ndarray, clean: bool) -> Keyed:
     """One row per (step, seq) run of the batch; rows of one sequence merge later by key."""
     first = starts[:-1]
     out: Keyed = {"step": b.step[first], "seq": b.seq[first],
@@ -41,15 +41,16 @@ def seq_keyed(b: Batch, rank: int, starts: np.ndarray, seq_f: np.ndarray, seq_i:
     out.update({name: seq_i[:, c] for c, name in enumerate(fused.SEQ_I)})
     out.update({name: seq_f[:, c] for c, name in enumerate(fused.SEQ_F)})
     out["n_opsm"] = out["n_tokens"]
-    out.update(trainer_sums(b, starts, out))
+    out.update(trainer_sums(b, starts, out, clean))
     return out
 
 
-def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed) -> Keyed:
+def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed, clean: bool) -> Keyed:
     """Per-sequence sums of TRL's per-token KL times the mask (fused.trl_pass).
 
-    When every log-prob is finite and every masked k3 and k3_is too, these are the masked
-    sums already computed; otherwise a second pass applies TRL's IEEE semantics.
+    When the batch is clean (every present log-prob finite and <= 0, no partial nulls) and
+    every masked k3 and k3_is is finite, these are the masked sums already computed;
+    otherwise a second pass applies TRL's IEEE semantics.
     """
     null_ref = b.null["logp_ref"]
     n_rows = seqs["n_rows"]
@@ -57,10 +58,10 @@ def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed) -> Keyed:
         (n_rows if b.raw["logp_ref"] is not None else np.zeros(len(n_rows), np.int64))
     out = {"sum_trl_k3": seqs["sum_k3"], "sum_trl_k3_is": seqs["sum_k3_is"], "sum_trl_x": seqs.pop("sum_trl_x"),
            "n_trl_ref": n_ref}
-    if b.clean and b.raw["logp_ref"] is not None and np.array_equal(seqs["n_k3"], seqs["n_tokens"]) \
+    if clean and b.raw["logp_ref"] is not None and np.array_equal(seqs["n_k3"], seqs["n_tokens"]) \
             and np.array_equal(seqs["n_k3_is"], seqs["n_tokens"]):
         return out
-    a = kernel_inputs(b)
+    a = trl_inputs(b)
     trl = fused.trl_pass(starts, a["s"], a["r"], a["o"], a["o_null"], a["mask"])
     out.update(sum_trl_k3=trl[:, 0], sum_trl_k3_is=trl[:, 1], sum_trl_x=trl[:, 2])
     return out
@@ -79,20 +80,41 @@ def step_keyed(b: Batch, rank: int, starts: np.ndarray, sidx: np.ndarray, res: t
     return out
 
 
-def kernel_inputs(b: Batch) -> dict[str, np.ndarray]:
-    """The batch's columns as the kernel takes them: read-only, an empty array for a missing one.
+def ro(a: np.ndarray | None, dtype, placeholder: np.ndarray | None = None) -> np.ndarray:
+    """A read-only contiguous array of dtype; `placeholder` (else empty) when a is None.
 
     One array type per argument whatever the batch, so the kernel compiles once.
     """
-    def ro(a, dtype):
-        a = np.empty(0, dtype) if a is None else np.ascontiguousarray(a, dtype)
-        a.flags.writeable = False
-        return a
+    a = (np.empty(0, dtype) if placeholder is None else placeholder) if a is None else np.ascontiguousarray(a, dtype)
+    a.flags.writeable = False
+    return a
 
+
+def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
+    """(s, o, r, m, adv, mask, bad, has) as fused.fused_pass takes them.
+
+    An absent column is passed as s with has = 0; null logp_old rows hold s (on-policy:
+    x = 0). bad holds the rows' bad codes when partial nulls make NaN ambiguous (has[4] = 1),
+    else zeros.
+    """
+    raw, null = b.raw, b.null
+    s = ro(raw["logp"], np.float32)
+    o = raw["logp_old"]
+    if o is not None and null["logp_old"] is not None:
+        o = np.where(null["logp_old"], raw["logp"], o)
+    cols = (s, ro(o, np.float32, s), ro(raw["logp_ref"], np.float32, s), ro(raw["logp_sampler"], np.float32, s),
+            ro(raw["advantage"], np.float32, s))
+    has = np.array([*(raw[name] is not None for name in ("logp_old", "logp_ref", "logp_sampler", "advantage")),
+                    b.partial_nulls], np.int64)
+    bad = ro(b.bad_codes() if b.partial_nulls else np.zeros(b.n, np.uint8), np.uint8)
+    return (*cols, ro(b.mask, np.bool_), bad, has)
+
+
+def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
+    """Columns for fused.trl_pass: an empty array for a missing one, the mask as bool."""
     raw = b.raw
     return {"s": ro(raw["logp"], np.float32), "r": ro(raw["logp_ref"], np.float32),
-            "o": ro(raw["logp_old"], np.float32), "m": ro(raw["logp_sampler"], np.float32),
-            "adv": ro(raw["advantage"], np.float32), "mask": ro(b.mask, np.bool_),
+            "o": ro(raw["logp_old"], np.float32), "mask": ro(b.mask, np.bool_),
             "o_null": ro(b.null["logp_old"] if raw["logp_old"] is not None else None, np.bool_)}
 
 
@@ -139,13 +161,28 @@ def top_threshold(h_w: np.ndarray, top_k: int) -> float:
     return float(ABS_EDGES[len(from_top) - 2 - i])
 
 
-def top_rows(b: Batch, rank: int, th: Thresholds, wtop: np.ndarray, thr: float) -> Keyed:
-    """The top_k rows by |k3 weight| among those >= thr (wtop: NaN where not a candidate)."""
-    cand = np.flatnonzero(wtop >= thr)
+def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
+    """The top_k masked rows by |k3 weight| among those with |k3 weight| >= thr.
+
+    |1 - exp(d)| >= thr holds for d >= log1p(thr), or d <= log1p(-thr) when thr < 1: rows
+    are preselected by d, with margins for rounding, then w is recomputed with numpy.
+    """
+    if b.raw["logp_ref"] is None:
+        return {}
+    thr *= 1.0 - 1e-12  # the kernel's expm1 is within 2 ulp of numpy's: keep rows at the edge
+    d_hi = np.log1p(thr) - 1e-9 if thr > 0 else -np.inf
+    d_lo = np.log1p(-thr) + 1e-9 if 0 < thr < 1 else -np.inf
+    s, r = ro(b.raw["logp"], np.float32), ro(b.raw["logp_ref"], np.float32)
+    cand = fused.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo)
+    with np.errstate(all="ignore"):
+        d = r[cand].astype(np.float64) - s[cand].astype(np.float64)
+        w = np.abs(np.expm1(d))
+    keep = np.isfinite(d) & (w >= thr)
+    cand, w = cand[keep], w[keep]
     if len(cand) > th.top_k:  # keep the k largest values and their ties, then order exactly
-        kth = np.partition(wtop[cand], len(cand) - th.top_k)[len(cand) - th.top_k]
-        cand = cand[wtop[cand] >= kth]
-    return select_top(flag_rows(b, rank, cand, wtop[cand]), th.top_k)
+        kth = np.partition(w, len(cand) - th.top_k)[len(cand) - th.top_k]
+        cand, w = cand[w >= kth], w[w >= kth]
+    return select_top(flag_rows(b, rank, cand, w), th.top_k)
 
 
 # ---- one batch ---------------------------------------------------------------------------
@@ -156,24 +193,15 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     if batch.num_rows == 0:
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
-    a = kernel_inputs(b)
     starts = fused.seq_starts(b.step, b.seq)
     sidx, n_steps = fused.step_of_seqs(b.step, starts)
-    nonfinite, invalid = b.bad_rows()
-    code = np.zeros(b.n if len(nonfinite) or len(invalid) else 0, np.uint8)
-    code[nonfinite] |= fused.BAD_NONFINITE
-    code[invalid] |= fused.BAD_INVALID
-    code.flags.writeable = False
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
-    ex = fused.exps(a["s"], a["r"], a["o"], a["m"], a["o_null"])
-    res = fused.fused_pass(starts, sidx, n_steps, a["s"], a["o"], a["m"], a["o_null"], a["mask"], a["adv"],
-                           code, ex, params, ABS.lo, ABS.cut, ABS.shift, len(ABS_EDGES) + 1, D_GRID)
-    seqs = seq_keyed(b, rank, starts, res[0], res[1])
+    res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
+    bad_any = res[-1]
+    seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)
-    wtop = res[-1]
     thr = max(top_threshold(steps["h_weight_k3_abs"], th.top_k), top_floor)
-    top = top_rows(b, rank, th, wtop, thr) if th.top_k > 0 else {}
-    bad_any = np.flatnonzero(code)
+    top = top_rows(b, rank, th, thr) if th.top_k > 0 else {}
     bad_sel = select_first(flag_rows(b, rank, bad_any, np.full(len(bad_any), np.nan)), th.top_k) \
         if len(bad_any) else {}
     return BatchResult(steps, seqs, top, bad_sel)

@@ -42,7 +42,11 @@ class AnalysisConfig:
 
 # Histogram bin edges shared by every run, so histograms of runs, files and ranks add up.
 D_EDGES = np.linspace(-40.0, 40.0, 161)  # d = log(pi_ref/pi_theta): log-spaced in the ratio
-ABS_EDGES = np.logspace(-8, 16, 24 * 4 + 1)  # |weight| and rho: 4 bins per decade
+# |weight| and rho: 2^e and sqrt(2) * 2^e (rounded), from 2^-27 (7.5e-9) to 2^54 (1.8e16).
+# Two bins an octave (a ratio of 1.41), so that a bin is integer arithmetic on the bits (bins.py).
+ABS_PER_OCTAVE = 2
+_k = np.arange(-27 * ABS_PER_OCTAVE, 54 * ABS_PER_OCTAVE + 1)
+ABS_EDGES = np.ldexp(2.0 ** ((_k % ABS_PER_OCTAVE) / ABS_PER_OCTAVE), _k // ABS_PER_OCTAVE)
 HIST_EDGES: dict[str, np.ndarray] = {
     "d": D_EDGES,
     "weight_k3_abs": ABS_EDGES,
