@@ -28,6 +28,7 @@ from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
 from kldiag.format import Manifest, PartInfo, open_run
 
 OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
+PART_ERRORS = (RunFormatError, OSError, pa.ArrowException)  # a part that raises these is skipped (or strict)
 
 
 def validate(cfg: AnalysisConfig) -> None:
@@ -85,7 +86,7 @@ def _compute(part: PartInfo, th: Thresholds, batch_size: int) -> partials.Partia
     keep_freed_memory()
     try:
         return partials.compute_part(part, th, batch_size)
-    except (RunFormatError, OSError, pa.ArrowException) as e:
+    except PART_ERRORS as e:
         return e
 
 
@@ -114,7 +115,9 @@ def part_partials(run_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: Ana
             results = list(pool.map(_compute, [parts[i] for i in todo], [th] * len(todo),
                                     [cfg.batch_size] * len(todo)))
     else:
-        results = [_compute(parts[i], th, cfg.batch_size) for i in todo]
+        keep_freed_memory()
+        by_index = dict(partials.compute_parts([parts[i] for i in todo], th, cfg.batch_size, PART_ERRORS))
+        results = [by_index[k] for k in range(len(todo))]
     for i, result in zip(todo, results, strict=True):
         if isinstance(result, Exception):
             _skip(parts[i], result, cfg.strict, skipped)

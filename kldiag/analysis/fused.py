@@ -72,17 +72,24 @@ def d_bin(d, inv_step, offset, n_edges):
 
 
 @njit(**JIT)
-def seq_starts(step, seq):
-    """Start row of each run of equal (step, seq), and n as a last entry; int64 [n_seq + 1]."""
+def key_changes(step, seq, out):
+    """out[i] = row i + 1 starts a new (step, seq) run; returns whether step never decreases.
+
+    Branch-free over range(len), so it vectorises (np.flatnonzero finds the starts).
+    """
+    ordered = True
+    for i in range(len(out)):
+        out[i] = (step[i + 1] != step[i]) | (seq[i + 1] != seq[i])
+        ordered &= step[i + 1] >= step[i]
+    return ordered
+
+
+def seq_starts(step: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(start row of each run of equal (step, seq) and n last, int64 [n_seq + 1]; step-ordered)."""
     n = len(step)
-    out = np.empty(n + 1, np.int64)
-    k = 0
-    for i in range(n):
-        if i == 0 or step[i] != step[i - 1] or seq[i] != seq[i - 1]:
-            out[k] = i
-            k += 1
-    out[k] = n
-    return out[:k + 1]
+    change = np.empty(max(n - 1, 0), np.bool_)
+    ordered = key_changes(step, seq, change) if n > 1 else True
+    return np.concatenate(([0], np.flatnonzero(change) + 1, [n])).astype(np.int64), ordered
 
 
 @njit(**JIT)
@@ -362,16 +369,14 @@ def add_sequence(acc_f, acc_i, acc_b, seq_f, seq_i, step_f, step_i, step_b):
 
 
 @njit(**JIT)
-def top_candidates(s, r, mask, d_hi, d_lo):
-    """Masked rows whose d = r - s is >= d_hi or <= d_lo: where |k3 weight| may reach a threshold."""
-    out = np.empty(len(s), np.int64)
-    k = 0
+def top_candidates(s, r, mask, d_hi, d_lo, out):
+    """out[i] = masked and d = r - s >= d_hi or <= d_lo: where |k3 weight| may reach a threshold.
+
+    Branch-free, so it vectorises; np.flatnonzero(out) then gives the rows.
+    """
     for i in range(len(s)):
         d = np.float64(r[i]) - np.float64(s[i])
-        if mask[i] and (d >= d_hi or d <= d_lo):
-            out[k] = i
-            k += 1
-    return out[:k]
+        out[i] = mask[i] & ((d >= d_hi) | (d <= d_lo))
 
 
 @njit(**JIT)

@@ -67,10 +67,8 @@ class Batch:
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> Batch:
+        """The batch's columns as numpy (the caller sorts a batch that is not step-ordered first)."""
         step = ints(batch, "step")
-        if len(step) > 1 and np.any(step[1:] < step[:-1]):  # not step-ordered: sort once
-            batch = batch.take(pa.array(np.argsort(step, kind="stable")))
-            step = ints(batch, "step")
         raw, null = {}, {}
         for name in (*LOGPS, "advantage"):
             raw[name], null[name] = f32(batch, name)
@@ -83,10 +81,10 @@ class Batch:
 
     def at(self, name: str, rows: np.ndarray, fill: int = 0) -> np.ndarray:
         """Integer column `name` at `rows` (nulls as `fill`), without converting the rest."""
-        col = self.arrow.column(name)
+        col = self.arrow.column(name).take(pa.array(rows, pa.int64()))
         if col.null_count:
             col = col.fill_null(fill)
-        return col.to_numpy(zero_copy_only=False)[rows].astype(np.int64)
+        return col.to_numpy(zero_copy_only=False).astype(np.int64)
 
     def bad_codes(self) -> np.ndarray:
         """fused.BAD_* bits per row, from present values only (nulls are absence, not findings)."""

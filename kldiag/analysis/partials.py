@@ -55,7 +55,7 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
     )
 
 
-KERNEL_ROWS = 1 << 18  # rows per kernel call
+KERNEL_ROWS = 1 << 19  # rows per kernel call
 
 
 def prefetched(items: Iterator, depth: int = 2) -> Iterator:
@@ -98,21 +98,79 @@ def _chunks(pf, batch_size: int) -> Iterator:
     yield from pf.iter_batches(batch_size=min(batch_size, KERNEL_ROWS), columns=list(COLUMNS))
 
 
+class PartReducer:
+    """Folds one part's record batches into its Partial (memory: one batch at a time)."""
+
+    def __init__(self, part: PartInfo, th: Thresholds):
+        self.part, self.th = part, th
+        self.steps: list = []
+        self.seqs: list = []
+        self.top: keyed.Keyed = {}
+        self.bad: keyed.Keyed = {}
+        self.rows, self.floor = 0, -np.inf
+
+    def add(self, batch) -> None:
+        r = batch_partials(batch, self.part.rank, self.th, self.floor)
+        self.steps.append(r.steps)
+        self.seqs.append(r.seqs)
+        self.top = select_top(keyed.concat([self.top, r.top]), self.th.top_k)
+        self.bad = select_first(keyed.concat([self.bad, r.bad]), self.th.top_k)
+        if self.top and len(self.top["wabs"]) >= self.th.top_k:
+            self.floor = float(self.top["wabs"][-1])  # later batches only need candidates above it
+        self.rows += batch.num_rows
+
+    def result(self) -> Partial:
+        return Partial(keyed.merge(self.steps), keyed.merge(self.seqs), self.top, self.bad, self.rows)
+
+
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
     """Stream one part (only COLUMNS) batch by batch; memory is bounded by batch_size."""
     pf = open_part(part, COLUMNS)
-    steps, seqs, top, bad, rows = [], [], {}, {}, 0
-    floor = -np.inf
+    red = PartReducer(part, th)
     for batch in prefetched(_chunks(pf, batch_size)):
-        r = batch_partials(batch, part.rank, th, floor)
-        steps.append(r.steps)
-        seqs.append(r.seqs)
-        top = select_top(keyed.concat([top, r.top]), th.top_k)
-        bad = select_first(keyed.concat([bad, r.bad]), th.top_k)
-        if top and len(top["wabs"]) >= th.top_k:
-            floor = float(top["wabs"][-1])  # later batches only need candidates above it
-        rows += batch.num_rows
-    return Partial(keyed.merge(steps), keyed.merge(seqs), top, bad, rows)
+        red.add(batch)
+    return red.result()
+
+
+def _part_batches(parts: Sequence[PartInfo], batch_size: int, errors: tuple) -> Iterator:
+    """(index, batch) of every part in turn, then (index, None); (index, error) when unreadable."""
+    for i, part in enumerate(parts):
+        try:
+            for batch in _chunks(open_part(part, COLUMNS), batch_size):
+                yield i, batch
+        except errors as e:
+            yield i, e
+            continue
+        yield i, None
+
+
+def compute_parts(parts: Sequence[PartInfo], th: Thresholds, batch_size: int,
+                  errors: tuple) -> Iterator[tuple[int, Partial | Exception]]:
+    """(index, Partial or the error that made it unreadable) of each part, decoding ahead across parts.
+
+    One decode thread runs through all the parts, so the kernel never waits for a part's
+    first batch; each part still gets a Partial of its own (for the cache).
+    """
+    red, failed = None, set()
+    for i, item in prefetched(_part_batches(parts, batch_size, errors), depth=3):
+        if i in failed:
+            continue
+        if isinstance(item, BaseException):
+            failed.add(i)
+            red = None
+            yield i, item
+        elif item is None:
+            yield i, (red or PartReducer(parts[i], th)).result()
+            red = None
+        else:
+            if red is None:
+                red = PartReducer(parts[i], th)
+            try:
+                red.add(item)
+            except errors as e:
+                failed.add(i)
+                red = None
+                yield i, e
 
 
 # ---- cache -----------------------------------------------------------------------------

@@ -173,7 +173,9 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
     d_hi = np.log1p(thr) - 1e-9 if thr > 0 else -np.inf
     d_lo = np.log1p(-thr) + 1e-9 if 0 < thr < 1 else -np.inf
     s, r = ro(b.raw["logp"], np.float32), ro(b.raw["logp_ref"], np.float32)
-    cand = fused.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo)
+    hit = np.empty(b.n, np.bool_)
+    fused.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo, hit)
+    cand = np.flatnonzero(hit)
     with np.errstate(all="ignore"):
         d = r[cand].astype(np.float64) - s[cand].astype(np.float64)
         w = np.abs(np.expm1(d))
@@ -193,7 +195,10 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     if batch.num_rows == 0:
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
-    starts = fused.seq_starts(b.step, b.seq)
+    starts, ordered = fused.seq_starts(b.step, b.seq)
+    if not ordered:  # recorder files are step-ordered; other writers' may not be: sort once
+        b = Batch.from_arrow(batch.take(pa.array(np.argsort(b.step, kind="stable"))))
+        starts, _ = fused.seq_starts(b.step, b.seq)
     sidx, n_steps = fused.step_of_seqs(b.step, starts)
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
     res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
