@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag import format as F
+from kldiag.analysis.bins import abs_bins
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
 from kldiag.views import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quantiles, nulls
@@ -27,8 +28,6 @@ COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
 SAMPLE_COLUMNS = ("step", "d", "rho", "weight_k2", "weight_k3", "weight_k3_is", "flagged")
 SEQ_COLUMNS = ("step", "seq", "advantage", "gap_sum", "n")
-LOG_EDGE0 = float(np.log10(ABS_EDGES[0]))
-EDGES_PER_DECADE = round(1 / float(np.log10(ABS_EDGES[1] / ABS_EDGES[0])))
 
 
 @dataclass
@@ -95,15 +94,9 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
 
 
 def _abs_hist(w: np.ndarray) -> np.ndarray:
-    """Counts over the shared |weight| bins (Histograms convention: zeros in bin 0, inf last).
-
-    ABS_EDGES are 10**(-8 + i/4): the bin follows from log10 directly, 3x faster than a search.
-    """
+    """Counts over the shared |weight| bins (Histograms convention: zeros in bin 0, inf last)."""
     w = w[~np.isnan(w)]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.floor((np.log10(w) - LOG_EDGE0) * EDGES_PER_DECADE) + 1
-    idx = np.clip(np.nan_to_num(x, nan=0.0, posinf=len(ABS_EDGES), neginf=0.0), 0, len(ABS_EDGES)).astype(np.int64)
-    return np.bincount(idx, minlength=len(ABS_EDGES) + 1)
+    return np.bincount(abs_bins(np.abs(w)), minlength=len(ABS_EDGES) + 1)
 
 
 def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray]) -> pd.DataFrame:

@@ -29,7 +29,7 @@ from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import CACHE_DIR, PartInfo, open_part
 
-PARTIAL_VERSION = 2  # bump when the meaning of a partial column changes
+PARTIAL_VERSION = 3  # bump when the meaning of a partial column changes (3: |weight| bins 2 per octave)
 TABLES = ("steps", "seqs", "top", "bad")
 
 
