@@ -65,7 +65,8 @@ def reference_steps(run_dir, tau=20.0, limit=10.0, clamp=10.0) -> dict[int, dict
         flagged = (fl.theta_ll_ref | fl.weight_blowup | fl.clamp_saturated | nonfinite | invalid) & m
         fw = np.isfinite(w)
         row["blame_share"] = w[flagged[m] & fw].sum() / w[fw].sum()
-        row["h_w"] = np.bincount(np.searchsorted(ABS_EDGES, w[~np.isnan(w)], side="right"), minlength=len(ABS_EDGES) + 1)
+        row["h_w"] = np.bincount(np.searchsorted(ABS_EDGES, w[~np.isnan(w)], side="right"),
+                                 minlength=len(ABS_EDGES) + 1)
         out[int(st)] = row
     return out
 

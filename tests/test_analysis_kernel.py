@@ -158,7 +158,7 @@ def test_kernel_sums_do_not_depend_on_where_the_arrays_live():
     th = Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 10)
     first = batch_partials(batch, 0, th)
     keep = []
-    for i in range(30):
+    for _ in range(30):
         keep.append(np.empty(int(rng.integers(1, 4000))))  # move the allocator on
         moved = batch.take(pa.array(np.arange(n)))  # fresh buffers, same values and nulls
         again = batch_partials(moved, 0, th)
