@@ -168,6 +168,8 @@ ACC_I = (*STEP_I, "n_bad", "n_adv")
 ACC_B = ("max_rho", "min_rho", "max_w", "max_w_is")  # bits of values >= +0.0
 FIELD = 10  # bits per histogram bin in chunk_sums' packed words
 COUNT_BITS = 9  # bits per count packed in a word: a chunk holds at most CHUNK = 256 rows
+if not (CHUNK < 1 << COUNT_BITS and 7 * COUNT_BITS < 64):
+    raise ImportError("fused.CHUNK rows must fit COUNT_BITS, and 7 counts one int64")
 
 
 @njit(inline="always", **SUMS)
@@ -178,9 +180,9 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
     One branch-free loop, so that LLVM vectorises it: conditions are combined with & and |,
     finite values are masked by multiplying with 0/1, values that may be inf by a select.
     It runs over range(len) of slices: with range(c0, c1) numba cannot prove i >= 0, every
-    load pays for negative-index wraparound, and the loop ran 4x slower and, through LLVM's
-    runtime alias checks, took its scalar path at some addresses only, so its sums rounded
-    differently from run to run (tests/test_analysis_kernel.py checks they do not).
+    load pays for negative-index wraparound, and that version ran 4x slower and its sums
+    rounded differently at some array addresses (tests/test_analysis_kernel.py checks that
+    they no longer do). The loop is long on purpose: it is the unit LLVM vectorises.
     """
     has_m, has_adv = has[2] != 0, has[3] != 0
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID  # has_bad: take bad[], else compute

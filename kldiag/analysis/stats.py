@@ -19,6 +19,8 @@ from kldiag.analysis.types import ABS_EDGES
 
 ABS_GRID = np.array([*bins.ABS_MANTISSAS, bins.ABS_K0, len(ABS_EDGES)], np.int64)  # see fused.abs_bin
 D_GRID = bins.d_grid()
+if max(len(ABS_EDGES), len(bins.D_EDGES)) + 2 > 1 << fused.FIELD:  # the "not binned" bin must fit a field
+    raise ImportError("histogram edges exceed fused.FIELD bits; widen FIELD")
 
 TOP_ORDER = ("step", "rank", "seq", "pos", "micro", "iteration")
 
