@@ -124,12 +124,9 @@ class PartReducer:
 
 
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
-    """Stream one part (only COLUMNS) batch by batch; memory is bounded by batch_size."""
-    pf = open_part(part, COLUMNS)
-    red = PartReducer(part, th)
-    for batch in prefetched(_chunks(pf, batch_size)):
-        red.add(batch)
-    return red.result()
+    """Stream one part (only COLUMNS) batch by batch; an unreadable part raises."""
+    ((_, result),) = compute_parts([part], th, batch_size, errors=())
+    return result
 
 
 def _part_batches(parts: Sequence[PartInfo], batch_size: int, errors: tuple) -> Iterator:
