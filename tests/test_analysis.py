@@ -116,6 +116,24 @@ def test_flags_alerts_and_sequences(bad_run):
     np.testing.assert_array_equal(per_step, a.steps.column("rows").to_numpy())
 
 
+@pytest.mark.parametrize("top_k,batch_size", [(7, 1 << 20), (60, 500)])
+def test_top_flags_are_the_exact_top_k(bad_run, top_k, batch_size):
+    """The kernel skips chunks below the running threshold: nothing it skips may be missed."""
+    a = analyze(bad_run, AnalysisConfig(use_cache=False, top_k=top_k, batch_size=batch_size))
+    t = open_run(bad_run).read().to_pandas()
+    t = t[t["mask"]]
+    with np.errstate(all="ignore"):
+        w = np.abs(np.expm1(t["logp_ref"].to_numpy(np.float64) - t["logp"].to_numpy(np.float64)))
+    t = t.assign(w=w)[np.isfinite(w)].sort_values(["w", "step", "rank", "seq", "pos"],
+                                                  ascending=[False, True, True, True, True])
+    flags = a.flags.to_pandas()
+    flags = flags[~(flags["nonfinite"] | flags["invalid"])].assign(w=lambda f: f["weight_k3"].abs())
+    flags = flags.sort_values(["w", "step", "rank", "seq", "pos"], ascending=[False, True, True, True, True])
+    want = list(t[["step", "rank", "seq", "pos"]].head(top_k).itertuples(index=False, name=None))
+    assert list(flags[["step", "rank", "seq", "pos"]].itertuples(index=False, name=None)) == want
+    np.testing.assert_allclose(flags["w"], t["w"].head(top_k), rtol=1e-12)
+
+
 def test_per_rank_rows_add_up(bad_run):
     a = analyze(bad_run, AnalysisConfig(use_cache=False, per_rank=True))
     by_rank = a.steps_by_rank.to_pandas()

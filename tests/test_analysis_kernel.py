@@ -120,6 +120,10 @@ def test_batch_flags_and_histograms_equal_estimators(tau, limit, clamp):
                                    ("h_rho", rho, ABS_EDGES, valid_x)):
             want = np.bincount(np.searchsorted(edges, v[ok & at], side="right"), minlength=len(edges) + 1)
             np.testing.assert_array_equal(res.steps[name][i], want, err_msg=name)
+    # top rows: the 10 largest finite-d |k3 weight| (inf included), ties in row order
+    rows = np.flatnonzero(valid_d)
+    want = rows[np.lexsort([rows, -w[rows]])][:10]
+    np.testing.assert_array_equal(np.sort(res.top["seq"] * 7 + res.top["pos"]), np.sort(want))
 
 
 def test_bins_equal_searchsorted():

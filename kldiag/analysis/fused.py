@@ -35,6 +35,7 @@ JIT = dict(cache=True, nogil=True, error_model="numpy")
 # Sums may be reordered (vectorised reductions); NaN and inf are still honoured.
 SUMS = dict(JIT, fastmath={"reassoc", "contract", "nsz"})
 CHUNK = 256  # rows per vectorised chunk: its bin buffers stay in L1
+BIN_COPIES = 4  # copies of each step's histograms, summed at the end (count_bins)
 
 # Columns of the float and count outputs, per sequence and per step (partial names, stats.py).
 SEQ_F = ("sum_k3", "sum_k3_is", "max_w", "max_w_is", "sum_adv", "sum_opsm", "sum_trl_x")
@@ -72,24 +73,28 @@ def d_bin(d, inv_step, offset, n_edges):
 
 
 @njit(**JIT)
-def key_changes(step, seq, out):
-    """out[i] = row i + 1 starts a new (step, seq) run; returns whether step never decreases.
+def seq_starts(step, seq):
+    """(start row of each run of equal (step, seq) and n last, int64 [n_seq + 1]; whether step
+    never decreases).
 
-    Branch-free over range(len), so it vectorises (np.flatnonzero finds the starts).
+    A plain loop: runs are hundreds of rows long, so its branch is predicted and it reads
+    the two columns at memory speed (0.66 ns a token, against 1.13 for a vectorised
+    change mask and np.flatnonzero).
     """
-    ordered = True
-    for i in range(len(out)):
-        out[i] = (step[i + 1] != step[i]) | (seq[i + 1] != seq[i])
-        ordered &= step[i + 1] >= step[i]
-    return ordered
-
-
-def seq_starts(step: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(start row of each run of equal (step, seq) and n last, int64 [n_seq + 1]; step-ordered)."""
     n = len(step)
-    change = np.empty(max(n - 1, 0), np.bool_)
-    ordered = key_changes(step, seq, change) if n > 1 else True
-    return np.concatenate(([0], np.flatnonzero(change) + 1, [n])).astype(np.int64), ordered
+    if n == 0:
+        return np.zeros(1, np.int64), True
+    out = np.empty(n + 1, np.int64)
+    out[0] = 0
+    k = 1
+    ordered = True
+    for i in range(n - 1):
+        ordered &= step[i + 1] >= step[i]
+        if (step[i + 1] != step[i]) | (seq[i + 1] != seq[i]):
+            out[k] = i + 1
+            k += 1
+    out[k] = n
+    return out[:k + 1].copy(), ordered
 
 
 @njit(**JIT)
@@ -283,14 +288,27 @@ def bad_rows_of(c0, c1, s, o, r, m, bad, auto, out, n_out):
 
 @njit(inline="always", **JIT)
 def count_bins(packed, rows, h_d, h_w, h_w_is, h_rho):
-    """Add the packed bins of `rows` rows into one step's histograms (last bin: not binned)."""
+    """Add the packed bins of `rows` rows into one step's histograms [BIN_COPIES, bins].
+
+    Row t counts into copy t % BIN_COPIES: consecutive tokens often share a bin, and
+    increments of one counter would wait on each other's store (measured 1.7 against
+    1.0 ns a token). The last bin counts tokens not binned.
+    """
     low = (1 << FIELD) - 1
-    for t in range(rows):
+    whole = rows - rows % BIN_COPIES
+    for t0 in range(0, whole, BIN_COPIES):
+        for c in range(BIN_COPIES):
+            p = packed[t0 + c]
+            h_d[c, p & low] += 1
+            h_w[c, (p >> FIELD) & low] += 1
+            h_w_is[c, (p >> (2 * FIELD)) & low] += 1
+            h_rho[c, (p >> (3 * FIELD)) & low] += 1
+    for t in range(whole, rows):
         p = packed[t]
-        h_d[p & low] += 1
-        h_w[(p >> FIELD) & low] += 1
-        h_w_is[(p >> (2 * FIELD)) & low] += 1
-        h_rho[(p >> (3 * FIELD)) & low] += 1
+        h_d[0, p & low] += 1
+        h_w[0, (p >> FIELD) & low] += 1
+        h_w_is[0, (p >> (2 * FIELD)) & low] += 1
+        h_rho[0, (p >> (3 * FIELD)) & low] += 1
 
 
 @njit(**SUMS)
@@ -315,10 +333,10 @@ def fused_pass(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, a
     step_i = np.zeros((n_steps, len(STEP_I)), np.int64)
     step_b = np.empty((n_steps, 4), np.int64)
     step_b[:, 0], step_b[:, 1], step_b[:, 2], step_b[:, 3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
-    h_d = np.zeros((n_steps, n_d_edges + 2), np.int64)  # the last bin is for tokens not binned
-    h_w = np.zeros((n_steps, n_abs + 2), np.int64)
-    h_w_is = np.zeros((n_steps, n_abs + 2), np.int64)
-    h_rho = np.zeros((n_steps, n_abs + 2), np.int64)
+    h_d = np.zeros((n_steps, BIN_COPIES, n_d_edges + 2), np.int64)  # the last bin is for tokens not binned
+    h_w = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
+    h_w_is = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
+    h_rho = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
     packed = np.empty(CHUNK, np.int64)
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
     acc_f, acc_i, acc_b = np.empty(len(ACC_F)), np.empty(len(ACC_I), np.int64), np.empty(4, np.int64)
@@ -345,8 +363,8 @@ def fused_pass(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, a
     for k in range(n_steps):
         step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
         step_f[k, 13], step_f[k, 14] = from_bits(step_b[k, 2], NONE_BITS), from_bits(step_b[k, 3], NONE_BITS)
-    return (seq_f, seq_i, step_f, step_i, h_d[:, :n_d_edges + 1], h_w[:, :n_abs + 1], h_w_is[:, :n_abs + 1],
-            h_rho[:, :n_abs + 1], bad_rows[:n_bad_rows])
+    return (seq_f, seq_i, step_f, step_i, h_d.sum(axis=1)[:, :n_d_edges + 1], h_w.sum(axis=1)[:, :n_abs + 1],
+            h_w_is.sum(axis=1)[:, :n_abs + 1], h_rho.sum(axis=1)[:, :n_abs + 1], bad_rows[:n_bad_rows])
 
 
 @njit(inline="always", **JIT)

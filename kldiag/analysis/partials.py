@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterator, Sequence
@@ -113,7 +114,8 @@ class PartReducer:
         r = batch_partials(batch, self.part.rank, self.th, self.floor)
         self.steps.append(r.steps)
         self.seqs.append(r.seqs)
-        self.top = select_top(keyed.concat([self.top, r.top]), self.th.top_k)
+        # a batch's top is already ordered and cut to top_k: only a second batch needs a merge
+        self.top = select_top(keyed.concat([self.top, r.top]), self.th.top_k) if self.top else r.top
         self.bad = select_first(keyed.concat([self.bad, r.bad]), self.th.top_k)
         if self.top and len(self.top["wabs"]) >= self.th.top_k:
             self.floor = float(self.top["wabs"][-1])  # later batches only need candidates above it
@@ -129,6 +131,38 @@ def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
     return result
 
 
+def compute_parts(parts: Sequence[PartInfo], th: Thresholds, batch_size: int, errors: tuple,
+                  threads: int | None = None) -> Iterator[tuple[int, Partial | Exception]]:
+    """(index, Partial or the error that made it unreadable) of each part, in part order.
+
+    With several parts and CPUs, `threads` threads (default: one per CPU) each decode and
+    reduce whole parts: decoding and the kernel release the GIL, so every core does both
+    and no thread waits for another. One part or one CPU: a reader thread decodes ahead
+    while this one runs the kernel.
+    """
+    threads = min(len(parts), threads or os.cpu_count() or 1)
+    if threads <= 1:
+        yield from _pipelined(parts, th, batch_size, errors)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="kldiag-part")
+    try:
+        yield from enumerate(pool.map(lambda part: _reduce_part(part, th, batch_size, errors), parts))
+    finally:  # a consumer that stops early (strict mode) does not wait for the remaining parts
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _reduce_part(part: PartInfo, th: Thresholds, batch_size: int, errors: tuple) -> Partial | Exception:
+    """One part's Partial, decoded in this thread (the other threads keep the other cores busy)."""
+    red = PartReducer(part, th)
+    try:
+        for batch in open_part(part, COLUMNS).iter_batches(batch_size=batch_size, columns=list(COLUMNS),
+                                                            use_threads=False):
+            red.add(batch)
+    except errors as e:
+        return e
+    return red.result()
+
+
 def _part_batches(parts: Sequence[PartInfo], batch_size: int, errors: tuple) -> Iterator:
     """(index, batch) of every part in turn, then (index, None); (index, error) when unreadable."""
     for i, part in enumerate(parts):
@@ -141,13 +175,9 @@ def _part_batches(parts: Sequence[PartInfo], batch_size: int, errors: tuple) -> 
         yield i, None
 
 
-def compute_parts(parts: Sequence[PartInfo], th: Thresholds, batch_size: int,
-                  errors: tuple) -> Iterator[tuple[int, Partial | Exception]]:
-    """(index, Partial or the error that made it unreadable) of each part, decoding ahead across parts.
-
-    One decode thread runs through all the parts, so the kernel never waits for a part's
-    first batch; each part still gets a Partial of its own (for the cache).
-    """
+def _pipelined(parts: Sequence[PartInfo], th: Thresholds, batch_size: int,
+               errors: tuple) -> Iterator[tuple[int, Partial | Exception]]:
+    """compute_parts with one kernel thread: a reader thread decodes ahead across parts."""
     red, failed = None, set()
     for i, item in prefetched(_part_batches(parts, batch_size, errors), depth=3):
         if i in failed:

@@ -71,7 +71,7 @@ def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed, clean: bool) -> Keye
 
 def step_keyed(b: Batch, rank: int, starts: np.ndarray, sidx: np.ndarray, res: tuple) -> Keyed:
     """One row per step run of the batch: sums, counts, extremes and histograms."""
-    _, _, step_f, step_i, h_d, h_w, h_w_is, h_rho, _ = res
+    step_f, step_i, h_d, h_w, h_w_is, h_rho = res[2:8]
     first_seq = np.flatnonzero(np.diff(sidx, prepend=-1))
     step_begin = starts[first_seq]
     out: Keyed = {"step": b.step[step_begin], "rank": np.full(len(step_begin), rank, np.int64),
@@ -204,7 +204,7 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     sidx, n_steps = fused.step_of_seqs(b.step, starts)
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
     res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
-    bad_any = res[-1]
+    bad_any = res[8]
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)
     thr = max(top_threshold(steps["h_weight_k3_abs"], th.top_k), top_floor)
