@@ -62,11 +62,13 @@ def test_merged_sequences_are_whole(parts):
 
 
 def test_cache_roundtrip(parts, tmp_path):
-    path = tmp_path / "p.npz"
+    path = tmp_path / "p.part"
     assert partials.save(path, parts[0])
     assert_same(partials.load(path), parts[0])
-    path.write_bytes(b"not a zip")
-    assert partials.load(path) is None
+    good = path.read_bytes()
+    for broken in (b"not a partial", good[:40], good[:-8], good[:20] + b"x" * 30 + good[50:]):
+        path.write_bytes(broken)
+        assert partials.load(path) is None
 
 
 def test_reduce_by_key_combines_each_column_by_its_prefix():

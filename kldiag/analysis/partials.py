@@ -6,7 +6,7 @@ non-finite or positive log-prob. `merge` is associative and commutative up to fl
 rounding of sums (tests/test_analysis_partials.py); `analyze` always merges the files'
 partials in part order, so a cached re-analysis equals a full recompute bit for bit.
 
-Cache: RUN/.kldiag/partials/<sha1(part key, settings)>.npz, numpy arrays only (no pickle),
+Cache: RUN/.kldiag/partials/<sha1(part key, settings)>.part, numpy arrays only (no pickle),
 written atomically. The key holds the part's (rank, name, size, mtime_ns) and every
 setting that changes the partial, so editing a threshold recomputes.
 """
@@ -30,7 +30,7 @@ from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import CACHE_DIR, PartInfo, open_part
 
-PARTIAL_VERSION = 3  # bump when the meaning of a partial column changes (3: |weight| bins 2 per octave)
+PARTIAL_VERSION = 4  # bump when the meaning or layout of a partial changes (4: .part files)
 TABLES = ("steps", "seqs", "top", "bad")
 
 
@@ -209,18 +209,33 @@ def cache_key(part: PartInfo, th: Thresholds) -> str:
 
 
 def cache_path(run_dir: Path, part: PartInfo, th: Thresholds) -> Path:
-    return run_dir / CACHE_DIR / "partials" / f"{cache_key(part, th)}.npz"
+    return run_dir / CACHE_DIR / "partials" / f"{cache_key(part, th)}.part"
+
+
+CACHE_MAGIC = b"KLDPART1"
 
 
 def save(path: Path, p: Partial) -> bool:
-    """Write a partial atomically; False when the run directory is read-only."""
-    arrays = {f"{t}/{name}": col for t in TABLES for name, col in getattr(p, t).items()}
-    arrays["rows"] = np.array(p.rows)
+    """Write a partial atomically; False when the run directory is read-only.
+
+    Layout: magic, 8-byte header length, a JSON header of (name, dtype, shape, offset), then
+    the arrays' raw bytes. Loading a run's partials is then a read and a json.loads per
+    part; np.savez's per-array headers made a cached re-analysis 5x slower (200 ms for 34 parts).
+    """
+    arrays = {f"{t}/{name}": np.ascontiguousarray(col) for t in TABLES for name, col in getattr(p, t).items()}
+    arrays["rows"] = np.array([p.rows], np.int64)
+    header, offset = [], 0
+    for name, a in arrays.items():
+        header.append([name, a.dtype.str, list(a.shape), offset])
+        offset += a.nbytes
+    head = json.dumps(header).encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            f.write(CACHE_MAGIC + len(head).to_bytes(8, "little") + head)
+            for a in arrays.values():
+                f.write(a.tobytes())
         os.replace(tmp, path)
         return True
     except OSError:
@@ -230,13 +245,21 @@ def save(path: Path, p: Partial) -> bool:
 def load(path: Path) -> Partial | None:
     """A cached partial, or None when absent or unreadable (it is then recomputed)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            tables: dict[str, dict] = {t: {} for t in TABLES}
-            for name in z.files:
-                if name == "rows":
-                    continue
+        buf = path.read_bytes()
+        if buf[:8] != CACHE_MAGIC:
+            return None
+        n_head = int.from_bytes(buf[8:16], "little")
+        body = 16 + n_head
+        tables: dict[str, dict] = {t: {} for t in TABLES}
+        rows = None
+        for name, dtype, shape, offset in json.loads(buf[16:body]):
+            count = int(np.prod(shape))
+            a = np.frombuffer(buf, np.dtype(dtype), count, body + offset).reshape(shape)
+            if name == "rows":
+                rows = int(a[0])
+            else:
                 t, col = name.split("/", 1)
-                tables[t][col] = z[name]
-            return Partial(**tables, rows=int(z["rows"]))
-    except (OSError, ValueError, KeyError, EOFError):
+                tables[t][col] = a
+        return None if rows is None else Partial(**tables, rows=rows)
+    except (OSError, ValueError, KeyError, TypeError):
         return None
