@@ -194,7 +194,9 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
     r_nan = 0.0 if has[1] != 0 else np.nan  # d = NaN for every token without a reference
     log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
     m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
-    n_dbin = np.int64(d_grid[2]) + 1
+    # Loaded here, not in the loop: there, under a condition, they became three gathers (10% slower).
+    inv_step, d_offset, n_d = d_grid[0], d_grid[1], d_grid[2]
+    n_dbin = np.int64(n_d) + 1
     sum_d = sum_d2 = sum_w = sum_w_is = sum_wf = sum_rho = sum_rho2 = sum_drift = sum_mm = 0.0
     sum_k3 = sum_k3_is = sum_adv = sum_opsm = sum_x = 0.0
     cnt0 = cnt1 = cnt2 = 0  # the 18 counts, COUNT_BITS each (see unpack_counts)
@@ -243,7 +245,7 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
         cnt0 += pack7(vd, vx, wok, wiok, rok, clip, zok)
         cnt1 += pack7(theta, blow, clamped, code & BAD_NONFINITE != 0, code >> 1 != 0, flag, mk)
         cnt2 += pack7(kok, kiok, code != 0, aok, False, False, False)
-        b_d = d_bin(d, d_grid[0], d_grid[1], d_grid[2]) if vd else n_dbin
+        b_d = d_bin(d, inv_step, d_offset, n_d) if vd else n_dbin
         b_w = abs_bin(w, m1, k0, n_abs) if vd else n_abs + 1
         b_wi = abs_bin(w_is, m1, k0, n_abs) if both else n_abs + 1
         b_r = abs_bin(rho if vx else 1.0, m1, k0, n_abs) if vx else n_abs + 1

@@ -81,7 +81,10 @@ class Batch:
 
     def at(self, name: str, rows: np.ndarray, fill: int = 0) -> np.ndarray:
         """Integer column `name` at `rows` (nulls as `fill`), without converting the rest."""
-        col = self.arrow.column(name).take(pa.array(rows, pa.int64()))
+        col = self.arrow.column(name)
+        if col.null_count == 0:  # a view of Arrow's buffer: index it directly
+            return col.to_numpy()[rows].astype(np.int64)
+        col = col.take(pa.array(rows, pa.int64()))
         if col.null_count:
             col = col.fill_null(fill)
         return col.to_numpy(zero_copy_only=False).astype(np.int64)

@@ -92,6 +92,18 @@ def ro(a: np.ndarray | None, dtype, placeholder: np.ndarray | None = None) -> np
     return a
 
 
+_zeros = np.zeros(0, np.uint8)
+
+
+def zeros_u8(n: int) -> np.ndarray:
+    """n read-only zero bytes, shared by every batch (a fresh np.zeros per batch cost 0.3 ns a token)."""
+    global _zeros
+    if len(_zeros) < n:
+        _zeros = np.zeros(n, np.uint8)
+        _zeros.flags.writeable = False
+    return _zeros[:n]
+
+
 def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
     """(s, o, r, m, adv, mask, bad, has) as fused.fused_pass takes them.
 
@@ -108,7 +120,7 @@ def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
             ro(raw["advantage"], np.float32, s))
     has = np.array([*(raw[name] is not None for name in ("logp_old", "logp_ref", "logp_sampler", "advantage")),
                     b.partial_nulls], np.int64)
-    bad = ro(b.bad_codes() if b.partial_nulls else np.zeros(b.n, np.uint8), np.uint8)
+    bad = ro(b.bad_codes(), np.uint8) if b.partial_nulls else zeros_u8(b.n)
     return (*cols, ro(b.mask, np.bool_), bad, has)
 
 
