@@ -154,6 +154,10 @@ def select_top(table: Keyed, k: int) -> Keyed:
     """The k rows with the largest wabs; ties by (step, rank, seq, pos, ...): a total order."""
     if not table or k <= 0:
         return {}
+    w = table["wabs"]
+    if len(w) > 2 * k:  # sort only the k largest and their ties (NaN, a non-finite row's, sorts last)
+        kth = -np.partition(-np.nan_to_num(w, nan=-np.inf), k - 1)[k - 1]
+        table = {c: a[w >= kth] for c, a in table.items()} if kth > -np.inf else table
     order = np.lexsort([table[c] for c in TOP_ORDER[::-1]] + [-table["wabs"]])[:k]
     return {c: a[order] for c, a in table.items()}
 
