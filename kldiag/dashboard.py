@@ -50,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
     runs = check_run_dirs(args.runs)
     cmd = streamlit_command(runs, args.port, args.host)
     print(f"kldiag: dashboard on http://{args.host}:{args.port} for {len(runs)} run(s); Ctrl-C stops it",
-          file=sys.stderr)
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if os.name == "posix":
+        # Streamlit takes over this process: Ctrl-C, `kill` and process managers reach the
+        # server itself. As a child, it outlived a parent killed by SIGTERM, holding the port.
+        os.execve(cmd[0], cmd, _env())
     return subprocess.call(cmd, env=_env())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,11 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kldiag dashboard exited with {proc.returncode}: {proc.stdout.read()}")
+            raise RuntimeError(f"kldiag dashboard exited with {proc.returncode}: {log.read_text()}")
         try:
             with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
                 if r.status == 200:
@@ -63,18 +64,23 @@ def _serve(*runs: Path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("KLDIAG_RUNS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "kldiag", "dashboard", *map(str, runs), "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = runs[0].parent / f"dashboard-{port}.log"
+    # A log file, not a pipe: nobody reads a pipe while the tests run, and a full pipe
+    # blocks the server. Its own session, so that cleanup reaches every process of it.
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kldiag", "dashboard", *map(str, runs), "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        _wait_healthy(url, proc, log)
         yield url
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
