@@ -224,6 +224,8 @@ def save(path: Path, p: Partial) -> bool:
     """
     arrays = {f"{t}/{name}": np.ascontiguousarray(col) for t in TABLES for name, col in getattr(p, t).items()}
     arrays["rows"] = np.array([p.rows], np.int64)
+    if any(a.dtype.hasobject for a in arrays.values()):  # raw bytes of pointers mean nothing: do not cache
+        return False
     header, offset = [], 0
     for name, a in arrays.items():
         header.append([name, a.dtype.str, list(a.shape), offset])

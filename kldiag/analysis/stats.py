@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import bins, fused
+from kldiag.analysis import bins, fused, scans
 from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
 from kldiag.analysis.types import ABS_EDGES
@@ -48,7 +48,7 @@ def seq_keyed(b: Batch, rank: int, starts: np.ndarray, seq_f: np.ndarray, seq_i:
 
 
 def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed, clean: bool) -> Keyed:
-    """Per-sequence sums of TRL's per-token KL times the mask (fused.trl_pass).
+    """Per-sequence sums of TRL's per-token KL times the mask (scans.trl_pass).
 
     When the batch is clean (every present log-prob finite and <= 0, no partial nulls) and
     every masked k3 and k3_is is finite, these are the masked sums already computed;
@@ -64,7 +64,7 @@ def trainer_sums(b: Batch, starts: np.ndarray, seqs: Keyed, clean: bool) -> Keye
             and np.array_equal(seqs["n_k3_is"], seqs["n_tokens"]):
         return out
     a = trl_inputs(b)
-    trl = fused.trl_pass(starts, a["s"], a["r"], a["o"], a["o_null"], a["mask"])
+    trl = scans.trl_pass(starts, a["s"], a["r"], a["o"], a["o_null"], a["mask"])
     out.update(sum_trl_k3=trl[:, 0], sum_trl_k3_is=trl[:, 1], sum_trl_x=trl[:, 2])
     return out
 
@@ -125,7 +125,7 @@ def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
 
 
 def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
-    """Columns for fused.trl_pass: an empty array for a missing one, the mask as bool."""
+    """Columns for scans.trl_pass: an empty array for a missing one, the mask as bool."""
     raw = b.raw
     return {"s": ro(raw["logp"], np.float32), "r": ro(raw["logp_ref"], np.float32),
             "o": ro(raw["logp_old"], np.float32), "mask": ro(b.mask, np.bool_),
@@ -192,7 +192,7 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
     d_lo = np.log1p(-thr) + 1e-9 if 0 < thr < 1 else -np.inf
     s, r = ro(b.raw["logp"], np.float32), ro(b.raw["logp_ref"], np.float32)
     hit = np.empty(b.n, np.bool_)
-    fused.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo, hit)
+    scans.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo, hit)
     cand = np.flatnonzero(hit)
     with np.errstate(all="ignore"):
         d = r[cand].astype(np.float64) - s[cand].astype(np.float64)
@@ -213,11 +213,11 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     if batch.num_rows == 0:
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
-    starts, ordered = fused.seq_starts(b.step, b.seq)
+    starts, ordered = scans.seq_starts(b.step, b.seq)
     if not ordered:  # recorder files are step-ordered; other writers' may not be: sort once
         b = Batch.from_arrow(batch.take(pa.array(np.argsort(b.step, kind="stable"))))
-        starts, _ = fused.seq_starts(b.step, b.seq)
-    sidx, n_steps = fused.step_of_seqs(b.step, starts)
+        starts, _ = scans.seq_starts(b.step, b.seq)
+    sidx, n_steps = scans.step_of_seqs(b.step, starts)
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
     res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
     bad_any = res[8]
