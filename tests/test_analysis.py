@@ -118,7 +118,7 @@ def test_flags_alerts_and_sequences(bad_run):
 
 @pytest.mark.parametrize("top_k,batch_size", [(7, 1 << 20), (60, 500)])
 def test_top_flags_are_the_exact_top_k(bad_run, top_k, batch_size):
-    """The kernel skips chunks below the running threshold: nothing it skips may be missed."""
+    """Rows are preselected by a histogram threshold and an earlier batch's k-th weight: none may be lost."""
     a = analyze(bad_run, AnalysisConfig(use_cache=False, top_k=top_k, batch_size=batch_size))
     t = open_run(bad_run).read().to_pandas()
     t = t[t["mask"]]
