@@ -94,9 +94,10 @@ def prefetched(items: Iterator, depth: int = 2) -> Iterator:
         stop.set()
 
 
-def _chunks(pf, batch_size: int) -> Iterator:
-    # Small batches fill the decode/kernel pipeline quickly: a part is a few of them.
-    yield from pf.iter_batches(batch_size=min(batch_size, KERNEL_ROWS), columns=list(COLUMNS))
+def _batches(part: PartInfo, batch_size: int, use_threads: bool) -> Iterator:
+    """The record batches of one part, only COLUMNS; raises CorruptPartError when unreadable."""
+    return open_part(part, COLUMNS).iter_batches(batch_size=batch_size, columns=list(COLUMNS),
+                                                 use_threads=use_threads)
 
 
 class PartReducer:
@@ -155,8 +156,7 @@ def _reduce_part(part: PartInfo, th: Thresholds, batch_size: int, errors: tuple)
     """One part's Partial, decoded in this thread (the other threads keep the other cores busy)."""
     red = PartReducer(part, th)
     try:
-        for batch in open_part(part, COLUMNS).iter_batches(batch_size=batch_size, columns=list(COLUMNS),
-                                                            use_threads=False):
+        for batch in _batches(part, batch_size, use_threads=False):
             red.add(batch)
     except errors as e:
         return e
@@ -167,7 +167,8 @@ def _part_batches(parts: Sequence[PartInfo], batch_size: int, errors: tuple) -> 
     """(index, batch) of every part in turn, then (index, None); (index, error) when unreadable."""
     for i, part in enumerate(parts):
         try:
-            for batch in _chunks(open_part(part, COLUMNS), batch_size):
+            # Small batches fill the decode/kernel pipeline quickly: a part is a few of them.
+            for batch in _batches(part, min(batch_size, KERNEL_ROWS), use_threads=True):
                 yield i, batch
         except errors as e:
             yield i, e
