@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag import format as F
+from kldiag.errors import StorageError
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
@@ -136,7 +136,7 @@ def _column(batch: HostBatch, name: str, keep: np.ndarray, dtype: Any) -> np.nda
     return out
 
 
-def to_record_batch(batch: HostBatch, rank: int) -> tuple[pa.RecordBatch, int, int]:
+def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
     """The completion tokens of `batch` as a TOKEN_SCHEMA record batch.
 
     Returns (record batch, nonfinite rows, invalid rows): a row is nonfinite when any of
@@ -174,6 +174,7 @@ def to_record_batch(batch: HostBatch, rank: int) -> tuple[pa.RecordBatch, int, i
     arrays["token_id"] = pa.array(tok) if tok is not None else pa.nulls(n, pa.int32())
     mask = _column(batch, "mask", keep, bool)
     arrays["mask"] = pa.array(mask if mask is not None else np.ones(n, bool))
+    arrays["attempt"] = pa.array(np.full(n, attempt, np.int16))
     for col in batch.columns.values():
         if col.release is not None:
             col.release()
@@ -181,25 +182,17 @@ def to_record_batch(batch: HostBatch, rank: int) -> tuple[pa.RecordBatch, int, i
     return rb, int(E.flag_nonfinite(*logps).sum()), int(E.flag_invalid(*logps).sum())
 
 
-def _next_index(directory: Path) -> int:
-    """First free part index of a rank: a resumed run never overwrites its earlier parts."""
-    if not directory.is_dir():
-        return 0
-    found = [int(m.group(3) or 0) for m in map(F.PART_RE.match, (p.name for p in directory.iterdir())) if m]
-    return max(found) + 1 if found else 0
-
-
 class Writer(threading.Thread):
     """Consumes the queue; publishes parts. `stats` is read by the training thread."""
 
-    def __init__(self, run_dir: Path, rank: int, q: queue.Queue[Any], *, rotate_rows: int,
+    def __init__(self, store: F.Store, rank: int, attempt: int, q: queue.Queue[Any], *, rotate_rows: int,
                  rotate_steps: int | None, rotate_seconds: float | None, stats: dict[str, int],
                  on_error: Callable[[BaseException], None], on_publish: Callable[[], None]):
         super().__init__(name=f"kldiag-writer-rank{rank}", daemon=True)
-        self.run_dir, self.rank, self.q = run_dir, rank, q
+        self.store, self.rank, self.attempt, self.q = store, rank, attempt, q
         self.rotate_rows, self.rotate_steps, self.rotate_seconds = rotate_rows, rotate_steps, rotate_seconds
         self.stats, self.on_error, self.on_publish = stats, on_error, on_publish
-        self.directory = F.rank_dir(run_dir, rank)
+        self.directory = F.rank_rel(rank)
         self.index: int | None = None
         self.buffer: list[pa.RecordBatch] = []
         self.buffered_rows = 0
@@ -207,6 +200,10 @@ class Writer(threading.Thread):
         self.first_at = 0.0
 
     def run(self) -> None:
+        try:
+            F.clean_stale_temps(self.store, self.rank)  # left by a killed predecessor of this rank
+        except OSError:
+            pass  # an unwritable directory is reported by the first publish
         while True:
             item = self._next()
             if item is None:  # rotation deadline passed with nothing new
@@ -231,7 +228,7 @@ class Writer(threading.Thread):
 
     def _add(self, item: HostBatch) -> None:
         try:
-            rb, nonfinite, invalid = to_record_batch(item, self.rank)
+            rb, nonfinite, invalid = to_record_batch(item, self.rank, self.attempt)
         except Exception as e:  # noqa: BLE001 - a bad batch must not stop the writer
             self.stats["write_errors"] += 1
             self.on_error(e)
@@ -259,13 +256,13 @@ class Writer(threading.Thread):
             return
         try:
             if self.index is None:
-                self.index = _next_index(self.directory)
-            name = F.part_name(min(steps), max(steps), self.index)
-            path = F.publish_part(table, self.directory, name)
+                self.index = F.next_index(self.store, self.rank)
+            name = F.part_name(min(steps), max(steps), self.index, self.attempt)
+            size = F.publish(self.store, self.directory, name, table)
             self.index += 1
             self.stats["rows"] += rows
             self.stats["files"] += 1
-            self.stats["bytes"] += path.stat().st_size
+            self.stats["bytes"] += size
         except Exception as e:  # noqa: BLE001 - disk full, read-only, ...: never kill training
             self.stats["write_errors"] += 1
             self.stats["lost_rows"] += rows
@@ -278,6 +275,8 @@ def describe_error(e: BaseException) -> str:
     """A one-line cause with the fix for the usual disk failures."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{e} (the disk is full: free space or point the Recorder at another directory)"
+    if isinstance(e, StorageError):
+        return str(e)
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
         return f"{e} (the run directory is not writable: pass a writable run_dir)"
     return f"{type(e).__name__}: {e}"

@@ -31,6 +31,12 @@ class CorruptPartError(RunFormatError):
     """A part file cannot be opened as Parquet (truncated, or foreign bytes)."""
 
 
+class StorageError(KldiagError, OSError):
+    """A run URI that cannot be opened, listed or written: a missing bucket, refused access,
+    an unreachable endpoint, a scheme with no filesystem installed. Names the URI, never the
+    credentials."""
+
+
 class EmptyRunError(KldiagError):
     """A run directory with no published token rows yet."""
 

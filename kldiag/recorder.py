@@ -20,7 +20,6 @@ import threading
 import time
 import warnings
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +31,8 @@ from kldiag.errors import RecorderError
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-SEQ_LOCAL_BITS = 24  # default seq id: ((step * world_size + rank) << 24) + k
+SEQ_LOCAL_BITS = 20  # default seq id: ((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k
+SEQ_ATTEMPT_BITS = 12
 TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids")
 ROW_ARGS = ("seq_ids", "group_ids")
 COLUMN_OF = {"completion_mask": "completion", "token_ids": "token_id", "seq_ids": "seq", "group_ids": "group",
@@ -139,8 +139,11 @@ class Recorder:
                              "pass every_n_steps >= 1 and 0 < seq_fraction <= 1")
         if rotate_rows < 1 or queue_batches < 1:
             raise ValueError("rotate_rows and queue_batches must be >= 1")
-        self.run_dir = Path(run_dir)
+        self.store = F.resolve(run_dir)
+        self.run_dir = F.run_path(self.store)
         self.rank, self.world_size = detect_rank(rank, world_size)
+        # Listing the rank's parts also checks a URI early: a missing bucket is a clear error here.
+        self.attempt = F.next_attempt(self.store, self.rank)
         self.backpressure, self.strict = backpressure, strict
         self.every_n_steps, self.seq_fraction = int(every_n_steps), float(seq_fraction)
         self._stats = dict.fromkeys(W.STATS_KEYS, 0)
@@ -160,9 +163,10 @@ class Recorder:
             world_size=self.world_size, tags=dict.fromkeys(tags, True) if isinstance(tags, (list, tuple)) else
             dict(tags or {}), sampling={"every_n_steps": self.every_n_steps, "seq_fraction": self.seq_fraction,
                                         "seq_hash": "splitmix64"})
+        self._resume_manifest()
         self._stager = W.Stager(keep=queue_batches + 2)
         self._queue: queue.Queue = _Queue(queue_batches)
-        self._writer = W.Writer(self.run_dir, self.rank, self._queue, rotate_rows=rotate_rows,
+        self._writer = W.Writer(self.store, self.rank, self.attempt, self._queue, rotate_rows=rotate_rows,
                                 rotate_steps=rotate_steps, rotate_seconds=rotate_seconds, stats=self._stats,
                                 on_error=self._on_error, on_publish=self._on_publish)
         self._write_manifest()
@@ -206,11 +210,13 @@ class Recorder:
             self._queue.put(self._stage(step, micro, iteration, args))
 
     def _default_seq_ids(self, step: int, iteration: int, batch: int) -> np.ndarray:
-        """((step * world_size + rank) << 24) + k, k counting this rank's rows at (step, iteration)."""
+        """((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k, k counting this
+        rank's rows at (step, iteration): the same sequence on every iteration, and never the
+        id of another attempt's sequence at that step."""
         if step < 0:
             raise ValueError(f"step={step} is negative; pass step >= 0, or pass seq_ids")
         k = self._seq_next.get((step, iteration), 0)
-        high = step * self.world_size + self.rank
+        high = ((step * self.world_size + self.rank) << SEQ_ATTEMPT_BITS) + self.attempt % (1 << SEQ_ATTEMPT_BITS)
         if k + batch > 1 << SEQ_LOCAL_BITS or high >= 1 << (63 - SEQ_LOCAL_BITS):
             raise ValueError(f"default seq ids overflow at step {step} (row {k + batch}); pass seq_ids")
         if len(self._seq_next) > 4096:  # old steps are done: keep the counter table small
@@ -347,7 +353,8 @@ class Recorder:
 
     def _write_stats(self) -> None:
         try:
-            F.write_rank_stats(self.run_dir, self.rank, {"rank": self.rank, **self._stats})
+            F.write_rank_stats(self.store, self.rank, {"rank": self.rank, "attempt": self.attempt, **self._stats},
+                               self.attempt)
         except Exception as e:  # noqa: BLE001 - counted, never raised into training
             self._stats["write_errors"] += 1
             self._on_error(e)
@@ -359,14 +366,33 @@ class Recorder:
         with self._manifest_lock:
             try:
                 if final:
-                    per_rank = F.read_rank_stats(self.run_dir)
-                    per_rank[0] = {"rank": 0, **self._stats}
+                    per_rank = F.read_rank_stats(self.store)
+                    per_rank[(0, self.attempt)] = {"rank": 0, **self._stats}
                     total = {k: sum(int(s.get(k, 0)) for s in per_rank.values()) for k in W.STATS_KEYS}
-                    self.manifest.writer = {**total, "ranks_reported": sorted(per_rank)}
-                F.write_manifest(self.run_dir, self.manifest)
+                    self.manifest.writer = {**total, "ranks_reported": sorted({r for r, _ in per_rank}),
+                                            "attempts_reported": sorted({a for _, a in per_rank})}
+                F.write_manifest(self.store, self.manifest)
             except Exception as e:  # noqa: BLE001 - counted, never raised into training
                 self._stats["write_errors"] += 1
                 self._on_error(e)
+
+
+    def _resume_manifest(self) -> None:
+        """Keep what an earlier attempt wrote in run.json (its start time, its attempts, its
+        tags) and add this attempt: a restart never erases the history of the run."""
+        entry = {"attempt": self.attempt, "started": time.time(), "kldiag_version": self.manifest.kldiag_version,
+                 "trainer": dict(self.manifest.trainer), "world_size": self.world_size}
+        if self.rank != 0:
+            return
+        try:
+            old = F.read_manifest(self.store) if self.attempt > 0 else None
+        except Exception:  # noqa: BLE001 - a foreign or broken run.json is replaced, as before
+            old = None
+        if old is not None:
+            self.manifest.started = old.started
+            self.manifest.attempts = [a for a in old.attempts if a.get("attempt") != self.attempt]
+            self.manifest.tags = {**old.tags, **self.manifest.tags}
+        self.manifest.attempts.append(entry)
 
 
 def _check_shapes(args: dict[str, Any]) -> tuple[int, int]:

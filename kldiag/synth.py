@@ -21,7 +21,16 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag import __version__
-from kldiag.format import TOKEN_SCHEMA, Manifest, part_name, publish_part, rank_dir, write_manifest, write_vocab
+from kldiag.format import (
+    TOKEN_SCHEMA,
+    Manifest,
+    next_index,
+    part_name,
+    publish_part,
+    rank_dir,
+    write_manifest,
+    write_vocab,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class SynthConfig:
     unmasked_frac: float = 0.05  # tokens stored with mask false (tool output)
     rows_per_file: int = 1 << 20  # rotate to a new part after about this many rows
     seed: int = 0
+    attempt: int = 0  # written as this attempt of every rank (restart tests)
     extra_config: dict = field(default_factory=dict)  # merged into manifest config
 
 
@@ -97,6 +107,7 @@ def _step_table(cfg: SynthConfig, step: int, rank: int, rng: np.random.Generator
         f32("logp_sampler", cfg.sampler), pa.array(np.repeat(advantage, lengths)),
         pa.array(rng.random(rows) >= cfg.unmasked_frac),
         pa.array((-logp * 0.5).astype(np.float32)),
+        pa.array(np.full(rows, cfg.attempt, np.int16)),
     ]
     return pa.Table.from_arrays(arrays, schema=TOKEN_SCHEMA)
 
@@ -122,21 +133,21 @@ def make_run(run_dir: str | os.PathLike, cfg: SynthConfig = SynthConfig(),
             write_vocab(run_dir, [f"tok{i}" for i in range(cfg.vocab_size)])
     written: list[Path] = []
     for rank in range(cfg.ranks):
-        index = len(list(rank_dir(run_dir, rank).glob("part-*.parquet")))
+        index = next_index(run_dir, rank)
         buf: list[pa.Table] = []
         for step in steps if steps is not None else range(cfg.steps):
             rng = np.random.default_rng([cfg.seed, step, rank])
             buf.append(_step_table(cfg, step, rank, rng))
             if sum(t.num_rows for t in buf) >= cfg.rows_per_file:
-                written.append(_publish(run_dir, rank, index, buf))
+                written.append(_publish(run_dir, rank, index, buf, cfg.attempt))
                 index, buf = index + 1, []
         if buf:
-            written.append(_publish(run_dir, rank, index, buf))
+            written.append(_publish(run_dir, rank, index, buf, cfg.attempt))
     return written
 
 
-def _publish(run_dir: Path, rank: int, index: int, tables: list[pa.Table]) -> Path:
+def _publish(run_dir: Path, rank: int, index: int, tables: list[pa.Table], attempt: int) -> Path:
     table = pa.concat_tables(tables)
     steps = table.column("step")
-    name = part_name(int(steps[0].as_py()), int(steps[-1].as_py()), index)
-    return publish_part(table, rank_dir(run_dir, rank), name)
+    name = part_name(int(steps[0].as_py()), int(steps[-1].as_py()), index, attempt)
+    return Path(publish_part(table, rank_dir(run_dir, rank), name))

@@ -121,7 +121,7 @@ def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
 
     A corrupt part is skipped with a warning and listed in `skipped` (strict: raises).
     """
-    seed = zlib.crc32(part.path.name.encode())
+    seed = zlib.crc32(part.name.encode())
     try:
         pf = F.open_part(part, READ_COLUMNS)
         parts = [_batch_partial(b, config, sample_size, seed + i)

@@ -197,8 +197,8 @@ def test_trainer_kl_follows_trl_formula(tmp_path):
 def test_bad_inputs(tmp_path, bad_run):
     run = tmp_path / "run"
     shutil.copytree(bad_run, run)
-    (run / "tokens" / "rank=0" / "notes.txt").write_text("foreign")
-    (run / "tokens" / "rank=0" / "part-000000099-000000099-000099.parquet").write_bytes(b"PAR1 truncated")
+    (run / "tokens" / "rank-0" / "notes.txt").write_text("foreign")
+    (run / "tokens" / "rank-0" / "part-000000099-000000099-000099.parquet").write_bytes(b"PAR1 truncated")
     with pytest.warns(UserWarning, match="part-000000099"):
         a = analyze(run, NOCACHE)
     assert len(a.skipped) == 1 and a.steps.num_rows == 12

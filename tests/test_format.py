@@ -1,4 +1,4 @@
-"""Run format v1: schema round trip, manifest, atomic publish, reader robustness, vocab."""
+"""Run format v1.1: schema round trip, manifest, atomic publish, reader robustness, vocab."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from kldiag import format as F
 from kldiag.errors import CorruptPartError, NotARunError, RunFormatError, SchemaError, UnsupportedFormatVersionError
 
 
-def token_table(step: int, n: int = 8, seed: int = 0) -> pa.Table:
+def token_table(step: int, n: int = 8, seed: int = 0, attempt: int = 0, rank: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     cols = {
         "step": pa.array(np.full(n, step), pa.int64()),
         "micro": pa.array(np.zeros(n), pa.int32()),
         "iteration": pa.array(np.zeros(n), pa.int16()),
-        "rank": pa.array(np.zeros(n), pa.int16()),
+        "rank": pa.array(np.full(n, rank), pa.int16()),
         "seq": pa.array(np.arange(n) // 4 + step * 100, pa.int64()),
         "group": pa.array(np.zeros(n), pa.int64()),
         "pos": pa.array(np.arange(n) % 4, pa.int32()),
@@ -30,6 +30,7 @@ def token_table(step: int, n: int = 8, seed: int = 0) -> pa.Table:
         "advantage": pa.array(rng.normal(size=n), pa.float32()),
         "mask": pa.array(np.ones(n, bool)),
         "entropy": pa.array([None] * n, pa.float32()),
+        "attempt": pa.array(np.full(n, attempt), pa.int16()),
     }
     return pa.table(cols, schema=F.TOKEN_SCHEMA)
 

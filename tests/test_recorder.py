@@ -20,7 +20,7 @@ import kldiag
 from kldiag import _writer as W
 from kldiag import format as F
 from kldiag.errors import RecorderError
-from kldiag.recorder import Recorder, seq_unit
+from kldiag.recorder import SEQ_ATTEMPT_BITS, SEQ_LOCAL_BITS, Recorder, seq_unit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,9 @@ def test_default_seq_ids_unique_across_ranks_steps_micro_and_stable_across_itera
     # iteration 1 replays iteration 0's micro-batches: the same ids, in the same order
     by_iter = {it: got["seq"][(got["iteration"] == it) & (got["micro"] == 1)] for it in (0, 1)}
     np.testing.assert_array_equal(np.sort(by_iter[0]), np.sort(by_iter[1]))
-    assert ((got["seq"] >> 24) % 2 == got["rank"]).all() and ((got["seq"] >> 24) // 2 == got["step"]).all()
+    high = got["seq"] >> (SEQ_LOCAL_BITS + SEQ_ATTEMPT_BITS)  # step * world_size + rank
+    assert (high % 2 == got["rank"]).all() and (high // 2 == got["step"]).all()
+    assert ((got["seq"] >> SEQ_LOCAL_BITS) % (1 << SEQ_ATTEMPT_BITS) == 0).all()  # attempt 0
 
 
 def test_bad_shapes_raise_before_anything_is_queued(tmp_path: Path) -> None:
@@ -196,7 +198,7 @@ def test_update_config_vocab_and_rank_stats(tmp_path: Path) -> None:
         rec.record(step=0, logp=-np.ones((1, 2), np.float32))
     run = kldiag.open_run(tmp_path)
     assert run.vocab() == {0: "a", 1: "b", 2: "c"}
-    assert F.read_rank_stats(tmp_path)[0]["rows"] == 2 == run.manifest.writer["rows"]
+    assert F.read_rank_stats(tmp_path)[(0, 0)]["rows"] == 2 == run.manifest.writer["rows"]
 
 
 def test_rank_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,7 +218,7 @@ def _failing_publish(*args: object, **kwargs: object) -> Path:
 
 
 def test_full_disk_warns_once_counts_and_keeps_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(F, "publish_part", _failing_publish)
+    monkeypatch.setattr(F, "publish", _failing_publish)
     with warnings.catch_warnings(record=True) as caught, Recorder(tmp_path, rotate_rows=5) as rec:
         warnings.simplefilter("always")
         for step in range(4):
@@ -228,7 +230,7 @@ def test_full_disk_warns_once_counts_and_keeps_training(tmp_path: Path, monkeypa
 
 
 def test_full_disk_strict_raises_recorder_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(F, "publish_part", _failing_publish)
+    monkeypatch.setattr(F, "publish", _failing_publish)
     rec = Recorder(tmp_path, strict=True)
     rec.record(step=0, logp=-np.ones((1, 5), np.float32))
     with pytest.raises(RecorderError, match="disk is full"):

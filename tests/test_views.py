@@ -245,7 +245,7 @@ def test_corrupt_part_is_skipped_by_name(tmp_path):
     make_run(tmp_path, SynthConfig(steps=2, seqs_per_step=4))
     bad = F.rank_dir(tmp_path, 0) / F.part_name(5, 5, 9)
     bad.write_bytes(b"not parquet")
-    part = next(p for p in F.list_parts(tmp_path) if p.path == bad)
+    part = next(p for p in F.list_parts(tmp_path) if p.path == str(bad))
     with pytest.warns(UserWarning, match="skipping"):
         p = VE.part_partial(part)
     assert p.skipped == [str(bad)] and p.tokens == 0

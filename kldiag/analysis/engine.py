@@ -98,13 +98,16 @@ def _skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) ->
     skipped.append(str(part.path))
 
 
-def part_partials(run_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: AnalysisConfig,
+def part_partials(cache_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: AnalysisConfig,
                   skipped: list[str]) -> tuple[list[partials.Partial], int]:
-    """The partial of every readable part, in part order; also how many were computed now."""
+    """The partial of every readable part, in part order; also how many were computed now.
+
+    cache_dir: the run's cache directory (Run.cache_dir(): RUN/.kldiag, or a local one for URIs).
+    """
     found: dict[int, partials.Partial] = {}
     if cfg.use_cache:
         for i, part in enumerate(parts):
-            cached = partials.load(partials.cache_path(run_dir, part, th))
+            cached = partials.load(partials.cache_path(cache_dir, part, th))
             if cached is not None:
                 found[i] = cached
     todo = [i for i in range(len(parts)) if i not in found]
@@ -124,7 +127,7 @@ def part_partials(run_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: Ana
             continue
         found[i] = result
         if cfg.use_cache:
-            partials.save(partials.cache_path(run_dir, parts[i], th), result)
+            partials.save(partials.cache_path(cache_dir, parts[i], th), result)
     return [found[i] for i in sorted(found)], len(todo)
 
 
@@ -141,11 +144,11 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) ->
     run = open_run(run_dir)
     parts = run.parts()
     if not parts:
-        raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank=R/part-*.parquet); "
+        raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank-R/part-*.parquet); "
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
     skipped: list[str] = []
-    found, computed = part_partials(run.path, parts, th, cfg, skipped)
+    found, computed = part_partials(run.cache_dir(), parts, th, cfg, skipped)
     merged = partials.merge(found, th.top_k)
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
@@ -164,5 +167,6 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
         histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg),
         steps_by_rank=tables.step_table(merged.steps, merged.seqs, cfg, ("step", "rank")) if cfg.per_rank else None,
         trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config) if cfg.trainer_compatible else None,
-        files=files, files_new=computed, skipped=skipped,
-        info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9)})
+        files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
+        info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
+              "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0})

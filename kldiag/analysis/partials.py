@@ -1,14 +1,16 @@
 """Per-file partial results: computed by streaming one part, cached, merged associatively.
 
-A `Partial` holds four keyed tables (keyed.py): per (step, rank) aggregates, per
-(step, seq) aggregates, the top_k rows by |k3 weight|, and the first top_k rows with a
-non-finite or positive log-prob. `merge` is associative and commutative up to float
+A `Partial` holds five keyed tables (keyed.py): per (step, rank) aggregates, per
+(step, seq) aggregates, the top_k rows by |k3 weight|, the first top_k rows with a
+non-finite or positive log-prob, and per (rank, attempt) the rows left out because a later
+attempt of the rank superseded their step (format/parts.py). `merge` is associative and commutative up to float
 rounding of sums (tests/test_analysis_partials.py); `analyze` always merges the files'
 partials in part order, so a cached re-analysis equals a full recompute bit for bit.
 
-Cache: RUN/.kldiag/partials/<sha1(part key, settings)>.part, numpy arrays only (no pickle),
-written atomically. The key holds the part's (rank, name, size, mtime_ns) and every
-setting that changes the partial, so editing a threshold recomputes.
+Cache: CACHE/partials/<sha1(part key, settings)>.part (CACHE: RUN/.kldiag, or a local
+per-URI directory for remote runs), numpy arrays only (no pickle), written atomically. The
+key holds the part's (rank, name, size, mtime_ns, superseded steps) and every setting that
+changes the partial, so editing a threshold or a new attempt recomputes.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from pathlib import Path
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from kldiag.analysis import keyed
 from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
-from kldiag.format import CACHE_DIR, PartInfo, open_part
+from kldiag.format import PartInfo, open_part, superseded_mask
 
-PARTIAL_VERSION = 4  # bump when the meaning or layout of a partial changes (4: .part files)
-TABLES = ("steps", "seqs", "top", "bad")
+PARTIAL_VERSION = 5  # bump when the meaning or layout of a partial changes (5: superseded rows)
+TABLES = ("steps", "seqs", "top", "bad", "superseded")
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Partial:
     seqs: keyed.Keyed = field(default_factory=dict)
     top: keyed.Keyed = field(default_factory=dict)
     bad: keyed.Keyed = field(default_factory=dict)
+    superseded: keyed.Keyed = field(default_factory=dict)  # rank, attempt, n_rows
     rows: int = 0
 
 
@@ -52,6 +56,7 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
         seqs=keyed.merge([p.seqs for p in partials]),
         top=select_top(keyed.concat([p.top for p in partials]), top_k),
         bad=select_first(keyed.concat([p.bad for p in partials]), top_k),
+        superseded=keyed.merge([p.superseded for p in partials]),
         rows=sum(p.rows for p in partials),
     )
 
@@ -109,9 +114,14 @@ class PartReducer:
         self.seqs: list = []
         self.top: keyed.Keyed = {}
         self.bad: keyed.Keyed = {}
-        self.rows, self.floor = 0, -np.inf
+        self.rows, self.floor, self.dropped = 0, -np.inf, 0
 
     def add(self, batch) -> None:
+        if self.part.exclude:  # rows of steps a later attempt re-recorded: counted, not analysed
+            gone = superseded_mask(batch.column("step").to_numpy(), self.part.exclude)
+            if gone.any():
+                self.dropped += int(gone.sum())
+                batch = batch.filter(pa.array(~gone))
         r = batch_partials(batch, self.part.rank, self.th, self.floor)
         self.steps.append(r.steps)
         self.seqs.append(r.seqs)
@@ -123,7 +133,9 @@ class PartReducer:
         self.rows += batch.num_rows
 
     def result(self) -> Partial:
-        return Partial(keyed.merge(self.steps), keyed.merge(self.seqs), self.top, self.bad, self.rows)
+        superseded = {"rank": np.array([self.part.rank], np.int64), "attempt": np.array([self.part.attempt], np.int64),
+                      "n_rows": np.array([self.dropped], np.int64)} if self.dropped else {}
+        return Partial(keyed.merge(self.steps), keyed.merge(self.seqs), self.top, self.bad, superseded, self.rows)
 
 
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
@@ -209,8 +221,9 @@ def cache_key(part: PartInfo, th: Thresholds) -> str:
     return hashlib.sha1(settings.encode()).hexdigest()
 
 
-def cache_path(run_dir: Path, part: PartInfo, th: Thresholds) -> Path:
-    return run_dir / CACHE_DIR / "partials" / f"{cache_key(part, th)}.part"
+def cache_path(cache_dir: Path, part: PartInfo, th: Thresholds) -> Path:
+    """Where the partial of `part` is cached under a run's cache directory (Run.cache_dir())."""
+    return cache_dir / "partials" / f"{cache_key(part, th)}.part"
 
 
 CACHE_MAGIC = b"KLDPART1"

@@ -252,3 +252,14 @@ def with_logging_windows(table: pa.Table, logging_steps: int) -> pa.Table:
     last = np.flatnonzero(np.append(end[1:] != end[:-1], True)) if len(step) else np.zeros(0, np.intp)
     logged[last] = ratio(sums["sum_kl"], sums["n_micro"])
     return table.append_column("window_end", pa.array(end)).append_column("logged_kl", _nullable(logged))
+
+
+SUPERSEDED_SCHEMA = pa.schema([("rank", pa.int16()), ("attempt", pa.int16()), ("rows", pa.int64())])
+
+
+def superseded_table(sup: keyed.Keyed) -> pa.Table:
+    """rank, attempt, rows: rows left out because a later attempt re-recorded their steps."""
+    if not sup or keyed.rows(sup) == 0:
+        return SUPERSEDED_SCHEMA.empty_table()
+    return pa.table({"rank": pa.array(sup["rank"], pa.int16()), "attempt": pa.array(sup["attempt"], pa.int16()),
+                     "rows": pa.array(sup["n_rows"], pa.int64())}, schema=SUPERSEDED_SCHEMA)

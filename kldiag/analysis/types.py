@@ -80,9 +80,11 @@ class Analysis:
     histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
     alerts:     ALERT_COLUMNS, sorted by step
     trainer_kl: step, micro-averaged KL as the trainer logs it, when trainer_compatible
+    superseded: rank, attempt, rows: rows left out because a later attempt of the rank
+                re-recorded their steps (a restart); empty when the run has one attempt
     """
 
-    run_dir: Path
+    run_dir: Path | str  # a Path, or the URI of a remote run
     manifest: Manifest
     config: AnalysisConfig
     steps: pa.Table
@@ -95,6 +97,7 @@ class Analysis:
     files: int = 0  # parts analysed in total
     files_new: int = 0  # parts computed now (not from the cache)
     skipped: list[str] = field(default_factory=list)  # parts skipped as corrupt, by path
+    superseded: pa.Table | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,0 +1,225 @@
+"""A run opened for reading (`open_run`), its manifest, vocab sidecar and writer statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kldiag.errors import CorruptPartError, NotARunError, RunFormatError
+from kldiag.format.parts import PartInfo, list_parts, open_part, superseded_mask
+from kldiag.format.schema import (
+    MANIFEST,
+    RANK_RE_V1,
+    TOKEN_SCHEMA,
+    TOKENS_DIR,
+    VOCAB,
+    VOCAB_SCHEMA,
+    WRITERS_DIR,
+    Manifest,
+)
+from kldiag.format.storage import Store, resolve
+
+WRITER_STATS = "writer.json"  # v1: RUN/tokens/rank=R/writer.json (read only)
+
+
+def run_path(store: Store) -> Path | str:
+    """What a run is called in results and messages: a Path locally, the URI otherwise."""
+    return Path(store.root) if store.local else store.uri
+
+
+def write_manifest(run_dir: str | os.PathLike | Store, manifest: Manifest) -> str:
+    """Write run.json atomically (temp file + rename, or one PUT); returns where."""
+    store = resolve(run_dir)
+    if store.local:
+        Path(store.root).mkdir(parents=True, exist_ok=True)
+    data = json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str).encode()
+    store.write_bytes(MANIFEST, data)
+    return store.display(MANIFEST)
+
+
+def read_manifest(run_dir: str | os.PathLike | Store) -> Manifest:
+    """Read and validate run.json; NotARunError names the path when there is none."""
+    store = resolve(run_dir)
+    data = store.read_bytes(MANIFEST)
+    if data is None:
+        raise NotARunError(f"{store.display()} is not a kldiag run: it has no {MANIFEST}; pass the directory "
+                           "given to kldiag.Recorder (or kldiag.integrations.trl.attach)")
+    try:
+        d = json.loads(data)
+    except ValueError as e:
+        raise RunFormatError(f"{store.display(MANIFEST)} is not valid JSON ({e}); restore it or re-create it "
+                             "with kldiag.format.write_manifest") from e
+    return Manifest.from_dict(d, source=store.display(MANIFEST))
+
+
+class Run:
+    """A run opened for reading: `open_run(path_or_uri)`."""
+
+    def __init__(self, path: str | os.PathLike | Store, manifest: Manifest):
+        self.store = resolve(path)
+        self.path = run_path(self.store)
+        self.manifest = manifest
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def parts(self) -> list[PartInfo]:
+        """The published parts now in the run (re-lists each call: a live run grows)."""
+        return list_parts(self.store)
+
+    def cache_dir(self) -> Path:
+        """Local directory for derived results (RUN/.kldiag, or a per-URI user cache)."""
+        return self.store.cache_dir()
+
+    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 1 << 20,
+                     strict: bool = False, parts: Sequence[PartInfo] | None = None,
+                     include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
+        """Record batches of every published part, only `columns` (default: all of format v1.1).
+
+        Rows superseded by a later attempt are left out unless include_superseded. A corrupt
+        part is skipped with a warning that names it, or raises in strict mode.
+        """
+        columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
+        for part in self.parts() if parts is None else parts:
+            try:
+                yield from part_batches(part, columns, batch_size, include_superseded)
+            except (RunFormatError, OSError, pa.ArrowException) as e:
+                if strict:
+                    raise e if isinstance(e, RunFormatError) else CorruptPartError(
+                        f"part file {part.path} is unreadable ({e}); delete it or move it away") from e
+                warnings.warn(f"kldiag: skipping {part.path}: {e}", stacklevel=2)
+
+    def read(self, columns: Sequence[str] | None = None, strict: bool = False,
+             include_superseded: bool = False) -> pa.Table:
+        """All published rows as one table (small runs and tests; analysis streams instead)."""
+        return self.read_parts(None, columns, strict, include_superseded)
+
+    def read_parts(self, parts: Sequence[PartInfo] | None, columns: Sequence[str] | None = None,
+                   strict: bool = False, include_superseded: bool = False) -> pa.Table:
+        """The rows of `parts` (None: every published part) as one table, corrupt parts skipped."""
+        columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
+        batches = list(self.iter_batches(columns, strict=strict, parts=parts, include_superseded=include_superseded))
+        schema = pa.schema([TOKEN_SCHEMA.field(c) for c in columns])
+        return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+
+    def vocab(self) -> dict[int, str] | None:
+        """token_id -> piece from vocab.parquet, or None when the run has no vocab."""
+        data = self.store.read_bytes(VOCAB)
+        if data is None:
+            return None
+        t = pq.read_table(pa.BufferReader(data))
+        return dict(zip(t.column("token_id").to_pylist(), t.column("piece").to_pylist(), strict=True))
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, trainer={self.manifest.trainer.get('name')!r})"
+
+
+def part_batches(part: PartInfo, columns: list[str], batch_size: int,
+                 include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
+    """One part's batches of `columns`: v1 parts get their attempt column from the name,
+    and rows superseded by a later attempt are dropped unless include_superseded."""
+    pf = open_part(part, columns)
+    present = set(pf.schema_arrow.names)
+    drop = bool(part.exclude) and not include_superseded
+    read = [c for c in columns if c in present]
+    if drop and "step" not in read:
+        read.append("step")
+    schema = pa.schema([TOKEN_SCHEMA.field(c) for c in columns])
+    # A part whose footer reads is whole (parts are published atomically), so errors after
+    # this point mean a disk or network fault, not a half-written file.
+    for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+        if drop:
+            step = batch.column("step").to_numpy()
+            batch = batch.filter(pa.array(~superseded_mask(step, part.exclude)))
+        arrays = [batch.column(c) if c in present else pa.array(np.full(batch.num_rows, part.attempt, np.int16))
+                  for c in columns]
+        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def open_run(path: str | os.PathLike | Store) -> Run:
+    """Open a run (a directory or a URI): validates run.json and lists parts lazily."""
+    store = resolve(path)
+    return Run(store, read_manifest(store))
+
+
+# ---- vocab sidecar -------------------------------------------------------------------
+
+
+def vocab_pieces(tokenizer: Any) -> list[str]:
+    """Text of every token id, from a transformers tokenizer, a `tokenizers.Tokenizer`,
+    a {piece: id} mapping, or a list of pieces indexed by id."""
+    if isinstance(tokenizer, (list, tuple)):
+        return [str(p) for p in tokenizer]
+    if isinstance(tokenizer, dict):
+        pieces = [""] * (max(tokenizer.values()) + 1)
+        for piece, i in tokenizer.items():
+            pieces[i] = str(piece)
+        return pieces
+    if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        return [tokenizer.decode([i], skip_special_tokens=False) for i in range(n)]
+    if hasattr(tokenizer, "decode") and hasattr(tokenizer, "__len__"):  # transformers
+        return [tokenizer.decode([i], skip_special_tokens=False) for i in range(len(tokenizer))]
+    raise TypeError(f"cannot read a vocabulary from {type(tokenizer).__name__}; pass a transformers "
+                    "tokenizer, a tokenizers.Tokenizer, a {piece: id} dict or a list of pieces")
+
+
+def write_vocab(run_dir: str | os.PathLike | Store, tokenizer: Any) -> str:
+    """Write RUN/vocab.parquet (token_id int32, piece string) atomically."""
+    pieces = vocab_pieces(tokenizer)
+    table = pa.table({"token_id": pa.array(range(len(pieces)), pa.int32()), "piece": pa.array(pieces, pa.string())},
+                     schema=VOCAB_SCHEMA)
+    store = resolve(run_dir)
+    store.write_parquet(VOCAB, table, compression="zstd", compression_level=1)
+    return store.display(VOCAB)
+
+
+# ---- per-rank writer statistics ------------------------------------------------------
+
+
+def rank_stats_rel(rank: int, attempt: int) -> str:
+    return f"{WRITERS_DIR}/rank-{rank}-a{attempt:04d}.json"
+
+
+def write_rank_stats(run_dir: str | os.PathLike | Store, rank: int, stats: dict[str, Any], attempt: int = 0) -> str:
+    """Write one rank's (one attempt's) writer statistics atomically: RUN/writers/rank-R-aA.json."""
+    store = resolve(run_dir)
+    rel = rank_stats_rel(rank, attempt)
+    store.write_bytes(rel, json.dumps(stats, indent=2, sort_keys=True).encode())
+    return store.display(rel)
+
+
+def read_rank_stats(run_dir: str | os.PathLike | Store) -> dict[tuple[int, int], dict[str, Any]]:
+    """(rank, attempt) -> writer statistics, for every readable stats file (v1 ones: attempt 0)."""
+    store = resolve(run_dir)
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    files = [(e.rel, e.name) for e in store.list_files(WRITERS_DIR)]
+    files += [(e.rel, e.name) for e in store.list_files(TOKENS_DIR, recursive=True) if e.name == WRITER_STATS]
+    for rel, name in files:
+        key = _stats_key(rel, name)
+        if key is None:
+            continue
+        try:
+            out[key] = json.loads(store.read_bytes(rel) or b"")
+        except (OSError, ValueError):
+            continue  # a rank that has not published yet, or a foreign file: nothing to add
+    return out
+
+
+def _stats_key(rel: str, name: str) -> tuple[int, int] | None:
+    if name == WRITER_STATS:  # v1: tokens/rank=R/writer.json
+        m = RANK_RE_V1.match(rel.split("/")[-2]) if rel.count("/") == 2 else None
+        return (int(m.group(1)), 0) if m else None
+    bits = name.removesuffix(".json").split("-")
+    if len(bits) == 3 and bits[0] == "rank" and bits[1].isdigit() and bits[2][:1] == "a" and bits[2][1:].isdigit():
+        return int(bits[1]), int(bits[2][1:])
+    return None

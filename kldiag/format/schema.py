@@ -1,0 +1,143 @@
+"""Run format v1.1: names, the token schema, Parquet encoding, and the manifest (run.json).
+
+docs/format.md is the public contract; this module is its single source in code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from kldiag.errors import RunFormatError, SchemaError, UnsupportedFormatVersionError
+
+FORMAT_NAME = "kldiag-run"
+FORMAT_VERSION = 1.1
+READABLE_VERSIONS = (1, 1.1)  # v1: tokens/rank=R/ (Hive names), no attempt column
+MANIFEST = "run.json"
+VOCAB = "vocab.parquet"
+TOKENS_DIR = "tokens"
+WRITERS_DIR = "writers"  # RUN/writers/rank-R-aA.json: per-rank writer statistics, out of the data tree
+CACHE_DIR = ".kldiag"
+# v1.1: part-S0-S1-aA-N.parquet; v1: part-S0-S1-N.parquet (attempt 0)
+PART_RE = re.compile(r"^part-(\d+)-(\d+)(?:-a(\d+))?(?:-(\d+))?\.parquet$")
+RANK_RE = re.compile(r"^rank-(\d+)$")
+RANK_RE_V1 = re.compile(r"^rank=(\d+)$")  # v1's Hive-style name: its inferred type clashed with the column
+
+TOKEN_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("micro", pa.int32(), nullable=False),
+        pa.field("iteration", pa.int16(), nullable=False),
+        pa.field("rank", pa.int16(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("group", pa.int64()),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("token_id", pa.int32()),
+        pa.field("logp", pa.float32(), nullable=False),
+        pa.field("logp_old", pa.float32()),
+        pa.field("logp_ref", pa.float32()),
+        pa.field("logp_sampler", pa.float32()),
+        pa.field("advantage", pa.float32()),
+        pa.field("mask", pa.bool_(), nullable=False),
+        pa.field("entropy", pa.float32()),
+        pa.field("attempt", pa.int16(), nullable=False),  # v1.1: which attempt wrote the row
+    ]
+)
+OPTIONAL_ON_READ = ("attempt",)  # absent from v1 parts: the reader fills it from the part's name
+FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")
+VOCAB_SCHEMA = pa.schema([pa.field("token_id", pa.int32(), nullable=False), pa.field("piece", pa.string())])
+
+# Measured in bench/recorder.py: delta encoding stores the constant runs of step/micro/rank/
+# seq/group/attempt and the +1 runs of pos in a few bits, faster than dictionaries; plain token
+# ids are smaller than a dictionary of 100k+ pieces; byte-stream-split puts float bytes side
+# by side, so the zero low bytes of bf16-valued log-probs compress away (17% smaller there).
+INT_ID_COLUMNS = ("step", "micro", "iteration", "rank", "seq", "group", "pos", "attempt")
+PARQUET_WRITE_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "compression_level": 1,
+    "use_dictionary": False,
+    "column_encoding": {**dict.fromkeys(INT_ID_COLUMNS, "DELTA_BINARY_PACKED"),
+                        **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
+    "row_group_size": 1 << 20,
+    "write_statistics": ["step"],
+}
+
+
+def part_name(step_min: int, step_max: int, index: int, attempt: int | None = 0) -> str:
+    """File name of rank's `index`-th part, steps step_min..step_max, written by `attempt`.
+
+    attempt=None gives the v1 name (no attempt field), for tests of old runs.
+    """
+    if attempt is None:
+        return f"part-{step_min:09d}-{step_max:09d}-{index:06d}.parquet"
+    return f"part-{step_min:09d}-{step_max:09d}-a{attempt:04d}-{index:06d}.parquet"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def check_schema(schema: pa.Schema, source: str, columns: Sequence[str] | None = None) -> None:
+    """Raise SchemaError when a needed column is missing or has another type.
+
+    Columns of OPTIONAL_ON_READ may be absent (v1 parts); present, their type must match.
+    """
+    for name in columns if columns is not None else TOKEN_SCHEMA.names:
+        want = TOKEN_SCHEMA.field(name).type
+        idx = schema.get_field_index(name)
+        if idx < 0:
+            if name in OPTIONAL_ON_READ:
+                continue
+            raise SchemaError(f"{source}: column {name!r} is missing; format v1 requires it "
+                              f"(see docs/format.md); re-write the part with kldiag.Recorder")
+        got = schema.field(idx).type
+        if got != want:
+            raise SchemaError(f"{source}: column {name!r} is {got}, format v1 says {want}; "
+                              "re-write the part with kldiag.Recorder")
+
+
+@dataclass
+class Manifest:
+    """run.json. `config` holds what the trainer used (beta, estimator, clip range, ...).
+
+    `attempts` lists every start of a recorder on this run (rank 0's view): attempt number,
+    start time, kldiag version; a restart appends one and keeps the earlier ones.
+    """
+
+    format: str = FORMAT_NAME
+    format_version: float = FORMAT_VERSION
+    kldiag_version: str = ""
+    trainer: dict[str, Any] = field(default_factory=dict)  # {"name": "trl", "version": "1.16.0"}
+    config: dict[str, Any] = field(default_factory=dict)  # beta, estimator, clip_range, ...
+    world_size: int = 1
+    started: float = field(default_factory=time.time)  # unix seconds, first attempt
+    sampling: dict[str, Any] = field(default_factory=dict)  # every_n_steps, seq_fraction
+    tags: dict[str, Any] = field(default_factory=dict)
+    writer: dict[str, Any] = field(default_factory=dict)  # per-rank writer statistics
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys from newer writers, kept as they are
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        return {**extra, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "run.json") -> Manifest:
+        if d.get("format") != FORMAT_NAME:
+            raise RunFormatError(f"{source} is not a kldiag manifest (format={d.get('format')!r}); "
+                                 "point kldiag at a directory written by kldiag.Recorder")
+        version = d.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise UnsupportedFormatVersionError(
+                f"{source} declares run format version {version!r}, but this kldiag reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade kldiag (pip install -U kldiag) to read it")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
