@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pandas as pd
 import streamlit as st
@@ -72,9 +71,7 @@ def _vocab(path: str, mtime_ns: int) -> dict[int, str] | None:
 @st.cache_data(max_entries=64)
 def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFrame:
     """One sequence's tokens with every per-token quantity and decoded text."""
-    vocab_file = Path(path) / F.VOCAB
-    mtime = vocab_file.stat().st_mtime_ns if vocab_file.is_file() else 0
-    return V.read_sequence(path, step, seq, vocab=_vocab(path, mtime))
+    return V.read_sequence(path, step, seq, vocab=_vocab(path, F.vocab_stamp(path)))
 
 
 @st.cache_data(max_entries=64)

@@ -380,7 +380,7 @@ class Recorder:
     def _resume_manifest(self) -> None:
         """Keep what an earlier attempt wrote in run.json (its start time, its attempts, its
         tags) and add this attempt: a restart never erases the history of the run."""
-        entry = {"attempt": self.attempt, "started": time.time(), "kldiag_version": self.manifest.kldiag_version,
+        entry = {"attempt": self.attempt, "started": self.manifest.started, "kldiag_version": self.manifest.kldiag_version,
                  "trainer": dict(self.manifest.trainer), "world_size": self.world_size}
         if self.rank != 0:
             return

@@ -74,7 +74,7 @@ class Offender:
 
 @dataclass
 class Report:
-    run_dir: Path
+    run_dir: Path | str  # a Path, or the URI of a remote run
     estimator: str
     estimator_assumed: bool  # the manifest did not say; DEFAULT_ESTIMATOR assumed
     verdict: str  # "healthy" | "warning" | "unstable"
@@ -378,7 +378,7 @@ def build_report(analysis, config: ReportConfig = ReportConfig()) -> Report:
     }
     fired = {r.name for r in rules if r.fired}
     onset = by_name["blowup"].step if "blowup" in fired else by_name["nonfinite"].step
-    return Report(Path(analysis.run_dir), estimator, not manifest_cfg.get("estimator"), verdict(rules), rules,
+    return Report(analysis.run_dir, estimator, not manifest_cfg.get("estimator"), verdict(rules), rules,
                   onset, first_alert(analysis.alerts), offenders(analysis, config.top_tokens, config.context),
                   comparison(steps, analysis.histograms), recommendations(fired, estimator, facts), facts, analysis)
 

@@ -44,14 +44,15 @@ SEQUENCE_QUANTITIES = {
 # ---- runs ----------------------------------------------------------------------------
 
 
-def check_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Resolve run directories; raise NotARunError/RunFormatError naming the bad one.
+def check_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path | str]:
+    """Resolve run directories (URIs stay as given); raise NotARunError/RunFormatError/
+    StorageError naming the bad one.
 
     An empty run (no parts yet) is valid: a live run may not have published yet.
     """
-    runs = []
+    runs: list[Path | str] = []
     for p in paths:
-        path = Path(p).expanduser().resolve()
+        path = str(p) if F.is_uri(str(p)) else Path(p).expanduser().resolve()
         F.read_manifest(path)  # raises with a message that names the fix
         runs.append(path)
     return runs
@@ -64,9 +65,13 @@ def part_keys(run_dir: str | os.PathLike) -> tuple[str, ...]:
 
 def run_label(path: str | os.PathLike, others: Sequence[str | os.PathLike] = ()) -> str:
     """Short unique name of a run for legends: its directory name, with its parent if ambiguous."""
-    path = Path(path)
-    same = [Path(o) for o in others if Path(o).name == path.name and Path(o) != path]
-    return f"{path.parent.name}/{path.name}" if same else path.name
+    def split(p: str | os.PathLike) -> tuple[str, str]:  # (parent name, name), for paths and URIs
+        bits = str(p).rstrip("/").rsplit("/", 2)
+        return (bits[-2] if len(bits) > 1 else "", bits[-1])
+
+    parent, name = split(path)
+    same = [o for o in others if split(o)[1] == name and str(o) != str(path)]
+    return f"{parent}/{name}" if same else name
 
 
 def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:

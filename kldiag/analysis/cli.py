@@ -27,7 +27,7 @@ MAX_ROWS = 40
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("analyze", help="analyse a run directory: per-step metrics, flags, alerts",
                               description=__doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or URI (s3://bucket/prefix)")
     p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV here")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")

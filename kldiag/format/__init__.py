@@ -42,6 +42,7 @@ from kldiag.format.run import (
     read_rank_stats,
     run_path,
     vocab_pieces,
+    vocab_stamp,
     write_manifest,
     write_rank_stats,
     write_vocab,
@@ -84,5 +85,5 @@ __all__ = [
     "Run", "Store", "attempt_hulls", "check_schema", "clean_stale_temps", "is_uri", "list_parts", "next_attempt",
     "next_index", "open_part", "open_run", "part_batches", "part_name", "publish", "publish_part", "rank_dir",
     "rank_dir_name", "rank_rel", "read_manifest", "read_rank_stats", "resolve", "run_path", "superseded_intervals",
-    "superseded_mask", "vocab_pieces", "write_manifest", "write_rank_stats", "write_vocab",
+    "superseded_mask", "vocab_pieces", "vocab_stamp", "write_manifest", "write_rank_stats", "write_vocab",
 ]

@@ -173,6 +173,13 @@ def vocab_pieces(tokenizer: Any) -> list[str]:
                     "tokenizer, a tokenizers.Tokenizer, a {piece: id} dict or a list of pieces")
 
 
+def vocab_stamp(run_dir: str | os.PathLike | Store) -> int:
+    """mtime_ns of RUN/vocab.parquet (0 when absent): a cache key that changes with the file."""
+    store = resolve(run_dir)
+    found = [e.mtime_ns for e in store.list_files("") if e.name == VOCAB]
+    return found[0] if found else 0
+
+
 def write_vocab(run_dir: str | os.PathLike | Store, tokenizer: Any) -> str:
     """Write RUN/vocab.parquet (token_id int32, piece string) atomically."""
     pieces = vocab_pieces(tokenizer)
