@@ -142,7 +142,7 @@ class Recorder:
         self.store = F.resolve(run_dir)
         self.run_dir = F.run_path(self.store)
         self.rank, self.world_size = detect_rank(rank, world_size)
-        # Listing the rank's parts also checks a URI early: a missing bucket is a clear error here.
+        self.store.check()  # a missing bucket or an unreachable endpoint is a clear error here, not mid-run
         self.attempt = F.next_attempt(self.store, self.rank)
         self.backpressure, self.strict = backpressure, strict
         self.every_n_steps, self.seq_fraction = int(every_n_steps), float(seq_fraction)

@@ -44,3 +44,12 @@ def app_make_runs(root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def app_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return app_make_runs(tmp_path_factory.mktemp("app_runs"))
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 server (moto, 127.0.0.1) for the whole session; tests make their own buckets."""
+    from s3util import moto_s3
+
+    with moto_s3() as server:
+        yield server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from kldiag.format.schema import (
 from kldiag.format.storage import Store, resolve
 
 WRITER_STATS = "writer.json"  # v1: RUN/tokens/rank=R/writer.json (read only)
+MANIFEST_READS = 4  # remote: tries to read a run.json that a live writer is replacing
 
 
 def run_path(store: Store) -> Path | str:
@@ -48,15 +50,23 @@ def write_manifest(run_dir: str | os.PathLike | Store, manifest: Manifest) -> st
 def read_manifest(run_dir: str | os.PathLike | Store) -> Manifest:
     """Read and validate run.json; NotARunError names the path when there is none."""
     store = resolve(run_dir)
-    data = store.read_bytes(MANIFEST)
-    if data is None:
-        raise NotARunError(f"{store.display()} is not a kldiag run: it has no {MANIFEST}; pass the directory "
-                           "given to kldiag.Recorder (or kldiag.integrations.trl.attach)")
-    try:
-        d = json.loads(data)
-    except ValueError as e:
-        raise RunFormatError(f"{store.display(MANIFEST)} is not valid JSON ({e}); restore it or re-create it "
-                             "with kldiag.format.write_manifest") from e
+    for attempt in range(1 if store.local else MANIFEST_READS):
+        data = store.read_bytes(MANIFEST)
+        if data is None:
+            store.check()  # a missing bucket says so, rather than "not a kldiag run"
+            raise NotARunError(f"{store.display()} is not a kldiag run: it has no {MANIFEST}; pass the directory "
+                               "given to kldiag.Recorder (or kldiag.integrations.trl.attach)")
+        try:
+            d = json.loads(data)
+            break
+        except ValueError as e:
+            # An object store reads an object in ranged GETs: a manifest replaced between two
+            # of them reads torn. Parts are immutable; only run.json is ever replaced.
+            if attempt + 1 < (1 if store.local else MANIFEST_READS):
+                time.sleep(0.05 * (attempt + 1))
+                continue
+            raise RunFormatError(f"{store.display(MANIFEST)} is not valid JSON ({e}); restore it or re-create it "
+                                 "with kldiag.format.write_manifest") from e
     return Manifest.from_dict(d, source=store.display(MANIFEST))
 
 

@@ -100,9 +100,9 @@ class Store:
             return _list_local(Path(self.full(rel_dir)), rel_dir, recursive)
         sel = pafs.FileSelector(self.full(rel_dir), allow_not_found=True, recursive=recursive)
         infos = self._call("list", rel_dir, self.fs.get_file_info, sel)
-        cut = len(self.root) + 1
-        return [Entry(i.path[cut:], int(i.size or 0), int(i.mtime_ns or 0)) for i in infos
-                if i.type == pafs.FileType.File]
+        root = self.root.lstrip("/") + "/"  # fsspec filesystems may answer with a leading slash
+        return [Entry(p[len(root):], int(i.size or 0), int(i.mtime_ns or 0)) for i in infos
+                if i.type == pafs.FileType.File and (p := i.path.lstrip("/")).startswith(root)]
 
     def read_bytes(self, rel: str) -> bytes | None:
         """The file's bytes, or None when it does not exist."""
@@ -128,6 +128,17 @@ class Store:
             return os.path.exists(self.full(rel))
         info = self._call("check", rel, self.fs.get_file_info, self.full(rel))
         return info.type != pafs.FileType.NotFound
+
+    def check(self) -> None:
+        """Raise StorageError naming the URI when its bucket is missing or unreachable
+        (object stores; listing a missing bucket would otherwise look like an empty run)."""
+        if self.local or self.fs.type_name not in ("s3", "gcs"):
+            return
+        bucket = self.root.split("/", 1)[0]
+        info = self._call("open", "", self.fs.get_file_info, bucket)
+        if info.type == pafs.FileType.NotFound:
+            raise StorageError(f"cannot open {self.uri}: the bucket {bucket!r} does not exist (or these credentials "
+                               "cannot see it): create it, or fix the bucket name in the URI")
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -251,8 +262,19 @@ def storage_error(what: str, where: str, e: BaseException) -> StorageError:
     return StorageError(f"cannot {what} {where}: {fix} ({text})")
 
 
-@functools.lru_cache(maxsize=64)
+def _env_key() -> str:
+    """What in the environment configures a client (hashed: the values are secrets)."""
+    names = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ACCESS_KEY_ID",
+             "AWS_PROFILE", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+    return hashlib.sha1("\0".join(os.environ.get(n, "") for n in names).encode()).hexdigest()
+
+
 def _filesystem(scheme: str, netloc: str, query: str) -> pafs.FileSystem:
+    return _cached_filesystem(scheme, netloc, query, _env_key())
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_filesystem(scheme: str, netloc: str, query: str, env_key: str) -> pafs.FileSystem:
     if query:  # pyarrow's own URI options (endpoint_override=..., region=...)
         return pafs.FileSystem.from_uri(f"{scheme}://{netloc}/?{query}")[0]
     if scheme in ("s3", "s3a"):
