@@ -100,7 +100,7 @@ def time_pyarrow_parts(run: Path) -> tuple[float, float]:
 
 def steps_query(run: Path) -> str:
     cfg = AnalysisConfig()
-    return STEPS_SQL.read_text().format(glob=f"{run}/{TOKENS_DIR}/rank=*/part-*.parquet", tau=cfg.tau,
+    return STEPS_SQL.read_text().format(glob=f"{run}/{TOKENS_DIR}/rank-*/part-*.parquet", tau=cfg.tau,
                                         limit=cfg.weight_limit, clamp=cfg.clamp, delta=1e-4, clip_lo=0.8, clip_hi=1.2)
 
 
@@ -126,7 +126,7 @@ def time_duckdb(run: Path, query: str | None = None) -> tuple[float, float]:
 
 
 def time_duckdb_subset(run: Path) -> tuple[float, float]:
-    return time_duckdb(run, SUBSET_QUERY.format(glob=f"{run}/{TOKENS_DIR}/rank=*/part-*.parquet"))
+    return time_duckdb(run, SUBSET_QUERY.format(glob=f"{run}/{TOKENS_DIR}/rank-*/part-*.parquet"))
 
 
 def peak_rss_mb(run: Path) -> float:
@@ -139,15 +139,58 @@ def peak_rss_mb(run: Path) -> float:
 
 def prefix_run(run: Path, dest: Path, rows: float) -> Path:
     """A run holding the first parts of `run` (hard links) up to about `rows` rows."""
-    (dest / TOKENS_DIR / "rank=0").mkdir(parents=True)
+    (dest / TOKENS_DIR / "rank-0").mkdir(parents=True)
     shutil.copy(run / MANIFEST, dest / MANIFEST)
     total = 0
     for part in list_parts(run):
         if total >= rows:
             break
-        os.link(part.path, dest / TOKENS_DIR / "rank=0" / part.path.name)
+        os.link(part.path, dest / TOKENS_DIR / "rank-0" / part.name)
         total += pq.ParquetFile(part.path).metadata.num_rows
     return dest
+
+
+def s3_figures(run: Path, repeat: int) -> dict:
+    """The same run analysed from a local S3 server (moto on 127.0.0.1) and from local disk.
+
+    moto keeps objects in Python memory and serves them through werkzeug: its throughput is
+    a floor, not what S3 or MinIO deliver; the figure shows what the remote path costs here.
+    """
+    import pyarrow.fs as pafs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3util import moto_s3
+
+    out = {}
+    with moto_s3() as s3, tempfile.TemporaryDirectory(prefix="kldiag-s3cache-") as cache:
+        os.environ["KLDIAG_CACHE_DIR"] = cache
+        bucket = s3.bucket("bench")
+        dest = pafs.S3FileSystem(endpoint_override=s3.endpoint.split("//")[1], scheme="http", region="us-east-1")
+        t = time.perf_counter()
+        pafs.copy_files(str(run), f"{bucket}/run", destination_filesystem=dest)
+        out["s3_upload_s"] = time.perf_counter() - t
+        uri = f"s3://{bucket}/run"
+        best = {"local": (1e9, 1e9), "s3": (1e9, 1e9)}
+        for _ in range(repeat):
+            for name, target in (("local", run), ("s3", uri)):
+                wall, cpu = timed(lambda target=target: analyze(target, AnalysisConfig(use_cache=False)))
+                best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+        analyze(uri)  # fills the local cache of the remote run
+        analyze(run)
+        out["s3_cached_s"] = timed(lambda: analyze(uri))[0]
+        out["local_cached_s"] = timed(lambda: analyze(run))[0]
+        out.update({"s3_analyze_s": best["s3"][0], "s3_analyze_cpu_s": best["s3"][1],
+                    "local_analyze_s": best["local"][0], "local_analyze_cpu_s": best["local"][1]})
+        os.environ.pop("KLDIAG_CACHE_DIR", None)
+    return out
+
+
+def report_s3(f: dict) -> None:
+    print(f"S3 (moto on 127.0.0.1, same run uploaded in {f['s3_upload_s']:.1f}s): analyze "
+          f"{f['s3_analyze_s']:.2f}s wall {f['s3_analyze_cpu_s']:.2f}s CPU, local disk {f['local_analyze_s']:.2f}s "
+          f"wall {f['local_analyze_cpu_s']:.2f}s CPU: {f['s3_analyze_s'] / f['local_analyze_s']:.2f}x the time; "
+          f"{f['tokens'] / f['s3_analyze_s'] / 1e6:.1f} M tokens/s from S3")
+    print(f"  cached re-analysis (nothing new): S3 {f['s3_cached_s']:.2f}s, local {f['local_cached_s']:.2f}s")
 
 
 def main() -> None:
@@ -155,12 +198,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=float, default=50e6)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--s3", action="store_true", help="also analyse the run from a local S3 server (needs moto)")
+    ap.add_argument("--s3-only", action="store_true", help="only the S3 against local disk comparison")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kldiag-bench-") as tmp:
         root = Path(tmp)
         run, steps = make(root, args.tokens)
         rows = sum(pq.ParquetFile(p.path).metadata.num_rows for p in list_parts(run))
         time_analyze(run)  # warm: imports, page cache
+        if args.s3 or args.s3_only:
+            s3 = {"tokens": rows, **s3_figures(run, args.repeat)}
+            report_s3(s3)
+            if args.s3_only:
+                return
         figures = {"tokens": rows, "duckdb_columns_checked": check_duckdb(run)}
         runs = {"analyze": time_analyze, "duckdb": time_duckdb, "duckdb_subset": time_duckdb_subset,
                 "pyarrow_serial": time_pyarrow, "pyarrow_parts": time_pyarrow_parts}
