@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -64,7 +65,7 @@ def _serve(*runs: Path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("KLDIAG_RUNS", None)
-    log = runs[0].parent / f"dashboard-{port}.log"
+    log = (runs[0].parent if isinstance(runs[0], Path) else Path(tempfile.gettempdir())) / f"dashboard-{port}.log"
     # A log file, not a pipe: nobody reads a pipe while the tests run, and a full pipe
     # blocks the server. Its own session, so that cleanup reaches every process of it.
     with open(log, "w") as out:
