@@ -22,7 +22,7 @@ from kldiag.errors import KldiagError
 
 ESTIMATORS = ("k3", "k3_is")
 FINAL_STEPS = 20  # "final" reward and filler probability: mean over the last steps
-RUN_ENTRIES = {F.MANIFEST, F.VOCAB, F.TOKENS_DIR, F.CACHE_DIR}
+RUN_ENTRIES = {F.MANIFEST, F.VOCAB, F.TOKENS_DIR, F.WRITERS_DIR, F.CACHE_DIR}
 
 
 @dataclass
