@@ -119,7 +119,7 @@ def bench_encodings(table: pa.Table, out: Path) -> list[tuple[str, float, float]
         "dictionary ints, BSS floats": {"use_dictionary": ints_dict,
                                         "column_encoding": dict.fromkeys(F.FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
         "delta ints, plain floats": {"column_encoding": {k: v for k, v in enc.items() if k not in F.FLOAT_COLUMNS}},
-        "format v1 (delta ints, plain token ids, BSS floats)": {},
+        "format v1.1 (delta ints, plain token ids, BSS floats)": {},
     }
     bf16_valued = table.set_column(
         table.schema.get_field_index("logp"), "logp",
@@ -129,7 +129,7 @@ def bench_encodings(table: pa.Table, out: Path) -> list[tuple[str, float, float]
         for name, opts in variants.items():
             t0 = time.perf_counter()
             path = F.publish_part(t, out, f"enc-{len(rows)}.parquet", **opts)
-            rows.append((f"{data_name}: {name}", path.stat().st_size / t.num_rows, time.perf_counter() - t0))
+            rows.append((f"{data_name}: {name}", Path(path).stat().st_size / t.num_rows, time.perf_counter() - t0))
     return rows
 
 
