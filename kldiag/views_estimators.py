@@ -123,9 +123,9 @@ def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
     """
     seed = zlib.crc32(part.name.encode())
     try:
-        pf = F.open_part(part, READ_COLUMNS)
+        # part_batches leaves out rows a later attempt superseded, as the analysis does
         parts = [_batch_partial(b, config, sample_size, seed + i)
-                 for i, b in enumerate(pf.iter_batches(batch_size=batch_size, columns=READ_COLUMNS))]
+                 for i, b in enumerate(F.part_batches(part, list(READ_COLUMNS), batch_size))]
     except (RunFormatError, OSError, pa.ArrowException) as e:
         if config.strict:
             raise
