@@ -123,3 +123,13 @@ def test_writer_removes_stale_temps_of_a_killed_predecessor(tmp_path: Path) -> N
     record(run, range(2, 3), shift=0.0)
     assert not dead.exists() and not v1_style.exists()
     assert live.exists() and other_rank.exists()  # another rank's temps are its own writer's business
+
+
+def test_cli_says_what_it_superseded(restarted: Path, capsys: pytest.CaptureFixture) -> None:
+    from kldiag.cli import main
+
+    assert main(["analyze", str(restarted)]) == 0
+    out = capsys.readouterr().out
+    assert f"superseded: {10 * B * T:,} rows" in out and "rank 0 attempt 0" in out
+    assert main(["analyze", str(restarted), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["superseded"] == [{"rank": 0, "attempt": 0, "rows": 10 * B * T}]

@@ -107,7 +107,16 @@ def summary(a: Analysis) -> dict[str, Any]:
         "alerts": [{k: _clean(v) for k, v in r.items()} for r in a.alerts.to_pylist()],
         "flags": [{k: _clean(v) for k, v in r.items()} for r in a.flags.slice(0, 20).to_pylist()],
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
+        "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
     }
+
+
+def superseded_line(rows: list[dict[str, int]]) -> str:
+    """One line on the rows a restart superseded: how many, from which attempts of which ranks."""
+    total = sum(r["rows"] for r in rows)
+    where = ", ".join(f"rank {r['rank']} attempt {r['attempt']}: {r['rows']:,}" for r in rows)
+    return (f"superseded: {total:,} rows of steps a later attempt recorded again were left out ({where}); "
+            "they stay on disk (kldiag.open_run(RUN).read(include_superseded=True))")
 
 
 def _fmt(v: Any) -> str:
@@ -127,6 +136,8 @@ def render(a: Analysis) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(SUMMARY_COLUMNS)]
     lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
+    if a.superseded is not None and a.superseded.num_rows:
+        lines.append(superseded_line(a.superseded.to_pylist()))
     lines.append("  ".join(c.rjust(w) for c, w in zip(SUMMARY_COLUMNS, widths, strict=True)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     if len(rows) > MAX_ROWS:
