@@ -163,7 +163,8 @@ class Recorder:
             world_size=self.world_size, tags=dict.fromkeys(tags, True) if isinstance(tags, (list, tuple)) else
             dict(tags or {}), sampling={"every_n_steps": self.every_n_steps, "seq_fraction": self.seq_fraction,
                                         "seq_hash": "splitmix64"})
-        self._resume_manifest()
+        if self.rank == 0:
+            F.resume_manifest(self.store, self.manifest, self.attempt)
         self._stager = W.Stager(keep=queue_batches + 2)
         self._queue: queue.Queue = _Queue(queue_batches)
         self._writer = W.Writer(self.store, self.rank, self.attempt, self._queue, rotate_rows=rotate_rows,
@@ -375,24 +376,6 @@ class Recorder:
             except Exception as e:  # noqa: BLE001 - counted, never raised into training
                 self._stats["write_errors"] += 1
                 self._on_error(e)
-
-
-    def _resume_manifest(self) -> None:
-        """Keep what an earlier attempt wrote in run.json (its start time, its attempts, its
-        tags) and add this attempt: a restart never erases the history of the run."""
-        entry = {"attempt": self.attempt, "started": self.manifest.started, "kldiag_version": self.manifest.kldiag_version,
-                 "trainer": dict(self.manifest.trainer), "world_size": self.world_size}
-        if self.rank != 0:
-            return
-        try:
-            old = F.read_manifest(self.store) if self.attempt > 0 else None
-        except Exception:  # noqa: BLE001 - a foreign or broken run.json is replaced, as before
-            old = None
-        if old is not None:
-            self.manifest.started = old.started
-            self.manifest.attempts = [a for a in old.attempts if a.get("attempt") != self.attempt]
-            self.manifest.tags = {**old.tags, **self.manifest.tags}
-        self.manifest.attempts.append(entry)
 
 
 def _check_shapes(args: dict[str, Any]) -> tuple[int, int]:

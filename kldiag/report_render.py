@@ -137,7 +137,8 @@ def render_html(rep: Report) -> str:
                    [[r.name, "yes" if r.fired else "no", "" if r.step is None else r.step, r.message]
                     for r in rep.rules])
     recs = "".join(f"<li>{e(r)}</li>" for r in rep.recommendations)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(str(rep.run_dir).rstrip('/').rsplit('/', 1)[-1])}"
+    name = str(rep.run_dir).rstrip("/").rsplit("/", 1)[-1]  # a path or a URI
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(name)}"
             f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
             f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
             f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"

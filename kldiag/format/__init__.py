@@ -40,6 +40,7 @@ from kldiag.format.run import (
     part_batches,
     read_manifest,
     read_rank_stats,
+    resume_manifest,
     run_path,
     vocab_pieces,
     vocab_stamp,
@@ -84,6 +85,6 @@ __all__ = [
     "TOKENS_DIR", "TOKEN_SCHEMA", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest", "PartInfo",
     "Run", "Store", "attempt_hulls", "check_schema", "clean_stale_temps", "is_uri", "list_parts", "next_attempt",
     "next_index", "open_part", "open_run", "part_batches", "part_name", "publish", "publish_part", "rank_dir",
-    "rank_dir_name", "rank_rel", "read_manifest", "read_rank_stats", "resolve", "run_path", "superseded_intervals",
-    "superseded_mask", "vocab_pieces", "vocab_stamp", "write_manifest", "write_rank_stats", "write_vocab",
+    "rank_dir_name", "rank_rel", "read_manifest", "read_rank_stats", "resolve", "resume_manifest", "run_path",
+    "superseded_intervals", "superseded_mask", "vocab_pieces", "vocab_stamp", "write_manifest", "write_rank_stats", "write_vocab",
 ]

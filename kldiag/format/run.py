@@ -70,6 +70,25 @@ def read_manifest(run_dir: str | os.PathLike | Store) -> Manifest:
     return Manifest.from_dict(d, source=store.display(MANIFEST))
 
 
+def resume_manifest(run_dir: str | os.PathLike | Store, manifest: Manifest, attempt: int) -> Manifest:
+    """Add `attempt` to `manifest.attempts`, keeping what an earlier attempt wrote in the
+    run's run.json (first start time, attempts, tags): a restart never erases the history."""
+    old = None
+    if attempt > 0:
+        try:
+            old = read_manifest(run_dir)
+        except Exception:  # noqa: BLE001 - a foreign or broken run.json is replaced, as before
+            old = None
+    entry = {"attempt": attempt, "started": manifest.started, "kldiag_version": manifest.kldiag_version,
+             "trainer": dict(manifest.trainer), "world_size": manifest.world_size}
+    if old is not None:
+        manifest.started = old.started
+        manifest.attempts = [a for a in old.attempts if a.get("attempt") != attempt]
+        manifest.tags = {**old.tags, **manifest.tags}
+    manifest.attempts.append(entry)
+    return manifest
+
+
 class Run:
     """A run opened for reading: `open_run(path_or_uri)`."""
 

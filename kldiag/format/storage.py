@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from kldiag.errors import StorageError
+from kldiag.format.schema import CACHE_DIR
 
 URI_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
@@ -200,8 +201,6 @@ class Store:
     def cache_dir(self) -> Path:
         """Where derived results of this run are cached: RUN/.kldiag locally, else a local
         directory keyed by the URI (KLDIAG_CACHE_DIR, else $XDG_CACHE_HOME/kldiag)."""
-        from kldiag.format.schema import CACHE_DIR
-
         if self.local:
             return Path(self.root) / CACHE_DIR
         base = os.environ.get("KLDIAG_CACHE_DIR") or os.path.join(
