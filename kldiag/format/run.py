@@ -239,7 +239,8 @@ def read_rank_stats(run_dir: str | os.PathLike | Store) -> dict[tuple[int, int],
     store = resolve(run_dir)
     out: dict[tuple[int, int], dict[str, Any]] = {}
     files = [(e.rel, e.name) for e in store.list_files(WRITERS_DIR)]
-    files += [(e.rel, e.name) for e in store.list_files(TOKENS_DIR, recursive=True) if e.name == WRITER_STATS]
+    if store.local:  # v1 runs were local only; a remote listing of every part every 10 s would cost
+        files += [(e.rel, e.name) for e in store.list_files(TOKENS_DIR, recursive=True) if e.name == WRITER_STATS]
     for rel, name in files:
         key = _stats_key(rel, name)
         if key is None:
