@@ -122,7 +122,9 @@ class Store:
         """A ParquetFile reading the part (remote: ranged reads through the filesystem)."""
         if self.local:
             return pq.ParquetFile(self.full(rel))
-        return pq.ParquetFile(self.fs.open_input_file(self.full(rel)))
+        # pre_buffer coalesces a row group's column chunks into few ranged GETs: 10% faster
+        # from a local S3 server (bench/analyze.py --s3-only), more where each request costs latency.
+        return pq.ParquetFile(self.fs.open_input_file(self.full(rel)), pre_buffer=True)
 
     def exists(self, rel: str = "") -> bool:
         if self.local:
