@@ -35,7 +35,8 @@ def _record_batch(s, r, o, mask=None, step=None) -> pa.RecordBatch:
             "iteration": np.zeros(n, np.int16), "rank": np.zeros(n, np.int16), "seq": np.arange(n) // 7,
             "group": np.zeros(n, np.int64), "pos": np.arange(n, dtype=np.int32) % 7, "token_id": np.zeros(n, np.int32),
             "logp": s, "logp_old": o, "logp_ref": r, "logp_sampler": np.full(n, np.nan), "advantage": np.ones(n),
-            "mask": np.ones(n, bool) if mask is None else mask, "entropy": np.zeros(n)}
+            "mask": np.ones(n, bool) if mask is None else mask, "entropy": np.zeros(n),
+            "attempt": np.zeros(n, np.int16)}
     arrays = []
     for f in TOKEN_SCHEMA:
         a = cols[f.name]
