@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch,trl,test,bench]'
+	$(PIP) install -q -e '.[torch,trl,test,bench,ray]'
 	touch $@
 
 browser:

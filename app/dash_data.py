@@ -18,6 +18,7 @@ import kldiag
 from kldiag import format as F
 from kldiag import views as V
 from kldiag import views_estimators as VE
+from kldiag.analysis import engines
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
 RUNS_ENV = "KLDIAG_RUNS"
@@ -42,7 +43,7 @@ def labels(paths: list[str]) -> dict[str, str]:
 
 @st.cache_resource(max_entries=16, show_spinner="Analysing the run ...")
 def _analysis(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
-    return kldiag.analyze(path)
+    return kldiag.analyze(path, kldiag.AnalysisConfig(**engines.from_env()))  # kldiag dashboard --engine
 
 
 @st.cache_resource(max_entries=16)

@@ -35,13 +35,16 @@ def streamlit_command(runs: list[Path], port: int, host: str) -> list[str]:
             "--", *[str(r) for r in runs]]
 
 
-def _env() -> dict[str, str]:
-    """The app imports kldiag: make this checkout importable even when it is not installed."""
+def _env(args: argparse.Namespace | None = None) -> dict[str, str]:
+    """The app imports kldiag: make this checkout importable even when it is not installed.
+    The engine choice (--engine, --ray-address) reaches the app in the environment."""
     env = dict(os.environ)
     root = str(Path(kldiag.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("KLDIAG_RUNS", None)  # the runs on this command line win
-    return env
+    from kldiag.analysis import engines
+
+    return engines.to_env(args, env) if args is not None else env
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if os.name == "posix":
         # Streamlit takes over this process: Ctrl-C, `kill` and process managers reach the
         # server itself. As a child, it outlived a parent killed by SIGTERM, holding the port.
-        os.execve(cmd[0], cmd, _env())
-    return subprocess.call(cmd, env=_env())
+        os.execve(cmd[0], cmd, _env(args))
+    return subprocess.call(cmd, env=_env(args))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,4 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the app to your network)")
+    from kldiag.analysis import engines
+
+    engines.add_arguments(p)
     p.set_defaults(func=run)

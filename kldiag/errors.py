@@ -47,3 +47,9 @@ class RecorderError(KldiagError):
 
 class IntegrationError(KldiagError):
     """A trainer integration cannot attach (for example an unsupported trainer version)."""
+
+
+class EngineError(KldiagError):
+    """The analysis engine cannot run: an engine whose optional extra is not installed
+    (`pip install 'kldiag[ray]'`), a cluster that cannot be reached, a part that keeps
+    failing on the cluster (named), or workers running another kldiag version."""

@@ -395,8 +395,9 @@ def _rules_arg(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> int:
     import kldiag
+    from kldiag.analysis import engines
 
-    analysis = (analyze or kldiag.analyze)(args.run_dir)
+    analysis = (analyze or kldiag.analyze)(args.run_dir, kldiag.AnalysisConfig(**engines.options(args)))
     cfg = ReportConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl)
     rep = build_report(analysis, cfg)
     from kldiag.report_render import format_text, write_html  # plotly: only when rendering
@@ -421,4 +422,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="|gradient weight| of the loss beyond which a token is a blow-up (default 100)")
     p.add_argument("--mismatch-kl", type=float, default=ReportConfig.mismatch_kl,
                    help="mean KL(mu||pi_old) per token above which mismatch can dominate (default 0.01)")
+    from kldiag.analysis import engines
+
+    engines.add_arguments(p)
     p.set_defaults(func=run)

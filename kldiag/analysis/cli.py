@@ -14,11 +14,12 @@ from typing import Any
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
+from kldiag.analysis import engines
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig
 
 # Options that are not thresholds, handled by hand.
-_SKIP = {"workers", "strict", "use_cache"}
+_SKIP = {"workers", "strict", "use_cache", "engine", "ray_address"}
 SUMMARY_COLUMNS = ("step", "tokens", "k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_abs_p99",
                    "blame_share", "flagged_frac", "nonfinite_count", "rho_max")
 MAX_ROWS = 40
@@ -33,6 +34,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")
     p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
+    engines.add_arguments(p)
     defaults = AnalysisConfig()
     for f in dataclasses.fields(AnalysisConfig):
         if f.name in _SKIP:
@@ -52,7 +54,8 @@ def add_parser(subparsers: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(AnalysisConfig) if f.name not in _SKIP}
-    return AnalysisConfig(**kw, workers=args.workers, strict=args.strict, use_cache=not args.no_cache)
+    return AnalysisConfig(**kw, workers=args.workers, strict=args.strict, use_cache=not args.no_cache,
+                          **engines.options(args))
 
 
 def run(args: argparse.Namespace) -> int:

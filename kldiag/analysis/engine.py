@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from kldiag.analysis import alerts, partials, tables
+from kldiag.analysis import alerts, partials, prefix, tables
 from kldiag.analysis.kernel import Thresholds
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
@@ -40,6 +40,7 @@ def validate(cfg: AnalysisConfig) -> None:
               ("top_k", cfg.top_k >= 0, ">= 0"), ("alert_window", cfg.alert_window >= 1, ">= 1"),
               ("alert_factor", cfg.alert_factor > 1, "> 1"), ("workers", cfg.workers >= 1, ">= 1"),
               ("batch_size", cfg.batch_size >= 1, ">= 1"),
+              ("engine", cfg.engine in ("local", "ray"), '"local" or "ray"'),
               ("opsm_delta", cfg.opsm_delta is None or math.isfinite(cfg.opsm_delta), "a finite number or None"),
               ("top_k_sequences", cfg.top_k_sequences is None or cfg.top_k_sequences >= 0, ">= 0 or None")]
     for name, ok, want in checks:
@@ -111,7 +112,11 @@ def part_partials(cache_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: A
             if cached is not None:
                 found[i] = cached
     todo = [i for i in range(len(parts)) if i not in found]
-    if cfg.workers > 1 and len(todo) > 1:
+    if cfg.engine == "ray":  # Ray tasks run _compute where the parts are (kldiag[ray]; no Ray when all cached)
+        from kldiag.analysis import ray_engine
+
+        results = ray_engine.compute([parts[i] for i in todo], th, cfg.batch_size, cfg.strict, cfg.ray_address)
+    elif cfg.workers > 1 and len(todo) > 1:
         # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
         ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
         with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=ctx) as pool:
@@ -148,8 +153,8 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) ->
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
     skipped: list[str] = []
-    found, computed = part_partials(run.cache_dir(), parts, th, cfg, skipped)
-    merged = partials.merge(found, th.top_k)
+    # merges the new parts' partials after the cached merge of the earlier ones (prefix.py)
+    merged, computed = prefix.merged_partial(run.cache_dir(), parts, th, cfg, skipped, part_partials)
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")

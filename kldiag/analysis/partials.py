@@ -167,8 +167,8 @@ def compute_parts(parts: Sequence[PartInfo], th: Thresholds, batch_size: int, er
 def _reduce_part(part: PartInfo, th: Thresholds, batch_size: int, errors: tuple) -> Partial | Exception:
     """One part's Partial, decoded in this thread (the other threads keep the other cores busy)."""
     red = PartReducer(part, th)
-    try:
-        for batch in _batches(part, batch_size, use_threads=False):
+    try:  # the batch boundaries of _part_batches: every path sums a part's rows in the same order
+        for batch in _batches(part, min(batch_size, KERNEL_ROWS), use_threads=False):
             red.add(batch)
     except errors as e:
         return e

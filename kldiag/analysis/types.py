@@ -38,6 +38,8 @@ class AnalysisConfig:
     strict: bool = False  # corrupt parts raise instead of being skipped with a warning
     batch_size: int = 1 << 20  # rows per record batch: bounds memory
     use_cache: bool = True  # per-file partials under RUN/.kldiag/
+    engine: str = "local"  # "local" (this machine) or "ray" (Ray tasks; pip install 'kldiag[ray]')
+    ray_address: str | None = None  # engine="ray": a cluster address; None: RAY_ADDRESS, else a local Ray
 
 
 # Histogram bin edges shared by every run, so histograms of runs, files and ranks add up.

@@ -1,0 +1,185 @@
+"""Merged-prefix cache: a refresh merges the new parts' partials, not the whole run's.
+
+Merging every cached partial on each refresh grows with the run (a lexsort of every step
+and sequence row). The prefix cache keeps the merge of the parts listed first, parts[0:k]:
+
+- `sealed`: its steps and seqs rows of steps < step_cut, where step_cut is the step_min of
+  parts[k-1]. Parts are listed by step_min first (format/parts.py), so every part listed
+  after the prefix, now or later, has only rows of steps >= step_cut: these rows are final.
+- its top, bad and superseded tables and row count (they merge by a total order or exact
+  integer sums, so merging them again with later parts gives the same result).
+
+A refresh then merges only the rows of steps >= step_cut (from the few prefix parts whose
+step range reaches step_cut, read from the per-part cache) with the new parts' partials,
+and appends that after `sealed`: every key leads with the step, so sealed rows sort first.
+The result equals `partials.merge` of every partial in part order bit for bit: each key's
+rows are reduced from the same partials in the same order (tests/test_analysis_prefix.py).
+
+The prefix is used only when the current listing starts with exactly its k part keys (a
+key holds size, mtime and superseded steps: a restart or a rewritten part invalidates it),
+never covers a skipped part, and is rewritten once PREFIX_TAIL parts follow it.
+Files: CACHE/prefix/<settings>.json (k, step_cut, digest of the k keys, data file) and
+CACHE/prefix/<settings>-<digest>.part (partials.save's layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kldiag.analysis import keyed, partials
+from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis.stats import select_first, select_top
+from kldiag.format import PartInfo
+
+PREFIX_VERSION = 1
+PREFIX_TAIL = 16  # parts listed after the prefix before it is rewritten
+STEP_TABLES = ("steps", "seqs")  # keyed by (step, ...): split at step_cut
+
+
+@dataclass
+class Prefix:
+    """The merge of parts[0:k]: `sealed` steps/seqs rows below step_cut, the rest whole."""
+
+    k: int
+    step_cut: int
+    sealed: partials.Partial
+
+
+def digest(parts: Sequence[PartInfo]) -> str:
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(p.key.encode() + b"\n")
+    return h.hexdigest()
+
+
+def settings_key(th: Thresholds) -> str:
+    text = json.dumps([partials.PARTIAL_VERSION, PREFIX_VERSION, th.__dict__], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+def load(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds) -> Prefix | None:
+    """The cached prefix when the listing starts with its parts, else None."""
+    folder = Path(cache_dir) / "prefix"
+    try:
+        meta = json.loads((folder / f"{settings_key(th)}.json").read_text())
+        k, cut, want, name = int(meta["k"]), int(meta["step_cut"]), meta["digest"], meta["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not 0 < k <= len(parts) or digest(parts[:k]) != want or os.path.basename(name) != name:
+        return None
+    sealed = partials.load(folder / name)
+    return None if sealed is None else Prefix(k, cut, sealed)
+
+
+def save(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix) -> bool:
+    """Write the prefix's data, then point the settings' JSON at it; False when read-only."""
+    folder = Path(cache_dir) / "prefix"
+    key, dig = settings_key(th), digest(parts[:pre.k])
+    name = f"{key}-{dig}.part"
+    if not partials.save(folder / name, pre.sealed):
+        return False
+    meta = folder / f"{key}.json"
+    try:
+        old = json.loads(meta.read_text()).get("file")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    tmp = folder / f".{key}.json.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps({"k": pre.k, "step_cut": pre.step_cut, "digest": dig, "file": name}))
+        os.replace(tmp, meta)
+        if old and old != name and os.path.basename(old) == old:
+            (folder / old).unlink(missing_ok=True)
+    except OSError:
+        return False
+    return True
+
+
+def rows_where(table: keyed.Keyed, keep: np.ndarray) -> keyed.Keyed:
+    return {c: a[keep] for c, a in table.items()} if table else {}
+
+
+def at_or_above(p: partials.Partial, cut: int) -> partials.Partial:
+    """Only p's steps and seqs rows of steps >= cut (the rows a later part may continue)."""
+    return partials.Partial(**{t: rows_where(getattr(p, t), getattr(p, t)["step"] >= cut) if getattr(p, t) else {}
+                               for t in STEP_TABLES})
+
+
+def combine(pre: Prefix | None, opened: Sequence[partials.Partial], tail: Sequence[partials.Partial],
+            top_k: int) -> partials.Partial:
+    """partials.merge(prefix parts + tail) from the prefix, its open rows and the tail's partials."""
+    if pre is None:
+        return partials.merge(tail, top_k)
+    rest = [at_or_above(p, pre.step_cut) for p in opened] + list(tail)
+    out = whole_tables(pre, tail, top_k)
+    out.steps = keyed.concat([pre.sealed.steps, keyed.merge([p.steps for p in rest])])
+    out.seqs = keyed.concat([pre.sealed.seqs, keyed.merge([p.seqs for p in rest])])
+    return out
+
+
+def whole_tables(pre: Prefix | None, tail: Sequence[partials.Partial], top_k: int) -> partials.Partial:
+    """top, bad, superseded and rows of the prefix and the tail (steps and seqs left empty)."""
+    ps = ([pre.sealed] if pre else []) + list(tail)
+    return partials.Partial(top=select_top(keyed.concat([p.top for p in ps]), top_k),
+                            bad=select_first(keyed.concat([p.bad for p in ps]), top_k),
+                            superseded=keyed.merge([p.superseded for p in ps]), rows=sum(p.rows for p in ps))
+
+
+def seal(merged: partials.Partial, k: int, cut: int) -> Prefix:
+    """The prefix of parts[0:k] from `merged`, the merge of parts[0:k] (rows below cut may
+    also come from the merge of more parts: later parts hold no step below cut)."""
+    low = {t: rows_where(getattr(merged, t), getattr(merged, t)["step"] < cut) if getattr(merged, t) else {}
+           for t in STEP_TABLES}
+    return Prefix(k, cut, partials.Partial(**low, top=merged.top, bad=merged.bad, superseded=merged.superseded,
+                                           rows=merged.rows))
+
+
+PartPartials = Callable[..., tuple[list[partials.Partial], int]]
+
+
+def merged_partial(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, cfg, skipped: list[str],
+                   part_partials: PartPartials) -> tuple[partials.Partial, int]:
+    """The merge of every readable part's partial, and how many partials were computed now.
+
+    part_partials(cache_dir, parts, th, cfg, skipped) is the engine's: partials of the
+    readable parts in order, skipped ones appended to `skipped` by path.
+    """
+    pre = load(cache_dir, parts, th) if cfg.use_cache else None
+    k = pre.k if pre else 0
+    opened = [i for i in range(k) if parts[i].step_max >= pre.step_cut] if pre else []
+    wanted = opened + list(range(k, len(parts)))
+    before = len(skipped)
+    found, computed = part_partials(cache_dir, [parts[i] for i in wanted], th, cfg, skipped)
+    gone = set(skipped[before:])
+    ok = [i for i in wanted if str(parts[i].path) not in gone]
+    by_index = dict(zip(ok, found, strict=True))
+    if pre and any(i not in by_index for i in opened):  # a prefix part unreadable now: no prefix
+        del skipped[before:]
+        found, more = part_partials(cache_dir, list(parts), th, cfg, skipped)
+        return partials.merge(found, th.top_k), computed + more
+    tail_ok = [i for i in range(k, len(parts)) if i in by_index]
+    result = combine(pre, [by_index[i] for i in opened], [by_index[i] for i in tail_ok], th.top_k)
+    if cfg.use_cache:
+        _refresh(cache_dir, parts, th, pre, by_index, result)
+    return result, computed
+
+
+def _refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix | None,
+             by_index: dict[int, partials.Partial], result: partials.Partial) -> None:
+    """Rewrite the prefix up to the first skipped part once PREFIX_TAIL parts follow the old one."""
+    k = pre.k if pre else 0
+    end = next((i for i in range(k, len(parts)) if i not in by_index), len(parts))
+    if end == k or (pre is not None and end - k < PREFIX_TAIL):
+        return
+    if end == len(parts):
+        covered = result
+    else:  # top, bad, superseded and rows of parts[0:end] only; steps/seqs below the cut are final
+        covered = whole_tables(pre, [by_index[i] for i in range(k, end)], th.top_k)
+        covered.steps, covered.seqs = result.steps, result.seqs
+    save(cache_dir, parts, th, seal(covered, end, parts[end - 1].step_min))

@@ -1,0 +1,119 @@
+"""The Ray engine: `AnalysisConfig(engine="ray")`, `kldiag analyze RUN --engine ray`.
+
+One plain Ray task per part runs the local engine's own per-part function
+(engine._compute -> partials.compute_part) where the part lives (a shared filesystem or
+object storage), and returns the part's small `Partial`: token rows never enter the object
+store, only partials travel to the driver, which merges them in part order exactly as the
+local engine does (engine.part_partials), so the result is the same bit for bit whatever
+the number of workers. Plain tasks rather than Ray Data: Ray Data's read_parquet cuts its
+own blocks, so a part's partial would be summed over other batch boundaries (not bit-equal
+to the local engine), and it was slower here (bench/ray_analyze.py, docs/scale.md).
+
+Failures: a corrupt part comes back as the error the local engine would skip or raise
+(same message); a worker that dies (killed, out of memory, a lost node) is retried by Ray
+MAX_RETRIES times, then the part is reported by name: skipped with a warning, or an
+EngineError in strict mode. Ray itself is imported only here, only when this engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kldiag.analysis import partials
+from kldiag.analysis.kernel import Thresholds
+from kldiag.errors import EngineError
+from kldiag.format import PartInfo
+
+RAY_EXTRA = "pip install 'kldiag[ray]'"
+MAX_RETRIES = 3  # Ray re-runs a part's task this many times after its worker died
+_task = None  # the Ray remote function, made once per process
+
+
+def require_ray():
+    """The ray module; EngineError naming the extra when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise EngineError(f"the Ray engine needs Ray: {RAY_EXTRA} (or choose --engine local)") from None
+    return ray
+
+
+def connect(address: str | None = None):
+    """Connect this process to Ray once: `address`, else RAY_ADDRESS's cluster, else a local Ray.
+
+    A Ray already initialised in this process (a notebook, a trainer's driver, a test) is
+    used as it is. A local Ray started here stays up for the next analysis (a dashboard
+    refreshes often; starting Ray costs seconds) and stops with the process.
+    """
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray
+    kw = {"include_dashboard": False, "ignore_reinit_error": True, "logging_level": "ERROR",
+          "log_to_driver": False}
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        kw["runtime_env"] = {"env_vars": {"PYTHONWARNINGS": "ignore"}}
+    try:
+        ray.init(address=address, **kw)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = address or os.environ.get("RAY_ADDRESS") or "a local Ray"
+        raise EngineError(f"cannot start or reach Ray at {where} ({e}); check --ray-address / RAY_ADDRESS "
+                          "(ray status on the head node prints it), or use --engine local") from e
+    return ray
+
+
+def reduce_part(part: PartInfo, th: Thresholds, batch_size: int) -> tuple[int, partials.Partial | Exception]:
+    """Ray task body: (PARTIAL_VERSION of this worker's kldiag, the part's Partial or its error)."""
+    from kldiag.analysis.engine import _compute  # the local engine's worker entry point
+
+    return partials.PARTIAL_VERSION, _compute(part, th, batch_size)
+
+
+def task(ray):
+    global _task
+    if _task is None:
+        _task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(reduce_part)
+    return _task
+
+
+def compute(parts: Sequence[PartInfo], th: Thresholds, batch_size: int, strict: bool = False,
+            address: str | None = None) -> list[partials.Partial | Exception]:
+    """The Partial (or the error that made it unreadable) of each part, in part order.
+
+    A part whose worker kept dying comes back as an EngineError naming it (raised at once
+    in strict mode, the remaining tasks cancelled). Parts are opaque values here: PartInfo
+    pickles with its store (a local path, or the filesystem of an s3:// run).
+    """
+    if not parts:  # everything came from the cache: no cluster needed, but say when Ray is missing
+        require_ray()
+        return []
+    ray = connect(address)
+    remote = task(ray)
+    refs = [remote.remote(part, th, batch_size) for part in parts]
+    out: list[partials.Partial | Exception] = []
+    try:
+        for part, ref in zip(parts, refs, strict=True):
+            out.append(_get(ray, part, ref))
+            if strict and isinstance(out[-1], EngineError):
+                raise out[-1]
+    except BaseException:
+        for ref in refs[len(out):]:
+            ray.cancel(ref)
+        raise
+    return out
+
+
+def _get(ray, part: PartInfo, ref) -> partials.Partial | Exception:
+    try:
+        version, result = ray.get(ref)
+    except ray.exceptions.RayTaskError as e:  # a bug, not a bad part: raise it, naming the part
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+        raise EngineError(f"analysing part {part.path} on Ray failed: {cause!r}") from cause
+    except ray.exceptions.RayError as e:  # the worker died MAX_RETRIES + 1 times
+        return EngineError(f"part {part.path} failed {MAX_RETRIES + 1} times on Ray ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); its worker keeps dying (memory? a node "
+                           "lost?): check `ray status` and the worker logs, then analyse again")
+    if version != partials.PARTIAL_VERSION:
+        raise EngineError(f"Ray workers run a kldiag whose partials are version {version}, this driver's are "
+                          f"{partials.PARTIAL_VERSION}: install the same kldiag on every node of the cluster")
+    return result

@@ -1,0 +1,131 @@
+"""The merged-prefix cache (kldiag/analysis/prefix.py): a run analysed as it grows, part by
+part, with the prefix rewritten often, equals a full recompute bit for bit, and a refresh
+loads only the partials it needs."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from analysis_same import assert_same_analysis
+
+from kldiag.analysis import AnalysisConfig, analyze, partials, prefix
+from kldiag.errors import CorruptPartError
+from kldiag.format import open_run, part_name, publish_part, rank_dir
+from kldiag.synth import SynthConfig, make_run
+
+NOCACHE = AnalysisConfig(use_cache=False)
+
+
+def split_run(src: Path, dst: Path, rows: int) -> list[tuple[int, Path]]:
+    """Each rank of `src` re-cut into parts of `rows` rows, not at step boundaries (a step
+    spans 3+ parts); returns (rank, file) in the order a reader lists them, unpublished (in dst/staged)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "run.json", dst / "run.json")
+    staged = []
+    table = open_run(src).read()
+    for rank in sorted(set(table.column("rank").to_pylist())):
+        t = table.filter(pa.compute.equal(table.column("rank"), rank))
+        for index, start in enumerate(range(0, t.num_rows, rows)):
+            chunk = t.slice(start, rows)
+            step = chunk.column("step").to_numpy()
+            name = part_name(int(step[0]), int(step[-1]), index)
+            staged.append((int(step[0]), rank, index, chunk, name))
+    staged.sort(key=lambda s: s[:3])
+    return staged
+
+
+def publish(dst: Path, item) -> None:
+    _, rank, _, chunk, name = item
+    publish_part(chunk, rank_dir(dst, rank), name)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("prefix") / "src"
+    make_run(run, SynthConfig(steps=8, seqs_per_step=6, seq_len=(5, 40), ranks=2, blowup_step=4,
+                              blowup_frac=0.05, nonfinite=((5, "logp"),), vocab_size=0))
+    return run
+
+
+def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix, "PREFIX_TAIL", 2)  # rewrite the prefix often
+    loads = []
+    real_load = partials.load
+    monkeypatch.setattr(partials, "load", lambda path: loads.append(path) or real_load(path))
+    staged = split_run(source, tmp_path / "run", rows=70)
+    assert len(staged) > 12
+    cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)
+    used = 0
+    for n, item in enumerate(staged, 1):
+        publish(tmp_path / "run", item)
+        loads.clear()
+        parts = open_run(tmp_path / "run").parts()
+        pre = prefix.load(open_run(tmp_path / "run").cache_dir(), parts, prefix_th(tmp_path / "run"))
+        grown = analyze(tmp_path / "run", cfg)
+        assert grown.files == n and grown.files_new == 1
+        assert_same_analysis(grown, analyze(tmp_path / "run", AnalysisConfig(use_cache=False, per_rank=True,
+                                                                             trainer_compatible=True)))
+        if pre is not None:  # the prefix (twice: here and in analyze), its open parts and the tail
+            used += 1
+            opened = sum(p.step_max >= pre.step_cut for p in parts[:pre.k])
+            assert len(loads) == 2 + opened + n - pre.k
+    assert used >= len(staged) - 3
+    assert len(loads) < len(staged) // 2  # the last refresh read a few partials, not all of them
+
+
+def prefix_th(run: Path):
+    from kldiag.analysis.engine import thresholds
+
+    return thresholds(AnalysisConfig(), open_run(run).manifest)
+
+
+def test_a_part_listed_inside_the_prefix_invalidates_it(source, tmp_path, monkeypatch):
+    """A slow rank publishes an early part after later ones: the listing no longer starts
+    with the prefix's parts, so it is not used, and the result is still exact."""
+    monkeypatch.setattr(prefix, "PREFIX_TAIL", 1)
+    staged = split_run(source, tmp_path / "run", rows=90)
+    late = next(i for i, s in enumerate(staged) if s[1] == 1 and i > 2)
+    for i, item in enumerate(staged):
+        if i != late:
+            publish(tmp_path / "run", item)
+    analyze(tmp_path / "run")
+    publish(tmp_path / "run", staged[late])
+    assert_same_analysis(analyze(tmp_path / "run"), analyze(tmp_path / "run", NOCACHE))
+
+
+def test_corrupt_part_is_never_inside_the_prefix(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix, "PREFIX_TAIL", 1)
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    parts = open_run(run).parts()
+    bad = parts[len(parts) // 2]
+    Path(bad.path).write_bytes(b"not parquet")
+    for _ in range(3):  # computed, then from the prefix and the per-part cache: skipped by name each time
+        with pytest.warns(UserWarning, match="skipping part"):
+            cached = analyze(run)
+        assert cached.skipped == [bad.path]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert_same_analysis(cached, analyze(run, NOCACHE))
+        with pytest.raises(CorruptPartError, match="part-"):
+            analyze(run, AnalysisConfig(strict=True))
+    meta = list((run / ".kldiag" / "prefix").glob("*.json"))
+    assert len(meta) == 1 and len(list((run / ".kldiag" / "prefix").glob("*.part"))) == 1
+    assert prefix.load(run / ".kldiag", parts, prefix_th(run)).k == len(parts) // 2
+
+
+def test_combine_without_prefix_is_merge(source):
+    from kldiag.analysis.engine import thresholds
+
+    run = open_run(source)
+    th = thresholds(AnalysisConfig(), run.manifest)
+    ps = [partials.compute_part(p, th, 1 << 20) for p in run.parts()]
+    a, b = prefix.combine(None, [], ps, th.top_k), partials.merge(ps, th.top_k)
+    for t in partials.TABLES:
+        for col, v in getattr(b, t).items():
+            np.testing.assert_array_equal(getattr(a, t)[col], v)
