@@ -53,3 +53,12 @@ class EngineError(KldiagError):
     """The analysis engine cannot run: an engine whose optional extra is not installed
     (`pip install 'kldiag[ray]'`), a cluster that cannot be reached, a part that keeps
     failing on the cluster (named), or workers running another kldiag version."""
+
+
+class DumpError(KldiagError):
+    """A framework dump that `kldiag import` cannot read: a corrupt or foreign file (named;
+    skipped unless --strict), a pickle that needs --trust-pickle, an empty source."""
+
+
+class UnsupportedDumpVersionError(DumpError):
+    """A framework dump whose format version the importer does not know (named with the version)."""

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from kldiag.analysis import engines
+from kldiag.analysis import coverage, engines
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig
 
@@ -111,6 +111,7 @@ def summary(a: Analysis) -> dict[str, Any]:
         "flags": [{k: _clean(v) for k, v in r.items()} for r in a.flags.slice(0, 20).to_pylist()],
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
         "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
+        "cannot_compute": coverage.cannot_compute(a),
     }
 
 
@@ -150,4 +151,5 @@ def render(a: Analysis) -> str:
     lines += [f"  {m}" for m in a.alerts.column("message").to_pylist()]
     if a.skipped:
         lines.append(f"skipped {len(a.skipped)} unreadable part(s): " + ", ".join(a.skipped))
+    lines += coverage.cannot_compute(a)
     return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""Importers: a framework's own per-token dumps into a kldiag run (`kldiag import FRAMEWORK SRC RUN`).
+
+    from kldiag.integrations.importers import import_dumps
+    result = import_dumps("slime", "/ckpt/dump_details", "runs/imported")
+
+One module per framework, each owning its dump-format guard (docs/import.md has the
+mapping tables): `slime` (torch.save payloads, format_version 2), `nemo_rl`
+(train_data_step{N}.jsonl), `prime_rl` (token_exports/step_{N}/rank_{r}.jsonl). Each
+module has `NAME`, `DUMP_VERSION`, `MISSING` (columns its dumps never have),
+`list_files(src) -> (ready, pending)`, `world_size(files, options)` and
+`read_file(path, options) -> Iterator[Sequence]`. Files are read one at a time and
+streamed (jsonl line by line; a slime .pt file is one torch.load), so memory is bounded by
+the largest dump file, not the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kldiag.errors import DumpError, UnsupportedDumpVersionError
+from kldiag.integrations.importers._sink import ImportResult, Sequence, Sink, previous_import
+
+FRAMEWORKS = {"slime": "slime", "nemo-rl": "nemo_rl", "prime-rl": "prime_rl"}
+
+__all__ = ["FRAMEWORKS", "ImportResult", "Sequence", "import_dumps", "module"]
+
+
+def module(framework: str) -> Any:
+    """The importer module of `framework` (a name of FRAMEWORKS)."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}; pass one of {', '.join(FRAMEWORKS)}")
+    return importlib.import_module(f"kldiag.integrations.importers.{FRAMEWORKS[framework]}")
+
+
+def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike, *, strict: bool = False,
+                 **options: Any) -> ImportResult:
+    """Import every dump file of `src` not imported into `run` before.
+
+    A corrupt or foreign file is skipped with a warning naming it (strict: DumpError); an
+    unknown dump format version and an empty source are errors. `options` go to the
+    framework's reader (slime: trust_pickle, group_size, kl_loss_type, use_unbiased_kl;
+    nemo-rl: group_size; ...).
+    """
+    mod = module(framework)
+    src = Path(src)
+    if not src.exists():
+        raise DumpError(f"{src} does not exist; pass the directory the {framework} job dumped into")
+    ready, pending = mod.list_files(src)
+    if not ready and not pending:
+        raise DumpError(f"{src} holds no {framework} dump files ({mod.PATTERN}); pass the directory "
+                        f"the {framework} job dumped into")
+    before = previous_import(run)
+    if before and (before.get("framework"), before.get("source")) != (framework, str(src.resolve())):
+        raise DumpError(f"{run} was imported from {before.get('framework')} {before.get('source')}; "
+                        "import into a new run directory")
+    done = dict(before.get("files") or {})
+    result = ImportResult(run=str(run), framework=framework, pending=[_rel(p, src) for p in pending])
+    todo = [p for p in ready if _rel(p, src) not in done]
+    result.already = [_rel(p, src) for p in ready if _rel(p, src) in done]
+    if not todo:
+        result.missing = list(before.get("missing") or mod.MISSING)
+        return result
+    config = {**(before.get("config") or {}), **mod.config(options)}  # options given now win
+    sink = Sink(run, framework=framework, dump_version=mod.DUMP_VERSION, config=config,
+                world_size=max(int(mod.world_size(todo, options)), int(before.get("world_size") or 1)))
+    try:
+        for path in todo:
+            name, added = _rel(path, src), 0
+            try:
+                for s in mod.read_file(path, options):
+                    sink.add(s)
+                    added += 1
+            except UnsupportedDumpVersionError:
+                raise
+            except DumpError as e:
+                if added:
+                    raise DumpError(f"{name} broke off after {added} sequences had been imported ({e}); delete "
+                                    f"{run}, move the file away, and import again") from e
+                if strict or "--trust-pickle" in str(e):
+                    raise
+                warnings.warn(f"kldiag import: skipping {name}: {e}", RuntimeWarning, stacklevel=2)
+                result.skipped.append((name, str(e)))
+                continue
+            done[name] = path.stat().st_size
+            result.imported.append(name)
+    except BaseException:
+        sink.abort()
+        raise
+    present = set(before.get("present") or ()) | sink.present
+    result.missing = [c for c in mod.COLUMNS if c not in present]
+    state = {"framework": framework, "source": str(src.resolve()), "dump_version": mod.DUMP_VERSION,
+             "files": done, "world_size": sink.world_size, "present": sorted(present),
+             "missing": result.missing, "config": config}
+    sink.close(state)
+    result.sequences, result.tokens, result.steps = sink.sequences, sink.tokens, sorted(sink.steps)
+    return result
+
+
+def _rel(path: Path, src: Path) -> str:
+    return path.name if src.is_file() else path.relative_to(src).as_posix()
