@@ -171,7 +171,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
         sequences=tables.sequence_table(merged.seqs, cfg), flags=flags,
         histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg),
         steps_by_rank=tables.step_table(merged.steps, merged.seqs, cfg, ("step", "rank")) if cfg.per_rank else None,
-        trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config) if cfg.trainer_compatible else None,
+        trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config, run) if cfg.trainer_compatible else None,
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
         info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
               "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0})

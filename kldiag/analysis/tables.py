@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag import estimators as E
-from kldiag.analysis import bins, keyed
+from kldiag.analysis import bins, keyed, slime_kl
 from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
@@ -198,8 +198,10 @@ def flag_table(top: keyed.Keyed, bad: keyed.Keyed, vocab: dict[int, str] | None,
     return table.take(pa.array(order))
 
 
-def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any]) -> pa.Table:
-    """The KL TRL logs: per micro-batch masked mean of per-token kl, then mean over micro-batches.
+def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa.Table:
+    """The KL the trainer logs. config["kl_semantics"] == "slime" (runs from slime): slime's
+    train/kl_loss, computed from the run's rows by analysis.slime_kl. Otherwise TRL's:
+    per micro-batch masked mean of per-token kl, then mean over micro-batches.
 
     TRL (GRPOTrainer._compute_loss): kl = exp(r - s) - (r - s) - 1, times coef_1 = exp(s - o)
     when use_bias_correction_kl (per sequence, exp of the masked mean of s - o, when
@@ -210,6 +212,8 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any]) -> pa.Table:
     empty = pa.table({"step": pa.array([], pa.int64()), "kl": pa.array([], pa.float64()),
                       "micro_batches": pa.array([], pa.int64()), "kl_sum": pa.array([], pa.float64()),
                       "window_end": pa.array([], pa.int64()), "logged_kl": pa.array([], pa.float64())})
+    if config.get("kl_semantics") == "slime" and run is not None:
+        return slime_kl.trainer_kl(run, config)
     if not seqs:
         return empty
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
