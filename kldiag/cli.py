@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "kldiag.demo",
     "kldiag.report",
     "kldiag.integrations.importers.cli",
+    "kldiag.export.cli",
 )
 
 

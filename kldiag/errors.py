@@ -62,3 +62,8 @@ class DumpError(KldiagError):
 
 class UnsupportedDumpVersionError(DumpError):
     """A framework dump whose format version the importer does not know (named with the version)."""
+
+
+class ExportError(KldiagError):
+    """`kldiag export` cannot write: the exporter's optional extra is missing
+    (`pip install 'kldiag[tensorboard]'`), or LOGDIR already holds another run's export."""
