@@ -15,6 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+class Opaque:
+    """A pickled object that torch.load(weights_only=True) refuses (a slime payload with a custom type)."""
+
+    def __init__(self, v):
+        self.v = v
+
+
 # ---- slime (THUDM/slime@624b824a) -------------------------------------------------------
 
 # slime/observability/train_data_utils.py l. 97-188, verbatim (logger and torch as there).
@@ -183,7 +190,10 @@ def write_nemo(log_dir: Path, steps, *, n_prompts=3, group=2, seed=0, skip_prev=
             rows.append({"p": p, "r": r, "prev": prev, "gen": gen, "loss": loss, "adv": float(rng.normal()),
                          "tokens": rng.integers(1, 500, p + r), "sample_mask": 0.0 if i == 1 else 1.0})
         s = max(x["p"] + x["r"] for x in rows) + 2  # make_sequence_length_divisible_by padding
-        pad = lambda a, v=0: np.concatenate([a, np.full(s - len(a), v, a.dtype)])  # noqa: E731
+
+        def pad(a, s=s):
+            return np.concatenate([a, np.zeros(s - len(a), a.dtype)])
+
         log_data = {
             "content": [[f"sample {i}"] for i in range(n)],
             "rewards": [x["adv"] for x in rows],

@@ -92,9 +92,9 @@ class Sink:
     """Packs Sequences into micro-batches and records them, one Recorder per source rank."""
 
     def __init__(self, run: str | os.PathLike, *, framework: str, dump_version: str, world_size: int,
-                 config: dict[str, Any], chunk: int = CHUNK_SEQUENCES):
+                 config: dict[str, Any], chunk: int | None = None):
         self.run, self.framework, self.dump_version = run, framework, dump_version
-        self.world_size, self.config, self.chunk = int(world_size), config, chunk
+        self.world_size, self.config, self.chunk = int(world_size), config, chunk or CHUNK_SEQUENCES
         self.recorders: dict[int, Recorder] = {}
         self.buffers: dict[int, list[Sequence]] = {}
         self.present: set[str] = set()

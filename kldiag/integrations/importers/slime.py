@@ -72,11 +72,11 @@ def load(path: Path, trust_pickle: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as e:
-        if not trust_pickle and "weights_only" in str(e).lower().replace(" ", "_"):
+        if not trust_pickle and "Unsupported global" in str(e):
             raise DumpError(f"{path} needs more than torch.load(weights_only=True) to open (it pickles "
                             f"{_global(str(e))}); pass --trust-pickle to load it fully, only for a run you "
                             "trust (unpickling runs code)") from e
-        raise DumpError(f"{path} is not a torch.save file ({_first_line(e)})") from e
+        raise DumpError(f"{path} is not a torch.save file ({_weights_error(str(e))})") from e
     except (RuntimeError, EOFError, ValueError, OSError, AttributeError, ImportError) as e:
         raise DumpError(f"{path} is truncated or not a torch.save file ({_first_line(e)})") from e
 
@@ -85,9 +85,14 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
+def _weights_error(message: str) -> str:
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)\n", message)
+    return m.group(1).strip() if m else _first_line(RuntimeError(message))
+
+
 def _global(message: str) -> str:
     m = re.search(r"GLOBAL ([\w.]+)", message)
-    return m.group(1) if m else "objects other than tensors and plain containers"
+    return m.group(1) if m else "an object other than tensors and plain containers"
 
 
 def world_size(files: list[Path], options: dict[str, Any]) -> int:

@@ -1,0 +1,210 @@
+"""Record a slime job live: hooks slime loads by dotted path, writing to $KLDIAG_RUN.
+
+    KLDIAG_RUN=/ckpt/kldiag_run python train.py ... \\
+        --rollout-data-postprocess-path kldiag.integrations.slime.postprocess \\
+        [--loss-type custom_loss --custom-loss-function-path kldiag.integrations.slime.policy_loss]
+
+Read at THUDM/slime@624b824a (2026-08-21). slime resolves both paths with
+`slime.utils.misc.load_function` ("module.function", misc.py l. 39-47).
+
+`postprocess(args, rollout_id, rollout_data)` runs on every Megatron actor rank after ref/old
+log-probs and advantages are computed, before training (backends/megatron_utils/actor.py
+l. 505-506). It records the rollout's samples (logp = log_probs, slime's pi_old recompute)
+from the ranks that own the data, as slime's own dump does (observability/train_data_utils.py
+l. 198-215): the last pipeline stage, tensor-parallel rank 0, context-parallel rank 0 after
+every CP rank restored the CP-sharded fields; one kldiag rank per data-parallel rank.
+
+`policy_loss(args, batch, logits, sum_of_sample_mean)` delegates to slime's
+`policy_loss_function` (loss.py l. 934) and records the log-probs that function computes
+with `get_log_probs_and_entropy` (l. 972-980; taken from that call, no second forward or
+log-softmax): logp = pi_theta during the update, logp_old = the batch's log_probs
+(rollout_log_probs with --use-rollout-logprobs, l. 965), logp_ref, logp_sampler, advantages,
+loss mask, entropy. With it, `postprocess` records nothing itself (it only notes the rollout
+id): rows come from the update. Sequence ids are rollout_id * 2**32 + the sample's rollout
+position when slime puts `partition` in the batch (with --save-debug-train-data, model.py
+l. 601), as `kldiag import slime` assigns them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from kldiag.integrations.importers import slime as dump
+from kldiag.integrations.importers._sink import Sequence, pack
+
+ENV_RUN = "KLDIAG_RUN"
+LOSS_PATH = "kldiag.integrations.slime.policy_loss"
+CONFIG_ARGS = ("use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_unbiased_kl", "kl_coef", "eps_clip",
+               "eps_clip_high", "use_rollout_logprobs", "use_tis", "advantage_estimator", "n_samples_per_prompt",
+               "calculate_per_token_loss", "opsm_delta", "use_opsm")
+
+
+class _State:
+    recorder: Any = None
+    rollout_id: int = -1
+    micro: int = 0
+    seen: set[int] = set()
+
+
+STATE = _State()
+
+
+def _mpu() -> Any:
+    from megatron.core import mpu
+
+    return mpu
+
+
+def owns_data(mpu: Any) -> bool:
+    """The ranks slime's own dump writes from: last PP stage and TP rank 0."""
+    return bool(mpu.is_pipeline_last_stage(ignore_virtual=True)) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def recorder(args: Any, mpu: Any) -> Any:
+    """This process's Recorder (kldiag rank = DP rank), opened at the first call."""
+    if STATE.recorder is None:
+        from kldiag.recorder import Recorder
+
+        run = os.environ.get(ENV_RUN)
+        if not run:
+            raise ValueError(f"set {ENV_RUN} to the kldiag run directory (or URI) the slime hooks record into")
+        config = {k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None}
+        config["kl_semantics"] = "slime"
+        STATE.recorder = Recorder(run, rank=mpu.get_data_parallel_rank(with_context_parallel=False),
+                                  world_size=mpu.get_data_parallel_world_size(with_context_parallel=False),
+                                  trainer="slime", config=config)
+    return STATE.recorder
+
+
+def _loss_wrapped(args: Any) -> bool:
+    return getattr(args, "loss_type", None) == "custom_loss" and \
+        getattr(args, "custom_loss_function_path", None) == LOSS_PATH
+
+
+def postprocess(args: Any, rollout_id: int, rollout_data: dict[str, Any]) -> None:
+    """--rollout-data-postprocess-path hook: records the rollout's samples (see module doc)."""
+    STATE.rollout_id, STATE.micro, STATE.seen = int(rollout_id), 0, set()
+    if _loss_wrapped(args):
+        return
+    mpu = _mpu()
+    if not owns_data(mpu):
+        return
+    if mpu.get_context_parallel_world_size() > 1:  # every CP rank must enter the collectives
+        from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+        from slime.observability.train_data_utils import restore_context_parallel_fields_to_cpu
+
+        cp_rank = mpu.get_context_parallel_rank()
+        rollout_data = restore_context_parallel_fields_to_cpu(rollout_data, all_gather_with_cp,
+                                                              keep_restored=cp_rank == 0)
+        if cp_rank != 0:
+            return
+    rec = recorder(args, mpu)
+    dp_rank = rec.rank
+    n = len(rollout_data["response_lengths"])
+    positions = rollout_data.get("partition")
+    indices = rollout_data.get("sample_indices")
+    per_sample = [k for k, v in rollout_data.items() if isinstance(v, (list, tuple)) and len(v) == n]
+    group_size = getattr(args, "n_samples_per_prompt", None)
+    seqs = []
+    for i in range(n):
+        sample = {k: rollout_data[k][i] for k in per_sample}
+        sample["data_parallel_rank"] = dp_rank
+        sample["rollout_position"] = positions[i] if positions is not None else None
+        sample["sample_index"] = indices[i] if indices is not None else None
+        seqs.append(dump.to_sequence(sample, int(rollout_id), i, None, group_size))
+    _record(rec, seqs)
+
+
+def _record(rec: Any, seqs: list[Sequence]) -> None:
+    if not seqs:
+        return
+    args = pack(seqs)
+    args = {("advantages" if k == "advantage" else k): v for k, v in args.items()}
+    rec.record(step=seqs[0].step, micro=seqs[0].micro, **args)
+
+
+def policy_loss(args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mean: Any) -> Any:
+    """--custom-loss-function-path hook: slime's policy_loss_function, recording pi_theta."""
+    from slime.backends.megatron_utils import loss as slime_loss
+
+    captured: dict[str, Any] = {}
+    original = slime_loss.get_log_probs_and_entropy
+
+    def capture(*a: Any, **kw: Any) -> Any:
+        out = original(*a, **kw)
+        captured.update(out[1])
+        return out
+
+    slime_loss.get_log_probs_and_entropy = capture
+    try:
+        result = slime_loss.policy_loss_function(args, batch, logits, sum_of_sample_mean)
+    finally:
+        slime_loss.get_log_probs_and_entropy = original
+    if "log_probs" in captured:
+        record_loss_batch(args, batch, captured)
+    return result
+
+
+def record_loss_batch(args: Any, batch: dict[str, Any], captured: dict[str, Any]) -> None:
+    """Record one micro-batch of the update from the ranks that own it (CP fields gathered)."""
+    mpu = _mpu()
+    if mpu.get_tensor_model_parallel_rank() != 0:
+        return
+    fields = {"logp": captured["log_probs"], "entropy": captured.get("entropy"),
+              "logp_old": batch.get("rollout_log_probs") if getattr(args, "use_rollout_logprobs", False)
+              else batch.get("log_probs"),
+              "logp_ref": batch.get("ref_log_probs"), "logp_sampler": batch.get("rollout_log_probs"),
+              "advantage": batch.get("advantages")}
+    fields = {k: v for k, v in fields.items() if v is not None and len(v)}
+    totals, lengths = batch["total_lengths"], batch["response_lengths"]
+    if mpu.get_context_parallel_world_size() > 1:
+        from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+
+        fields = {k: [all_gather_with_cp(x.detach(), int(t), int(n)) for x, t, n in zip(v, totals, lengths,
+                                                                                          strict=True)]
+                  for k, v in fields.items()}
+        if mpu.get_context_parallel_rank() != 0:
+            return
+    rec = recorder(args, mpu)
+    positions = batch.get("partition")
+    group_size = getattr(args, "n_samples_per_prompt", None)
+    seqs = []
+    for i in range(len(lengths)):
+        pos = int(positions[i]) if positions is not None else None
+        if pos is not None and pos in STATE.seen:  # --recompute-loss-function calls the loss again
+            continue
+        arrays = {k: _np(v[i]) for k, v in fields.items()}
+        mask = _np(batch["loss_masks"][i]) != 0
+        seq = (STATE.rollout_id << dump.SEQ_STEP_SHIFT) + pos if pos is not None else None
+        seqs.append(Sequence(step=max(STATE.rollout_id, 0), rank=rec.rank, micro=STATE.micro,
+                             seq=seq if seq is not None else -1, group=pos // group_size if pos is not None
+                             and group_size else None, mask=mask, **arrays))
+        if pos is not None:
+            STATE.seen.add(pos)
+    STATE.micro += 1
+    if not seqs:
+        return
+    if any(s.seq < 0 for s in seqs):  # no rollout positions in the batch: the Recorder numbers them
+        args_ = pack(seqs)
+        args_.pop("seq_ids")
+        args_ = {("advantages" if k == "advantage" else k): v for k, v in args_.items()}
+        rec.record(step=seqs[0].step, micro=seqs[0].micro, **args_)
+    else:
+        _record(rec, seqs)
+
+
+def _np(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu() if x.is_floating_point() else x.detach().cpu()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def close() -> None:
+    """Publish what is recorded (slime exits normally: the recorder also closes at exit)."""
+    if STATE.recorder is not None:
+        STATE.recorder.close()
+        STATE.recorder = None
