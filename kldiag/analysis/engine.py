@@ -169,7 +169,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
     return Analysis(
         run_dir=run.path, manifest=run.manifest, config=cfg, steps=steps,
         sequences=tables.sequence_table(merged.seqs, cfg), flags=flags,
-        histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg),
+        histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg, run.manifest),
         steps_by_rank=tables.step_table(merged.steps, merged.seqs, cfg, ("step", "rank")) if cfg.per_rank else None,
         trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config, run) if cfg.trainer_compatible else None,
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),

@@ -5,7 +5,7 @@
 
 Modules: types (the contract: Episode, Cause, Diagnosis), episodes (alert rules -> episodes),
 causes (DETECTORS: one function per cause, `f(analysis) -> list[Cause]`), fixes (advice in the
-trainer's own option names), diagnose (verdict). Cause names: docs/metrics.md.
+trainer's own option names), core (diagnose: verdict). Cause names: docs/metrics.md.
 """
 
 from kldiag.diagnosis.types import CAUSE_NAMES, Cause, Diagnosis, Episode
@@ -15,7 +15,7 @@ __all__ = ["CAUSE_NAMES", "Cause", "Diagnosis", "Episode", "diagnose"]
 
 def __getattr__(name: str):
     if name == "diagnose":
-        from kldiag.diagnosis.diagnose import diagnose
+        from kldiag.diagnosis.core import diagnose
 
         return diagnose
     raise AttributeError(name)

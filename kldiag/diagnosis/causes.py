@@ -1,4 +1,4 @@
-"""Cause detectors: each is `f(analysis) -> list[Cause]`, listed in DETECTORS.
+"""Cause detectors: each is `f(analysis) -> list[Cause]` (or `f(analysis, ctx)`), listed in DETECTORS.
 
 Another module adds its detectors with `register(f)` at import time (e.g. the parity
 detectors of kldiag/diagnosis/parity.py, which are imported by `detectors()`), or a caller
@@ -7,9 +7,41 @@ passes its own list to `diagnose(analysis, detectors=[...])`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from kldiag.diagnosis.types import Cause
+import numpy as np
+
+from kldiag.diagnosis import episodes as EP
+from kldiag.diagnosis import evidence
+from kldiag.diagnosis.fixes import family, fix_for
+from kldiag.diagnosis.types import Cause, DiagnosisConfig, Episode
+
+
+
+@dataclass
+class Context:
+    """What the built-in detectors share: the steps as arrays, the loss, the side scan, the episodes."""
+
+    cols: dict[str, np.ndarray]  # the analysis steps table (episodes.table_cols)
+    manifest: Any
+    estimator: str
+    config: DiagnosisConfig = DiagnosisConfig()
+    side: dict[str, np.ndarray] = field(default_factory=dict)  # scan.StepScan.table()
+    episodes: list[Episode] = field(default_factory=list)
+
+    def side_at(self, step: np.ndarray, name: str) -> np.ndarray:
+        """A side-scan column aligned on `step` (NaN where the scan has no such step)."""
+        out = np.full(len(step), np.nan)
+        if name in self.side and len(self.side["step"]):
+            idx = np.searchsorted(self.side["step"], step)
+            known = self.side["step"]
+            ok = (idx < len(known)) & (known[np.minimum(idx, len(known) - 1)] == step)
+            out[ok] = self.side[name][idx[ok]]
+        return out
+
 
 Detector = Callable[..., list[Cause]]
 DETECTORS: list[Detector] = []
@@ -29,3 +61,191 @@ def detectors() -> list[Detector]:
     except ImportError:
         pass
     return list(DETECTORS)
+
+
+# ---- the built-in detectors ---------------------------------------------------------------
+
+
+def _first(step: np.ndarray, fire: np.ndarray) -> int | None:
+    hit = np.flatnonzero(fire)
+    return int(step[hit[0]]) if len(hit) else None
+
+
+def _peak(step: np.ndarray, v: np.ndarray, fire: np.ndarray) -> tuple[int, float]:
+    vals = np.where(fire, np.nan_to_num(v, nan=-np.inf), -np.inf)
+    i = int(np.argmax(vals))
+    return int(step[i]), float(v[i])
+
+
+@register
+def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
+    """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1)."""
+    if ctx.estimator != "k3":
+        return []
+    c, cfg = ctx.cols, ctx.config
+    w = EP.col(c, "weight_k3_abs_max")
+    fire = EP._gt(w, cfg.blowup_weight)
+    onset = _first(c["step"], fire)
+    if onset is None:
+        return []
+    peak_step, peak = _peak(c["step"], w, fire)
+    at = int(np.flatnonzero(c["step"] == peak_step)[0])
+    is_w = float(EP.col(c, "weight_k3_is_abs_max")[at])
+    share = EP.col(c, "blame_share")
+    ev = {"metric": "weight_k3_abs_max", "threshold": cfg.blowup_weight, "peak": peak, "peak_step": peak_step,
+          "steps_over": int(fire.sum()), "blame_share_max": float(np.nanmax(share, initial=0.0)),
+          "theta_ll_ref_tokens": int(np.nansum(EP.col(c, "theta_ll_ref_count"))),
+          "weight_k3_is_abs_max_at_peak": is_w,
+          "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
+    summary = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {EP._fmt(peak)} at step {peak_step} (above "
+               f"{EP._fmt(cfg.blowup_weight)} from step {onset}): tokens with pi_theta << pi_ref dominate the KL "
+               f"gradient; the corrected k3_is weight on the same step is {EP._fmt(is_w)}")
+    return [Cause("k3_weight_blowup", onset, "critical", ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
+
+
+CLAMPING_TRAINERS = ("verl", "openrlhf", "nemo_rl", "roll", "skyrl", "areal")  # FRAMEWORKS.md section 1
+
+
+def clamps(manifest) -> bool:
+    """Whether the run's trainer clamps the K3 value at 10 (manifest config `kl_clamp`, else its name)."""
+    cfg = getattr(manifest, "config", None) or {}
+    if "kl_clamp" in cfg:
+        return bool(cfg["kl_clamp"])
+    name = str((getattr(manifest, "trainer", None) or {}).get("name") or "").lower().replace("-", "_")
+    return family(manifest) in CLAMPING_TRAINERS or any(name.startswith(t) for t in CLAMPING_TRAINERS)
+
+
+@register
+def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
+    """A clamping trainer gives tokens with k3 > 10 (pi_ref/pi_theta > 13.6) no KL gradient."""
+    if ctx.estimator != "k3" or not clamps(ctx.manifest):
+        return []
+    c, cfg = ctx.cols, ctx.config
+    share = EP.col(c, "clamp_saturated_count") / np.maximum(EP.col(c, "tokens"), 1.0)
+    fire = EP._gt(share, cfg.clamp_frac)
+    onset = _first(c["step"], fire)
+    if onset is None:
+        return []
+    peak_step, peak = _peak(c["step"], share, fire)
+    ev = {"metric": "clamp_saturated_count / tokens", "threshold": cfg.clamp_frac, "peak": peak,
+          "peak_step": peak_step, "tokens_in_dead_zone": int(np.nansum(EP.col(c, "clamp_saturated_count"))),
+          "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens, "clamp_saturated")}
+    summary = (f"up to {peak:.2%} of a step's tokens have k3 > 10, where the trainer's clamp zeroes their KL gradient "
+               f"(pi_theta < pi_ref/13.6), from step {onset}")
+    return [Cause("clamp_dead_zone", onset, "warning", ev, fix_for("clamp_dead_zone", ctx.manifest), summary)]
+
+
+@register
+def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
+    """rho = pi_theta/pi_old: ESS below ess_low or mean outside rho_mean_range (verl rollout_corr.md
+    troubleshooting), or the k3_is loss's weight blowing up through rho."""
+    c, cfg = ctx.cols, ctx.config
+    ess, mean = EP.col(c, "rho_ess"), EP.col(c, "rho_mean")
+    lo, hi = cfg.rho_mean_range
+    fire_ess = np.isfinite(ess) & (np.nan_to_num(ess, nan=1.0) < cfg.ess_low)
+    fire_mean = np.isfinite(mean) & ((np.nan_to_num(mean, nan=1.0) < lo) | (np.nan_to_num(mean, nan=1.0) > hi))
+    w_is = EP.col(c, "weight_k3_is_abs_max")
+    fire_is = EP._gt(w_is, cfg.blowup_weight) & (ctx.estimator == "k3_is")
+    fire = fire_ess | fire_mean | fire_is
+    onset = _first(c["step"], fire)
+    if onset is None:
+        return []
+    clip = EP.col(c, "rho_clip_frac")
+    k = max(1, min(len(clip) // 4, 20))
+    ev = {"rho_ess_min": float(np.nanmin(ess, initial=np.inf)), "ess_threshold": cfg.ess_low,
+          "rho_mean_range": list(cfg.rho_mean_range), "rho_max": float(np.nanmax(EP.col(c, "rho_max"), initial=0)),
+          "rho_clip_frac_first": float(np.nanmean(clip[:k])) if np.isfinite(clip[:k]).any() else None,
+          "rho_clip_frac_last": float(np.nanmean(clip[-k:])) if np.isfinite(clip[-k:]).any() else None,
+          "steps_ess_low": int(fire_ess.sum()), "steps_mean_out": int(fire_mean.sum()),
+          "steps_k3_is_blowup": int(fire_is.sum())}
+    why = []
+    if fire_ess.any():
+        why.append(f"rho's effective sample size falls to {ev['rho_ess_min']:.3g} (< {cfg.ess_low})")
+    if fire_mean.any():
+        why.append(f"mean rho leaves [{lo}, {hi}]")
+    if fire_is.any():
+        why.append(f"the k3_is weight rho*log(pi_theta/pi_ref) reaches {EP._fmt(float(np.nanmax(w_is)))}")
+    summary = f"off-policy drift from step {onset}: " + "; ".join(why)
+    severity = "critical" if fire_is.any() else "warning"
+    return [Cause("offpolicy_drift", onset, severity, ev, fix_for("offpolicy_drift", ctx.manifest), summary)]
+
+
+@register
+def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
+    """Sampler vs trainer: KL(mu||pi_old) above mismatch_kl and above the policy drift (kldiag report's
+    rule), or NeMo-RL's token_mult_prob_error above 1.05. kldiag/diagnosis/parity.py may replace it."""
+    c, cfg = ctx.cols, ctx.config
+    kl = EP.col(c, "mismatch_kl")
+    fire_kl, _ = EP._mismatch(c, EP.RuleContext(config=cfg))
+    tmpe = ctx.side_at(c["step"], "token_mult_prob_error")
+    fire_t = EP._gt(tmpe, cfg.token_mult_prob_error)
+    fire = fire_kl | fire_t
+    onset = _first(c["step"], fire)
+    if onset is None:
+        return []
+    ev = {"mismatch_kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None,
+          "mismatch_kl_max": float(np.nanmax(kl)) if np.isfinite(kl).any() else None,
+          "mismatch_kl_threshold": cfg.mismatch_kl,
+          "token_mult_prob_error_max": float(np.nanmax(tmpe)) if np.isfinite(tmpe).any() else None,
+          "token_mult_prob_error_threshold": cfg.token_mult_prob_error,
+          "drift_abs_mean": float(np.nanmean(EP.col(c, "drift_abs_mean"))) if len(kl) else None,
+          "steps": int(fire.sum())}
+    summary = (f"the inference engine and the trainer disagree from step {onset}: KL(mu||pi_old) up to "
+               f"{EP._fmt(ev['mismatch_kl_max'] or 0.0)} per token, token_mult_prob_error up to "
+               f"{EP._fmt(ev['token_mult_prob_error_max'] or float('nan'))}")
+    return [Cause("engine_mismatch", onset, "warning", ev, fix_for("engine_mismatch", ctx.manifest), summary)]
+
+
+@register
+def numerical_fault(analysis, ctx: Context) -> list[Cause]:
+    """NaN/inf or positive log-probs, with where they first appear (step, seq, pos, rank, column)."""
+    c = ctx.cols
+    nonfinite, invalid = np.nan_to_num(EP.col(c, "nonfinite_count")), np.nan_to_num(EP.col(c, "invalid_count"))
+    onset = _first(c["step"], (nonfinite + invalid) > 0)
+    if onset is None:
+        return []
+    first = (evidence.worst_tokens(analysis.flags, onset, onset, 1, "nonfinite")
+             or evidence.worst_tokens(analysis.flags, onset, onset, 1, "invalid"))
+    where = ""
+    if first:
+        t = first[0]
+        bad = [k for k in ("logp", "logp_old", "logp_ref", "logp_sampler")
+               if t.get(k) is not None and (not math.isfinite(t[k]) or t[k] > 0)]
+        where = f" (first at seq {t['seq']} pos {t['pos']} rank {t['rank']}{', in ' + ', '.join(bad) if bad else ''})"
+    ev = {"nonfinite_tokens": int(nonfinite.sum()), "invalid_tokens": int(invalid.sum()),
+          "steps": int(((nonfinite + invalid) > 0).sum()), "first": first[0] if first else None}
+    summary = (f"{ev['nonfinite_tokens']} NaN/inf and {ev['invalid_tokens']} positive log-probs, the first at step "
+               f"{onset}{where}")
+    return [Cause("numerical_fault", onset, "critical", ev, fix_for("numerical_fault", ctx.manifest), summary)]
+
+
+@register
+def entropy_collapse(analysis, ctx: Context) -> list[Cause]:
+    """Over collapse_share of the tokens have p > confident_p and the mean entropy fell below
+    collapse_entropy_ratio x its start (without entropies: the confident share rose by 0.2 or more),
+    for quiet_steps steps in a row. kldiag's own thresholds (no framework documents one)."""
+    s, cfg = ctx.side, ctx.config
+    step, share, ent = s["step"], s["confident_share"], s["entropy_mean"]
+    if len(step) < 2 * max(cfg.quiet_steps, 1):
+        return []
+    k = max(cfg.quiet_steps, len(step) // 10)
+    start_share = float(np.nanmedian(share[:k])) if np.isfinite(share[:k]).any() else math.nan
+    if np.isfinite(ent[:k]).any():
+        start_ent = float(np.nanmedian(ent[:k]))
+        low = EP._gt(cfg.collapse_entropy_ratio * start_ent - ent, 0)
+    else:
+        start_ent = math.nan
+        low = np.full(len(step), start_share < cfg.collapse_share - 0.2)
+    fire = EP._gt(share, cfg.collapse_share) & low
+    run = np.convolve(fire.astype(int), np.ones(cfg.quiet_steps, int), "full")[:len(fire)]
+    sustained = np.flatnonzero(run >= cfg.quiet_steps)
+    if not len(sustained):
+        return []
+    onset = int(step[sustained[0] - cfg.quiet_steps + 1])
+    ev = {"confident_p": cfg.confident_p, "confident_share_start": start_share,
+          "confident_share_last": float(share[-1]), "entropy_mean_start": start_ent,
+          "entropy_mean_last": float(ent[-1]), "collapse_share": cfg.collapse_share,
+          "collapse_entropy_ratio": cfg.collapse_entropy_ratio}
+    summary = (f"entropy collapse from step {onset}: {share[-1]:.0%} of the tokens now have p > {cfg.confident_p} "
+               f"(at the start {start_share:.0%})")
+    return [Cause("entropy_collapse", onset, "warning", ev, fix_for("entropy_collapse", ctx.manifest), summary)]

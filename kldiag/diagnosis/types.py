@@ -20,6 +20,24 @@ CAUSE_NAMES = (
 )
 
 
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    """Thresholds of the episode rules and the cause detectors (docs/metrics.md cites each)."""
+
+    blowup_weight: float = 100.0  # |loss weight| beyond this: a blow-up (10x the flag limit W)
+    blame_share: float = 0.5  # flagged tokens' share of the |k3 weight| (DESIGN.md section 3)
+    mismatch_kl: float = 0.01  # mean KL(mu || pi_old) per token (kldiag report's rule)
+    quiet_steps: int = 3  # an episode ends after this many steps without firing
+    ess_low: float = 0.3  # rho_ess below: verl docs/algo/rollout_corr.md, "Troubleshooting"
+    rho_mean_range: tuple[float, float] = (0.5, 2.0)  # ibid., "Mean IS weight far from 1.0"
+    token_mult_prob_error: float = 1.05  # NeMo-RL plots the worst sample above this
+    clamp_frac: float = 1e-3  # share of tokens in the K3 clamp's dead zone worth a cause
+    confident_p: float = 0.99  # "confident" token: p = exp(logp) above this
+    collapse_share: float = 0.9  # entropy collapse: this share of tokens is confident ...
+    collapse_entropy_ratio: float = 0.2  # ... and the mean entropy fell below this x its start
+    evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
+
+
 def _clean(v: Any) -> Any:
     """JSON-safe: NaN/inf become None, numpy scalars become Python numbers."""
     if isinstance(v, dict):

@@ -1,0 +1,78 @@
+"""`diagnose(analysis) -> Diagnosis`: the episodes, the causes and the verdict of one run.
+
+The one implementation behind `kldiag analyze` (text and --json "diagnosis"), `kldiag report`,
+`kldiag watch` and the dashboard's Overview. Verdict: "unstable" when a critical cause or
+episode is present (a K3 blow-up, a numerical fault, a k3_is blow-up through rho), "warning"
+for a warning one, "healthy" otherwise (info-level facts such as `latent` leave it healthy).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Sequence
+
+from kldiag.diagnosis import causes as C
+from kldiag.diagnosis import episodes as EP
+from kldiag.diagnosis import evidence
+from kldiag.diagnosis.scan import StepScan
+from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
+
+
+def verdict(causes: Sequence[Cause], episodes: Sequence[Episode]) -> str:
+    worst = {x.severity for x in (*causes, *episodes)}
+    return "unstable" if "critical" in worst else "warning" if "warning" in worst else "healthy"
+
+
+def run_episodes(analysis, config: DiagnosisConfig) -> tuple[list[Episode], EP.RuleContext, dict]:
+    """The run's episodes with their evidence, the rules' context and the steps as arrays."""
+    from kldiag.analysis.alerts import rule_context
+
+    ctx = rule_context(analysis.config, analysis.manifest, config)
+    cols = EP.table_cols(analysis.steps)
+    eps = evidence.attach(EP.episodes(cols, ctx), analysis.flags, config.evidence_tokens)
+    return eps, ctx, cols
+
+
+def side_scan(analysis, scan: StepScan | None) -> dict:
+    """The extra per-step figures (entropy, confident share, token_mult_prob_error); {} on failure."""
+    try:
+        from kldiag.format import open_run
+
+        scan = scan or StepScan()
+        scan.update(open_run(analysis.run_dir))
+        return scan.table()
+    except Exception as e:  # the diagnosis never fails on its extra scan: those causes are just absent
+        warnings.warn(f"kldiag: entropy/mismatch scan skipped ({type(e).__name__}: {e})", stacklevel=2)
+        return {}
+
+
+def _call(detector, analysis, ctx: C.Context) -> list[Cause]:
+    params = [p for p in inspect.signature(detector).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return list(detector(analysis, ctx) if len(params) >= 2 else detector(analysis))
+
+
+def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=None,
+             scan: StepScan | None = None) -> Diagnosis:
+    """Episodes, causes (each detector's, a failing detector warned about and skipped) and verdict.
+
+    `scan` keeps the side scan's per-part sums between calls (kldiag watch); `detectors`
+    defaults to causes.detectors() (the built-ins, then those registered by other modules).
+    """
+    eps, rctx, cols = run_episodes(analysis, config)
+    side = side_scan(analysis, scan) if config is not None else {}
+    ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
+    found: list[tuple[bool, Cause]] = []
+    for det in C.detectors() if detectors is None else detectors:
+        try:
+            builtin = getattr(det, "__module__", "") == C.__name__
+            found += [(builtin, c) for c in _call(det, analysis, ctx)]
+        except Exception as e:
+            warnings.warn(f"kldiag: cause detector {getattr(det, '__name__', det)} failed ({type(e).__name__}: "
+                          f"{e}); its cause is left out", stacklevel=2)
+    external = {c.cause for b, c in found if not b}
+    causes = [c for b, c in found if not (b and c.cause in external)]  # a parity detector replaces ours
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    causes.sort(key=lambda c: (-rank.get(c.severity, 0), c.onset if c.onset is not None else 1 << 62))
+    return Diagnosis(verdict(causes, eps), causes, eps)
