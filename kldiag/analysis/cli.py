@@ -66,10 +66,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.out:
         write_tables(a, args.out)
+    from kldiag.diagnosis import diagnose
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dg = diagnose(a)
+    for w in caught:
+        print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.json:
-        print(json.dumps(summary(a), indent=2, default=_json_default))
+        print(json.dumps(summary(a, dg), indent=2, default=_json_default))
     else:
-        print(render(a))
+        print(render(a, dg))
     return 0
 
 
@@ -101,13 +108,19 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def summary(a: Analysis) -> dict[str, Any]:
-    """What --json prints: run facts, the per-step table, alerts, worst tokens (first 20)."""
+def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
+    """What --json prints: run facts, the per-step table, alerts (episodes), worst tokens (first 20),
+    and the diagnosis (DESIGN.md section 6: verdict and causes)."""
+    if diagnosis is None:
+        from kldiag.diagnosis import diagnose
+
+        diagnosis = diagnose(a)
     return {
         "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
         "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
         "steps": [{k: _clean(v) for k, v in r.items()} for r in a.steps.to_pylist()],
-        "alerts": [{k: _clean(v) for k, v in r.items()} for r in a.alerts.to_pylist()],
+        "alerts": [e.to_dict() for e in diagnosis.episodes],
+        "diagnosis": diagnosis.to_dict(),
         "flags": [{k: _clean(v) for k, v in r.items()} for r in a.flags.slice(0, 20).to_pylist()],
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
         "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
@@ -131,8 +144,8 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def render(a: Analysis) -> str:
-    """A readable per-step table (first and last rows when long) and the alerts."""
+def render(a: Analysis, diagnosis=None) -> str:
+    """The verdict and causes, a readable per-step table (first and last rows when long), the alerts."""
     t = a.steps.select(list(SUMMARY_COLUMNS))
     rows = t.to_pylist()
     shown = rows if len(rows) <= MAX_ROWS else rows[: MAX_ROWS // 2] + [None] + rows[-MAX_ROWS // 2:]
@@ -140,6 +153,10 @@ def render(a: Analysis) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(SUMMARY_COLUMNS)]
     lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
+    if diagnosis is not None:
+        from kldiag.diagnosis.text import verdict_line
+
+        lines.append(verdict_line(diagnosis))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
     lines.append("  ".join(c.rjust(w) for c, w in zip(SUMMARY_COLUMNS, widths, strict=True)))
@@ -147,8 +164,12 @@ def render(a: Analysis) -> str:
     if len(rows) > MAX_ROWS:
         lines.append(f"({len(rows) - MAX_ROWS} steps not shown; --out DIR or --json gives all)")
     lines.append("")
-    lines.append(f"alerts ({a.alerts.num_rows}):" if a.alerts.num_rows else "alerts: none")
-    lines += [f"  {m}" for m in a.alerts.column("message").to_pylist()]
+    lines.append(f"alerts ({a.alerts.num_rows} episodes):" if a.alerts.num_rows else "alerts: none")
+    lines += [f"  [{r['severity']}] {r['kind']}: {r['message']}" for r in a.alerts.to_pylist()]
+    if diagnosis is not None:
+        from kldiag.diagnosis.text import format_diagnosis
+
+        lines += ["", format_diagnosis(diagnosis)]
     if a.skipped:
         lines.append(f"skipped {len(a.skipped)} unreadable part(s): " + ", ".join(a.skipped))
     lines += coverage.cannot_compute(a)
