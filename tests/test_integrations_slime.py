@@ -218,3 +218,19 @@ def test_policy_loss_wrapper_records_pi_theta_and_slime_kl(fake_slime, tmp_path)
     # slime logs sum_of_sample_mean(kl) summed over micro-batches / the step's samples
     assert len(kl) == 1 and kl[0]["step"] == 4
     assert kl[0]["kl"] == pytest.approx(float(want_log["kl_loss"]) / 4, rel=1e-5)
+
+
+def test_policy_loss_without_rollout_positions(fake_slime, tmp_path):
+    """Without --save-debug-train-data slime's batch has no `partition`: the Recorder numbers the rows."""
+    rng = np.random.default_rng(4)
+    args = make_args(loss_type="custom_loss", custom_loss_function_path=hook.LOSS_PATH, use_unbiased_kl=False,
+                     kl_loss_type="k3")
+    data = rollout_data(rng, [0, 1])
+    del data["partition"]
+    hook.postprocess(args, 2, data)
+    batch = {**data, "unconcat_tokens": data["tokens"]}
+    hook.policy_loss(args, batch, torch.randn(1, sum(data["total_lengths"]), 16), sum_of_sample_mean_for(batch))
+    hook.close()
+    t = kldiag.open_run(tmp_path / "run").read().to_pandas()
+    assert t["seq"].nunique() == 2 and t["group"].isna().all() and set(t["step"]) == {2}
+    assert len(t) == sum(data["response_lengths"])

@@ -119,9 +119,12 @@ def postprocess(args: Any, rollout_id: int, rollout_data: dict[str, Any]) -> Non
 
 
 def _record(rec: Any, seqs: list[Sequence]) -> None:
+    """One Recorder.record of packed sequences; without rollout positions the Recorder numbers them."""
     if not seqs:
         return
     args = pack(seqs)
+    if any(q.seq < 0 for q in seqs):
+        args.pop("seq_ids")
     args = {("advantages" if k == "advantage" else k): v for k, v in args.items()}
     rec.record(step=seqs[0].step, micro=seqs[0].micro, **args)
 
@@ -159,41 +162,36 @@ def record_loss_batch(args: Any, batch: dict[str, Any], captured: dict[str, Any]
               "logp_ref": batch.get("ref_log_probs"), "logp_sampler": batch.get("rollout_log_probs"),
               "advantage": batch.get("advantages")}
     fields = {k: v for k, v in fields.items() if v is not None and len(v)}
-    totals, lengths = batch["total_lengths"], batch["response_lengths"]
-    if mpu.get_context_parallel_world_size() > 1:
+    if mpu.get_context_parallel_world_size() > 1:  # every CP rank calls the loss: all enter the gather
         from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
 
-        fields = {k: [all_gather_with_cp(x.detach(), int(t), int(n)) for x, t, n in zip(v, totals, lengths,
-                                                                                          strict=True)]
+        sizes = list(zip(batch["total_lengths"], batch["response_lengths"], strict=True))
+        fields = {k: [all_gather_with_cp(x.detach(), int(t), int(n)) for x, (t, n) in zip(v, sizes, strict=True)]
                   for k, v in fields.items()}
         if mpu.get_context_parallel_rank() != 0:
             return
     rec = recorder(args, mpu)
+    seqs = loss_sequences(batch, fields, rec.rank, getattr(args, "n_samples_per_prompt", None))
+    STATE.micro += 1
+    _record(rec, seqs)
+
+
+def loss_sequences(batch: dict[str, Any], fields: dict[str, list[Any]], rank: int,
+                   group_size: int | None) -> list[Sequence]:
+    """The micro-batch's samples not recorded yet in this rollout (seq -1: no rollout position)."""
     positions = batch.get("partition")
-    group_size = getattr(args, "n_samples_per_prompt", None)
     seqs = []
-    for i in range(len(lengths)):
+    for i in range(len(batch["response_lengths"])):
         pos = int(positions[i]) if positions is not None else None
         if pos is not None and pos in STATE.seen:  # --recompute-loss-function calls the loss again
             continue
-        arrays = {k: _np(v[i]) for k, v in fields.items()}
-        mask = _np(batch["loss_masks"][i]) != 0
-        seq = (STATE.rollout_id << dump.SEQ_STEP_SHIFT) + pos if pos is not None else None
-        seqs.append(Sequence(step=max(STATE.rollout_id, 0), rank=rec.rank, micro=STATE.micro,
-                             seq=seq if seq is not None else -1, group=pos // group_size if pos is not None
-                             and group_size else None, mask=mask, **arrays))
+        seq = (STATE.rollout_id << dump.SEQ_STEP_SHIFT) + pos if pos is not None else -1
+        group = pos // group_size if pos is not None and group_size else None
+        seqs.append(Sequence(step=max(STATE.rollout_id, 0), rank=rank, micro=STATE.micro, seq=seq, group=group,
+                             mask=_np(batch["loss_masks"][i]) != 0, **{k: _np(v[i]) for k, v in fields.items()}))
         if pos is not None:
             STATE.seen.add(pos)
-    STATE.micro += 1
-    if not seqs:
-        return
-    if any(s.seq < 0 for s in seqs):  # no rollout positions in the batch: the Recorder numbers them
-        args_ = pack(seqs)
-        args_.pop("seq_ids")
-        args_ = {("advantages" if k == "advantage" else k): v for k, v in args_.items()}
-        rec.record(step=seqs[0].step, micro=seqs[0].micro, **args_)
-    else:
-        _record(rec, seqs)
+    return seqs
 
 
 def _np(x: Any) -> np.ndarray:

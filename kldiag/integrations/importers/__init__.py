@@ -69,21 +69,11 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
                 world_size=max(int(mod.world_size(todo, options)), int(before.get("world_size") or 1)))
     try:
         for path in todo:
-            name, added = _rel(path, src), 0
-            try:
-                for s in mod.read_file(path, options):
-                    sink.add(s)
-                    added += 1
-            except UnsupportedDumpVersionError:
-                raise
-            except DumpError as e:
-                if added:
-                    raise DumpError(f"{name} broke off after {added} sequences had been imported ({e}); delete "
-                                    f"{run}, move the file away, and import again") from e
-                if strict or "--trust-pickle" in str(e):
-                    raise
-                warnings.warn(f"kldiag import: skipping {name}: {e}", RuntimeWarning, stacklevel=2)
-                result.skipped.append((name, str(e)))
+            name = _rel(path, src)
+            why = read_one(mod, path, name, sink, options, strict, run)
+            if why is not None:
+                warnings.warn(f"kldiag import: skipping {name}: {why}", RuntimeWarning, stacklevel=2)
+                result.skipped.append((name, why))
                 continue
             done[name] = path.stat().st_size
             result.imported.append(name)
@@ -98,6 +88,34 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
     sink.close(state)
     result.sequences, result.tokens, result.steps = sink.sequences, sink.tokens, sorted(sink.steps)
     return result
+
+
+def read_one(mod: Any, path: Path, name: str, sink: Sink, options: dict[str, Any], strict: bool,
+             run: str | os.PathLike) -> str | None:
+    """Feed one dump file to the sink; the reason it was skipped, or None.
+
+    A file that breaks off after some of its sequences went to the run is an error (its rows
+    cannot be taken back); so are unknown format versions and pickles that need trust.
+    """
+    added = 0
+    try:
+        try:
+            for s in mod.read_file(path, options):
+                sink.add(s)
+                added += 1
+        except (KeyError, TypeError, IndexError) as e:
+            raise DumpError(f"a record lacks or mistypes a field the {mod.NAME} writer always sets "
+                            f"({type(e).__name__}: {e})") from e
+    except UnsupportedDumpVersionError:
+        raise
+    except DumpError as e:
+        if added:
+            raise DumpError(f"{name} broke off after {added} sequences had been imported ({e}); delete "
+                            f"{run}, move the file away, and import again") from e
+        if strict or "--trust-pickle" in str(e):
+            raise
+        return str(e)
+    return None
 
 
 def _rel(path: Path, src: Path) -> str:
