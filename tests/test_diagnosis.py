@@ -1,0 +1,171 @@
+"""Episodes, causes, fixes and the verdict on synthetic runs with known truth."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+import kldiag
+from kldiag.cli import main
+from kldiag.diagnosis import CAUSE_NAMES, Cause, diagnose
+from kldiag.diagnosis import causes as C
+from kldiag.diagnosis import episodes as EP
+from kldiag.diagnosis.fixes import FIXES, family, fix_for
+from kldiag.format import Manifest, open_run, write_manifest
+from kldiag.synth import SynthConfig, make_run
+
+SMALL = {"seqs_per_step": 8, "seq_len": (8, 24), "vocab_size": 32}
+
+
+def _analyze(path):
+    return kldiag.analyze(path, kldiag.AnalysisConfig(use_cache=False))
+
+
+def _set_trainer(path, name: str) -> None:
+    m = open_run(path).manifest
+    write_manifest(path, dataclasses.replace(m, trainer={"name": name}))
+
+
+def test_healthy_run_is_quiet(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=40, **SMALL))
+    dg = diagnose(_analyze(tmp_path))
+    assert dg.verdict == "healthy" and dg.causes == [] and dg.episodes == []
+
+
+def test_long_blowup_is_one_episode_with_its_onset(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=200, blowup_step=120, blowup_frac=0.02, **SMALL))
+    a = _analyze(tmp_path)
+    dg = diagnose(a)
+    share = a.steps.column("blame_share").to_numpy()
+    assert (np.nan_to_num(share) > 0.5).sum() > 50  # the old per-step alerts: one row per step
+    kinds = [e.kind for e in dg.episodes]
+    assert kinds.count("blowup") == 1 and kinds.count("blame_share") == 1 and len(dg.episodes) <= 4
+    blow = next(e for e in dg.episodes if e.kind == "blowup")
+    assert (blow.start, blow.end) == (120, None) and blow.severity == "critical" and blow.peak_value > 100
+    assert blow.evidence["tokens"] and all(t["step"] >= 120 for t in blow.evidence["tokens"])
+    assert a.alerts.num_rows == len(dg.episodes)
+    assert dg.verdict == "unstable" and dg.causes[0].cause == "k3_weight_blowup" and dg.causes[0].onset == 120
+    assert dg.causes[0].evidence["peak"] > 100 and dg.causes[0].evidence["weight_k3_is_abs_max_at_peak"] < 100
+
+
+def test_recovery_and_relapse_are_two_episodes(tmp_path):
+    healthy, blown = SynthConfig(steps=40, **SMALL), SynthConfig(steps=40, blowup_step=0, blowup_frac=0.03, **SMALL)
+    make_run(tmp_path, healthy, steps=range(0, 10))
+    for cfg, steps in ((blown, range(10, 15)), (healthy, range(15, 25)), (blown, range(25, 30)),
+                       (healthy, range(30, 40))):
+        make_run(tmp_path, cfg, steps=steps, manifest=False)
+    dg = diagnose(_analyze(tmp_path))
+    blow = [(e.start, e.end) for e in dg.episodes if e.kind == "blowup"]
+    assert blow == [(10, 14), (25, 29)]
+    assert dg.causes[0].cause == "k3_weight_blowup" and dg.causes[0].onset == 10
+
+
+def test_numerical_fault_names_where(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=20, nonfinite=((5, "logp_ref"),), positive=(9,), **SMALL))
+    dg = diagnose(_analyze(tmp_path))
+    kinds = {(e.kind, e.start, e.end) for e in dg.episodes}
+    assert ("nonfinite", 5, 5) in kinds and ("invalid", 9, 9) in kinds
+    (fault,) = [c for c in dg.causes if c.cause == "numerical_fault"]
+    assert fault.onset == 5 and fault.severity == "critical" and dg.verdict == "unstable"
+    assert fault.evidence["nonfinite_tokens"] == 1 and fault.evidence["invalid_tokens"] == 1
+    assert "logp_ref" in fault.summary and fault.evidence["first"]["step"] == 5
+
+
+def test_engine_mismatch_and_trl_fix(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=20, mismatch_scale=0.5, **SMALL))
+    _set_trainer(tmp_path, "trl")
+    dg = diagnose(_analyze(tmp_path))
+    (m,) = [c for c in dg.causes if c.cause == "engine_mismatch"]
+    assert m.onset == 0 and m.evidence["token_mult_prob_error_max"] > 1.05 and dg.verdict == "warning"
+    assert "vllm_importance_sampling_correction" in m.fix
+
+
+def test_offpolicy_drift_on_a_k3_is_run(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=20, drift_scale=2.0, estimator="k3_is", **SMALL))
+    dg = diagnose(_analyze(tmp_path))
+    (d,) = [c for c in dg.causes if c.cause == "offpolicy_drift"]
+    assert d.onset == 0 and d.evidence["rho_ess_min"] < 0.3
+    assert not [c for c in dg.causes if c.cause == "k3_weight_blowup"]  # the loss is k3_is
+
+
+def test_clamp_dead_zone_only_for_clamping_trainers(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=20, blowup_step=5, blowup_frac=0.05, **SMALL))
+    assert "clamp_dead_zone" not in {c.cause for c in diagnose(_analyze(tmp_path)).causes}
+    _set_trainer(tmp_path, "verl")
+    dg = diagnose(_analyze(tmp_path))
+    (cz,) = [c for c in dg.causes if c.cause == "clamp_dead_zone"]
+    assert cz.onset == 5 and "kl_loss_type=k3+" in cz.fix
+    assert "kl_loss_type=k3+" in next(c for c in dg.causes if c.cause == "k3_weight_blowup").fix
+
+
+def test_entropy_collapse(tmp_path):
+    rng = np.random.default_rng(0)
+    with kldiag.Recorder(tmp_path, beta=0.04, estimator="k3", rotate_seconds=None) as rec:
+        for step in range(30):
+            scale = 0.8 if step < 15 else 0.001
+            logp = -rng.exponential(scale, (8, 16)).astype(np.float32)
+            rec.record(step=step, logp=logp, logp_ref=logp, entropy=np.full_like(logp, 2.0 if step < 15 else 0.01))
+    dg = diagnose(_analyze(tmp_path))
+    (e,) = [c for c in dg.causes if c.cause == "entropy_collapse"]
+    assert e.onset == 15 and e.evidence["confident_share_last"] > 0.9
+
+
+def test_fixes_name_real_grpoconfig_fields():
+    trl = pytest.importorskip("trl")
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    named = set()
+    for cause, table in FIXES.items():
+        assert cause in CAUSE_NAMES and {"trl", "plain"} <= set(table)
+        named |= set(re.findall(r"`(?:GRPOConfig\()?([a-z_]+)(?:=[^`]*)?\)?`", table["trl"]))
+    assert named and named <= fields, named - fields
+    assert family(Manifest(trainer={"name": "NeMo-RL"})) == "nemo_rl" and family(Manifest()) == "plain"
+    assert fix_for("k3_weight_blowup", Manifest(trainer={"name": "slime"})).startswith("Add `--use-unbiased-kl`")
+
+
+def test_registered_detectors_replace_and_fail_safely(tmp_path):
+    make_run(tmp_path, SynthConfig(steps=10, mismatch_scale=0.5, **SMALL))
+    a = _analyze(tmp_path)
+
+    def parity(analysis):  # as kldiag/diagnosis/parity.py would: one argument
+        return [Cause("engine_mismatch", 3, "warning", {"source": "parity"}, "fix it",
+                      extra={"implied_temperature": 0.7})]
+
+    def broken(analysis, ctx):
+        raise RuntimeError("boom")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dg = diagnose(a, detectors=[*C.DETECTORS, parity, broken])
+    (m,) = [c for c in dg.causes if c.cause == "engine_mismatch"]
+    assert m.evidence == {"source": "parity"} and m.to_dict()["implied_temperature"] == 0.7
+    assert any("broken" in str(w.message) for w in caught)
+
+
+def test_rule_names_and_spans():
+    assert EP.parse_kinds("blowup,nonfinite") == ("blowup", "nonfinite", "invalid")
+    assert EP.parse_kinds("all") == EP.KINDS
+    with pytest.raises(ValueError, match="choose from"):
+        EP.parse_kinds("blowupp")
+    fire = np.array([0, 1, 1, 0, 1, 0, 0, 0, 1, 1], bool)
+    assert EP.spans(fire, 2) == [(1, 4), (8, 9)]
+
+
+def test_analyze_json_contract(tmp_path, capsys):
+    make_run(tmp_path, SynthConfig(steps=30, blowup_step=20, blowup_frac=0.02, **SMALL))
+    assert main(["analyze", str(tmp_path), "--json", "--no-cache"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    dg = out["diagnosis"]
+    assert dg["verdict"] == "unstable"
+    for c in dg["causes"]:
+        assert {"cause", "onset", "severity", "evidence", "fix"} <= set(c) and c["cause"] in CAUSE_NAMES
+    for e in out["alerts"]:
+        assert {"kind", "start", "end", "peak_step", "peak_value", "severity", "message"} <= set(e)
+    assert main(["analyze", str(tmp_path), "--no-cache"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[1].startswith("verdict: UNSTABLE: k3_weight_blowup from step 20")
+    assert "fix: " in text
