@@ -9,6 +9,8 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from kldiag import views_dash as VD
+
 # Distinct hues: the Streamlit theme's blue shades are hard to tell apart on one chart.
 COLORWAY = px.colors.qualitative.D3
 ESTIMATOR_COLORS = {"weight_k3": "#d62728", "weight_k3_is": "#2ca02c", "weight_k2": "#7f7f7f"}
@@ -21,24 +23,54 @@ LABELS = {
 
 
 def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = False,
-          onsets: Sequence[tuple[int, str]] = (), x: str = "step", height: int = 320) -> go.Figure:
-    """One line per column of `df` against `x`; dashed vertical lines at alert onsets."""
+          onsets: Sequence[tuple[int, str]] = (), x: str = "step", height: int = 320,
+          smoothing: float = 0.0, x_range: tuple[int, int] | None = None) -> go.Figure:
+    """One line per column of `df` against `x`; dashed vertical lines at alert onsets.
+
+    smoothing > 0 draws the time-weighted EMA (kldiag.views_dash.ema) over the raw line,
+    which stays faint behind; hover lists every series at a step; x_range zooms the x axis.
+    """
     fig = go.Figure()
-    for c in columns:
-        if c in df.columns:
-            y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
-            if log_y:
-                y = np.where(y > 0, y, np.nan)  # log axes cannot show zeros
-            fig.add_trace(go.Scatter(x=df[x], y=y, mode="lines+markers" if len(df) < 60 else "lines",
-                                     name=LABELS.get(c, c)))
-    for step, label in onsets:
-        fig.add_vline(x=step, line_dash="dash", line_color="crimson", opacity=0.7,
-                      annotation_text=label, annotation_position="top left", annotation_font_size=10)
+    xs = df[x].to_numpy()
+    shown = []
+    for i, c in enumerate(col for col in columns if col in df.columns):
+        y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
+        if log_y:
+            y = np.where(y > 0, y, np.nan)  # log axes cannot show zeros
+        name, color = LABELS.get(c, c), COLORWAY[i % len(COLORWAY)]
+        mode = "lines+markers" if len(df) < 60 else "lines"
+        if smoothing > 0:
+            fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
+                                     opacity=0.25, line={"color": color}, hoverinfo="skip"))
+            y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
+        fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color}))
+        shown.append(y)
+    _onsets(fig, onsets, x_range or ((float(xs.min()), float(xs.max())) if len(xs) else (0.0, 1.0)))
     fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": 40, "b": 10}, colorway=COLORWAY,
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.2}, xaxis_title=x)
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.2}, xaxis_title=x,
+                      hovermode="x unified")
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
     if log_y:
-        fig.update_yaxes(type="log")
+        decade_ticks(fig, np.concatenate(shown) if shown else np.array([]))
     return fig
+
+
+def decade_ticks(fig: go.Figure, values: np.ndarray, axis: str = "y") -> None:
+    """A log axis labelled at decades only (1e-2, 1, 1e2 ...; never "2, 5" without their decade)."""
+    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
+    update(type="log", dtick=VD.log_dtick(values), exponentformat="power", minor={"ticks": "outside",
+                                                                                   "showgrid": False})
+
+
+def _onsets(fig: go.Figure, onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> None:
+    """Dashed lines at alert onsets, their labels stacked in lanes so that none overlap."""
+    lanes = VD.onset_lanes(onsets, *x_range)
+    for (step, label), lane in zip(onsets, lanes, strict=True):
+        fig.add_vline(x=step, line_dash="dash", line_color="crimson", opacity=0.7)
+        fig.add_annotation(x=step, y=1.0 - 0.09 * lane, xref="x", yref="paper", text=label, showarrow=False,
+                           xanchor="left", yanchor="top", font={"size": 10, "color": "crimson"},
+                           bgcolor="rgba(128,128,128,0.12)")
 
 
 def heatmap(steps: np.ndarray, labels: Sequence[str], z: np.ndarray, title: str) -> go.Figure:
@@ -65,28 +97,38 @@ def bands(df: pd.DataFrame, title: str, log_y: bool) -> go.Figure:
                                  fillcolor=f"rgba(31,119,180,{alpha})", name=f"{lo}-{hi}"))
     fig.add_trace(go.Scatter(x=df["step"], y=df["p50"], mode="lines", line={"color": "rgb(31,119,180)"},
                              name="median"))
-    fig.update_layout(title=title, height=360, margin={"l": 10, "r": 10, "t": 40, "b": 10}, xaxis_title="step")
+    fig.update_layout(title=title, height=360, margin={"l": 10, "r": 10, "t": 40, "b": 10}, xaxis_title="step",
+                      hovermode="x unified")
     if log_y:
-        fig.update_yaxes(type="log")
+        decade_ticks(fig, df[["p1", "p99"]].to_numpy(dtype=np.float64, na_value=np.nan).ravel())
     return fig
 
 
-def compare(long: pd.DataFrame, metric: str, log_y: bool) -> go.Figure:
-    """One line per run of a step metric (long frame: run, step, value)."""
-    fig = px.line(long, x="step", y="value", color="run", log_y=log_y, markers=len(long) < 200,
-                  title=f"{metric} per step", color_discrete_sequence=COLORWAY)
-    fig.update_layout(height=460, margin={"l": 10, "r": 10, "t": 40, "b": 10}, yaxis_title=metric)
+def compare(long: pd.DataFrame, metric: str, log_y: bool, smoothing: float = 0.0,
+            x_range: tuple[int, int] | None = None) -> go.Figure:
+    """One line per run of a step metric (long frame: run, step, value); smoothing and
+    x_range as in `lines`."""
+    wide = long.pivot_table(index="step", columns="run", values="value", aggfunc="first", sort=True)
+    fig = lines(wide.reset_index(), list(wide.columns), f"{metric} per step", log_y, smoothing=smoothing,
+                x_range=x_range, height=460)
+    fig.update_layout(yaxis_title=metric)
     return fig
 
 
 def weight_scatter(sample: pd.DataFrame, n_tokens: int) -> go.Figure:
     """|weight| of k3, k3_is and k2 against d on a bounded token sample (log y)."""
-    long = sample.melt(id_vars=["step", "d", "flagged"], value_vars=list(ESTIMATOR_COLORS),
-                       var_name="estimator", value_name="weight")
+    sample = sample.assign(kind=sample["kind"] if "kind" in sample.columns else "sampled")
+    ids = [c for c in ("step", "seq", "d", "flagged", "kind") if c in sample.columns]
+    long = sample.melt(id_vars=ids, value_vars=list(ESTIMATOR_COLORS), var_name="estimator", value_name="weight")
     long["|weight|"] = np.abs(long["weight"].to_numpy(dtype=np.float64)).clip(1e-8)
-    fig = px.scatter(long, x="d", y="|weight|", color="estimator", symbol="estimator", log_y=True, opacity=0.6,
-                     hover_data=["step", "flagged"], color_discrete_map=ESTIMATOR_COLORS,
-                     title=f"|gradient weight| vs d = log(pi_ref/pi_theta): {len(sample):,} sampled of "
-                           f"{n_tokens:,} tokens")
+    counts = sample["kind"].value_counts()
+    worst = ", ".join(f"{n:,} {k}" for k, n in counts.items() if k != "sampled")
+    fig = px.scatter(long, x="d", y="|weight|", color="estimator", symbol="kind", log_y=True, opacity=0.6,
+                     hover_data=[c for c in ("step", "seq", "kind") if c in long.columns],
+                     color_discrete_map=ESTIMATOR_COLORS,
+                     symbol_map={"sampled": "circle", "flagged": "x", "top |k3 weight|": "diamond"},
+                     title=f"|gradient weight| vs d = log(pi_ref/pi_theta): {worst + ' and ' if worst else ''}"
+                           f"{int(counts.get('sampled', 0)):,} sampled of {n_tokens:,} tokens")
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    decade_ticks(fig, long["|weight|"].to_numpy())
     return fig

@@ -1,6 +1,7 @@
 """kldiag dashboard. Start it with `kldiag dashboard RUN_DIR [RUN_DIR ...]`
 (or `streamlit run app/main.py -- RUN_DIR ...`, or KLDIAG_RUNS=RUN_DIR streamlit run app/main.py)."""
 
+import dash_controls
 import dash_data
 import streamlit as st
 
@@ -17,5 +18,6 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
+dash_controls.restore(dash_data.labels(dash_data.run_paths()))  # a deep link: run, step, sequence, token
 dash_data.sidebar()
 page.run()

@@ -32,6 +32,7 @@ def streamlit_command(runs: list[Path], port: int, host: str) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(app_path()),
             "--server.address", host, "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "viewer",  # no "Deploy" button; the theme follows the browser
             "--", *[str(r) for r in runs]]
 
 

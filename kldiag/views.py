@@ -206,12 +206,13 @@ HOVER_FIELDS = ("pos", "token_id", "logp", "logp_old", "logp_ref", "logp_sampler
                 "d", "rho", "k3", "k3_is", "weight_k3", "weight_k3_is")
 
 
-def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs") -> str:
+def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs", focus_pos: int | None = None) -> str:
     """The sequence as text, each token's background coloured by `quantity`.
 
     Token text is untrusted model output: every piece and every attribute value goes
     through html.escape; hover text sits in title attributes. Red means pi_theta below
-    pi_ref (d > 0), large weights or rho > 1; blue the opposite.
+    pi_ref (d > 0), large weights or rho > 1; blue the opposite. The token at `focus_pos`
+    (a deep link's token) is outlined and carries the class kldiag-focus.
     """
     if quantity not in SEQUENCE_QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; choose one of {sorted(SEQUENCE_QUANTITIES)}")
@@ -226,7 +227,10 @@ def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs") -> str:
         rgb = "220,38,38" if a >= 0 else "37,99,235"
         border = "2px solid #7f1d1d" if flags else "1px solid transparent"
         style = f"background: rgba({rgb},{abs(a) * 0.85:.3f}); border-bottom: {border}"
-        spans.append(f'<span class="kldiag-tok" style="{style}" title="{html.escape(tip, quote=True)}">'
+        focus = focus_pos is not None and fields.get("pos") == focus_pos
+        cls = "kldiag-tok kldiag-focus" if focus else "kldiag-tok"
+        style += "; outline: 2px solid #f59e0b; outline-offset: 1px" if focus else ""
+        spans.append(f'<span class="{cls}" style="{style}" title="{html.escape(tip, quote=True)}">'
                      f"{html.escape(str(fields['piece']), quote=True)}</span>")
     body = "".join(spans)
     return ('<div class="kldiag-seq" style="font-family: ui-monospace, monospace; white-space: pre-wrap; '

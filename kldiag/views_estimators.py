@@ -26,7 +26,11 @@ from kldiag.views import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quanti
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
-SAMPLE_COLUMNS = ("step", "d", "rho", "weight_k2", "weight_k3", "weight_k3_is", "flagged")
+SAMPLE_COLUMNS = ("step", "seq", "d", "rho", "weight_k2", "weight_k3", "weight_k3_is", "flagged", "kind")
+# The scatter's sample always holds the tokens that matter most, then random ones (`kind`):
+KEEP_TOP = 200  # tokens with the largest |k3 weight| ("top |k3 weight|"), per part and merged
+KEEP_FLAGGED = 1000  # flagged tokens kept, the worst first ("flagged")
+SAMPLED = "sampled"
 SEQ_COLUMNS = ("step", "seq", "advantage", "gap_sum", "n")
 
 
@@ -85,12 +89,32 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
         part.weight_abs_flagged[name] = float(w[finite_w & q["flagged"]].sum())
         part.weight_abs_max[name] = float(np.nanmax(w)) if w.size and not np.all(np.isnan(w)) else 0.0
         part.weight_hist[name] = _abs_hist(w)
-    step = batch.column("step").to_numpy()[keep]
-    pick = np.arange(part.tokens)
-    if part.tokens > sample_size:  # bounded: a scatter never draws every token
-        pick = np.sort(np.random.default_rng(seed).choice(part.tokens, size=sample_size, replace=False))
-    part.sample = pd.DataFrame({"step": step[pick], **{c: q[c][pick] for c in SAMPLE_COLUMNS if c != "step"}})
+    pick, kind = sample_pick(q["weight_k3"], q["flagged"], sample_size, seed)
+    ids = {c: batch.column(c).to_numpy()[keep][pick] for c in ("step", "seq")}
+    part.sample = pd.DataFrame({**ids, **{c: q[c][pick] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
+                                "kind": kind})
     return part
+
+
+def sample_pick(weight_k3: np.ndarray, flagged: np.ndarray, sample_size: int,
+                seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [m] of a token sample and their kind: the KEEP_FLAGGED worst flagged tokens and the
+    KEEP_TOP largest |k3 weight| always (NaN weights count as largest), then at most
+    `sample_size` drawn uniformly from the rest. Sorted row indices and kind labels (object [m])."""
+    w = np.abs(np.asarray(weight_k3, dtype=np.float64))
+    w = np.where(np.isnan(w), np.inf, w)
+    order = np.argsort(-w, kind="stable")
+    top = order[:KEEP_TOP]
+    flagged_rows = order[np.asarray(flagged, dtype=bool)[order]][:KEEP_FLAGGED]
+    special = np.union1d(top, flagged_rows)
+    rest = np.setdiff1d(np.arange(w.size), special, assume_unique=True)
+    if rest.size > sample_size:  # bounded: a scatter never draws every token
+        rest = np.random.default_rng(seed).choice(rest, size=sample_size, replace=False)
+    pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
+    kind = np.full(pick.size, SAMPLED, dtype=object)
+    kind[np.isin(pick, top)] = "top |k3 weight|"
+    kind[np.isin(pick, flagged_rows)] = "flagged"
+    return pick, kind
 
 
 def _abs_hist(w: np.ndarray) -> np.ndarray:
@@ -161,17 +185,27 @@ def merge_partials(parts: Sequence[EstimatorPartial], sample_size: int = 5000, s
 
 
 def _merge_samples(parts: Sequence[EstimatorPartial], n: int, seed: int) -> pd.DataFrame:
-    """A uniform sample of at most n tokens: each part's rows weighted by tokens/sampled."""
+    """The worst tokens of every part (flagged and top |k3 weight|, bounded as in `sample_pick`)
+    and a uniform sample of at most n others: each part's sampled rows weighted by tokens/sampled."""
     if not parts:
         return pd.DataFrame(columns=list(SAMPLE_COLUMNS))
-    frames = [p.sample for p in parts]
-    weights = np.concatenate([np.full(len(p.sample), p.tokens / len(p.sample)) for p in parts])
-    df = pd.concat(frames, ignore_index=True)
-    if len(df) <= n:
-        return df
-    rng = np.random.default_rng(seed)
-    pick = rng.choice(len(df), size=n, replace=False, p=weights / weights.sum())
-    return df.iloc[np.sort(pick)].reset_index(drop=True)
+    df = pd.concat([p.sample for p in parts], ignore_index=True)
+    if "kind" not in df.columns:
+        df["kind"] = SAMPLED
+    special = df[df["kind"] != SAMPLED]
+    if len(special):
+        pick, kind = sample_pick(special["weight_k3"].to_numpy(), (special["kind"] == "flagged").to_numpy(), 0, 0)
+        special = special.iloc[pick].assign(kind=kind)
+    sampled = []
+    for p in parts:
+        mine = p.sample[p.sample["kind"] == SAMPLED] if "kind" in p.sample.columns else p.sample
+        sampled.append((mine, p.tokens / max(len(mine), 1)))
+    rest = pd.concat([m for m, _ in sampled], ignore_index=True)
+    weights = np.concatenate([np.full(len(m), wt) for m, wt in sampled])
+    if len(rest) > n:
+        pick = np.random.default_rng(seed).choice(len(rest), size=n, replace=False, p=weights / weights.sum())
+        rest = rest.iloc[np.sort(pick)]
+    return pd.concat([special, rest], ignore_index=True).sort_values(["step"], kind="stable").reset_index(drop=True)
 
 
 # ---- what the page shows -------------------------------------------------------------

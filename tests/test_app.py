@@ -173,5 +173,5 @@ def test_dashboard_command_binds_localhost_headless_with_runs_after_dashdash(app
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(app_path()) == str(MAIN)
     opts = dict(zip(cmd[5:cmd.index("--"):2], cmd[6:cmd.index("--"):2], strict=True))
     assert opts == {"--server.address": "127.0.0.1", "--server.port": "8999", "--server.headless": "true",
-                    "--browser.gatherUsageStats": "false"}
+                    "--browser.gatherUsageStats": "false", "--client.toolbarMode": "viewer"}
     assert cmd[cmd.index("--") + 1:] == [str(app_runs["k3"]), str(app_runs["k3_is"])]

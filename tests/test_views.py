@@ -214,7 +214,12 @@ def test_partials_merge_exactly_and_samples_are_bounded(tmp_path):
         assert (merged.weight_hist[name] == whole.weight_hist[name]).all()
     pd.testing.assert_frame_equal(merged.seqs.reset_index(drop=True),
                                   whole.seqs.sort_values(["step", "seq"]).reset_index(drop=True), check_dtype=False)
-    assert len(merged.sample) == 100
+    kinds = merged.sample["kind"].value_counts()
+    assert kinds[VE.SAMPLED] == 100  # the random part stays bounded
+    # ... and the tokens that matter are always in: every flagged one, the largest |k3 weight| first
+    assert kinds["flagged"] == merged.flagged <= VE.KEEP_FLAGGED
+    assert merged.sample["weight_k3"].abs().max() == merged.weight_abs_max["k3"]
+    assert (merged.sample.loc[merged.sample["kind"] == "flagged", "flagged"]).all()
 
 
 def test_estimator_table_shows_the_k3_blowup_and_the_clamp(app_runs):

@@ -1,6 +1,7 @@
 """Compare: step curves of two or more runs on the same axes."""
 
 import dash_charts as C
+import dash_controls as K
 import dash_data as D
 import streamlit as st
 
@@ -26,6 +27,6 @@ c1, c2 = st.columns([3, 1])
 metric = c1.selectbox("Metric", metrics, index=default, key="cmp_metric")
 log_y = c2.toggle("Log y", metric.startswith(("weight_", "k3", "rho_max")), key="cmp_log")
 long = V.compare_steps(steps, metric)
-if log_y:
-    long = long[long["value"] > 0]
-st.plotly_chart(C.compare(long, metric, log_y))
+ctl = K.chart_controls("cmp", long["step"])
+st.plotly_chart(C.compare(long, metric, log_y, ctl.smoothing, ctl.x_range))
+K.downloads(long, f"compare-{metric}", "cmp_long")

@@ -1,6 +1,7 @@
 """Distributions: step x bin heatmaps and percentile bands from the per-step histograms."""
 
 import dash_charts as C
+import dash_controls as K
 import dash_data as D
 import streamlit as st
 
@@ -32,3 +33,4 @@ bands = V.percentile_bands(hist, name)
 st.plotly_chart(C.bands(bands, f"{title}: percentiles per step (from the histograms)", log_y))
 with st.expander("Percentiles table"):
     st.dataframe(bands, hide_index=True, width="stretch")
+    K.downloads(bands, f"percentiles-{name}", "dist_bands")

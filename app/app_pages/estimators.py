@@ -1,6 +1,7 @@
 """Estimators: what k1, k2, k3, k3_is and clamped k3 would have done on this run's tokens."""
 
 import dash_charts as C
+import dash_controls as K
 import dash_data as D
 import streamlit as st
 
@@ -15,7 +16,9 @@ if p.skipped:
 
 if p.tokens:
     st.subheader("Values and gradient weights on this run's tokens")
-    st.dataframe(VE.estimator_table(p), hide_index=True, width="stretch")
+    table = VE.estimator_table(p)
+    st.dataframe(table, hide_index=True, width="stretch")
+    K.downloads(table, "estimators", "est_table")
     cs = VE.clamp_summary(p)
     c = st.columns(4)
     c[0].metric("Tokens in the loss", f"{cs['tokens']:,}")
@@ -44,5 +47,8 @@ fig.update_xaxes(type="log")
 if delta > 0:
     fig.add_vline(x=delta, line_dash="dot")
 left.plotly_chart(fig)
-right.plotly_chart(C.lines(VE.opsm_by_step(p.seqs, delta), ["masked_frac"],
-                           f"Masked fraction per step, delta = {delta:g}"))
+by_step = VE.opsm_by_step(p.seqs, delta)
+ctl = K.chart_controls("est", by_step["step"])
+right.plotly_chart(C.lines(by_step, ["masked_frac"], f"Masked fraction per step, delta = {delta:g}",
+                           smoothing=ctl.smoothing, x_range=ctl.x_range))
+K.downloads(by_step, f"opsm-per-step-{delta:g}", "est_opsm")

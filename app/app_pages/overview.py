@@ -1,6 +1,7 @@
 """Overview: headline figures, alerts, and step trends with alert onsets marked."""
 
 import dash_charts as C
+import dash_controls as K
 import dash_data as D
 import streamlit as st
 
@@ -28,21 +29,28 @@ if run.alerts.empty:
     st.success("No alerts: every metric stayed within its recent range.")
 else:
     st.dataframe(run.alerts, hide_index=True, width="stretch")
+    K.downloads(run.alerts, "alerts", "ov_alerts")
 
 st.subheader("Step trends")
 s = run.steps
+ctl = K.chart_controls("ov", s["step"])
+kw = {"smoothing": ctl.smoothing, "x_range": ctl.x_range}
 left, right = st.columns(2)
-left.plotly_chart(C.lines(s, ["k3_mean", "k3_is_mean"], "KL estimate per step: k3 vs k3_is", True, onsets))
+left.plotly_chart(C.lines(s, ["k3_mean", "k3_is_mean"], "KL estimate per step: k3 vs k3_is", True, onsets, **kw))
 right.plotly_chart(C.lines(s, ["weight_k3_abs_max", "weight_k3_abs_p99", "weight_k3_is_abs_max",
-                               "weight_k3_is_abs_p99"], "|gradient weight|: max and p99", True, onsets))
+                               "weight_k3_is_abs_p99"], "|gradient weight|: max and p99", True, onsets, **kw))
 left, right = st.columns(2)
 left.plotly_chart(C.lines(s, ["theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count",
-                              "nonfinite_count", "invalid_count"], "Flagged tokens per step", False, onsets))
+                              "nonfinite_count", "invalid_count"], "Flagged tokens per step", False, onsets, **kw))
 right.plotly_chart(C.lines(s, ["blame_share", "flagged_frac"],
-                           "Blame share: flagged tokens' share of |k3 weight|", False, onsets))
+                           "Blame share: flagged tokens' share of |k3 weight|", False, onsets, **kw))
 left, right = st.columns(2)
-left.plotly_chart(C.lines(s, ["rho_min", "rho_mean", "rho_max"], "rho = pi_theta / pi_old", True, onsets))
+left.plotly_chart(C.lines(s, ["rho_min", "rho_mean", "rho_max"], "rho = pi_theta / pi_old", True, onsets, **kw))
 right.plotly_chart(C.lines(s, ["rho_clip_frac", "drift_abs_mean", "mismatch_kl", "opsm_masked_frac"],
-                           "Off-policy drift and sampler mismatch", False, onsets))
+                           "Off-policy drift and sampler mismatch", False, onsets, **kw))
 with st.expander("Steps table"):
     st.dataframe(s, hide_index=True, width="stretch")
+    K.downloads(s, "steps", "ov_steps")
+with st.expander("Sequences table"):
+    st.dataframe(run.sequences, hide_index=True, width="stretch")
+    K.downloads(run.sequences, "sequences", "ov_sequences")

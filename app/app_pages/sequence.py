@@ -1,8 +1,10 @@
 """Sequence: one completion, each token coloured by a chosen quantity, values on hover."""
 
 import dash_charts as C
+import dash_controls as K
 import dash_data as D
 import numpy as np
+import dash_groups
 import streamlit as st
 
 from kldiag import views as V
@@ -19,6 +21,7 @@ pick = st.session_state.pop("seq_pick", None)
 if pick and pick.get("path") == run.path:  # opened from the Tokens page
     st.session_state["seq_step"], st.session_state["seq_seq"] = pick["step"], pick["seq"]
     st.session_state["seq_start"] = max(0, pick.get("pos", 0) - WINDOW // 4)
+    st.session_state["seq_focus"] = (pick["step"], pick["seq"], pick["pos"]) if pick.get("focus") else None
 
 steps = np.unique(seqs["step"].to_numpy()).tolist()
 if st.session_state.get("seq_step") not in steps:
@@ -41,6 +44,9 @@ if df.empty:
     st.info(f"Sequence {seq} has no tokens at step {step} in the published parts.")
     st.stop()
 row = in_step[in_step["seq"] == seq].iloc[0]
+focus = st.session_state.get("seq_focus")
+focus_pos = focus[2] if focus and focus[:2] == (int(step), int(seq)) else None
+K.copy_link(K.publish(K.run_label(), step=int(step), seq=int(seq), pos=focus_pos))
 st.caption(f"{len(df)} tokens · advantage {row['advantage']:.3g} · mean k3 {row['k3_mean']:.3g} · "
            f"mean k3_is {row['k3_is_mean']:.3g} · flagged tokens {int(row['flagged_count'])} · "
            "hover a token for its values; underlined tokens carry a flag")
@@ -49,7 +55,8 @@ if len(df) > WINDOW:  # bounded HTML: a long completion is shown a window at a t
     start = st.slider("First token shown", 0, len(df) - WINDOW, min(start, len(df) - WINDOW),
                       key="seq_window")
     shown = df.iloc[start:start + WINDOW]
-st.html(V.sequence_html(shown, quantity))
+st.html(V.sequence_html(shown, quantity, focus_pos))
+dash_groups.show(run, int(step), int(seq), quantity)
 
 plot = df.reset_index(names="token")
 x = "pos" if df["iteration"].nunique() == 1 else "token"  # reuse iterations repeat positions
@@ -59,3 +66,4 @@ st.plotly_chart(C.lines(plot, ["weight_k3_abs", "weight_k3_is_abs"], "|gradient 
                         log_y=True, x=x))
 with st.expander("Tokens table"):
     st.dataframe(df, hide_index=True, width="stretch")
+    K.downloads(df, f"sequence-{step}-{seq}", "seq_tokens")

@@ -1,5 +1,6 @@
 """Tokens: the flagged tokens table; selecting a row opens its sequence."""
 
+import dash_controls as K
 import dash_data as D
 import streamlit as st
 
@@ -16,6 +17,7 @@ if flags.empty:
     st.stop()
 
 lo, hi = int(flags["step"].min()), int(flags["step"].max())
+K.restore_tokens(lo, hi)  # a deep link's step range and flags, applied once
 c1, c2, c3, c4 = st.columns([3, 3, 2, 2])
 step_range = c1.slider("Steps", lo, hi, (lo, hi), key="tok_steps") if hi > lo else (lo, hi)
 kinds = c2.multiselect("Carrying any of the flags", list(V.FLAG_NAMES), key="tok_flags")
@@ -26,11 +28,13 @@ descending = c4.toggle("Descending", True, key="tok_desc")
 table = V.filter_flags(flags, step_range, kinds, threshold, sort_by, descending)
 st.caption(f"{len(table):,} of {len(flags):,} flagged tokens (the analysis keeps the worst by |k3 weight| "
            "and every non-finite one). Select a row to open its sequence.")
+K.downloads(table, "flags", "tok_flags_dl")
+K.copy_link(K.publish(K.run_label(), steps=f"{step_range[0]}-{step_range[1]}", flags=",".join(kinds) or None))
 event = st.dataframe(table[[c for c in SHOWN if c in table.columns]], hide_index=True, width="stretch",
                      on_select="rerun", selection_mode="single-row", key="tok_table")
 rows = event.selection.rows if event is not None else []
 if rows:
     picked = table.iloc[rows[0]]
     st.session_state["seq_pick"] = {"path": run.path, "step": int(picked["step"]), "seq": int(picked["seq"]),
-                                    "pos": int(picked["pos"])}
+                                    "pos": int(picked["pos"]), "focus": True}
     st.switch_page("app_pages/sequence.py")
