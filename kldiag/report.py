@@ -86,6 +86,7 @@ class Report:
     recommendations: list[str]
     facts: dict[str, Any] = field(default_factory=dict)
     analysis: Any = None
+    diagnosis: Any = None  # kldiag.diagnosis.Diagnosis: the verdict and the causes, with fixes
 
     def fired(self) -> set[str]:
         return {r.name for r in self.rules if r.fired}
@@ -378,9 +379,14 @@ def build_report(analysis, config: ReportConfig = ReportConfig()) -> Report:
     }
     fired = {r.name for r in rules if r.fired}
     onset = by_name["blowup"].step if "blowup" in fired else by_name["nonfinite"].step
-    return Report(analysis.run_dir, estimator, not manifest_cfg.get("estimator"), verdict(rules), rules,
+    from kldiag.diagnosis import DiagnosisConfig, diagnose  # the verdict of analyze, watch and the dashboard
+
+    dg = diagnose(analysis, DiagnosisConfig(blowup_weight=config.blowup_weight, blame_share=config.blame_share,
+                                            mismatch_kl=config.mismatch_kl))
+    return Report(analysis.run_dir, estimator, not manifest_cfg.get("estimator"), dg.verdict, rules,
                   onset, first_alert(analysis.alerts), offenders(analysis, config.top_tokens, config.context),
-                  comparison(steps, analysis.histograms), recommendations(fired, estimator, facts), facts, analysis)
+                  comparison(steps, analysis.histograms), recommendations(fired, estimator, facts), facts, analysis,
+                  dg)
 
 
 # ---- command line --------------------------------------------------------------------------

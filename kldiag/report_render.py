@@ -59,6 +59,10 @@ def format_text(rep: Report) -> str:
             f"{c['estimator']} mean {fmt_num(c['mean'])} max|w| {fmt_weight_max(c)}" for c in rep.comparison
             if c["estimator"] != "k1"))
     lines += ["recommendations:"] + [f"  - {r}" for r in rep.recommendations]
+    if rep.diagnosis is not None:
+        from kldiag.diagnosis.text import format_diagnosis
+
+        lines += ["diagnosis (as in kldiag analyze and the dashboard):", format_diagnosis(rep.diagnosis)]
     return "\n".join(lines)
 
 
@@ -78,6 +82,9 @@ def figures(rep: Report) -> list[Any]:
                         margin={"l": 60, "r": 20, "t": 50, "b": 40}, yaxis_type="log" if log else "linear")
         if rep.onset_step is not None:
             f.add_vline(x=rep.onset_step, line_dash="dash", line_color="red", annotation_text="onset")
+        for c in getattr(rep.diagnosis, "causes", []):  # each cause's onset, where it differs
+            if c.onset is not None and c.onset != rep.onset_step and c.severity != "info":
+                f.add_vline(x=c.onset, line_dash="dot", line_color="orange", annotation_text=c.cause)
         return f
 
     w = fig("Max |gradient weight| per step (K3: 1 - pi_ref/pi_theta; k3_is: rho log(pi_theta/pi_ref))",
@@ -137,12 +144,15 @@ def render_html(rep: Report) -> str:
                    [[r.name, "yes" if r.fired else "no", "" if r.step is None else r.step, r.message]
                     for r in rep.rules])
     recs = "".join(f"<li>{e(r)}</li>" for r in rep.recommendations)
+    causes = _table(["cause", "severity", "onset", "finding", "fix"],
+                    [[c.cause, c.severity, "" if c.onset is None else c.onset, c.summary, c.fix]
+                     for c in getattr(rep.diagnosis, "causes", [])]) if getattr(rep.diagnosis, "causes", None) else ""
     name = str(rep.run_dir).rstrip("/").rsplit("/", 1)[-1]  # a path or a URI
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(name)}"
             f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
             f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
             f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"
-            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{first}{rules}"
+            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{causes}{first}{rules}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
             f"<h2>Estimators on this run's tokens</h2>{comp}</body></html>")

@@ -54,14 +54,14 @@ def test_long_blowup_is_one_episode_with_its_onset(tmp_path):
 
 
 def test_recovery_and_relapse_are_two_episodes(tmp_path):
-    healthy, blown = SynthConfig(steps=40, **SMALL), SynthConfig(steps=40, blowup_step=0, blowup_frac=0.03, **SMALL)
+    healthy, blown = SynthConfig(steps=60, **SMALL), SynthConfig(steps=60, blowup_step=0, blowup_frac=0.1, **SMALL)
     make_run(tmp_path, healthy, steps=range(0, 10))
-    for cfg, steps in ((blown, range(10, 15)), (healthy, range(15, 25)), (blown, range(25, 30)),
-                       (healthy, range(30, 40))):
+    for cfg, steps in ((blown, range(10, 15)), (healthy, range(15, 20)), (blown, range(20, 22)),
+                       (healthy, range(22, 40)), (blown, range(40, 45)), (healthy, range(45, 60))):
         make_run(tmp_path, cfg, steps=steps, manifest=False)
     dg = diagnose(_analyze(tmp_path))
-    blow = [(e.start, e.end) for e in dg.episodes if e.kind == "blowup"]
-    assert blow == [(10, 14), (25, 29)]
+    blow = [(e.start, e.end, e.steps) for e in dg.episodes if e.kind == "blowup"]
+    assert blow == [(10, 21, 7), (40, 44, 5)]  # a 5-step pause is not a recovery; 18 quiet steps are
     assert dg.causes[0].cause == "k3_weight_blowup" and dg.causes[0].onset == 10
 
 
@@ -82,6 +82,7 @@ def test_engine_mismatch_and_trl_fix(tmp_path):
     dg = diagnose(_analyze(tmp_path))
     (m,) = [c for c in dg.causes if c.cause == "engine_mismatch"]
     assert m.onset == 0 and m.evidence["token_mult_prob_error_max"] > 1.05 and dg.verdict == "warning"
+    assert m.severity == "warning" and m.evidence["dominates_drift"]
     assert "vllm_importance_sampling_correction" in m.fix
 
 

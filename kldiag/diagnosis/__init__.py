@@ -8,9 +8,9 @@ causes (DETECTORS: one function per cause, `f(analysis) -> list[Cause]`), fixes 
 trainer's own option names), core (diagnose: verdict). Cause names: docs/metrics.md.
 """
 
-from kldiag.diagnosis.types import CAUSE_NAMES, Cause, Diagnosis, Episode
+from kldiag.diagnosis.types import CAUSE_NAMES, Cause, Diagnosis, DiagnosisConfig, Episode
 
-__all__ = ["CAUSE_NAMES", "Cause", "Diagnosis", "Episode", "diagnose"]
+__all__ = ["CAUSE_NAMES", "Cause", "Diagnosis", "DiagnosisConfig", "Episode", "diagnose"]
 
 
 def __getattr__(name: str):

@@ -79,28 +79,35 @@ def _peak(step: np.ndarray, v: np.ndarray, fire: np.ndarray) -> tuple[int, float
 
 @register
 def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
-    """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1)."""
+    """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1):
+    critical; or only flagged tokens carry over blame_share of the |k3 weight|: warning."""
     if ctx.estimator != "k3":
         return []
     c, cfg = ctx.cols, ctx.config
-    w = EP.col(c, "weight_k3_abs_max")
-    fire = EP._gt(w, cfg.blowup_weight)
-    onset = _first(c["step"], fire)
+    w, share = EP.col(c, "weight_k3_abs_max"), EP.col(c, "blame_share")
+    fire, blame = EP._gt(w, cfg.blowup_weight), EP._gt(share, cfg.blame_share)
+    onset = _first(c["step"], fire | blame)
     if onset is None:
         return []
-    peak_step, peak = _peak(c["step"], w, fire)
+    peak_step, peak = _peak(c["step"], w, fire | blame)
     at = int(np.flatnonzero(c["step"] == peak_step)[0])
     is_w = float(EP.col(c, "weight_k3_is_abs_max")[at])
-    share = EP.col(c, "blame_share")
     ev = {"metric": "weight_k3_abs_max", "threshold": cfg.blowup_weight, "peak": peak, "peak_step": peak_step,
-          "steps_over": int(fire.sum()), "blame_share_max": float(np.nanmax(share, initial=0.0)),
+          "steps_over": int(fire.sum()), "steps_blame": int(blame.sum()),
+          "blame_share_max": float(np.nanmax(share, initial=0.0)),
           "theta_ll_ref_tokens": int(np.nansum(EP.col(c, "theta_ll_ref_count"))),
           "weight_k3_is_abs_max_at_peak": is_w,
           "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
-    summary = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {EP._fmt(peak)} at step {peak_step} (above "
-               f"{EP._fmt(cfg.blowup_weight)} from step {onset}): tokens with pi_theta << pi_ref dominate the KL "
-               f"gradient; the corrected k3_is weight on the same step is {EP._fmt(is_w)}")
-    return [Cause("k3_weight_blowup", onset, "critical", ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
+    if fire.any():
+        head = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {EP._fmt(peak)} at step {peak_step} (above "
+                f"{EP._fmt(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
+    else:
+        head = (f"from step {onset}, flagged tokens carry up to {ev['blame_share_max']:.0%} of the |k3 weight| "
+                f"(max {EP._fmt(peak)}, below the blow-up limit {EP._fmt(cfg.blowup_weight)} so far)")
+    summary = (f"{head}: tokens with pi_theta << pi_ref dominate the KL gradient; the corrected k3_is weight "
+               f"at step {peak_step} is {EP._fmt(is_w)}")
+    severity = "critical" if fire.any() else "warning"
+    return [Cause("k3_weight_blowup", onset, severity, ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
 
 
 CLAMPING_TRAINERS = ("verl", "openrlhf", "nemo_rl", "roll", "skyrl", "areal")  # FRAMEWORKS.md section 1
@@ -172,28 +179,32 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
 
 @register
 def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
-    """Sampler vs trainer: KL(mu||pi_old) above mismatch_kl and above the policy drift (kldiag report's
-    rule), or NeMo-RL's token_mult_prob_error above 1.05. kldiag/diagnosis/parity.py may replace it."""
+    """Sampler vs trainer. Warning when the mismatch dominates the off-policy gap (kldiag report's
+    rule: mean KL(mu||pi_old) above mismatch_kl and sqrt(2 KL) above the mean policy drift
+    |log pi_theta/pi_old|); info when it is present but smaller, i.e. the median token_mult_prob_error
+    exceeds NeMo-RL's 1.05. Onset: the first step where either holds. parity.py may replace it."""
     c, cfg = ctx.cols, ctx.config
-    kl = EP.col(c, "mismatch_kl")
-    fire_kl, _ = EP._mismatch(c, EP.RuleContext(config=cfg))
+    kl, drift = EP.col(c, "mismatch_kl"), EP.col(c, "drift_abs_mean")
     tmpe = ctx.side_at(c["step"], "token_mult_prob_error")
-    fire_t = EP._gt(tmpe, cfg.token_mult_prob_error)
-    fire = fire_kl | fire_t
-    onset = _first(c["step"], fire)
-    if onset is None:
+    mean_kl = float(np.nanmean(kl)) if np.isfinite(kl).any() else math.nan
+    mean_drift = float(np.nanmean(drift)) if np.isfinite(drift).any() else 0.0
+    dominates = mean_kl > cfg.mismatch_kl and math.sqrt(2 * mean_kl) > mean_drift
+    median_t = float(np.nanmedian(tmpe)) if np.isfinite(tmpe).any() else math.nan
+    if not (dominates or median_t > cfg.token_mult_prob_error):
         return []
-    ev = {"mismatch_kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None,
-          "mismatch_kl_max": float(np.nanmax(kl)) if np.isfinite(kl).any() else None,
-          "mismatch_kl_threshold": cfg.mismatch_kl,
+    fire_kl, _ = EP._mismatch(c, EP.RuleContext(config=cfg))
+    onset = _first(c["step"], fire_kl | EP._gt(tmpe, cfg.token_mult_prob_error))
+    ev = {"mismatch_kl_mean": mean_kl, "mismatch_kl_max": float(np.nanmax(kl)) if np.isfinite(kl).any() else None,
+          "mismatch_kl_threshold": cfg.mismatch_kl, "drift_abs_mean": mean_drift, "dominates_drift": dominates,
+          "token_mult_prob_error_median": median_t,
           "token_mult_prob_error_max": float(np.nanmax(tmpe)) if np.isfinite(tmpe).any() else None,
-          "token_mult_prob_error_threshold": cfg.token_mult_prob_error,
-          "drift_abs_mean": float(np.nanmean(EP.col(c, "drift_abs_mean"))) if len(kl) else None,
-          "steps": int(fire.sum())}
-    summary = (f"the inference engine and the trainer disagree from step {onset}: KL(mu||pi_old) up to "
-               f"{EP._fmt(ev['mismatch_kl_max'] or 0.0)} per token, token_mult_prob_error up to "
-               f"{EP._fmt(ev['token_mult_prob_error_max'] or float('nan'))}")
-    return [Cause("engine_mismatch", onset, "warning", ev, fix_for("engine_mismatch", ctx.manifest), summary)]
+          "token_mult_prob_error_threshold": cfg.token_mult_prob_error}
+    verb = "dominates the off-policy gap" if dominates else "is present, though smaller than the policy drift"
+    summary = (f"sampler/trainer mismatch {verb}: mean KL(mu||pi_old) {EP._fmt(mean_kl)} per token vs policy drift "
+               f"|log pi_theta/pi_old| {EP._fmt(mean_drift)}; median token_mult_prob_error {EP._fmt(median_t)} "
+               f"(NeMo-RL flags > {cfg.token_mult_prob_error})")
+    return [Cause("engine_mismatch", onset, "warning" if dominates else "info", ev,
+                  fix_for("engine_mismatch", ctx.manifest), summary)]
 
 
 @register

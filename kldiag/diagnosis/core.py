@@ -3,7 +3,8 @@
 The one implementation behind `kldiag analyze` (text and --json "diagnosis"), `kldiag report`,
 `kldiag watch` and the dashboard's Overview. Verdict: "unstable" when a critical cause or
 episode is present (a K3 blow-up, a numerical fault, a k3_is blow-up through rho), "warning"
-for a warning one, "healthy" otherwise (info-level facts such as `latent` leave it healthy).
+for a warning cause, "healthy" otherwise (info-level causes and episodes, such as `latent` or a
+mismatch smaller than the policy drift, leave it healthy).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig
 
 
 def verdict(causes: Sequence[Cause], episodes: Sequence[Episode]) -> str:
-    worst = {x.severity for x in (*causes, *episodes)}
+    """The worst cause's severity; a critical episode (blow-up, non-finite) is unstable in any case."""
+    worst = {c.severity for c in causes} | {e.severity for e in episodes if e.severity == "critical"}
     return "unstable" if "critical" in worst else "warning" if "warning" in worst else "healthy"
 
 

@@ -12,7 +12,7 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
   nonfinite            critical  a NaN or infinite log-prob was recorded
   invalid              critical  a log-prob above 0 (probability > 1) was recorded
   blame_share          warning   flagged tokens carry over blame_share of the |k3 weight|
-                                 (info when the run's loss is not K3)
+                                 (this and the two onset rules: info when the run's loss is not K3)
   mismatch             warning   KL(mu || pi_old) per token above mismatch_kl and its typical
                                  |log ratio| sqrt(2 KL) above the policy drift
   weight_blowup_onset  warning   max |k3 weight| jumps alert_factor x over its trailing median
@@ -189,6 +189,7 @@ def _fmt(v: float, percent: bool = False) -> str:
 
 
 PERCENT_METRICS = ("blame_share", "flagged_frac")
+K3_ONLY = ("blame_share", "weight_blowup_onset", "flagged_onset")  # info when the loss is not K3
 
 
 def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
@@ -204,7 +205,7 @@ def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
         ongoing = b >= len(step) - quiet
         end = None if ongoing else int(step[b])
         metric = LOSS_WEIGHT_COLUMN.get(ctx.estimator, rule.metric) if rule.kind == "blowup" else rule.metric
-        severity = "info" if rule.kind == "blame_share" and ctx.estimator != "k3" else rule.severity
+        severity = "info" if rule.kind in K3_ONLY and ctx.estimator != "k3" else rule.severity
         span = (f"from step {step[a]} (ongoing)" if ongoing else f"step {step[a]}" if a == b
                 else f"steps {step[a]}-{end}")
         what = rule.what.format(value=_fmt(float(value[peak]), rule.metric in PERCENT_METRICS))

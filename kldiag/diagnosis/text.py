@@ -10,12 +10,18 @@ MARK = {"healthy": "HEALTHY", "warning": "WARNING", "unstable": "UNSTABLE"}
 
 
 def verdict_line(dg: Diagnosis) -> str:
-    """'verdict: UNSTABLE: k3_weight_blowup from step 30, numerical_fault from step 5'."""
-    if not dg.causes:
-        extra = f" ({len(dg.episodes)} alert episode(s), no cause identified)" if dg.episodes else ""
-        return f"verdict: {MARK[dg.verdict]}{extra}"
-    named = ", ".join(c.cause + (f" from step {c.onset}" if c.onset is not None else "") for c in dg.causes)
-    return f"verdict: {MARK[dg.verdict]}: {named}"
+    """'verdict: UNSTABLE: k3_weight_blowup from step 30 (notes: engine_mismatch from step 0)'."""
+    def named(causes) -> str:
+        return ", ".join(c.cause + (f" from step {c.onset}" if c.onset is not None else "") for c in causes)
+
+    main = [c for c in dg.causes if c.severity != "info"]
+    notes = [c for c in dg.causes if c.severity == "info"]
+    line = f"verdict: {MARK[dg.verdict]}" + (f": {named(main)}" if main else "")
+    if notes:
+        line += f" (notes: {named(notes)})"
+    if not main and dg.episodes:
+        line += f" ({len(dg.episodes)} alert episode(s), no cause of instability)"
+    return line
 
 
 def format_diagnosis(dg: Diagnosis, width: int = 100) -> str:

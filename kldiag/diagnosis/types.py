@@ -27,7 +27,7 @@ class DiagnosisConfig:
     blowup_weight: float = 100.0  # |loss weight| beyond this: a blow-up (10x the flag limit W)
     blame_share: float = 0.5  # flagged tokens' share of the |k3 weight| (DESIGN.md section 3)
     mismatch_kl: float = 0.01  # mean KL(mu || pi_old) per token (kldiag report's rule)
-    quiet_steps: int = 3  # an episode ends after this many steps without firing
+    quiet_steps: int = 10  # an episode ends after this many steps without firing (a recovery)
     ess_low: float = 0.3  # rho_ess below: verl docs/algo/rollout_corr.md, "Troubleshooting"
     rho_mean_range: tuple[float, float] = (0.5, 2.0)  # ibid., "Mean IS weight far from 1.0"
     token_mult_prob_error: float = 1.05  # NeMo-RL plots the worst sample above this
