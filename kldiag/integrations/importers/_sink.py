@@ -20,6 +20,8 @@ from kldiag.recorder import Recorder
 
 TOKEN_FIELDS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "advantage", "token_ids")
 CHUNK_SEQUENCES = 256  # sequences per recorded micro-batch: bounds the importer's memory
+ROWS_BUFFERED = 1 << 20  # rows all ranks' writers hold before publishing a part (split among ranks)
+QUEUE_BATCHES = 4  # micro-batches queued per recorder
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Sink:
                                  f"{self.world_size}")
             rec = Recorder(self.run, rank=rank, world_size=self.world_size, trainer=self.framework,
                            trainer_version=self.dump_version, config=self.config, rotate_seconds=None,
+                           rotate_rows=max(ROWS_BUFFERED // self.world_size, 65_536), queue_batches=QUEUE_BATCHES,
                            strict=True)
             self.recorders[rank] = rec
         return rec

@@ -108,4 +108,7 @@ def to_sequence(row: Any, line_no: int) -> Sequence:
 
 def _floats(v: list[Any]) -> np.ndarray:
     """float32; JSON null (prime-rl's non-finite value) becomes NaN."""
-    return np.array([np.nan if x is None else x for x in v], np.float32)
+    try:
+        return np.array(v, np.float32)
+    except TypeError:  # a null among the values
+        return np.array([np.nan if x is None else x for x in v], np.float32)
