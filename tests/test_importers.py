@@ -64,12 +64,14 @@ def test_reimport_adds_only_new_files(tmp_path):
     again = import_dumps("slime", tmp_path / "dump", run)
     assert again.imported == [] and again.already == ["train_data/1.pt", "train_data/2.pt"]
     assert kldiag.open_run(run).read().num_rows == rows
-    fx.write_slime(tmp_path / "dump", [3], seed=5)
+    fx.write_slime(tmp_path / "dump", [3], seed=5, dp_size=3)  # the job came back with 3 DP ranks
     third = import_dumps("slime", tmp_path / "dump", run)
     assert third.imported == ["train_data/3.pt"] and third.steps == [3]
     table = kldiag.open_run(run).read()
     assert table.num_rows > rows and sorted(set(table.column("step").to_pylist())) == [1, 2, 3]
     assert sorted(steps_of(run)) == [1, 2, 3]  # nothing superseded by the second attempt
+    assert set(table.column("rank").to_pylist()) == {0, 1, 2}
+    assert kldiag.open_run(run).manifest.world_size == 3
     source = kldiag.open_run(run).manifest.config["import"]
     assert source["framework"] == "slime" and source["source"] == str((tmp_path / "dump").resolve())
 

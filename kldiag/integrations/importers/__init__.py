@@ -65,7 +65,10 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
         result.missing = list(before.get("missing") or mod.MISSING)
         return result
     config = {**(before.get("config") or {}), **mod.config(options)}  # options given now win
-    sink = Sink(run, framework=framework, dump_version=mod.DUMP_VERSION, config=config,
+    # run.json keeps the previous import record until this one ends (an interrupted import
+    # leaves the files it did not finish to the next one)
+    sink = Sink(run, framework=framework, dump_version=mod.DUMP_VERSION,
+                config={**config, **({"import": before} if before else {})},
                 world_size=max(int(mod.world_size(todo, options)), int(before.get("world_size") or 1)))
     try:
         for path in todo:
@@ -83,7 +86,7 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
     present = set(before.get("present") or ()) | sink.present
     result.missing = [c for c in mod.COLUMNS if c not in present]
     state = {"framework": framework, "source": str(src.resolve()), "dump_version": mod.DUMP_VERSION,
-             "files": done, "world_size": sink.world_size, "present": sorted(present),
+             "files": done, "present": sorted(present),
              "missing": result.missing, "config": config}
     sink.close(state)
     result.sequences, result.tokens, result.steps = sink.sequences, sink.tokens, sorted(sink.steps)

@@ -107,9 +107,9 @@ class Sink:
     def _recorder(self, rank: int) -> Recorder:
         rec = self.recorders.get(rank)
         if rec is None:
-            if not 0 <= rank < self.world_size:
-                raise ValueError(f"a {self.framework} dump names rank {rank}, outside its world size "
-                                 f"{self.world_size}")
+            if rank < 0:
+                raise ValueError(f"a {self.framework} dump names rank {rank}; ranks are >= 0")
+            self.world_size = max(self.world_size, rank + 1)  # a later file from a larger job
             rec = Recorder(self.run, rank=rank, world_size=self.world_size, trainer=self.framework,
                            trainer_version=self.dump_version, config=self.config, rotate_seconds=None,
                            rotate_rows=max(ROWS_BUFFERED // self.world_size, 65_536), queue_batches=QUEUE_BATCHES,
@@ -143,7 +143,8 @@ class Sink:
         for rank in list(self.buffers):
             self._flush(rank)
         rec0 = self.recorders[0]
-        rec0.update_config(**{"import": import_state})
+        rec0.manifest.world_size = self.world_size
+        rec0.update_config(**{"import": {**import_state, "world_size": self.world_size}})
         for rank, rec in sorted(self.recorders.items()):
             if rank:
                 rec.close()

@@ -95,13 +95,18 @@ def _global(message: str) -> str:
     return m.group(1) if m else "an object other than tensors and plain containers"
 
 
+_LOADED: dict[Path, Any] = {}  # the file world_size loaded, handed to read_file once
+
+
 def world_size(files: list[Path], options: dict[str, Any]) -> int:
     """The DP world size from the layout of the first readable file (1 when none reads)."""
+    _LOADED.clear()
     for path in files:
         try:
             payload = load(path, bool(options.get("trust_pickle")))
         except DumpError:
             continue
+        _LOADED[path] = payload
         if isinstance(payload, dict):
             shards = payload.get("dp_shards") or []
             ranks = [int(s.get("data_parallel_rank", 0)) for s in shards if isinstance(s, dict)]
@@ -112,7 +117,9 @@ def world_size(files: list[Path], options: dict[str, Any]) -> int:
 
 
 def read_file(path: Path, options: dict[str, Any]) -> Iterator[Sequence]:
-    payload = load(path, bool(options.get("trust_pickle")))
+    payload = _LOADED.pop(path, None)
+    if payload is None:
+        payload = load(path, bool(options.get("trust_pickle")))
     check_payload(payload, path)
     rollout_id = int(payload["rollout_id"])
     groups = rollout_groups(path, rollout_id, options)
