@@ -39,10 +39,11 @@ def chart_controls(page: str, steps: np.ndarray | pd.Series) -> ChartControls:
 
 
 def downloads(table: pd.DataFrame, name: str, key: str) -> None:
-    """CSV and Parquet download buttons for a table (downloading does not rerun the page)."""
+    """CSV and Parquet download buttons for a table. The bytes are made on click, in a thread
+    of their own (a large table costs nothing until then); downloading does not rerun the page."""
     cols = st.columns([1, 1, 6])
     for col, fmt in zip(cols, VD.DOWNLOAD_FORMATS, strict=False):
-        col.download_button(f"{fmt.upper()}", VD.table_bytes(table, fmt), file_name=f"{name}.{fmt}",
+        col.download_button(f"{fmt.upper()}", lambda f=fmt: VD.table_bytes(table, f), file_name=f"{name}.{fmt}",
                             mime=VD.DOWNLOAD_FORMATS[fmt], key=f"{key}_{fmt}", on_click="ignore",
                             icon=":material/download:", help=f"Download {name} as {fmt.upper()}")
 

@@ -43,6 +43,7 @@ class SynthConfig:
     ranks: int = 1
     micro_batches: int = 2  # per step and rank; sequences split evenly
     group_size: int = 4  # GRPO group: sequences sharing a prompt
+    zero_spread_every: int = 0  # every n-th group (0: none) has equal rewards: advantage 0 for all
     vocab_size: int = 256  # 0 for no vocab.parquet and null token ids
     estimator: str = "k3"  # manifest config: the estimator the "trainer" used
     beta: float = 0.04
@@ -75,6 +76,8 @@ def _step_table(cfg: SynthConfig, step: int, rank: int, rng: np.random.Generator
     micro = seq_local * cfg.micro_batches // n_seq
     groups = (seq0 + np.arange(n_seq)) // cfg.group_size
     advantage = rng.standard_normal(n_seq).astype(np.float32)
+    if cfg.zero_spread_every:
+        advantage[groups % cfg.zero_spread_every == 0] = 0.0
 
     logp = -rng.exponential(0.7, rows)
     d = rng.normal(0.0, cfg.d_scale, rows)

@@ -7,6 +7,8 @@ import streamlit as st
 
 from kldiag import views as V
 
+SEQUENCES_SHOWN = 1000
+
 run = D.page("Overview")
 if run.analysis.skipped:
     st.warning("Skipped unreadable parts: " + ", ".join(run.analysis.skipped))
@@ -52,5 +54,8 @@ with st.expander("Steps table"):
     st.dataframe(s, hide_index=True, width="stretch")
     K.downloads(s, "steps", "ov_steps")
 with st.expander("Sequences table"):
-    st.dataframe(run.sequences, hide_index=True, width="stretch")
+    worst = run.sequences.nlargest(SEQUENCES_SHOWN, "weight_k3_abs_max")
+    st.caption(f"The {len(worst):,} sequences with the largest |k3 weight| of {len(run.sequences):,}; "
+               "the downloads hold every one.")
+    st.dataframe(worst, hide_index=True, width="stretch")
     K.downloads(run.sequences, "sequences", "ov_sequences")
