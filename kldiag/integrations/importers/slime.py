@@ -183,8 +183,8 @@ def to_sequence(sample: dict[str, Any], rollout_id: int, i: int, groups: list[in
 def _arr(v: Any, dtype: Any) -> np.ndarray | None:
     if v is None:
         return None
-    if hasattr(v, "detach"):
-        v = v.detach().float().numpy() if v.is_floating_point() else v.detach().numpy()
+    if hasattr(v, "detach"):  # a torch tensor, possibly on the GPU (the live hook)
+        v = (v.detach().float() if v.is_floating_point() else v.detach()).cpu().numpy()
     return np.asarray(v, dtype=dtype)
 
 
