@@ -52,6 +52,18 @@ def _tables(path: str, keys: tuple[str, ...]) -> dict[str, pd.DataFrame]:
     return {name: getattr(a, name).to_pandas() for name in ("steps", "sequences", "flags", "alerts")}
 
 
+@st.cache_resource(max_entries=16, show_spinner="Diagnosing the run ...")
+def _diagnosis(path: str, keys: tuple[str, ...]):
+    from kldiag.diagnosis import diagnose
+
+    return diagnose(_analysis(path, keys))  # the verdict and causes of kldiag analyze and report
+
+
+def diagnosis(run: Loaded):
+    """The run's kldiag.diagnosis.Diagnosis (verdict, causes with onset and fix, episodes)."""
+    return _diagnosis(run.path, run.keys)
+
+
 @st.cache_resource(max_entries=4096)
 def _part_partial(path: str, key: str, _part: F.PartInfo) -> VE.EstimatorPartial:
     return VE.part_partial(_part)  # keyed on (run, part key): a part is immutable once published

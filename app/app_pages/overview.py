@@ -1,4 +1,5 @@
-"""Overview: headline figures, alerts, and step trends with alert onsets marked."""
+"""Overview: the verdict and its causes (onset, fix), headline figures, alert episodes, and step
+trends with the causes' onsets marked."""
 
 import dash_charts as C
 import dash_controls as K
@@ -6,12 +7,22 @@ import dash_data as D
 import streamlit as st
 
 from kldiag import views as V
+from kldiag.diagnosis import view as DV
 
 SEQUENCES_SHOWN = 1000
 
 run = D.page("Overview")
 if run.analysis.skipped:
     st.warning("Skipped unreadable parts: " + ", ".join(run.analysis.skipped))
+
+dg = D.diagnosis(run)
+st.markdown(DV.headline(dg))
+for cause in dg.causes:
+    onset = f" · onset step {cause.onset}" if cause.onset is not None else ""
+    with st.expander(f"{cause.cause} ({cause.severity}{onset})", expanded=cause.severity != "info"):
+        st.markdown(DV.md(cause.summary))
+        st.markdown(f"**Fix:** {DV.md(cause.fix)}")
+        st.json(cause.to_dict()["evidence"], expanded=False)
 
 h = V.headline(run.steps)
 row1, row2 = st.columns(4), st.columns(4)
@@ -23,10 +34,10 @@ if h["steps"]:
     row2[0].metric("Max |k3 weight|", f"{h['weight_k3_abs_max']:.3g}")
     row2[1].metric("Max |k3_is weight|", f"{h['weight_k3_is_abs_max']:.3g}")
     row2[2].metric("Flagged tokens", f"{h['flagged_frac']:.3%}")
-    row2[3].metric("Alerts", f"{len(run.alerts)}")
+    row2[3].metric("Alert episodes", f"{len(run.alerts)}")
 
-onsets = V.onset_steps(run.alerts)
-st.subheader("Alerts")
+onsets = DV.cause_onsets(dg) or V.onset_steps(run.alerts)
+st.subheader("Alerts (episodes)")
 if run.alerts.empty:
     st.success("No alerts: every metric stayed within its recent range.")
 else:
