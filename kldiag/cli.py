@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "kldiag.dashboard",
     "kldiag.demo",
     "kldiag.report",
+    "kldiag.watch",
     "kldiag.integrations.importers.cli",
     "kldiag.export.cli",
 )

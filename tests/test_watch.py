@@ -1,0 +1,100 @@
+"""`kldiag watch`: driven in a pseudo-terminal against a run that grows while it watches."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kldiag.cli import main
+from kldiag.synth import SynthConfig, make_run
+from kldiag.watch import Watcher
+
+SMALL = {"seqs_per_step": 8, "seq_len": (8, 24), "vocab_size": 0}
+HEALTHY = SynthConfig(steps=60, **SMALL)
+BLOWN = SynthConfig(steps=60, blowup_step=0, blowup_frac=0.1, **SMALL)
+
+
+class Terminal:
+    """A child process on a pseudo-terminal; read() collects what it printed so far."""
+
+    def __init__(self, argv: list[str]):
+        master, slave = pty.openpty()
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        self.master, self.text = master, ""
+
+    def read_until(self, pattern: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{pattern!r} not printed within {timeout}s; got:\n{self.text}")
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                try:
+                    self.text += os.read(self.master, 65536).decode(errors="replace")
+                except OSError:  # the child exited and closed the terminal
+                    if self.proc.poll() is not None and not re.search(pattern, self.text):
+                        msg = f"exited {self.proc.returncode} before {pattern!r}:\n{self.text}"
+                        raise AssertionError(msg) from None
+        return self.text
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.master)
+
+
+def test_watch_follows_a_growing_run_in_a_pty(tmp_path):
+    run = tmp_path / "run"
+    term = Terminal([sys.executable, "-m", "kldiag", "watch", str(run), "--interval", "0.2", "--fail-on", "blowup"])
+    try:
+        term.read_until(r"waiting: no run yet")  # started before the trainer: it waits
+        make_run(run, HEALTHY, steps=range(0, 10))
+        term.read_until(r"step 9 +tokens [\d,]+ .*\(1 new part\(s\)\)")
+        term.read_until(r"verdict: HEALTHY")
+        make_run(run, HEALTHY, steps=range(10, 20), manifest=False)
+        term.read_until(r"step 19 .*\(1 new part\(s\)\)")  # incremental: only the new part was read
+        make_run(run, BLOWN, steps=range(20, 25), manifest=False)
+        text = term.read_until(r"failing on blowup \(step 20\)")
+        assert re.search(r">> started \[critical\] blowup: from step 20", text)
+        assert "verdict: UNSTABLE: k3_weight_blowup from step 20" in text
+        assert term.proc.wait(30) == 1
+    finally:
+        term.close()
+
+
+def test_watcher_reports_episode_start_and_end(tmp_path):
+    make_run(tmp_path, HEALTHY, steps=range(0, 10))
+    w = Watcher(str(tmp_path))
+    first = w.poll()
+    assert first.parts_new == 1 and first.started == [] and first.diagnosis.verdict == "healthy"
+    assert w.poll().diagnosis is None  # nothing new: nothing read
+    make_run(tmp_path, BLOWN, steps=range(10, 14), manifest=False)
+    up = w.poll()
+    assert up.parts_new == 1 and [(e.kind, e.start, e.end) for e in up.started if e.kind == "blowup"] == [
+        ("blowup", 10, None)]
+    make_run(tmp_path, HEALTHY, steps=range(14, 30), manifest=False)
+    up = w.poll()
+    assert [(e.kind, e.start, e.end) for e in up.ended if e.kind == "blowup"] == [("blowup", 10, 13)]
+    assert not [e for e in up.started if e.kind == "blowup"]
+
+
+def test_watch_once_for_cron(tmp_path, capsys):
+    make_run(tmp_path, HEALTHY, steps=range(0, 10))
+    assert main(["watch", str(tmp_path), "--once", "--fail-on", "all"]) == 0
+    make_run(tmp_path, SynthConfig(steps=12, nonfinite=((10, "logp"),), **SMALL), steps=range(10, 12),
+             manifest=False)
+    assert main(["watch", str(tmp_path), "--once", "--fail-on", "nonfinite"]) == 1
+    assert "failing on nonfinite (step 10)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["watch", str(tmp_path), "--fail-on", "explode"])
+    assert e.value.code == 2
