@@ -22,6 +22,9 @@ from kldiag.analysis import slime_kl
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.integrations import slime as hook
 
+# The hooks run inside a GPU job: their tensors live on the GPU when there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
     """slime/utils/ppo_utils.py l. 12-50 (THUDM/slime@624b824a), without @torch.compile."""
@@ -153,25 +156,28 @@ def make_args(**kw):
     return types.SimpleNamespace(**{**base, **kw})
 
 
-def rollout_data(rng, positions):
-    """A DP rank's rollout_data at the postprocess hook: per-sample lists of CPU tensors."""
+def rollout_data(rng, positions, device="cpu"):
+    """A DP rank's rollout_data at the postprocess hook: per-sample lists of tensors (log-probs,
+    advantages and masks on the training device, tokens on the host as slime ships them)."""
     n = len(positions)
     resp = [int(rng.integers(2, 6)) for _ in range(n)]
     prompt = [int(rng.integers(1, 4)) for _ in range(n)]
-    lp = [torch.tensor(rng.normal(-1, 0.5, k).clip(max=-1e-3), dtype=torch.float32) for k in resp]
+    lp = [torch.tensor(rng.normal(-1, 0.5, k).clip(max=-1e-3), dtype=torch.float32, device=device) for k in resp]
     return {"partition": list(positions), "sample_indices": [10 + p for p in positions],
             "tokens": [torch.tensor(rng.integers(0, 16, p + k)) for p, k in zip(prompt, resp, strict=True)],
             "response_lengths": resp, "total_lengths": [p + k for p, k in zip(prompt, resp, strict=True)],
-            "loss_masks": [torch.tensor((rng.random(k) > 0.2).astype(np.int32)) for k in resp],
-            "log_probs": lp, "ref_log_probs": [x + torch.randn(len(x)) * 0.5 for x in lp],
-            "rollout_log_probs": [x + 0.05 for x in lp], "advantages": [torch.full((k,), 0.5) for k in resp],
+            "loss_masks": [torch.tensor((rng.random(k) > 0.2).astype(np.int32), device=device) for k in resp],
+            "log_probs": lp, "ref_log_probs": [x + torch.randn(len(x), device=device) * 0.5 for x in lp],
+            "rollout_log_probs": [x + 0.05 for x in lp],
+            "advantages": [torch.full((k,), 0.5, device=device) for k in resp],
             "raw_reward": [0.0] * 8, "global_batch_sizes": [n], "num_microbatches": [1]}
 
 
-def test_postprocess_records_from_data_owning_ranks(fake_slime, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_postprocess_records_from_data_owning_ranks(fake_slime, tmp_path, device):
     rng = np.random.default_rng(0)
     args = make_args()
-    data = {0: rollout_data(rng, [0, 2, 4]), 1: rollout_data(rng, [1, 3, 5])}
+    data = {0: rollout_data(rng, [0, 2, 4], device), 1: rollout_data(rng, [1, 3, 5], device)}
     for dp in (0, 1):
         fake_slime.dp = dp
         hook.postprocess(args, 7, data[dp])
@@ -193,14 +199,15 @@ def test_postprocess_records_from_data_owning_ranks(fake_slime, tmp_path):
     assert t["mask"].sum() == sum(int(m.sum()) for m in masks)
 
 
-def test_policy_loss_wrapper_records_pi_theta_and_slime_kl(fake_slime, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_wrapper_records_pi_theta_and_slime_kl(fake_slime, tmp_path, device):
     rng = np.random.default_rng(3)
     args = make_args(loss_type="custom_loss", custom_loss_function_path=hook.LOSS_PATH)
-    data = rollout_data(rng, [0, 1, 2, 3])
+    data = rollout_data(rng, [0, 1, 2, 3], device)
     hook.postprocess(args, 4, data)  # notes the rollout id; rows come from the loss
     assert hook.STATE.recorder is None
-    batch = {**data, "unconcat_tokens": data["tokens"]}
-    logits = torch.randn(1, sum(data["total_lengths"]), 16)
+    batch = {**data, "unconcat_tokens": [x.to(device) for x in data["tokens"]]}  # get_batch moves them
+    logits = torch.randn(1, sum(data["total_lengths"]), 16, device=device)
     loss, log = hook.policy_loss(args, batch, logits, sum_of_sample_mean_for(batch))
     want_loss, want_log = policy_loss_function(args, batch, logits, sum_of_sample_mean_for(batch))
     assert torch.equal(loss, want_loss)  # the wrapper does not change slime's loss
@@ -208,11 +215,11 @@ def test_policy_loss_wrapper_records_pi_theta_and_slime_kl(fake_slime, tmp_path)
     hook.close()
     run = tmp_path / "run"
     t = kldiag.open_run(run).read().to_pandas().sort_values(["seq", "pos"])
-    _, lpe = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["tokens"],
+    _, lpe = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
                                        total_lengths=batch["total_lengths"],
                                        response_lengths=batch["response_lengths"])
-    np.testing.assert_allclose(t["logp"], torch.cat(lpe["log_probs"]).numpy(), rtol=1e-6)
-    np.testing.assert_allclose(t["logp_old"], torch.cat(data["log_probs"]).numpy())
+    np.testing.assert_allclose(t["logp"], torch.cat(lpe["log_probs"]).cpu().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(t["logp_old"], torch.cat(data["log_probs"]).cpu().numpy())
     a = kldiag.analyze(run, AnalysisConfig(trainer_compatible=True))
     kl = a.trainer_kl.to_pylist()
     # slime logs sum_of_sample_mean(kl) summed over micro-batches / the step's samples
