@@ -1,0 +1,127 @@
+"""Parity detectors: the temperature fit on synthetic engines with a known temperature, offsets,
+float noise (quiet), growth, and the demo pair (the engine samples at 1.2, the trainer scores at 1)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import kldiag
+from kldiag.diagnosis import parity as P
+from kldiag.diagnosis import tokenset as TS
+from kldiag.format.schema import TOKEN_SCHEMA
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def engine_table(temperature=1.0, steps=6, groups=4, group_size=8, length=5, vocab=12, offset=0.0, noise=0.0,
+                 growth=0.0, seed=0, with_group=True) -> pa.Table:
+    """GRPO-like batches: each group shares a prompt; tokens sampled from softmax(z / T) of a random
+    'model' whose logits depend on (step, group, prefix); the trainer scores softmax(z)."""
+    rng = np.random.default_rng(seed)
+    rows = {k: [] for k in ("step", "seq", "group", "pos", "token_id", "logp", "logp_old", "logp_sampler")}
+    seq_id = 0
+    for step in range(steps):
+        for g in range(groups):
+            for _ in range(group_size):
+                prefix = ()
+                for pos in range(length):
+                    h = hash((step, g, prefix)) % (2**32)
+                    z = np.random.default_rng(h).normal(0.0, 2.0, vocab)
+                    lp_old = log_softmax(z)
+                    lp_mu = log_softmax(z / temperature)
+                    x = int(rng.choice(vocab, p=np.exp(lp_mu)))
+                    extra = offset + growth * step + noise * rng.normal()
+                    rows["step"].append(step), rows["seq"].append(seq_id), rows["pos"].append(pos)
+                    rows["group"].append(step * 100 + g if with_group else None), rows["token_id"].append(x)
+                    rows["logp_old"].append(lp_old[x]), rows["logp_sampler"].append(min(lp_mu[x] + extra, 0.0))
+                    rows["logp"].append(lp_old[x] + 0.01 * rng.normal())
+                    prefix = (*prefix, x)
+                seq_id += 1
+    n = len(rows["step"])
+    cols = {f.name: pa.array(rows[f.name], f.type) if f.name in rows else None for f in TOKEN_SCHEMA}
+    defaults = {"micro": 0, "iteration": 0, "rank": 0, "advantage": 0.0, "mask": True, "attempt": 0}
+    arrays = [cols[f.name] if cols[f.name] is not None else
+              pa.array([defaults.get(f.name)] * n, f.type) for f in TOKEN_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=TOKEN_SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_fit_recovers_a_known_temperature(temperature):
+    ts = TS.from_table(engine_table(temperature))
+    rep = P.check(ts)
+    assert rep.fit.method == "shared-context"
+    assert rep.fit.implied_temperature == pytest.approx(temperature, rel=1e-6)
+    assert rep.temperature and not rep.offset
+    cause = P.temperature_cause(rep, "fix")
+    assert cause.to_dict()["implied_temperature"] == pytest.approx(temperature, rel=1e-6)
+    assert cause.cause == "engine_temperature_mismatch"
+
+
+def test_float_noise_at_temperature_one_is_quiet():
+    ts = TS.from_table(engine_table(1.0, noise=1e-4))
+    rep = P.check(ts)
+    assert abs(rep.fit.implied_temperature - 1.0) < 1e-3
+    assert not rep.temperature and not rep.offset and not rep.first_step_disagrees and not rep.growing
+    assert P.mismatch_cause(rep, None, "fix") is None
+    assert P.temperature_cause(rep, "fix") is None
+
+
+def test_constant_offset_is_found_at_slope_one():
+    rep = P.check(TS.from_table(engine_table(1.0, offset=-0.1)))
+    assert rep.offset and not rep.temperature
+    assert rep.fit.offset == pytest.approx(-0.1, abs=1e-3)
+    cause = P.mismatch_cause(rep, None, "fix")
+    assert cause.cause == "engine_mismatch" and "constant offset" in cause.summary
+    assert cause.onset == 0  # the first step already disagrees
+
+
+def test_mismatch_growing_while_drift_does_not():
+    rep = P.check(TS.from_table(engine_table(1.0, steps=12, noise=0.0, growth=-0.01, offset=-1e-4)))
+    assert rep.growing, rep.growth
+    assert "grows" in P.mismatch_cause(rep, None, "fix").summary
+
+
+def test_pooled_fallback_without_groups_says_so():
+    rep = P.check(TS.from_table(engine_table(1.3, with_group=False)))
+    assert rep.fit.method == "pooled" and rep.fit.contexts == 0
+    assert rep.temperature  # approximate, but the direction is right
+    assert rep.fit.implied_temperature > 1.05
+    assert "pooled" in P.temperature_cause(rep, "fix").summary
+
+
+def test_prefix_hash_separates_prefixes():
+    seq = np.array([0, 0, 0, 1, 1, 1])
+    pos = np.array([0, 1, 2, 0, 1, 2])
+    tok = np.array([5, 6, 7, 5, 6, 8])
+    h = P.prefix_hash(seq, pos, tok)
+    assert h[0] == h[3] and h[1] == h[4] and h[2] == h[5]  # same prefixes (the token itself excluded)
+    tok2 = np.array([5, 6, 7, 5, 9, 8])
+    h2 = P.prefix_hash(seq, pos, tok2)
+    assert h2[2] != h2[5]
+
+
+def test_demo_pair_implied_temperature_is_the_engines():
+    """sample_logs/demo_k3: the engine samples at 1.2 (run.json config.sampler_temperature), the trainer at 1."""
+    from kldiag.diagnosis import diagnose
+
+    run = "sample_logs/demo_k3"
+    truth = kldiag.open_run(run).manifest.config["sampler_temperature"]
+    out = diagnose(kldiag.analyze(run)).to_dict()
+    temp = [c for c in out["causes"] if c["cause"] == "engine_temperature_mismatch"]
+    assert len(temp) == 1
+    assert isinstance(temp[0]["implied_temperature"], float)
+    assert temp[0]["implied_temperature"] == pytest.approx(truth, abs=1e-4)
+    assert [c["cause"] for c in out["causes"]].count("engine_mismatch") == 1  # parity's replaces the built-in
+
+
+def test_parity_causes_dicts_and_runs_without_sampler():
+    found = {c["cause"]: c for c in P.parity_causes("sample_logs/demo_k3_is")}
+    assert math.isclose(found["engine_temperature_mismatch"]["implied_temperature"], 1.2, rel_tol=1e-4)
+    assert P.parity_causes("sample_logs/trl_grpo_tiny") == []  # no logp_sampler recorded: nothing to compare
