@@ -166,3 +166,17 @@ def test_import_and_local_engine_never_import_ray():
     code = ("import sys, kldiag; kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(use_cache=False)); "
             "import kldiag.cli; kldiag.cli.build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code, str(SAMPLES / "demo_k3")], check=True, timeout=120)
+
+
+def test_dashboard_app_analyses_with_ray(ray_session, monkeypatch):
+    """The app reads the engine from the environment `kldiag dashboard --engine ray` sets."""
+    from streamlit.testing.v1 import AppTest
+
+    calls = []
+    real = ray_engine.compute
+    monkeypatch.setattr(ray_engine, "compute", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    monkeypatch.setenv("KLDIAG_RUNS", str(SAMPLES / "demo_k3_is"))
+    monkeypatch.setenv(engines.ENGINE_ENV, "ray")
+    at = AppTest.from_file(str(SAMPLES.parent / "app" / "main.py"), default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert calls  # the analysis went through the Ray engine (no task when every part is cached)
