@@ -74,8 +74,30 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds) -> Prefix |
         return None
     if not 0 < k <= len(parts) or digest(parts[:k]) != want or os.path.basename(name) != name:
         return None
-    sealed = partials.load(folder / name)
+    sealed = _load_data(folder / name)
     return None if sealed is None else Prefix(k, cut, sealed)
+
+
+_memo: dict[Path, tuple[tuple[int, int], partials.Partial]] = {}
+MEMO_ENTRIES = 4  # prefixes kept in memory (a dashboard shows a few runs): no re-read per refresh
+
+
+def _load_data(path: Path) -> partials.Partial | None:
+    """partials.load, remembered while the file's (mtime, size) stay the same."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    hit = _memo.get(path)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    data = partials.load(path)
+    if data is not None:
+        if len(_memo) >= MEMO_ENTRIES:
+            _memo.pop(next(iter(_memo)))
+        _memo[path] = (stamp, data)
+    return data
 
 
 def save(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix) -> bool:

@@ -51,8 +51,6 @@ def connect(address: str | None = None):
         return ray
     kw = {"include_dashboard": False, "ignore_reinit_error": True, "logging_level": "ERROR",
           "log_to_driver": False}
-    if not (address or os.environ.get("RAY_ADDRESS")):
-        kw["runtime_env"] = {"env_vars": {"PYTHONWARNINGS": "ignore"}}
     try:
         ray.init(address=address, **kw)
     except (ConnectionError, RuntimeError, ValueError) as e:
