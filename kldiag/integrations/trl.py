@@ -67,8 +67,12 @@ def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
     A `config` given there is merged over the one the hook derives from GRPOConfig.
     Returns the Recorder; it is closed when training ends (trainer's on_train_end).
     Raises IntegrationError for an unsupported TRL version or a trainer already attached.
+
+    `histograms=True` (or a directory) also writes live TensorBoard histograms of d, |k3 weight|,
+    |k3_is weight| and rho at each log (kldiag/integrations/trl_histograms.py; needs tensorboard).
     """
     check_supported(trainer)
+    histograms = recorder_options.pop("histograms", False)
     if getattr(trainer, "_kldiag_hook", None) is not None:
         raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
     from kldiag.recorder import Recorder
@@ -79,6 +83,10 @@ def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
     rec = Recorder(run_dir, **options)
     hook = _Hook(trainer, rec, strict=bool(options.get("strict", False)))
     hook.install()
+    if histograms:
+        from kldiag.integrations.trl_histograms import LiveHistograms
+
+        hook.histograms = LiveHistograms(histograms)
     return rec
 
 
@@ -258,6 +266,7 @@ class _Hook:
         self._step: int | None = None
         self._micro = 0
         self._window: dict[str, float] | None = None  # partials since the last log
+        self.histograms: Any = None  # trl_histograms.LiveHistograms when attach(histograms=...)
 
     def install(self) -> None:
         t = self.trainer
@@ -270,6 +279,8 @@ class _Hook:
 
     def close(self) -> None:
         self.active = False
+        if self.histograms is not None:
+            self.histograms.close()
         self.rec.close()
 
     # -- wrappers: each calls the original with the same arguments and returns its result
@@ -335,6 +346,8 @@ class _Hook:
         seq = self._seq_ids(inputs, logp.shape[0])
         partials = batch_partials(logp, logp_ref, logp_old, mask)
         self._window = partials if self._window is None else merge_partials(self._window, partials)
+        if self.histograms is not None:
+            self.histograms.observe(logp, logp_ref, logp_old, mask)
         self.rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref,
                         logp_sampler=_host_or_none(inputs.get("sampling_per_token_logps")),
                         advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
@@ -356,6 +369,8 @@ class _Hook:
     def _add_metrics(self, logs: dict) -> None:
         partials, self._window = _reduce_across_ranks(self._window, self.trainer.accelerator), None
         logs.update(log_metrics(partials, self.has_ref))
+        if self.histograms is not None:
+            self.histograms.flush(self.trainer)
 
     def _guarded(self, fn, *args) -> None:
         """Recording never kills training unless strict: failures are counted and warned about once."""
