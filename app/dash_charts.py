@@ -87,8 +87,14 @@ def heatmap(steps: np.ndarray, labels: Sequence[str], z: np.ndarray, title: str)
     return fig
 
 
-def bands(df: pd.DataFrame, title: str, log_y: bool) -> go.Figure:
-    """TensorBoard-style distribution: shaded p1-p99, p10-p90, p25-p75 bands and the median."""
+def bands(df: pd.DataFrame, title: str, log_y: bool, smoothing: float = 0.0,
+          x_range: tuple[int, int] | None = None) -> go.Figure:
+    """TensorBoard-style distribution: shaded p1-p99, p10-p90, p25-p75 bands and the median;
+    smoothing applies the EMA to every percentile, x_range zooms the step axis."""
+    if smoothing > 0:
+        steps = df["step"].to_numpy(dtype=np.float64)
+        df = df.assign(**{c: VD.ema(df[c].to_numpy(dtype=np.float64, na_value=np.nan), steps, smoothing)
+                          for c in df.columns if c != "step"})
     fig = go.Figure()
     for (lo, hi), alpha in zip((("p1", "p99"), ("p10", "p90"), ("p25", "p75")), (0.15, 0.25, 0.35), strict=True):
         fig.add_trace(go.Scatter(x=df["step"], y=df[hi], mode="lines", line={"width": 0}, showlegend=False,
@@ -101,6 +107,8 @@ def bands(df: pd.DataFrame, title: str, log_y: bool) -> go.Figure:
                       hovermode="x unified")
     if log_y:
         decade_ticks(fig, df[["p1", "p99"]].to_numpy(dtype=np.float64, na_value=np.nan).ravel())
+    if x_range is not None:
+        fig.update_xaxes(range=list(x_range))
     return fig
 
 

@@ -152,3 +152,20 @@ def test_estimators_scatter_labels_flagged_and_top_tokens(monkeypatch, app_runs)
     worst = max(np.nanmax(_y(t)) for t in scatter.data if t.name.startswith("weight_k3,"))
     flags = kldiag.analyze(app_runs["k3"]).flags.to_pandas()
     assert worst == pytest.approx(flags["weight_k3"].abs().max(), rel=1e-6)
+
+
+def test_distributions_and_compare_share_the_controls(monkeypatch, app_runs):
+    at = _app(monkeypatch, app_runs["k3"], page="distributions")
+    median = next(t for t in _figs(at)[1].data if t.name == "median")
+    at.slider(key="dist_smoothing").set_value(0.9)
+    at.slider(key="dist_steps").set_value((2, 9)).run()
+    _ok(at)
+    heat, bands = _figs(at)
+    assert tuple(heat.layout.xaxis.range) == tuple(bands.layout.xaxis.range) == (2, 9)
+    smooth = next(t for t in bands.data if t.name == "median")
+    assert _y(smooth)[0] == pytest.approx(_y(median)[0]) and not np.allclose(_y(smooth), _y(median))
+    at = _app(monkeypatch, app_runs["k3"], app_runs["k3_is"], page="compare")
+    at.slider(key="cmp_smoothing").set_value(0.5).run()
+    _ok(at)
+    names = {t.name for t in _figs(at)[0].data}
+    assert {"k3", "k3 (raw)", "k3_is", "k3_is (raw)"} <= names

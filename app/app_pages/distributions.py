@@ -28,9 +28,14 @@ hm = V.heatmap(hist, name)
 if not hm["labels"]:
     st.info(f"No finite values of {title} in this run.")
     st.stop()
-st.plotly_chart(C.heatmap(hm["steps"], hm["labels"], hm["z"], f"{title}: share of each step's tokens per bin"))
+ctl = K.chart_controls("dist", hist.steps)
+heat = C.heatmap(hm["steps"], hm["labels"], hm["z"], f"{title}: share of each step's tokens per bin")
+if ctl.x_range is not None:
+    heat.update_xaxes(range=list(ctl.x_range))
+st.plotly_chart(heat)
 bands = V.percentile_bands(hist, name)
-st.plotly_chart(C.bands(bands, f"{title}: percentiles per step (from the histograms)", log_y))
+st.plotly_chart(C.bands(bands, f"{title}: percentiles per step (from the histograms)", log_y, ctl.smoothing,
+                        ctl.x_range))
 with st.expander("Percentiles table"):
     st.dataframe(bands, hide_index=True, width="stretch")
     K.downloads(bands, f"percentiles-{name}", "dist_bands")
