@@ -45,7 +45,8 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
             y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
         fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color}))
         shown.append(y)
-    _onsets(fig, onsets, x_range or ((float(xs.min()), float(xs.max())) if len(xs) else (0.0, 1.0)))
+    shown_x = x_range or ((float(xs.min()), float(xs.max())) if len(xs) else (0.0, 1.0))
+    _onsets(fig, [(step, label) for step, label in onsets if shown_x[0] <= step <= shown_x[1]], shown_x)
     fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": 40, "b": 10}, colorway=COLORWAY,
                       legend={"orientation": "h", "yanchor": "top", "y": -0.2}, xaxis_title=x,
                       hovermode="x unified")

@@ -146,6 +146,10 @@ def test_speed_on_a_2000_step_30m_token_run(tmp_path_factory, browser):
     make_run(run, SynthConfig(steps=2000, seqs_per_step=60, seq_len=(150, 350), vocab_size=0, blowup_step=1500,
                               blowup_frac=0.001, seed=7))
     made = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    a = kldiag.analyze(run, kldiag.AnalysisConfig(use_cache=False))  # the same cold analysis the app starts with
+    analysis = time.perf_counter() - t0
+    rows = a.info.get("rows", 0)
     with _serve(run) as url:
         ctx = browser.new_context(viewport={"width": 1400, "height": 2200})
         pg = ctx.new_page()
@@ -170,8 +174,9 @@ def test_speed_on_a_2000_step_30m_token_run(tmp_path_factory, browser):
         _idle(pg)
         again = time.perf_counter() - t0
         ctx.close()
-    tokens = kldiag.analyze(run).steps.to_pandas()["tokens"].sum()
-    print(f"\ndashboard speed: run of 2000 steps, {tokens / 1e6:.1f}M tokens (made in {made:.0f} s); "
+    tokens = a.steps.to_pandas()["tokens"].sum()
+    print(f"\ndashboard speed: run of 2000 steps, {rows / 1e6:.1f}M rows, {tokens / 1e6:.1f}M loss tokens (made in "
+          f"{made:.0f} s); kldiag.analyze alone, cold: {analysis:.1f} s; load average {os.getloadavg()[0]:.1f}; "
           f"first Overview render {first:.1f} s; page switches "
           + ", ".join(f"{k} {v:.2f} s" for k, v in switches.items()) + f"; Distributions again {again:.2f} s")
     assert pg.is_closed()
