@@ -93,3 +93,16 @@ def test_histogram_fields_keep_counts_and_bounds():
     g = histogram_fields(w, ABS_EDGES)
     assert g["min"] == 0.0 and np.isfinite(g["max"]) and g["max"] > ABS_EDGES[-1]
     assert histogram_fields(np.zeros(5), np.array([1.0, 2.0, 4.0, 8.0])) is None
+
+
+def test_missing_tensorboard_names_the_extra(tmp_path, monkeypatch, capsys):
+    import sys
+
+    run = tmp_path / "run"
+    make_run(run, CFG)
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard raises ImportError
+    assert main(["export", "tensorboard", str(run), str(tmp_path / "tb")]) == 2
+    assert "pip install 'kldiag[tensorboard]'" in capsys.readouterr().err
+    assert not (tmp_path / "tb").exists()
