@@ -1,0 +1,149 @@
+"""Crosswalk: per step, the KL / importance-sampling / mismatch metrics a framework logs, under its own
+names, recomputed from the recorded tokens with that framework's semantics (docs/crosswalk.md).
+
+    table = kldiag.crosswalk("runs/r1", "verl", rollout_is="token", rollout_is_threshold=2.0)
+
+One module per framework (verl, trl, slime, nemo_rl, openrlhf), each with `Settings` (the framework's
+own config keys), `step_metrics(batch, settings) -> (metrics, {name: why null})` and `metric_names`.
+The table has a `step` column and one float64 column per metric (null where the run lacks the data);
+its schema metadata `kldiag.null_reasons` (JSON {name: why}) says why a column is null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag.crosswalk import nemo_rl, openrlhf, slime, trl, verl
+from kldiag.crosswalk.batch import StepBatch, pad
+from kldiag.diagnosis import tokenset as TS
+from kldiag.errors import KldiagError
+
+FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf}
+ALIASES = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl", "nemo": "nemo-rl"}
+__all__ = ["FRAMEWORKS", "CrosswalkError", "crosswalk", "framework_of", "parse_settings", "records"]
+
+
+class CrosswalkError(KldiagError, ValueError):
+    """A bad framework name or setting (the message names the valid ones)."""
+
+
+def module(framework: str):
+    name = ALIASES.get(framework.lower(), framework.lower())
+    if name not in FRAMEWORKS:
+        raise CrosswalkError(f"unknown framework {framework!r}: use one of {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[name]
+
+
+def framework_of(manifest) -> str | None:
+    """The crosswalk framework of a run's own trainer (manifest trainer name), None when not one of them."""
+    name = str((getattr(manifest, "trainer", None) or {}).get("name") or "").lower().replace("_", "-")
+    for fw in FRAMEWORKS:
+        if name.startswith(fw) or name.startswith(fw.replace("-", "")):
+            return fw
+    return "nemo-rl" if name.startswith("nemo") else None
+
+
+def _coerce(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    low = text.strip().lower()
+    if low in ("null", "none", "~"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return float(text) if any(c in low for c in ".e") or not low.lstrip("-").isdigit() else int(text)
+    except ValueError:
+        return text.strip()
+
+
+def parse_settings(framework: str, pairs: dict[str, Any] | list[str] | None = None, manifest=None):
+    """The framework's Settings from KEY=VALUE strings or a dict; unset keys come from the run's
+    manifest config when it has them (e.g. TRL's use_bias_correction_kl), else the framework's default."""
+    mod = module(framework)
+    names = {f.name for f in dataclasses.fields(mod.Settings)}
+    given: dict[str, Any] = {}
+    for item in pairs or []:
+        if isinstance(pairs, dict):
+            key, value = item, pairs[item]
+        else:
+            if "=" not in item:
+                raise CrosswalkError(f"--set {item!r}: write KEY=VALUE, e.g. --set rollout_is=token")
+            key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in names:
+            raise CrosswalkError(f"{mod.NAME} has no setting {key!r}; known: {', '.join(sorted(names))}")
+        given[key] = _coerce(value)
+    config = dict(getattr(manifest, "config", None) or {})
+    for key in names - set(given):
+        if key in config and config[key] is not None:
+            given[key] = config[key]
+    try:
+        return mod.Settings(**given)
+    except TypeError as e:
+        raise CrosswalkError(f"{mod.NAME} settings: {e}") from e
+
+
+def _calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
+    """The step's loss calls: one padded batch per (micro, iteration) group of all-iteration rows."""
+    micro, it = ts_all.micro[sl], ts_all.iteration[sl]
+    key = it * 1_000_000 + micro
+    out = []
+    for k in np.unique(key):
+        idx = np.flatnonzero(key == k) + sl.start
+        sub = ts_all.take(idx)
+        order = np.lexsort((sub.pos, sub.seq))
+        out.append(pad(sub.take(order), slice(0, len(order)), step))
+    return out
+
+
+def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, **settings: Any) -> pa.Table:
+    """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data)."""
+    from kldiag.format import open_run
+
+    r = open_run(run) if not hasattr(run, "iter_batches") else run
+    mod = module(framework)
+    s = parse_settings(framework, settings, r.manifest)
+    ts = TS.load(r, max_tokens=max_tokens)
+    calls_by_step: dict[int, list[StepBatch]] = {}
+    if getattr(mod, "NEEDS_ALL_ITERATIONS", False):
+        ts_all = TS.load(r, all_iterations=True, max_tokens=max_tokens)
+        calls_by_step = {step: _calls(ts_all, step, sl) for step, sl in ts_all.step_slices()}
+    rows, reasons = [], {}
+    first = dict(ts.step_slices())
+    for step in sorted(set(first) | set(calls_by_step)):
+        b = pad(ts, first.get(step, slice(0, 0)), step)  # empty: a step that only reuses earlier sequences
+        if step in calls_by_step:
+            values, why = mod.step_metrics(b, s, calls_by_step[step])
+        else:
+            values, why = mod.step_metrics(b, s)
+        rows.append((step, values))
+        for k, v in why.items():
+            if step in first:
+                reasons.setdefault(k, v)
+    names = list(dict.fromkeys([*mod.metric_names(s), *(k for _, v in rows for k in v)]))
+    cols = {"step": pa.array([st for st, _ in rows], pa.int64())}
+    for n in names:
+        cols[n] = pa.array([None if v.get(n) is None or not np.isfinite(v[n]) else float(v[n]) for _, v in rows],
+                           pa.float64())
+    all_null = {n: reasons.get(n, "not computed for these settings") for n in names
+                if cols[n].null_count == len(rows)}
+    reasons = {**{k: v for k, v in reasons.items() if k in names}, **all_null}
+    meta = {"kldiag.framework": mod.NAME, "kldiag.settings": json.dumps(dataclasses.asdict(s), default=str),
+            "kldiag.null_reasons": json.dumps(reasons), "kldiag.step_stride": str(ts.step_stride)}
+    return pa.table(cols).replace_schema_metadata(meta)
+
+
+def null_reasons(table: pa.Table) -> dict[str, str]:
+    meta = table.schema.metadata or {}
+    return json.loads(meta.get(b"kldiag.null_reasons", b"{}"))
+
+
+def records(table: pa.Table) -> list[dict[str, Any]]:
+    """The JSON list of DESIGN.md section 6: one object per step, {"step": S, "<name>": value or null, ...}."""
+    return table.to_pylist()
