@@ -21,9 +21,12 @@ _LAZY = {
     "analyze": "kldiag.analysis",
     "Analysis": "kldiag.analysis",
     "AnalysisConfig": "kldiag.analysis",
+    "Guard": "kldiag.guard",
+    "crosswalk": "kldiag.crosswalk",
 }
 
-__all__ = ["Analysis", "AnalysisConfig", "KldiagError", "Manifest", "Recorder", "__version__", "analyze", "open_run"]
+__all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "__version__", "analyze",
+           "crosswalk", "open_run"]
 
 
 def __getattr__(name: str) -> Any:

@@ -60,8 +60,11 @@ _REQUIRED_ATTRIBUTES = ("_step", "beta", "num_iterations", "num_generations", "a
 # ---- attach ---------------------------------------------------------------------------
 
 
-def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
+def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: Any):
     """Record every loss micro-batch of `trainer` (a trl.GRPOTrainer or subclass) into `run_dir`.
+
+    `guard`: a kldiag.Guard fed the same host copies; it logs, saves a checkpoint, stops
+    training or calls back when an episode it watches starts (kldiag/integrations/trl_guard.py).
 
     `recorder_options` go to `kldiag.Recorder` (e.g. rotate_steps, every_n_steps, strict);
     A `config` given there is merged over the one the hook derives from GRPOConfig.
@@ -87,6 +90,10 @@ def attach(trainer: Any, run_dir: Any, **recorder_options: Any):
         from kldiag.integrations.trl_histograms import LiveHistograms
 
         hook.histograms = LiveHistograms(histograms)
+    if guard is not None:
+        from kldiag.integrations.trl_guard import install_guard
+
+        install_guard(trainer, hook, guard, options["config"])
     return rec
 
 
@@ -267,6 +274,7 @@ class _Hook:
         self._micro = 0
         self._window: dict[str, float] | None = None  # partials since the last log
         self.histograms: Any = None  # trl_histograms.LiveHistograms when attach(histograms=...)
+        self.guard: Any = None  # a kldiag.Guard fed the host copies (trl_guard.install_guard)
 
     def install(self) -> None:
         t = self.trainer
@@ -348,6 +356,9 @@ class _Hook:
         self._window = partials if self._window is None else merge_partials(self._window, partials)
         if self.histograms is not None:
             self.histograms.observe(logp, logp_ref, logp_old, mask)
+        if self.guard is not None:  # before the recorder: a write error of kldiag does not blind the guard
+            self.guard.observe(step, logp, logp_ref, logp_old, _host_or_none(inputs.get("sampling_per_token_logps")),
+                               mask)
         self.rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref,
                         logp_sampler=_host_or_none(inputs.get("sampling_per_token_logps")),
                         advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
