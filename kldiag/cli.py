@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "kldiag.watch",
     "kldiag.integrations.importers.cli",
     "kldiag.export.cli",
+    "kldiag.crosswalk.cli",
 )
 
 

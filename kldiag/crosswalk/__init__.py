@@ -144,6 +144,30 @@ def null_reasons(table: pa.Table) -> dict[str, str]:
     return json.loads(meta.get(b"kldiag.null_reasons", b"{}"))
 
 
-def records(table: pa.Table) -> list[dict[str, Any]]:
-    """The JSON list of DESIGN.md section 6: one object per step, {"step": S, "<name>": value or null, ...}."""
-    return table.to_pylist()
+STEP_NULL = "this step has no tokens this metric needs (e.g. only reuse iterations of earlier sequences)"
+
+
+def records(table: pa.Table, reasons: bool = True) -> list[dict[str, Any]]:
+    """The JSON list of DESIGN.md section 6: one object per step, {"step": S, "<name>": value or null, ...};
+    with `reasons`, a step with null metrics also has "null_reasons": {name: why}."""
+    why = null_reasons(table)
+    rows = table.to_pylist()
+    if reasons:
+        for row in rows:
+            nulls = {k: why.get(k, STEP_NULL) for k, v in row.items() if v is None}
+            if nulls:
+                row["null_reasons"] = nulls
+    return rows
+
+
+class _CallableModule(type(json)):
+    """`kldiag.crosswalk(run, framework, ...)` works although importing this package makes
+    `kldiag.crosswalk` the module: calling the module calls crosswalk()."""
+
+    def __call__(self, run, framework: str, **settings: Any) -> pa.Table:
+        return crosswalk(run, framework, **settings)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,71 @@
+"""`kldiag crosswalk RUN --framework NAME [--set KEY=VALUE ...] [--json]`.
+
+Per step, the KL / importance-sampling / mismatch metrics the framework logs, under the names it
+logs them, recomputed from the recorded tokens with its semantics (docs/crosswalk.md). --set takes
+the framework's own config keys, e.g. verl: rollout_is=token rollout_is_threshold=2.0
+rollout_rs=seq_mean_k3 rollout_rs_threshold=0.01 kl_loss_type=low_var_kl loss_agg_mode=token-mean;
+trl: vllm_importance_sampling_mode=token_truncate vllm_importance_sampling_clip_max=2.
+--json prints a list of {"step": S, "<name>": value or null, ...} (DESIGN.md section 6), with
+"null_reasons": {name: why} in a step that has nulls; the text form prints a table and, below it,
+why a column is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    from kldiag.crosswalk import FRAMEWORKS
+
+    p = subparsers.add_parser("crosswalk", help="a framework's own KL/IS/mismatch metrics, from the recorded tokens",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI")
+    p.add_argument("--framework", "-f", default=None, help=f"one of {', '.join(FRAMEWORKS)} "
+                                                          "(default: the run's own trainer)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a framework config key (repeatable)")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per step")
+    p.set_defaults(func=run)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings, records
+    from kldiag.format import open_run
+
+    r = open_run(args.run_dir)
+    fw = args.framework or framework_of(r.manifest)
+    if fw is None:
+        raise CrosswalkError("the run's trainer is not one of the crosswalk's frameworks: pass --framework "
+                             "verl, trl, slime, nemo-rl or openrlhf")
+    settings = parse_settings(fw, args.settings)
+    table = crosswalk(r, fw, **{k: getattr(settings, k) for k in _given(args.settings)})
+    if args.json:
+        json.dump(records(table), sys.stdout, allow_nan=False, default=str)
+        sys.stdout.write("\n")
+        return 0
+    names = table.column_names
+    rows = records(table, reasons=False)
+    widths = [max(len(n), *(len(_fmt(r[n])) for r in rows)) if rows else len(n) for n in names]
+    print("  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True)))
+    for row in rows:
+        print("  ".join(_fmt(row[n]).rjust(w) for n, w in zip(names, widths, strict=True)))
+    for name, why in null_reasons(table).items():
+        print(f"{name}: null: {why}")
+    return 0
+
+
+def _given(pairs: list[str]) -> list[str]:
+    return [p.split("=", 1)[0].strip().replace("-", "_") for p in pairs if "=" in p]
