@@ -146,7 +146,9 @@ def test_report_on_the_corrected_sample_run_is_healthy(tmp_path, capsys):
     run = _copy_run("demo_k3_is", tmp_path)
     assert main(["report", str(run), "-o", str(tmp_path / "is.html"), "--fail-on", "blowup,nonfinite"]) == 0
     text = capsys.readouterr().out
-    assert "verdict: HEALTHY" in text and "[ok   ] blowup" in text
+    # Not unstable: no blow-up. The demo's sampler runs at temperature 1.2 on purpose, which the
+    # diagnosis may name (engine_temperature_mismatch): a warning about the engine, not the KL.
+    assert "verdict: UNSTABLE" not in text and "[ok   ] blowup" in text
     assert "[FIRED] latent" in text  # its tokens would blow K3 up: a note, not a failure
 
 

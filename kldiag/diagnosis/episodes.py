@@ -20,6 +20,7 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
   flagged_onset        warning   the flagged fraction jumps alert_factor x over its trailing median
   latent               info      K3's weight exceeds blowup_weight on a run whose loss is not K3
 
+An onset-rule episode that starts inside a blow-up episode (after its first step) is dropped.
 Pure numpy on float64 arrays; no import of kldiag.analysis (which imports this module).
 """
 
@@ -220,7 +221,21 @@ def episodes(cols: Cols, ctx: RuleContext, kinds: tuple[str, ...] | None = None)
     if not len(cols["step"]):
         return []
     out = [e for r in RULES if kinds is None or r.kind in kinds for e in rule_episodes(r, cols, ctx)]
-    return sorted(out, key=lambda e: (e.start, KINDS.index(e.kind)))
+    return sorted(subsume(out), key=lambda e: (e.start, KINDS.index(e.kind)))
+
+
+ONSET_KINDS = ("weight_blowup_onset", "flagged_onset")
+
+
+def subsume(eps: list[Episode]) -> list[Episode]:
+    """Drop the onset rules' episodes that start inside a blow-up episode after its first step:
+    while the loss weight is past the blow-up limit, a new jump says nothing new."""
+    blow = [(e.start, e.end) for e in eps if e.kind == "blowup"]
+
+    def inside(s: int) -> bool:
+        return any(a < s and (b is None or s <= b) for a, b in blow)
+
+    return [e for e in eps if not (e.kind in ONSET_KINDS and inside(e.start))]
 
 
 def table_cols(table) -> dict[str, np.ndarray]:
