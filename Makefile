@@ -12,7 +12,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch,trl,test,bench,ray]'
+	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl]'
+	$(PIP) install -q --no-deps verl==0.9.1  # its own metadata would move transformers: see pyproject's verl extra
 	touch $@
 
 browser:

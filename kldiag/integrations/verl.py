@@ -1,0 +1,347 @@
+"""Record every PPO/GRPO update of a verl run: a drop-in for verl's actor loss.
+
+    # one line of verl config (the V1 trainer; kldiag's "verl.plugins" entry point registers the mode):
+    python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode=kldiag_sync +kldiag.run=/ckpt/kldiag_run
+    # or, on a trainer you drive yourself, after trainer.init():
+    kldiag.integrations.verl.attach(trainer, "/ckpt/kldiag_run")
+
+Read at verl 0.9.1 (PyPI wheel). The actor worker calls its loss once per micro-batch as
+`loss_fn(model_output=..., data=micro_batch, dp_group=...)` (workers/engine/fsdp/transformer_impl.py
+l. 1576, megatron/transformer_impl.py l. 1447); the driver may replace that loss with
+`actor_rollout_wg.set_loss_fn(fn)` (workers/engine_workers.py l. 530, the extension point the V1
+trainer itself uses for the critic, trainer_base.py l. 324). `ppo_loss` below calls verl's own
+`verl.workers.utils.losses.ppo_loss` (l. 57) first and returns its loss and metrics untouched, then
+records detached copies of what that loss saw: per micro-batch, [B, T] response tokens of
+log_probs (pi_theta) and entropy from the model output, old_log_probs, ref_log_prob,
+rollout_log_probs (logp_sampler), advantages, response_mask, responses (token ids).
+
+Ids: seq = a hash of the sample's prompt+response token ids and its old_log_probs bits (the
+same sample keeps its id across PPO epochs, shuffles and mini-batches; hashed on the device, then
+one [B] int64 copy to the host, where verl's engine syncs anyway for `loss.item()`); group = a hash of verl's `uid` (the GRPO prompt group), else of the prompt tokens.
+micro = mini_batch * MICRO_SLOTS + micro-batch within it (mini-batches counted per step, across
+epochs); iteration = how many times this rank already recorded the sequence in this step (the
+PPO epoch). kldiag rank = data-parallel rank; only the rank that owns the data records
+(Ulysses sequence-parallel rank 0; Megatron tensor- and context-parallel rank 0).
+`rollout_is_weights` is not a column of run format v1.1: with logp_old, logp_sampler and the
+manifest's `rollout_correction` block, kldiag.crosswalk recomputes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from kldiag.errors import IntegrationError
+
+SUPPORTED_VERL = ">=0.9,<0.10"  # keep in step with the Makefile's `pip install --no-deps verl==0.9.1`
+ENV_RUN = "KLDIAG_RUN"
+MICRO_SLOTS = 1024  # micro = mini * MICRO_SLOTS + micro-batch within the mini-batch
+ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
+              "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",
+              "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "shuffle")
+ESTIMATOR_OF = {"low_var_kl": "k3_clamped", "k3": "k3_clamped", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
+FIELDS = {"response_mask": "mask", "old_log_probs": "logp_old", "ref_log_prob": "logp_ref",
+          "rollout_log_probs": "logp_sampler", "advantages": "advantages", "responses": "token_ids"}
+
+
+def check_version(version: str | None = None) -> str:
+    """verl's version, or IntegrationError naming SUPPORTED_VERL and the fix."""
+    from packaging.version import Version
+
+    if version is None:
+        try:
+            import verl
+        except ImportError as e:
+            raise IntegrationError(f"kldiag.integrations.verl needs verl{SUPPORTED_VERL}: "
+                                   f"pip install 'kldiag[verl]' && pip install --no-deps verl==0.9.1 ({e})") from e
+        version = verl.__version__
+    v = Version(version)
+    if not Version("0.9") <= v < Version("0.10"):
+        raise IntegrationError(f"kldiag.integrations.verl supports verl{SUPPORTED_VERL}, found verl {version}; "
+                               "install a supported version (pip install --no-deps verl==0.9.1), or record with "
+                               "kldiag.Recorder by hand")
+    return version
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """cfg[key] for a dict, an OmegaConf DictConfig or a verl dataclass config."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except Exception:  # noqa: BLE001 - a dataclass whose get() differs: fall back to the attribute
+            pass
+    return getattr(cfg, key, default)
+
+
+def _plain(x: Any) -> Any:
+    """A JSON-able copy of a config value (DictConfig, dataclass, enum, numpy scalar)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(x, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:
+        pass
+    if hasattr(x, "__dataclass_fields__"):
+        return {k: _plain(getattr(x, k)) for k in x.__dataclass_fields__ if not k.startswith("_")}
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x if isinstance(x, (str, int, float, bool, type(None))) else str(x)
+
+
+def settings(actor: Any, rollout_correction: Any = None, version: str | None = None) -> dict[str, Any]:
+    """The manifest `config` of a verl run: the actor settings that decide the maths.
+
+    actor: `actor_rollout_ref.actor` (DictConfig or verl's ActorConfig); rollout_correction:
+    `algorithm.rollout_correction` (None: the actor's policy_loss.rollout_correction, if any).
+    """
+    out: dict[str, Any] = {k: _plain(_get(actor, k)) for k in ACTOR_KEYS if _get(actor, k) is not None}
+    policy_loss = _get(actor, "policy_loss")
+    out["policy_loss.loss_mode"] = _get(policy_loss, "loss_mode", "vanilla")
+    rc = rollout_correction if rollout_correction is not None else _get(policy_loss, "rollout_correction")
+    if rc is not None:
+        out["rollout_correction"] = _plain(rc)
+    out.update(kl_semantics="verl", verl_micro_slots=MICRO_SLOTS, verl_version=version)
+    return out
+
+
+@dataclass
+class _State:
+    """This process's recording state (one per worker process; the loss runs on one thread)."""
+
+    recorder: Any = None
+    step: int = -1
+    mini: int = -1  # mini-batch index within the step
+    micro: int = 0  # micro-batch index within the mini-batch
+    left_in_mini: int = 0  # sequences of the current mini-batch this rank has not seen yet
+    last_mini_ends_step: bool = False
+    seen: dict[int, int] = field(default_factory=dict)  # seq id -> times recorded this step
+    failures: int = 0
+
+
+STATE = _State()
+
+
+def ppo_loss(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any = None, *, run: str | None = None,
+             manifest_config: dict[str, Any] | None = None, inner: Any = None) -> tuple[Any, dict[str, Any]]:
+    """verl's `ppo_loss` (or `inner`), unchanged, plus recording the micro-batch it saw.
+
+    Install with `partial(ppo_loss, config=actor_config, run=RUN)` (what `loss_fn` returns).
+    Recording failures warn once and never reach training (KLDIAG_STRICT=1 raises them).
+    """
+    if inner is None:
+        from verl.workers.utils.losses import ppo_loss as inner
+    loss, metrics = inner(config, model_output, data, dp_group)
+    try:
+        record_micro_batch(config, model_output, data, dp_group, run=run, manifest_config=manifest_config)
+    except Exception as e:  # noqa: BLE001 - never into training unless asked
+        STATE.failures += 1
+        if os.environ.get("KLDIAG_STRICT") == "1":
+            raise
+        if STATE.failures == 1:
+            warnings.warn(f"kldiag: recording a verl micro-batch failed ({type(e).__name__}: {e}); training goes "
+                          "on without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=2)
+    return loss, metrics
+
+
+def loss_fn(actor_config: Any, run: str | os.PathLike, manifest_config: dict[str, Any] | None = None) -> partial:
+    """The picklable loss to hand to `actor_rollout_wg.set_loss_fn` (it runs in the workers)."""
+    return partial(ppo_loss, config=actor_config, run=str(run), manifest_config=manifest_config)
+
+
+def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
+    """Replace the actor loss of an initialised verl V1 trainer by the recording one.
+
+    Call after `trainer.init()` (it creates `trainer.actor_rollout_wg`). run defaults to $KLDIAG_RUN.
+    """
+    version = check_version()
+    run = run if run is not None else os.environ.get(ENV_RUN)
+    if not run:
+        raise IntegrationError(f"pass run= or set {ENV_RUN} to the kldiag run directory (or URI) to record into")
+    wg = getattr(trainer, "actor_rollout_wg", None)
+    if wg is None:
+        raise IntegrationError("the trainer has no actor_rollout_wg yet: call kldiag.integrations.verl.attach(trainer, "
+                               "run) after trainer.init()")
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor_cfg = trainer.config.actor_rollout_ref.actor
+    algorithm = _get(trainer.config, "algorithm")
+    if _get(trainer.config, "distillation") is not None and _get(trainer.config.distillation, "enabled", False):
+        raise IntegrationError("verl distillation replaces ppo_loss by distillation_ppo_loss; kldiag records "
+                               "ppo_loss only: turn distillation off or record with kldiag.Recorder by hand")
+    fn = loss_fn(omega_conf_to_dataclass(actor_cfg), run,
+                 settings(actor_cfg, _get(algorithm, "rollout_correction"), version))
+    wg.set_loss_fn(fn)
+    return fn
+
+
+# ---- the worker side ----------------------------------------------------------------------
+
+
+def owns_data() -> bool:
+    """True on the rank that writes for its data-parallel rank (SP / TP / CP rank 0)."""
+    try:
+        from verl.utils.ulysses import get_ulysses_sequence_parallel_rank
+
+        if get_ulysses_sequence_parallel_rank() != 0:
+            return False
+    except ImportError:
+        pass
+    mpu = getattr(sys.modules.get("megatron.core"), "mpu", None)
+    if mpu is not None and mpu.model_parallel_is_initialized():
+        return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+    return True
+
+
+def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict[str, Any] | None) -> Any:
+    if STATE.recorder is None:
+        import torch
+
+        from kldiag.recorder import Recorder
+
+        run = run or os.environ.get(ENV_RUN)
+        if not run:
+            raise IntegrationError(f"set {ENV_RUN} (or pass run=) to the kldiag run the verl hook records into")
+        rank, world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            group = dp_group if dp_group is not None else torch.distributed.group.WORLD
+            rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        version = check_version()
+        cfg = manifest_config or settings(config, None, version)
+        coef = cfg.get("kl_loss_coef") if cfg.get("use_kl_loss") else None
+        clip = (cfg["clip_ratio_low"], cfg["clip_ratio_high"]) if "clip_ratio_low" in cfg else None
+        STATE.recorder = Recorder(run, rank=rank, world_size=world, trainer="verl", trainer_version=version,
+                                  beta=coef, estimator=ESTIMATOR_OF.get(str(cfg.get("kl_loss_type"))),
+                                  clip_range=clip, config=cfg)
+    return STATE.recorder
+
+
+def _non_tensor(data: Any, key: str) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=None) if key in data.keys() else None
+
+
+def _advance(data: Any, batch: int) -> tuple[int, int]:
+    """(step, micro code) of this micro-batch; starts a new mini-batch (and maybe step) when due."""
+    explicit = _non_tensor(data, "kldiag_step")
+    if STATE.left_in_mini <= 0:  # a new mini-batch
+        tokens = _non_tensor(data, "global_token_num")
+        dp = int(_non_tensor(data, "dp_size") or 1)
+        new_step = STATE.step < 0 or STATE.last_mini_ends_step if explicit is None else int(explicit) != STATE.step
+        if new_step:
+            STATE.step = int(explicit) if explicit is not None else STATE.step + 1
+            STATE.mini, STATE.seen = -1, {}
+        STATE.mini, STATE.micro = STATE.mini + 1, 0
+        STATE.left_in_mini = len(tokens) // dp if tokens is not None else batch
+        STATE.last_mini_ends_step = bool(_non_tensor(data, "update_lr_scheduler"))
+    else:
+        STATE.micro += 1
+    STATE.left_in_mini -= batch
+    return STATE.step, STATE.mini * MICRO_SLOTS + STATE.micro
+
+
+def _mix(x: Any) -> Any:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic, logical shifts; any device)."""
+    m1, m2 = -4658895280553007687, -7723592293110705685  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * m1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * m2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def row_hash(values: Any, lengths: Any) -> Any:
+    """int64 [B] hash of each row of a ragged int64 array (values [N], lengths [B]), on its device."""
+    import torch
+
+    b = lengths.shape[0]
+    row = torch.repeat_interleave(torch.arange(b, device=values.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    t = torch.arange(values.shape[0], device=values.device) - starts[row]
+    h = _mix(values.to(torch.int64) * 1000003 + t * 7919 + 1)
+    return torch.zeros(b, dtype=torch.int64, device=values.device).index_add_(0, row, h)
+
+
+def _ragged(x: Any, mask_lengths: Any) -> tuple[Any, Any]:
+    """(values, lengths) of a nested [B, j] tensor, or of a padded one cut at mask_lengths."""
+    import torch
+
+    if x.is_nested:
+        return x.values(), x.offsets().diff()
+    keep = torch.arange(x.shape[1], device=x.device)[None, :] < mask_lengths[:, None]
+    return x[keep], mask_lengths
+
+
+def sequence_ids(data: Any, old: Any, lengths: Any) -> tuple[Any, Any]:
+    """(seq, group) int64 [B]: see the module doc. old: padded old_log_probs [B, T]."""
+    import torch
+
+    key = "input_ids" if "input_ids" in data.keys() else "responses"
+    toks, tok_len = _ragged(data[key], lengths)
+    keep = torch.arange(old.shape[1], device=old.device)[None, :] < lengths[:, None]
+    bits = old.detach().to(torch.float32).contiguous().view(torch.int32)[keep]
+    seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, lengths)) & ((1 << 62) - 1)
+    uid = _non_tensor(data, "uid") if "uid" in data.keys() else None
+    if uid is not None and len(uid) == len(lengths):
+        group = np.array([int.from_bytes(hashlib.blake2b(str(u).encode(), digest_size=8).digest(), "little")
+                          & ((1 << 62) - 1) for u in uid], dtype=np.int64)
+    elif "prompts" in data.keys() and data["prompts"].is_nested:
+        p = data["prompts"]
+        group = _mix(row_hash(p.values(), p.offsets().diff())) & ((1 << 62) - 1)
+    else:
+        group = None
+    return seq, group
+
+
+def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any = None, *,
+                       run: str | None = None, manifest_config: dict[str, Any] | None = None) -> None:
+    """Record one micro-batch exactly as verl's ppo_loss padded it (see the module doc)."""
+    import torch
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    if not owns_data():
+        return
+    rec = _recorder(config, dp_group, run, manifest_config)
+    with torch.no_grad():
+        logp = no_padding_2_padding(model_output["log_probs"].detach(), data)
+        entropy = model_output.get("entropy")
+        entropy = no_padding_2_padding(entropy.detach(), data) if entropy is not None else None
+        names = [k for k in FIELDS if k in data.keys()]
+        padded = data.select(*names).to_padded_tensor()
+        resp = data["response_mask"]
+        lengths = resp.offsets().diff() if resp.is_nested else torch.full((logp.shape[0],), logp.shape[1],
+                                                                          device=logp.device)
+        t = logp.shape[1]
+        completion = torch.arange(t, device=logp.device)[None, :] < lengths.to(logp.device)[:, None]
+        cols = {FIELDS[k]: padded[k][:, :t] for k in names}
+        cols["mask"] = cols["mask"].bool() & completion
+        seq, group = sequence_ids(data, padded["old_log_probs"], lengths)
+    step, micro = _advance(data, logp.shape[0])
+    seq_host = seq.cpu().numpy()  # one small [B] copy: the epoch count needs it on the host
+    iteration = max((STATE.seen.get(int(s), 0) for s in seq_host), default=0)
+    for s in seq_host:
+        STATE.seen[int(s)] = iteration + 1
+    rec.record(step=step, micro=micro, iteration=iteration, logp=logp, entropy=entropy, completion_mask=completion,
+               seq_ids=seq, group_ids=group, **cols)
+
+
+def close() -> None:
+    """Publish and close this process's recorder (atexit does it too); the next micro-batch opens a new one."""
+    if STATE.recorder is not None:
+        STATE.recorder.close()
+    STATE.__init__()
