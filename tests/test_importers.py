@@ -56,6 +56,19 @@ def test_slime_import_matches_numpy(tmp_path):
     assert kldiag.open_run(run).manifest.trainer["name"] == "slime"
 
 
+def test_slime_kl_options_reach_the_manifest_and_trainer_kl(tmp_path, capsys):
+    truth = fx.write_slime(tmp_path / "dump", [1, 2])
+    run = tmp_path / "run"
+    assert main(["import", "slime", str(tmp_path / "dump"), str(run), "--kl-loss-type", "low_var_kl",
+                 "--use-unbiased-kl", "--kl-loss-coef", "0.01"]) == 0
+    cfg = kldiag.open_run(run).manifest.config
+    assert (cfg["kl_semantics"], cfg["estimator"], cfg["beta"]) == ("slime", "k3_is", 0.01)
+    a = kldiag.analyze(run, kldiag.AnalysisConfig(trainer_compatible=True))
+    for row in a.trainer_kl.to_pylist():  # no logp_old in a dump: rho = 1, low_var_kl clamped at 10
+        means = [np.minimum(k3(x["logp"], x["ref"]), 10)[x["mask"] != 0].mean() for x in truth[row["step"]]]
+        assert row["kl"] == pytest.approx(np.mean(means), rel=1e-6)
+
+
 def test_reimport_adds_only_new_files(tmp_path):
     fx.write_slime(tmp_path / "dump", [1, 2])
     run = tmp_path / "run"

@@ -195,6 +195,7 @@ def test_postprocess_records_from_data_owning_ranks(fake_slime, tmp_path, device
     assert sorted(t["seq"].unique() - (7 << 32)) == [0, 1, 2, 3, 4, 5]
     assert dict(zip(t["seq"] - (7 << 32), t["group"], strict=True))[5] == 2
     assert run.manifest.config["kl_semantics"] == "slime" and run.manifest.config["kl_loss_type"] == "low_var_kl"
+    assert run.manifest.config["estimator"] == "k3_is" and run.manifest.config["beta"] == 0.01
     masks = [m for dp in (0, 1) for m in data[dp]["loss_masks"]]
     assert t["mask"].sum() == sum(int(m.sum()) for m in masks)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.analysis import slime_kl
 from kldiag.integrations.importers import slime as dump
 from kldiag.integrations.importers._sink import Sequence, pack
 
@@ -73,6 +74,12 @@ def recorder(args: Any, mpu: Any) -> Any:
             raise ValueError(f"set {ENV_RUN} to the kldiag run directory (or URI) the slime hooks record into")
         config = {k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None}
         config["kl_semantics"] = "slime"
+        if getattr(args, "use_kl_loss", False):
+            config["estimator"] = slime_kl.estimator_name(getattr(args, "kl_loss_type", "k1"),
+                                                          getattr(args, "use_unbiased_kl", False))
+            config["beta"] = getattr(args, "kl_loss_coef", None)
+        if getattr(args, "eps_clip", None) is not None:
+            config["clip_range"] = [args.eps_clip, getattr(args, "eps_clip_high", None) or args.eps_clip]
         STATE.recorder = Recorder(run, rank=mpu.get_data_parallel_rank(with_context_parallel=False),
                                   world_size=mpu.get_data_parallel_world_size(with_context_parallel=False),
                                   trainer="slime", config=config)

@@ -31,12 +31,14 @@ def add_parser(subparsers: Any) -> None:
                    help="slime: the run's --kl-loss-type, for the trainer-compatible KL")
     p.add_argument("--use-unbiased-kl", action="store_true", default=None,
                    help="slime: the run used --use-unbiased-kl")
+    p.add_argument("--kl-loss-coef", type=float, default=None, help="slime: the run's --kl-loss-coef (beta)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     options = {"trust_pickle": args.trust_pickle, "group_size": args.group_size,
-               "kl_loss_type": args.kl_loss_type, "use_unbiased_kl": args.use_unbiased_kl}
+               "kl_loss_type": args.kl_loss_type, "use_unbiased_kl": args.use_unbiased_kl,
+               "kl_loss_coef": args.kl_loss_coef}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = import_dumps(args.framework, args.src, args.run, strict=args.strict, **options)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.analysis import slime_kl
 from kldiag.errors import DumpError, UnsupportedDumpVersionError
 from kldiag.integrations.importers._sink import TOKEN_FIELDS, Sequence
 
@@ -62,6 +63,11 @@ def config(options: dict[str, Any]) -> dict[str, Any]:
     for key in ("kl_loss_type", "use_unbiased_kl", "kl_loss_coef"):
         if options.get(key) is not None:
             out[key] = options[key]
+    estimator = slime_kl.estimator_name(options.get("kl_loss_type"), options.get("use_unbiased_kl"))
+    if estimator is not None:
+        out["estimator"] = estimator
+    if options.get("kl_loss_coef") is not None:
+        out["beta"] = options["kl_loss_coef"]
     return out
 
 
