@@ -2,9 +2,9 @@
 
 slime is not on PyPI and needs Megatron, so `megatron.core.mpu` and the slime functions the
 hooks call are stand-ins built here as slime@624b824a defines them: `compute_approx_kl`
-(slime/utils/ppo_utils.py l. 11-50, copied without @torch.compile), the KL part of
-`policy_loss_function` (backends/megatron_utils/loss.py l. 963-986, 1116-1126) and
-`sum_of_sample_mean` (cp_utils.py l. 67-77), the rollout_data the actor passes to
+(slime/utils/ppo_utils.py l. 12-51, copied without @torch.compile), the KL part of
+`policy_loss_function` (backends/megatron_utils/loss.py l. 965-978, 1116-1130) and
+`sum_of_sample_mean` (cp_utils.py l. 73-82), the rollout_data the actor passes to
 --rollout-data-postprocess-path (actor.py l. 505; keys as slime/ray/rollout.py l. 783-808).
 """
 
@@ -27,7 +27,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
-    """slime/utils/ppo_utils.py l. 12-50 (THUDM/slime@624b824a), without @torch.compile."""
+    """slime/utils/ppo_utils.py l. 12-51 (THUDM/slime@624b824a), without @torch.compile."""
     log_ratio = log_probs.float() - log_probs_base.float()
     if kl_loss_type == "k1":
         kl = log_ratio
@@ -108,7 +108,7 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
 
 
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
-    """The KL part of slime's policy_loss_function (loss.py l. 963-986, 1116-1126)."""
+    """The KL part of slime's policy_loss_function (loss.py l. 965-978, 1116-1130)."""
     old = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch.get("log_probs")
     _, lpe = sys.modules["slime.backends.megatron_utils.loss"].get_log_probs_and_entropy(
         logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
@@ -122,7 +122,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
 
 def sum_of_sample_mean_for(batch):
-    """cp_utils.get_sum_of_sample_mean, CP = 1, denominators = each sample's mask sum (l. 67-77)."""
+    """cp_utils.get_sum_of_sample_mean, CP = 1, denominators = each sample's mask sum (l. 73-82)."""
     def f(x):
         return sum((xi * m).sum() / torch.clamp_min(m.sum(), 1)
                    for xi, m in zip(x.split(batch["response_lengths"], 0), batch["loss_masks"], strict=True))

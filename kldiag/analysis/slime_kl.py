@@ -1,19 +1,19 @@
 """The KL penalty as slime computes and logs it (run manifest `config.kl_semantics = "slime"`).
 
-Per token, slime/utils/ppo_utils.py `compute_approx_kl` (THUDM/slime@624b824a, l. 11-50):
+Per token, slime/utils/ppo_utils.py `compute_approx_kl` (THUDM/slime@624b824a, l. 12-51):
 with log_ratio = s - r, k1 = log_ratio, k2 = log_ratio**2 / 2, k3 and low_var_kl =
 exp(-log_ratio) - 1 + log_ratio; with --use-unbiased-kl the value is multiplied by
 rho = exp(log_probs - old_log_probs) (loss.py l. 1118-1121; rho not detached, applied to
 every estimator); then only low_var_kl is clamped to [-10, 10], after the multiply. k3 is
 never clamped.
 
-Per step: `kl_loss = sum_of_sample_mean(kl)` per micro-batch (cp_utils.py l. 47-80: each
+Per step: `kl_loss = sum_of_sample_mean(kl)` per micro-batch (cp_utils.py l. 47-124: each
 sample's masked sum over max(its denominator, 1)), summed over micro-batches and DP ranks and
-divided by the step's global batch size (loss.py l. 1352-1358, 1364-1376), i.e. the mean over
+divided by the step's global batch size (loss.py l. 1353-1386), i.e. the mean over
 samples of each sample's masked mean (`kl`); with --calculate-per-token-loss the masked sum
 over sum(max(mask sum, 1)) (`kl_token_mean`). kldiag's step is slime's rollout id: the two
 agree when a rollout is one optimizer step (--num-steps-per-rollout 1) and every sample is
-its own rollout (rollout_mask_sums = its own mask sum, slime/ray/rollout.py l. 703-712).
+its own rollout (rollout_mask_sums = its own mask sum, slime/ray/rollout.py l. 686-700).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ every CP rank restored the CP-sharded fields; one kldiag rank per data-parallel 
 
 `policy_loss(args, batch, logits, sum_of_sample_mean)` delegates to slime's
 `policy_loss_function` (loss.py l. 934) and records the log-probs that function computes
-with `get_log_probs_and_entropy` (l. 972-980; taken from that call, no second forward or
+with `get_log_probs_and_entropy` (l. 970-978; taken from that call, no second forward or
 log-softmax): logp = pi_theta during the update, logp_old = the batch's log_probs
 (rollout_log_probs with --use-rollout-logprobs, l. 965), logp_ref, logp_sampler, advantages,
 loss mask, entropy. With it, `postprocess` records nothing itself (it only notes the rollout
