@@ -101,10 +101,10 @@ def slime_rollout_data(rng: np.random.Generator, rollout_id: int, n_prompts: int
     """Per-DP-rank rollout_data as slime's actor holds it at save_debug_train_data.
 
     RolloutManager._convert_samples_to_train_data / _split_train_data_by_dp (slime/ray/rollout.py
-    l. 657-690, 783-810): tokens (prompt + response, long), response_lengths, loss_masks (int),
+    l. 657-700, 783-821): tokens (prompt + response, long), response_lengths, loss_masks (int),
     sample_indices, rollout_log_probs (float32), split by `partition` (round robin here, as
     build_dp_schedule may interleave); process_rollout_data keeps `partition` and takes
-    total_lengths per partition (slime/utils/data.py l. 303-318); the actor adds log_probs,
+    total_lengths per partition (slime/utils/data.py l. 304-329); the actor adds log_probs,
     ref_log_probs (compute_log_prob), advantages and returns (per-token tensors).
     """
     n = n_prompts * group
@@ -150,7 +150,7 @@ def slime_rollout_data(rng: np.random.Generator, rollout_id: int, n_prompts: int
 def write_slime(dump_dir: Path, rollout_ids, *, n_prompts=3, group=2, dp_size=2, seed=0, with_rollout=True):
     """--dump-details DIR: DIR/train_data/{id}.pt (save_debug_train_data, train_data_utils.py l. 239-242)
     and DIR/rollout_data/{id}.pt ({rollout_id, samples: [Sample.to_dict()]}, rollout_data_utils.py
-    l. 140-153, with group_index and index from RolloutDataSource, data_source.py l. 107-117)."""
+    l. 140-153, with group_index and index from RolloutDataSource, data_source.py l. 108-117)."""
     rng = np.random.default_rng(seed)
     truth = {}
     for rid in rollout_ids:
