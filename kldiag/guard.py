@@ -111,9 +111,11 @@ class Guard:
         self.fired: list[Episode] = []
         self.should_stop = self.should_save = False
         self.failed: BaseException | None = None
-        self._seen: set[tuple[str, int]] = set()
+        self._judged = -(1 << 62)  # the last step end_step judged: later starts are new
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._submitted = self._processed = 0
         self._thread = threading.Thread(target=self._work, name="kldiag-guard", daemon=True)
         self._thread.start()
 
@@ -121,6 +123,8 @@ class Guard:
     def observe(self, step: int, logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) -> None:
         """Hand one batch (host arrays, [B, T]) of `step` to the worker; returns at once."""
         if self.failed is None:
+            with self._lock:
+                self._submitted += 1
             self._queue.put((int(step), _arr(logp), _arr(logp_ref), _arr(logp_old), _arr(logp_sampler),
                              None if mask is None else np.array(mask, dtype=bool, copy=True)))
 
@@ -157,19 +161,20 @@ class Guard:
             except Exception as e:
                 self._fail(e)
             finally:
-                self._queue.task_done()
+                with self._done:
+                    self._processed += item is not None
+                    self._done.notify_all()
 
     def _drain(self) -> None:
-        done = threading.Event()
-        threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True).start()
-        if not done.wait(self.wait_s):
-            warnings.warn(f"kldiag guard: the per-step check took over {self.wait_s}s; judging the steps so far",
-                          stacklevel=3)
+        with self._done:
+            if not self._done.wait_for(lambda: self._processed >= self._submitted or self.failed, self.wait_s):
+                warnings.warn(f"kldiag guard: the per-step check took over {self.wait_s}s; judging the steps so "
+                              "far", stacklevel=3)
 
-    def table(self) -> dict[str, np.ndarray]:
-        """The steps so far as the columns the episode rules read."""
+    def table(self, last: int | None = None) -> dict[str, np.ndarray]:
+        """The steps so far (the `last` ones only, if given) as the columns the episode rules read."""
         with self._lock:
-            steps = sorted(self.steps)
+            steps = sorted(self.steps)[-last:] if last else sorted(self.steps)
             rows = [self.steps[s] for s in steps]
 
         def c(k):
@@ -185,15 +190,17 @@ class Guard:
                     "drift_abs_mean": c("sum_drift") / c("n_drift")}
 
     def _evaluate(self, step: int) -> list[Episode]:
-        cols = self.table()
+        """Episodes of `on` starting after the last judged step. Only the tail is judged: enough
+        steps before the new ones for the trailing median and for bridging (cost flat in run length)."""
+        ctx = EP.RuleContext(estimator=self.estimator or EP.DEFAULT_ESTIMATOR, **self.context)
+        with self._lock:
+            fresh = sum(1 for s in self.steps if self._judged < s <= step)
+        history = 2 * max(ctx.alert_window, ctx.config.quiet_steps) + 1
+        cols = self.table(last=history + fresh + 1)
         keep = cols["step"] <= step
         cols = {k: v[keep] for k, v in cols.items()}
-        ctx = EP.RuleContext(estimator=self.estimator or EP.DEFAULT_ESTIMATOR, **self.context)
-        new = []
-        for e in EP.episodes(cols, ctx, self.on):
-            if (e.kind, e.start) not in self._seen:
-                self._seen.add((e.kind, e.start))
-                new.append(e)
+        new = [e for e in EP.episodes(cols, ctx, self.on) if e.start > self._judged]
+        self._judged = max(self._judged, step)
         self.fired += new
         return new
 

@@ -27,6 +27,7 @@ Pure numpy on float64 arrays; no import of kldiag.analysis (which imports this m
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -70,13 +71,14 @@ def col(cols: Cols, name: str) -> np.ndarray:
 
 def trailing_median(v: np.ndarray, window: int) -> np.ndarray:
     """Median of the previous `window` values, ignoring NaN; NaN where there is no history."""
-    out = np.full(len(v), np.nan)
-    for i in range(1, len(v)):
-        past = v[max(0, i - window):i]
-        past = past[~np.isnan(past)]
-        if len(past):
-            out[i] = np.median(past)
-    return out
+    v = np.asarray(v, dtype=np.float64)
+    if not len(v) or window < 1:
+        return np.full(len(v), np.nan)
+    padded = np.concatenate([np.full(window, np.nan), v])
+    past = np.lib.stride_tricks.sliding_window_view(padded, window)[: len(v)]  # row i: v[i-window:i]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: no history, NaN
+        return np.nanmedian(past, axis=1)
 
 
 def _gt(v: np.ndarray, limit) -> np.ndarray:
