@@ -226,3 +226,15 @@ def test_refuses_a_run_of_another_source(tmp_path):
     with pytest.raises(DumpError, match="new run directory"):
         import_dumps("nemo-rl", tmp_path / "b", tmp_path / "run")
 
+
+
+def test_import_into_an_s3_run_equals_local(s3, tmp_path, monkeypatch):
+    """RUN may be a URI: the recorder writes it (one PUT per part); re-import reads the manifest there."""
+    monkeypatch.setenv("KLDIAG_CACHE_DIR", str(tmp_path / "cache"))
+    fx.write_prime(tmp_path / "out", [0, 1])
+    uri = f"s3://{s3.bucket()}/imported"
+    assert main(["import", "prime-rl", str(tmp_path / "out"), uri]) == 0
+    import_dumps("prime-rl", tmp_path / "out", tmp_path / "local")
+    assert kldiag.analyze(uri).steps.equals(kldiag.analyze(tmp_path / "local").steps)
+    again = import_dumps("prime-rl", tmp_path / "out", uri)
+    assert again.imported == [] and len(again.already) == 4
