@@ -225,6 +225,10 @@ def test_refuses_a_run_of_another_source(tmp_path):
     import_dumps("nemo-rl", tmp_path / "a", tmp_path / "run")
     with pytest.raises(DumpError, match="new run directory"):
         import_dumps("nemo-rl", tmp_path / "b", tmp_path / "run")
+    with kldiag.Recorder(tmp_path / "recorded") as rec:
+        rec.record(step=0, logp=np.full((1, 2), -1.0, np.float32))
+    with pytest.raises(DumpError, match="did not make"):
+        import_dumps("nemo-rl", tmp_path / "a", tmp_path / "recorded")
 
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.errors import NotARunError
+from kldiag.errors import DumpError, NotARunError
 from kldiag.recorder import Recorder
 
 TOKEN_FIELDS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "advantage", "token_ids")
@@ -81,13 +81,21 @@ def _span(steps: list[int]) -> str:
 
 
 def previous_import(run: str | os.PathLike) -> dict[str, Any]:
-    """The manifest's config["import"] of an existing run ({} for a new run)."""
+    """The manifest's config["import"] of an existing run ({} for a new run).
+
+    DumpError for a run that kldiag import did not make: imported rows never mix with a
+    recorded run's.
+    """
     from kldiag.format import read_manifest
 
     try:
-        return dict(read_manifest(run).config.get("import") or {})
+        manifest = read_manifest(run)
     except NotARunError:
         return {}
+    if not manifest.config.get("import"):
+        raise DumpError(f"{run} is a kldiag run that kldiag import did not make (trainer "
+                        f"{manifest.trainer.get('name')!r}); import into a new run directory")
+    return dict(manifest.config["import"])
 
 
 class Sink:
