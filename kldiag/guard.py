@@ -45,7 +45,11 @@ _MAXES = ("weight_k3_abs_max", "weight_k3_is_abs_max")
 
 
 def _arr(x: Any) -> np.ndarray | None:
-    return None if x is None else np.array(x, dtype=np.float64, copy=True)
+    return None if x is None else np.array(x, copy=True)  # as given (float32): widened on the worker
+
+
+def _f64(x: np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else np.asarray(x, dtype=np.float64)
 
 
 def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) -> dict[str, float]:
@@ -154,8 +158,8 @@ class Guard:
                 if item is None:
                     return
                 if self.failed is None:
-                    step, *arrays = item
-                    sums = step_sums(*arrays)
+                    step, logp, logp_ref, logp_old, logp_sampler, mask = item
+                    sums = step_sums(_f64(logp), _f64(logp_ref), _f64(logp_old), _f64(logp_sampler), mask)
                     with self._lock:
                         self.steps[step] = _merge(self.steps[step], sums) if step in self.steps else sums
             except Exception as e:
