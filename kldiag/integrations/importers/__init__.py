@@ -67,8 +67,9 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
     config = {**(before.get("config") or {}), **mod.config(options)}  # options given now win
     # run.json keeps the previous import record until this one ends (an interrupted import
     # leaves the files it did not finish to the next one)
-    sink = Sink(run, framework=framework, dump_version=mod.DUMP_VERSION,
-                config={**config, **({"import": before} if before else {})},
+    started = {"framework": framework, "source": str(src.resolve()), "dump_version": mod.DUMP_VERSION,
+               "files": dict(done), **{k: v for k, v in before.items() if k not in ("files",)}}
+    sink = Sink(run, framework=framework, dump_version=mod.DUMP_VERSION, config={**config, "import": started},
                 world_size=max(int(mod.world_size(todo, options)), int(before.get("world_size") or 1)))
     try:
         for path in todo:
