@@ -126,6 +126,8 @@ class Sink:
         return rec
 
     def add(self, s: Sequence) -> None:
+        if len(s.logp) == 0:  # no trained token (a prompt-only sample): nothing to store
+            return
         buf = self.buffers.setdefault(s.rank, [])
         if buf and (buf[0].step, buf[0].micro) != (s.step, s.micro):
             self._flush(s.rank)
