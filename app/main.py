@@ -15,6 +15,7 @@ PAGES = [
     st.Page("app_pages/sequence.py", title="Sequence", icon=":material/notes:", url_path="sequence"),
     st.Page("app_pages/estimators.py", title="Estimators", icon=":material/functions:", url_path="estimators"),
     st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
+    st.Page("app_pages/mismatch.py", title="Mismatch", icon=":material/difference:", url_path="mismatch"),
 ]
 
 page = st.navigation(PAGES)

@@ -36,7 +36,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 # url_path -> what proves the page drew: plotly charts, or the flags table's grid.
 # Overview is the default page: Streamlit serves it at the root, not under its url_path.
 PAGES = {"": ".main-svg", "distributions": ".main-svg", "tokens": '[data-testid="stDataFrame"]',
-         "sequence": ".main-svg", "estimators": ".main-svg", "compare": ".main-svg"}
+         "sequence": ".main-svg", "estimators": ".main-svg", "compare": ".main-svg", "mismatch": ".main-svg"}
 
 
 def _free_port() -> int:

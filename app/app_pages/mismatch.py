@@ -1,0 +1,124 @@
+"""Mismatch: the inference engine (mu) against the trainer (pi_old), policy drift against engine
+mismatch, what corrections would have done, and the run's framework's own metrics."""
+
+import dash_data as D
+import numpy as np
+import plotly.graph_objects as go
+import streamlit as st
+
+from kldiag import views_mismatch as VM
+from kldiag.crosswalk import FRAMEWORKS
+from kldiag.diagnosis import whatif as W
+from kldiag.format import read_manifest
+
+
+@st.cache_resource(max_entries=8, show_spinner="Reading the run's tokens ...")
+def _view(path: str, keys: tuple[str, ...]) -> VM.MismatchView:
+    return VM.load(path)
+
+
+@st.cache_data(max_entries=64)
+def _whatif(path: str, keys: tuple[str, ...], method: str, convention: str, params: tuple):
+    return VM.whatif_frame(_view(path, keys), W.WhatIf(method, convention, **dict(params)))
+
+
+@st.cache_data(max_entries=16, show_spinner="Computing the framework's metrics ...")
+def _crosswalk(path: str, keys: tuple[str, ...], framework: str):
+    return VM.crosswalk_frame(path, framework)
+
+
+def lines(df, x, cols, title, log_x=False, log_y=False, names=None):
+    fig = go.Figure()
+    for c in cols:
+        fig.add_trace(go.Scatter(x=df[x], y=df[c], mode="lines+markers" if len(df) < 40 else "lines",
+                                 name=(names or {}).get(c, c)))
+    fig.update_layout(title=title, height=340, margin={"t": 40, "b": 30}, legend={"orientation": "h"})
+    fig.update_xaxes(title={"text": {"p": "mu's token probability"}.get(x, x)})
+    if log_x:
+        fig.update_xaxes(type="log")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+run = D.page("Mismatch")
+view = _view(run.path, run.keys)
+if view.tokens.step_stride > 1:
+    st.caption(f"A large run: every {view.tokens.step_stride}th step is shown.")
+
+st.subheader("Engine vs trainer parity")
+if not view.has_sampler:
+    st.info("This run has no sampler log-probs (logp_sampler is null): the engine's mu is unknown, so there is "
+            "no mismatch to decompose. Record the inference engine's log-probs to see this page.")
+else:
+    cols = st.columns(4)
+    for c, (label, value, hint) in zip(cols, VM.parity_rows(view), strict=False):
+        c.metric(label, value, help=hint)
+    findings = VM.parity_findings(view)
+    for line in findings:
+        st.warning(line)
+    if not findings:
+        st.success("The engine and the trainer agree on the sampled tokens up to float noise.")
+
+    st.subheader("Policy drift against engine mismatch")
+    st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step.")
+    st.plotly_chart(lines(view.by_step, "step", ["drift_abs", "mismatch_abs"], "Per step (nats)",
+                          names={"drift_abs": "|log pi_theta/pi_old| (drift)",
+                                 "mismatch_abs": "|log pi_old/mu| (mismatch)"}))
+    left, right = st.columns(2)
+    prob = view.by_prob.assign(p=np.sqrt(view.by_prob["lo"] * view.by_prob["hi"]))
+    left.plotly_chart(lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
+                            "Mismatch against the sampler's token probability", log_x=True, log_y=True))
+    left.caption("The low-probability-token pitfall (\"When Speed Kills Stability\"): tokens mu found unlikely "
+                 "carry the largest mismatch.")
+    pos = view.by_pos.assign(position=view.by_pos["lo"])
+    right.plotly_chart(lines(pos, "position", ["mismatch_abs", "drift_abs"], "By position in the completion",
+                             log_x=bool(pos["position"].max() > 16)))
+    if view.by_entropy is not None:
+        ent = view.by_entropy.assign(entropy=(view.by_entropy["lo"] + view.by_entropy["hi"]) / 2)
+        st.plotly_chart(lines(ent, "entropy", ["mismatch_abs", "drift_abs"], "By token entropy (nats)"))
+
+st.subheader("What if: corrections replayed on these tokens")
+c1, c2 = st.columns(2)
+method = c1.selectbox("Correction", W.METHODS, key="wi_method",
+                      format_func=lambda m: {"tis_token": "token TIS (cap C)", "tis_seq": "sequence TIS (cap C)",
+                                             "icepop": "IcePop / MIS (band [a, b])",
+                                             "geo_rs": "geometric-mean sequence rejection [a, b]",
+                                             "seq_mask_tis": "seq-mask-TIS ([a, b], cap C)",
+                                             "opsm": "DeepSeek off-policy sequence mask (delta)"}[m])
+convention = c2.radio("\"old\" is", W.CONVENTIONS, horizontal=True, key="wi_conv",
+                      index=0 if not view.has_sampler else 1,
+                      format_func=lambda c: "the trainer's pi_old" if c == "trainer" else "the sampler's mu")
+if convention == "sampler" and not view.has_sampler:
+    st.info("No sampler log-probs in this run: use the trainer's pi_old.")
+    st.stop()
+params = {}
+if method in ("tis_token", "tis_seq", "seq_mask_tis"):
+    params["cap"] = st.slider("cap C", 1.0, 10.0, 2.0, 0.1, key="wi_cap")
+if method in ("icepop", "geo_rs", "seq_mask_tis"):
+    lo, hi = st.slider("band [a, b]", 0.05, 10.0, (0.5, 2.0), 0.05, key="wi_band")
+    params.update(low=lo, high=hi)
+if method == "opsm":
+    params["delta"] = st.select_slider("delta", [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0], value=1e-4,
+                                       key="wi_delta", format_func=lambda v: f"{v:g}")
+frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
+tot = VM.whatif_totals(frame)
+m = st.columns(5)
+m[0].metric("Tokens masked or clipped", f"{tot['token_frac']:.2%}")
+m[1].metric("Sequences affected", f"{tot['seq_frac']:.2%}")
+m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
+m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
+m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
+left, right = st.columns(2)
+left.plotly_chart(lines(frame, "step", ["token_frac", "seq_frac", "ess"], "Per step"))
+right.plotly_chart(lines(frame, "step", ["mass_removed_pos_share", "mass_removed_neg_share"],
+                         "Share of |weight x advantage| removed, by the sign of A"))
+
+st.subheader("The framework's own metrics (crosswalk)")
+own = VM.own_framework(read_manifest(run.path))
+names = list(FRAMEWORKS)
+fw = st.selectbox("Framework", names, index=names.index(own), key="cw_fw")
+table, reasons = _crosswalk(run.path, run.keys, fw)
+st.dataframe(table, hide_index=True, width="stretch")
+for name, why in reasons.items():
+    st.caption(f"`{name}` is null: {why}")
