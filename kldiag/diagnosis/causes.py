@@ -101,6 +101,8 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     if fire.any():
         head = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {EP._fmt(peak)} at step {peak_step} (above "
                 f"{EP._fmt(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
+        if onset < _first(c["step"], fire):
+            head += f"; flagged tokens carry over {cfg.blame_share:.0%} of the |k3 weight| from step {onset}"
     else:
         head = (f"from step {onset}, flagged tokens carry up to {ev['blame_share_max']:.0%} of the |k3 weight| "
                 f"(max {EP._fmt(peak)}, below the blow-up limit {EP._fmt(cfg.blowup_weight)} so far)")
