@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from kldiag.cli import main
@@ -98,3 +99,29 @@ def test_watch_once_for_cron(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["watch", str(tmp_path), "--fail-on", "explode"])
     assert e.value.code == 2
+
+
+def test_watcher_on_an_s3_run_reads_only_new_parts(s3, tmp_path, monkeypatch):
+    import kldiag
+
+    monkeypatch.setenv("KLDIAG_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"s3://{s3.bucket()}/runs/w"
+
+    def record(steps, blow=False):
+        rng = np.random.default_rng(steps.start)
+        with kldiag.Recorder(uri, beta=0.04, estimator="k3", rotate_seconds=None) as rec:
+            for step in steps:
+                logp = -rng.exponential(0.7, (4, 12)).astype(np.float32)
+                ref = logp.copy()
+                if blow:  # pi_ref/pi_theta = e^8 on one token: |k3 weight| ~ 3000
+                    logp[:, 3], ref[:, 3] = -9.0, -1.0
+                rec.record(step=step, logp=logp, logp_ref=ref, logp_old=logp)
+
+    record(range(0, 6))
+    w = Watcher(uri)
+    first = w.poll()
+    assert first.parts_new == 1 and first.diagnosis.verdict == "healthy" and len(w.scan.by_part) == 1
+    record(range(6, 9), blow=True)
+    up = w.poll()
+    assert up.parts_new == 1 and [(e.kind, e.start) for e in up.started if e.kind == "blowup"] == [("blowup", 6)]
+    assert up.diagnosis.verdict == "unstable"
