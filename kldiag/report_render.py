@@ -63,6 +63,10 @@ def format_text(rep: Report) -> str:
         from kldiag.diagnosis.text import format_diagnosis
 
         lines += ["diagnosis (as in kldiag analyze and the dashboard):", format_diagnosis(rep.diagnosis)]
+    if rep.analysis is not None:
+        from kldiag.report_mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
+
+        lines += text_lines(rep.run_dir)
     return "\n".join(lines)
 
 
@@ -155,7 +159,13 @@ def render_html(rep: Report) -> str:
             f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{causes}{first}{rules}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
-            f"<h2>Estimators on this run's tokens</h2>{comp}</body></html>")
+            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}</body></html>")
+
+
+def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
+    from kldiag.report_mismatch import section_html  # issue 15: the dashboard's Mismatch page, as HTML
+
+    return section_html(rep.run_dir, rep.analysis.manifest, include_plotlyjs) if rep.analysis is not None else ""
 
 
 def write_html(rep: Report, path: str | Path) -> Path:

@@ -1,0 +1,32 @@
+"""`kldiag report` carries the Mismatch page's sections: parity with the implied temperature, drift vs
+mismatch and the probability-bucket chart, what-if at default thresholds, the run's framework crosswalk."""
+
+from __future__ import annotations
+
+import re
+
+import kldiag
+from kldiag.report import build_report
+from kldiag.report_render import format_text, render_html
+
+
+def test_demo_report_has_the_mismatch_sections():
+    rep = build_report(kldiag.analyze("sample_logs/demo_k3"))
+    text = format_text(rep)
+    assert "Implied engine temperature: 1.2" in text and "engine_temperature_mismatch" in text
+    page = render_html(rep)
+    for h in ("Mismatch: engine against trainer", "What if: corrections at their default thresholds",
+              "Crosswalk: verl's own metrics from these tokens"):
+        assert f"<h2>{h}</h2>" in page, h
+    assert "the low-probability-token pitfall" in page
+    assert page.count("window.PlotlyConfig") == 1  # plotly.js embedded once
+    rows = re.findall(r"<tr><td>(tis_token|opsm)</td><td>(pi_old|mu)</td>", page)
+    assert len(rows) == 4
+    assert "<td>rollout_corr/k3_kl</td>" in page
+
+
+def test_report_without_sampler_says_so():
+    rep = build_report(kldiag.analyze("sample_logs/trl_grpo_tiny"))
+    assert "no sampler log-probs (logp_sampler) recorded" in format_text(rep)
+    page = render_html(rep)
+    assert "Crosswalk: trl's own metrics" in page and "<td>kl</td>" in page
