@@ -171,3 +171,21 @@ def test_analyze_json_contract(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.splitlines()[1].startswith("verdict: UNSTABLE: k3_weight_blowup from step 20")
     assert "fix: " in text
+
+
+def test_side_scan_is_incremental_and_cached(tmp_path, monkeypatch):
+    from kldiag.diagnosis import scan as S
+
+    make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(0, 3))
+    first = S.StepScan()
+    assert first.update(open_run(tmp_path)) == 1
+    make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(3, 6), manifest=False)
+    calls = []
+    real = S.batch_sums
+    monkeypatch.setattr(S, "batch_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert first.update(open_run(tmp_path)) == 1 and len(calls) == 1  # only the new part is read
+    fresh = S.StepScan()  # another process: the run's cache answers, no part is read
+    assert fresh.update(open_run(tmp_path)) == 2 and len(calls) == 1
+    t, u = first.table(), fresh.table()
+    assert list(t["step"]) == list(range(6)) and np.allclose(t["confident_share"], u["confident_share"])
+    assert np.allclose(t["entropy_mean"], u["entropy_mean"])

@@ -2,7 +2,9 @@
 
 One extra pass over four columns (step, mask, logp, entropy, plus logp_old/logp_sampler), one
 part at a time, each part's sums kept in a cache keyed by PartInfo.key (parts are immutable),
-so `kldiag watch` reads only the new parts. Per step, over tokens in the loss (mask true):
+so `kldiag watch` reads only the new parts; the sums are also kept in the run's cache
+(RUN/.kldiag/diagnosis-scan-*, safe to delete), so a second `kldiag analyze` reads none.
+Per step, over tokens in the loss (mask true):
 
   entropy_mean           mean of the recorded entropy (NaN when none is recorded)
   confident_share        share of tokens with p = exp(logp) > confident_p (0.99)
@@ -12,13 +14,17 @@ so `kldiag watch` reads only the new parts. Per step, over tokens in the loss (m
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+CACHE_VERSION = 1
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
 
@@ -51,6 +57,43 @@ def _merge(into: dict[int, np.ndarray], more: dict[int, np.ndarray]) -> None:
         into[s] = into[s] + v if s in into else v.copy()
 
 
+def _cache_dir(run, confident_p: float) -> Path | None:
+    """RUN/.kldiag/diagnosis-scan-vN-P (or the remote run's local cache); None when unusable."""
+    try:
+        return Path(run.cache_dir()) / f"diagnosis-scan-v{CACHE_VERSION}-{confident_p:g}"
+    except Exception:
+        return None
+
+
+def _name(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32] + ".npz"
+
+
+def _load(cache: Path | None, key: str) -> dict[int, np.ndarray] | None:
+    if cache is None:
+        return None
+    try:
+        with np.load(cache / _name(key)) as z:
+            return {int(s): v for s, v in zip(z["steps"], z["sums"], strict=True)}
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _save(cache: Path | None, key: str, sums: dict[int, np.ndarray]) -> None:
+    """Per-part sums, written atomically (a .tmp renamed); a failure only costs a re-scan."""
+    if cache is None:
+        return
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        steps = np.array(sorted(sums), dtype=np.int64)
+        tmp = cache / (_name(key) + f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, steps=steps, sums=np.array([sums[s] for s in steps]).reshape(len(steps), len(SUMS)))
+        os.replace(tmp, cache / _name(key))
+    except OSError:
+        pass
+
+
 class StepScan:
     """Incremental per-step sums of a run; `update(run)` reads only parts it has not seen."""
 
@@ -62,13 +105,17 @@ class StepScan:
         """Scan the new parts of `run` (a kldiag.format Run); returns how many were read."""
         parts = run.parts() if parts is None else parts
         new = [p for p in parts if p.key not in self.by_part]
+        cache = _cache_dir(run, self.confident_p)
         for p in new:
-            sums: dict[int, np.ndarray] = {}
-            try:
-                for b in run.iter_batches(COLUMNS, parts=[p]):
-                    _merge(sums, batch_sums(b, self.confident_p))
-            except Exception as e:  # a part that vanished or broke: diagnosis goes on without it
-                warnings.warn(f"kldiag: diagnosis scan skipped {p.path}: {e}", stacklevel=2)
+            sums = _load(cache, p.key)
+            if sums is None:
+                sums = {}
+                try:
+                    for b in run.iter_batches(COLUMNS, parts=[p]):
+                        _merge(sums, batch_sums(b, self.confident_p))
+                    _save(cache, p.key, sums)
+                except Exception as e:  # a part that vanished or broke: diagnosis goes on without it
+                    warnings.warn(f"kldiag: diagnosis scan skipped {p.path}: {e}", stacklevel=2)
             self.by_part[p.key] = sums
         live = {p.key for p in parts}
         self.by_part = {k: v for k, v in self.by_part.items() if k in live}
