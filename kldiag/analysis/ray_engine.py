@@ -49,14 +49,16 @@ def connect(address: str | None = None):
     ray = require_ray()
     if ray.is_initialized():
         return ray
-    kw = {"include_dashboard": False, "ignore_reinit_error": True, "logging_level": "ERROR",
-          "log_to_driver": False}
+    kw: dict = {"logging_level": "ERROR", "log_to_driver": False}  # errors come back as exceptions
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        kw["include_dashboard"] = False  # a local Ray for this process only
     try:
         ray.init(address=address, **kw)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = address or os.environ.get("RAY_ADDRESS") or "a local Ray"
         raise EngineError(f"cannot start or reach Ray at {where} ({e}); check --ray-address / RAY_ADDRESS "
-                          "(ray status on the head node prints it), or use --engine local") from e
+                          "(ray status on the head node prints it; a cluster with token authentication also needs "
+                          "RAY_AUTH_MODE=token and its token), or use --engine local") from e
     return ray
 
 
