@@ -29,6 +29,9 @@ from kldiag.diagnosis import tokenset as TS
 from kldiag.diagnosis.types import Cause
 
 
+COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "logp", "logp_old", "logp_sampler")
+
+
 @dataclass(frozen=True)
 class ParityConfig:
     """Thresholds of the parity detectors (kldiag's own; docs/metrics.md)."""
@@ -42,7 +45,7 @@ class ParityConfig:
     growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
     drift_growth_max: float = 1.5  # ... while the drift grew less than this
     min_steps_growth: int = 8
-    max_tokens: int = 4_000_000  # read at most about this many tokens (every k-th step beyond)
+    max_tokens: int = 1_000_000  # read at most about this many tokens (every k-th step beyond)
 
 
 @dataclass
@@ -82,11 +85,24 @@ def prefix_hash(seq: np.ndarray, pos: np.ndarray, token_id: np.ndarray) -> np.nd
         return csum - base - term
 
 
+def _mix(h: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """One splitmix64-style round folding x into the hash h (uint64, wrapping)."""
+    with np.errstate(over="ignore"):
+        z = (h ^ x.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(31))) * np.uint64(0xBF58476D1CE4E5B9)
+        return z ^ (z >> np.uint64(29))
+
+
 def context_ids(ts: TS.TokenSet) -> np.ndarray:
-    """An int64 id per token: equal ids share (step, group, pos, prefix); -1 where group or ids are null."""
+    """An int64 id per token: equal ids share (step, group, pos, prefix); -1 where group or ids are null.
+
+    The four keys are folded into one 64-bit hash (a collision between two of a run's contexts has
+    probability ~ n**2 / 2**64), then numbered with a 1-D np.unique.
+    """
     h = prefix_hash(ts.seq, ts.pos, np.where(ts.token_id < 0, 0, ts.token_id))
-    keys = np.stack([ts.step.astype(np.uint64), ts.group.astype(np.uint64), ts.pos.astype(np.uint64), h], axis=1)
-    _, ids = np.unique(keys, axis=0, return_inverse=True)
+    for key in (ts.step, ts.group, ts.pos):
+        h = _mix(h, key)
+    _, ids = np.unique(h, return_inverse=True)
     ids = ids.reshape(-1).astype(np.int64)
     bad = (ts.group < 0) | (ts.token_id < 0)
     return np.where(bad, -1, ids)
@@ -153,21 +169,35 @@ class StepParity:
 
 
 def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None) -> StepParity:
-    """Per-step parity figures over the tokens with both log pi_old and log mu (mask ignored)."""
+    """Per-step parity figures over the tokens with both log pi_old and log mu (mask ignored).
+
+    The slope per step is the within-context one (contexts never span steps); NaN for a step
+    without two tokens of one context that differ."""
     ctx = context_ids(ts) if ctx is None else ctx
-    rows = []
-    for step, sl in ts.step_slices():
-        o, m, s = ts.logp_old[sl], ts.logp_sampler[sl], ts.logp[sl]
-        ok = np.isfinite(o) & np.isfinite(m)
-        if not ok.any():
-            continue
-        fit = fit_temperature(o, m, ctx[sl])
-        drift = np.abs(s[ok] - o[ok])
-        mism = float(np.abs(m[ok] - o[ok]).mean())
-        rows.append((step, fit.slope, fit.offset, mism, float(drift.mean()), int(ok.sum())))
-    cols = list(zip(*rows, strict=True)) if rows else [[]] * 6
-    return StepParity(*(np.asarray(c, dtype=np.float64 if i else np.int64) for i, c in enumerate(cols[:5])),
-                      tokens=np.asarray(cols[5], np.int64))
+    o, m, s = ts.logp_old, ts.logp_sampler, ts.logp
+    ok = np.isfinite(o) & np.isfinite(m)
+    steps, sidx = np.unique(ts.step[ok], return_inverse=True)
+    k = len(steps)
+    o, m, s, c = o[ok], m[ok], s[ok], ctx[ok]
+    n = np.bincount(sidx, minlength=k).astype(np.float64)
+
+    def mean(x, idx=sidx, w=None):
+        return np.bincount(idx, weights=x, minlength=k) / np.maximum(n if w is None else w, 1)
+
+    sxx = np.zeros(k)
+    sxy = np.zeros(k)
+    known = c >= 0
+    if known.any():
+        _, inv, cnt = np.unique(c[known], return_inverse=True, return_counts=True)
+        multi = cnt[inv] >= 2
+        sel = np.flatnonzero(known)[multi]
+        if len(sel):
+            do, dm = _demean(c[sel], o[sel], m[sel])
+            sxx = np.bincount(sidx[sel], weights=do * do, minlength=k)
+            sxy = np.bincount(sidx[sel], weights=do * dm, minlength=k)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slope = np.where(sxx > 1e-18, sxy / sxx, np.nan)
+    return StepParity(steps, slope, mean(m - o), mean(np.abs(m - o)), mean(np.abs(s - o)), n.astype(np.int64))
 
 
 @dataclass
@@ -296,8 +326,14 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
     if key not in _CACHE:
         if len(_CACHE) > 8:
             _CACHE.clear()
-        _CACHE[key] = check(TS.load(run, max_tokens=config.max_tokens), config)
+        _CACHE[key] = _check_run(run, config)
     return _CACHE[key]
+
+
+def _check_run(run, config: ParityConfig) -> ParityReport | None:
+    if not TS.has_values(run, "logp_sampler"):
+        return None
+    return check(TS.load(run, max_tokens=config.max_tokens, columns=COLUMNS), config)
 
 
 def _fix(manifest, name: str, temperature: float = math.nan) -> str:
@@ -335,7 +371,7 @@ def parity_causes(run, config: ParityConfig = ParityConfig()) -> list[dict]:
     from kldiag.format import open_run
 
     r = open_run(run)
-    rep = check(TS.load(r, max_tokens=config.max_tokens), config)
+    rep = _check_run(r, config)
     if rep is None:
         return []
     found = [temperature_cause(rep, _fix(r.manifest, "engine_temperature_mismatch", rep.fit.implied_temperature)),

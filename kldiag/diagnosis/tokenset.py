@@ -1,8 +1,8 @@
 """The recorded tokens as float64 arrays, for the mismatch modules (parity, what-if, decomposition, crosswalk).
 
 `load(run)` reads the columns these modules need through the public reader (superseded rows
-left out), keeps one row per (seq, pos) (the first reuse iteration: a step's batch is its
-sequences, each counted once) unless `all_iterations`, and sorts by (step, seq, pos).
+left out), keeps each sequence's first reuse iteration (a step's batch is its sequences, each
+counted once) unless `all_iterations`, and sorts by (step, seq, pos).
 Nulls become NaN; `has_old` says where logp_old was recorded (null: on-policy, pi_old = pi_theta).
 Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (`step_stride`).
 """
@@ -79,31 +79,49 @@ def _i64(t: pa.Table, name: str, null: int = -1) -> np.ndarray:
     return pc.fill_null(t.column(name), null).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _fill(b: pa.RecordBatch) -> pa.RecordBatch:
+    """The batch with every COLUMNS column, absent ones null (mask: true)."""
+    from kldiag.format.schema import TOKEN_SCHEMA
+
+    n = b.num_rows
+    arrays = [b.column(c) if c in b.schema.names else
+              (pa.array(np.ones(n, bool)) if c == "mask" else pa.nulls(n, TOKEN_SCHEMA.field(c).type)) for c in COLUMNS]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([TOKEN_SCHEMA.field(c) for c in COLUMNS]))
+
+
+def _first_iteration(seq: np.ndarray, it: np.ndarray) -> np.ndarray | None:
+    """Row indices of each sequence's first iteration (None: every row is its first, no reuse)."""
+    if not len(it) or it.min() == it.max():
+        return None
+    uniq, inv = np.unique(seq, return_inverse=True)
+    first = np.full(len(uniq), np.iinfo(np.int64).max)
+    np.minimum.at(first, inv, it)
+    return np.flatnonzero(it == first[inv])
+
+
+def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
+    ds, dq, dp = np.diff(step), np.diff(seq), np.diff(pos)
+    return bool(np.all((ds > 0) | ((ds == 0) & ((dq > 0) | ((dq == 0) & (dp > 0))))))
+
+
 def from_table(t: pa.Table, all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
     """A TokenSet from a table in the run schema (tests build one directly)."""
-    t = t.combine_chunks()
-    if not all_iterations and t.num_rows:
-        it = t.column("iteration").to_numpy(zero_copy_only=False)
-        seq, pos = t.column("seq").to_numpy(zero_copy_only=False), t.column("pos").to_numpy(zero_copy_only=False)
-        # the first iteration each (seq, pos) appears in (a run may start reusing mid-way)
-        order = np.lexsort((it, pos, seq))
-        keep_sorted = np.r_[True, (np.diff(seq[order]) != 0) | (np.diff(pos[order]) != 0)]
-        keep = np.zeros(t.num_rows, bool)
-        keep[order[keep_sorted]] = True
-        t = t.filter(pa.array(keep))
-    step, seq, pos = (t.column(c).to_numpy(zero_copy_only=False) for c in ("step", "seq", "pos"))
-    order = np.lexsort((pos, seq, step))
-    t = t.take(pa.array(order))
-    logp = _f64(t, "logp")
-    old = _f64(t, "logp_old")
-    has_old = np.isfinite(old) | ~t.column("logp_old").is_null().to_numpy(zero_copy_only=False)
-    return TokenSet(
-        step=_i64(t, "step"), seq=_i64(t, "seq"), group=_i64(t, "group"), pos=_i64(t, "pos"),
-        token_id=_i64(t, "token_id"), iteration=_i64(t, "iteration"), micro=_i64(t, "micro"), rank=_i64(t, "rank"),
-        logp=logp, logp_old=np.where(has_old, old, logp), logp_ref=_f64(t, "logp_ref"),
-        logp_sampler=_f64(t, "logp_sampler"), advantage=_f64(t, "advantage"),
-        mask=pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool),
-        entropy=_f64(t, "entropy"), has_old=has_old, step_stride=step_stride)
+    ints = {c: _i64(t, c) for c in ("step", "seq", "group", "pos", "token_id", "iteration", "micro", "rank")}
+    floats = {c: _f64(t, c) for c in ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")}
+    mask = pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
+    old_null = t.column("logp_old").is_null().to_numpy(zero_copy_only=False)
+    idx = None if all_iterations else _first_iteration(ints["seq"], ints["iteration"])
+    if idx is not None:
+        ints, floats = {k: v[idx] for k, v in ints.items()}, {k: v[idx] for k, v in floats.items()}
+        mask, old_null = mask[idx], old_null[idx]
+    if not _sorted(ints["step"], ints["seq"], ints["pos"]):
+        order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
+        ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
+        mask, old_null = mask[order], old_null[order]
+    has_old = ~old_null
+    logp = floats["logp"]
+    floats["logp_old"] = np.where(has_old, floats["logp_old"], logp)
+    return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
 
 
 def stride_for(run, max_tokens: int) -> int:
@@ -114,16 +132,29 @@ def stride_for(run, max_tokens: int) -> int:
     return max(1, int(np.ceil(est_rows / max(max_tokens, 1))))
 
 
+def has_values(run, column: str) -> bool:
+    """Whether the run's first part has a non-null value in `column` (a cheap check before a load)."""
+    parts = run.parts()
+    for b in run.iter_batches([column], parts=parts[:1]):
+        if b.column(0).null_count < b.num_rows:
+            return True
+    return False
+
+
 def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
-         steps: tuple[int, int] | None = None) -> TokenSet:
-    """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range."""
+         steps: tuple[int, int] | None = None, columns: tuple[str, ...] | None = None) -> TokenSet:
+    """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range;
+    `columns` reads only those (the others come back null: NaN, -1, mask true)."""
     if not hasattr(run, "iter_batches"):
         from kldiag.format import open_run
 
         run = open_run(run)
     stride = stride_for(run, max_tokens)
     batches = []
-    for b in run.iter_batches(COLUMNS):
+    read = [c for c in COLUMNS if columns is None or c in columns or c in ("step", "seq", "pos", "iteration")]
+    for b in run.iter_batches(read):
+        if len(read) < len(COLUMNS):
+            b = _fill(b)
         step = b.column("step")
         keep = None
         if stride > 1:
