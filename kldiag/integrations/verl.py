@@ -297,7 +297,8 @@ def sequence_ids(data: Any, old: Any, lengths: Any) -> tuple[Any, Any]:
     bits = old.detach().to(torch.float32).contiguous().view(torch.int32)[keep]
     seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, lengths)) & ((1 << 62) - 1)
     uid = _non_tensor(data, "uid") if "uid" in data.keys() else None
-    if uid is not None and len(uid) == len(lengths):
+    uid = uid.tolist() if hasattr(uid, "tolist") else uid
+    if isinstance(uid, (list, tuple)) and len(uid) == len(lengths):
         group = np.array([int.from_bytes(hashlib.blake2b(str(u).encode(), digest_size=8).digest(), "little")
                           & ((1 << 62) - 1) for u in uid], dtype=np.int64)
     elif "prompts" in data.keys() and data["prompts"].is_nested:
