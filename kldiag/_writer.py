@@ -8,12 +8,19 @@ tokens, buffers record batches and publishes one part per rotation (rows, steps 
 whichever first) with kldiag.format.publish_part (temp file, fsync, rename). It never
 raises into the training thread: failures are counted, warned about once, and re-raised
 by the recorder only in strict mode.
+
+Yielding to training: the writer converts, and a second thread (_Publisher) encodes and
+publishes, so a publish never delays the conversion of the batches queued behind it (at
+most one part waits for the publisher: memory stays bounded). Both threads lower their own
+OS priority (`nice`, Linux: setpriority on the thread id) so training threads win the
+cores; `converted` counts the host batches converted so far (Writer.wait_converted).
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - pyarrow imports it on first write; at exit that import fails
 import errno
+import os
 import queue
 import sys
 import threading
@@ -78,6 +85,8 @@ class Stager:
     reuse them; at most `keep` buffers per size class are kept.
     """
 
+    SMALL = 1 << 16  # bytes: below this a fresh copy is cheaper than the pool's bookkeeping
+
     def __init__(self, keep: int):
         self.keep = keep
         self.pools: dict[tuple[int, bool], deque] = {}
@@ -97,6 +106,8 @@ class Stager:
         torch = torch_of(x)
         if torch is None:
             a = np.asarray(x)
+            if a.nbytes <= self.SMALL:  # small arrays (no page faults): a plain copy
+                return HostArray(a.copy())
             flat, release = self._buffer(a.nbytes, False, lambda n: np.empty(n, np.uint8))
             buf = flat.view(a.dtype).reshape(a.shape)
             np.copyto(buf, a)
@@ -112,6 +123,8 @@ class Stager:
         if t.device.type != "cpu":  # mps, xpu, ...: a blocking copy gives a fresh host tensor
             t = t.to("cpu")
             return HostArray(t.view(torch.int16).numpy() if bf16 else t.numpy(), "bf16" if bf16 else "plain")
+        if t.numel() * t.element_size() <= self.SMALL:
+            return HostArray((t.view(torch.int16) if bf16 else t).numpy().copy(), "bf16" if bf16 else "plain")
         staged = self.stage(t.view(torch.int16).numpy() if bf16 else t.numpy())
         staged.kind = "bf16" if bf16 else "plain"
         return staged
@@ -182,40 +195,104 @@ def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.R
     return rb, int(E.flag_nonfinite(*logps).sum()), int(E.flag_invalid(*logps).sum())
 
 
+def lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value by `nice` (Linux: per thread; elsewhere a no-op).
+
+    An unprivileged thread may always lower its own priority; training threads then win the
+    cores when the writer competes with them.
+    """
+    if not nice or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + int(nice)))
+    except OSError:
+        pass  # a sandbox that forbids it: run at the inherited priority
+
+
+class _Publisher(threading.Thread):
+    """Encodes and publishes the parts the Writer hands over, in order, one at a time."""
+
+    def __init__(self, writer: Writer, nice: int | None):
+        super().__init__(name=f"{writer.name}-publish", daemon=True)
+        self.writer, self.nice = writer, nice
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=1)  # one part publishing, one waiting: bounded memory
+        self.cpu_s = 0.0
+
+    def run(self) -> None:
+        lower_priority(self.nice)
+        try:
+            while (item := self.q.get()) is not _STOP:
+                try:
+                    self.writer.write_part(*item)
+                finally:
+                    self.q.task_done()
+        finally:
+            self.cpu_s = time.thread_time()
+
+
 class Writer(threading.Thread):
-    """Consumes the queue; publishes parts. `stats` is read by the training thread."""
+    """Converts the queue's host batches; hands parts to its publisher. `stats` is read by the training thread.
+
+    `observers` are called here with each batch's host columns ({name: numpy array}, after the
+    device copies completed) before the buffers go back to the pool.
+    """
 
     def __init__(self, store: F.Store, rank: int, attempt: int, q: queue.Queue[Any], *, rotate_rows: int,
                  rotate_steps: int | None, rotate_seconds: float | None, stats: dict[str, int],
-                 on_error: Callable[[BaseException], None], on_publish: Callable[[], None]):
+                 on_error: Callable[[BaseException], None], on_publish: Callable[[], None], nice: int | None = None):
         super().__init__(name=f"kldiag-writer-rank{rank}", daemon=True)
         self.store, self.rank, self.attempt, self.q = store, rank, attempt, q
         self.rotate_rows, self.rotate_steps, self.rotate_seconds = rotate_rows, rotate_steps, rotate_seconds
-        self.stats, self.on_error, self.on_publish = stats, on_error, on_publish
+        self.stats, self.on_error, self.on_publish, self.nice = stats, on_error, on_publish, nice
         self.directory = F.rank_rel(rank)
         self.index: int | None = None
         self.buffer: list[pa.RecordBatch] = []
         self.buffered_rows = 0
         self.steps: set[int] = set()
         self.first_at = 0.0
+        self.observers: list[Callable[[dict[str, np.ndarray]], None]] = []
+        self.converted = 0  # host batches taken off the queue and converted (or failed)
+        self.progress = threading.Condition()
+        self.publisher = _Publisher(self, nice)
+        self.stats_lock = threading.Lock()  # the publisher counts too
+        self.cpu_s = 0.0  # thread CPU seconds of this thread, set when it ends (publisher: publisher.cpu_s)
 
     def run(self) -> None:
+        self.publisher.start()  # first: it inherits this thread's priority, then lowers its own
+        lower_priority(self.nice)
         try:
             F.clean_stale_temps(self.store, self.rank)  # left by a killed predecessor of this rank
         except OSError:
             pass  # an unwritable directory is reported by the first publish
+        try:
+            self._loop()
+        finally:
+            self.publisher.q.put(_STOP)
+            self.publisher.join()
+            self.cpu_s = time.thread_time()
+
+    def _loop(self) -> None:
         while True:
             item = self._next()
             if item is None:  # rotation deadline passed with nothing new
                 self.publish()
             elif item is _STOP:
-                self.publish()
+                self.publish(wait=True)
                 return
             elif isinstance(item, _Flush):
-                self.publish()
+                self.publish(wait=True)
                 item.done.set()
             else:
                 self._add(item)
+                with self.progress:
+                    self.converted += 1
+                    self.progress.notify_all()
+
+    def wait_converted(self, target: int, timeout: float) -> bool:
+        """Wait until `target` host batches are converted (observers called): True, or False on timeout."""
+        with self.progress:
+            return self.progress.wait_for(lambda: self.converted >= target or not self.is_alive(), timeout)
 
     def _next(self) -> Any:
         if not self.buffer or self.rotate_seconds is None:
@@ -226,15 +303,26 @@ class Writer(threading.Thread):
         except queue.Empty:
             return None
 
+    def _observe(self, item: HostBatch) -> None:
+        for event in item.events:
+            event.synchronize()
+        columns = {name: col.numpy() for name, col in item.columns.items()}
+        for fn in self.observers:
+            try:
+                fn(columns)
+            except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the writer
+                self.on_error(e)
+
     def _add(self, item: HostBatch) -> None:
         try:
+            if self.observers:
+                self._observe(item)
             rb, nonfinite, invalid = to_record_batch(item, self.rank, self.attempt)
         except Exception as e:  # noqa: BLE001 - a bad batch must not stop the writer
-            self.stats["write_errors"] += 1
+            self.count(write_errors=1)
             self.on_error(e)
             return
-        self.stats["nonfinite"] += nonfinite
-        self.stats["invalid"] += invalid
+        self.count(nonfinite=nonfinite, invalid=invalid)
         if self.rotate_steps is not None and item.step not in self.steps and len(self.steps) >= self.rotate_steps:
             self.publish()
         if not self.buffer:
@@ -245,30 +333,34 @@ class Writer(threading.Thread):
         if self.buffered_rows >= self.rotate_rows:
             self.publish()
 
-    def publish(self) -> None:
-        """Write the buffered rows as one part; on failure count them as lost and go on."""
-        if not self.buffer:
-            return
-        table = pa.Table.from_batches(self.buffer, schema=F.TOKEN_SCHEMA)
-        rows, steps = self.buffered_rows, self.steps
+    def publish(self, wait: bool = False) -> None:
+        """Hand the buffered rows to the publisher as one part; `wait`: until every part handed over is out."""
+        if self.buffer and self.buffered_rows:
+            self.publisher.q.put((self.buffer, self.buffered_rows, self.steps))
         self.buffer, self.buffered_rows, self.steps = [], 0, set()
-        if rows == 0:
-            return
+        if wait:
+            self.publisher.q.join()
+
+    def write_part(self, batches: list[pa.RecordBatch], rows: int, steps: set[int]) -> None:
+        """Publisher thread: write one part; on failure count its rows as lost and go on."""
         try:
+            table = pa.Table.from_batches(batches, schema=F.TOKEN_SCHEMA)
             if self.index is None:
                 self.index = F.next_index(self.store, self.rank)
             name = F.part_name(min(steps), max(steps), self.index, self.attempt)
             size = F.publish(self.store, self.directory, name, table)
             self.index += 1
-            self.stats["rows"] += rows
-            self.stats["files"] += 1
-            self.stats["bytes"] += size
+            self.count(rows=rows, files=1, bytes=size)
         except Exception as e:  # noqa: BLE001 - disk full, read-only, ...: never kill training
-            self.stats["write_errors"] += 1
-            self.stats["lost_rows"] += rows
+            self.count(write_errors=1, lost_rows=rows)
             self.on_error(e)
             return
         self.on_publish()
+
+    def count(self, **n: int) -> None:
+        with self.stats_lock:
+            for key, v in n.items():
+                self.stats[key] += v
 
 
 def describe_error(e: BaseException) -> str:

@@ -131,7 +131,7 @@ class Recorder:
                  world_size: int | None = None, rank: int | None = None, rotate_rows: int = 1_000_000,
                  rotate_steps: int | None = None, rotate_seconds: float | None = 60.0, queue_batches: int = 64,
                  backpressure: str = "block", every_n_steps: int = 1, seq_fraction: float = 1.0,
-                 strict: bool = False):
+                 strict: bool = False, writer_nice: int | None = 10):
         if backpressure not in ("block", "drop"):
             raise ValueError(f"backpressure={backpressure!r}; pass 'block' (wait for the writer) or 'drop'")
         if every_n_steps < 1 or not 0.0 < seq_fraction <= 1.0:
@@ -152,6 +152,7 @@ class Recorder:
         self._lock = threading.RLock()
         self._manifest_lock = threading.Lock()
         self._seq_next: dict[tuple[int, int], int] = {}
+        self._queued = 0  # host batches put on the queue (Writer.converted catches up)
         self._closed = False
         self._last_stats_write = time.monotonic()
         if isinstance(clip_range, (int, float)):
@@ -169,7 +170,7 @@ class Recorder:
         self._queue: queue.Queue = _Queue(queue_batches)
         self._writer = W.Writer(self.store, self.rank, self.attempt, self._queue, rotate_rows=rotate_rows,
                                 rotate_steps=rotate_steps, rotate_seconds=rotate_seconds, stats=self._stats,
-                                on_error=self._on_error, on_publish=self._on_publish)
+                                on_error=self._on_error, on_publish=self._on_publish, nice=writer_nice)
         self._write_manifest()
         if tokenizer is not None:
             self.write_vocab(tokenizer)
@@ -209,6 +210,7 @@ class Recorder:
                 self._drop(args)
                 return
             self._queue.put(self._stage(step, micro, iteration, args))
+            self._queued += 1
 
     def _default_seq_ids(self, step: int, iteration: int, batch: int) -> np.ndarray:
         """((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k, k counting this
@@ -283,6 +285,19 @@ class Recorder:
             self._stats["write_errors"] += 1
             self._on_error(e)
         self._raise_if_failed()
+
+    def observe(self, fn: Any) -> None:
+        """Call fn({column: [B, T] or [B] numpy array}) in the writer thread for each recorded batch."""
+        self._writer.observers.append(fn)
+
+    def wait_converted(self, timeout: float = 1.0) -> bool:
+        """Wait until the writer has converted (observers called, not published) every batch recorded so far."""
+        return self._writer.wait_converted(self._queued, timeout)
+
+    @property
+    def writer_cpu_s(self) -> float:
+        """Thread CPU seconds of the writer and publisher threads (known once closed)."""
+        return self._writer.cpu_s + self._writer.publisher.cpu_s
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every micro-batch recorded so far is published."""

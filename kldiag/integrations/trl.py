@@ -20,7 +20,12 @@ step; `iteration` is the reuse index (0 .. num_iterations - 1) of the generation
 
 On every logging step, a few `kldiag/...` metrics (computed with kldiag.estimators from the
 host copies, accumulated since the last log) are added to the dict TRL logs, so they reach
-W&B/TensorBoard and `trainer.state.log_history` like TRL's own `kl`.
+W&B/TensorBoard and `trainer.state.log_history` like TRL's own `kl`. They are computed in
+the recorder's writer thread (Recorder.observe) from the copies it writes, so the training
+thread only hands tensors to record(); at a log it waits (LOG_WAIT_S at most) until the
+writer has converted the batches queued before it, never for a publish. With a guard, live
+histograms, or a recorder that samples or drops (every_n_steps, seq_fraction,
+backpressure="drop"), they are computed on the training thread as before, over every batch.
 
 The hook relies on private GRPOTrainer methods; `attach` checks the TRL version and their
 signatures and raises `IntegrationError` (naming SUPPORTED_TRL) rather than failing mid-run.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 from typing import Any
 
@@ -42,6 +48,7 @@ SUPPORTED_TRL = ">=1.16,<1.17"  # keep in step with the `trl` extra in pyproject
 _TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
 METRIC_PREFIX = "kldiag/"
+LOG_WAIT_S = 2.0  # a log waits at most this long for the writer; later batches count at the next log
 
 # Private GRPOTrainer methods the hook wraps, with the parameters it passes or reads.
 _REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
@@ -273,6 +280,11 @@ class _Hook:
         self._step: int | None = None
         self._micro = 0
         self._window: dict[str, float] | None = None  # partials since the last log
+        self._window_lock = threading.Lock()  # the writer thread merges into the window (off-thread mode)
+        self._off: bool | None = None  # metrics in the writer thread; decided at the first capture
+        self._observer_error: BaseException | None = None
+        self.late_logs = 0  # logs whose wait for the writer timed out
+        self._pending = False  # a batch was recorded since the last log: every rank logs (a collective)
         self.histograms: Any = None  # trl_histograms.LiveHistograms when attach(histograms=...)
         self.guard: Any = None  # a kldiag.Guard fed the host copies (trl_guard.install_guard)
 
@@ -319,8 +331,11 @@ class _Hook:
         return out
 
     def _on_log(self, original, logs, *args, **kwargs):
-        if self.active and self._window is not None and self.trainer.model.training and isinstance(logs, dict):
-            self._guarded(self._add_metrics, logs)
+        if self.active and self.trainer.model.training and isinstance(logs, dict):
+            if self._off:
+                self._guarded(self._wait_converted)
+            if self._pending or self._window is not None or self._observer_error is not None:
+                self._guarded(self._add_metrics, logs)
         return original(logs, *args, **kwargs)
 
     # -- work
@@ -335,8 +350,21 @@ class _Hook:
         # On the CPU: TRL's shuffle and split index it like any [B] tensor, at no device cost.
         out[SEQ_KEY] = torch.arange(start, start + b, dtype=torch.long)
 
+    def off_thread(self) -> bool:
+        """Whether the log metrics are computed in the writer thread (decided once, at the first batch)."""
+        if self._off is None:
+            rec = self.rec
+            self._off = (self.histograms is None and self.guard is None and rec.every_n_steps == 1
+                         and rec.seq_fraction == 1.0 and rec.backpressure == "block")
+            if self._off:
+                rec.observe(self._observe)
+        return self._off
+
     def _capture(self, out: tuple) -> None:
         # Copied now: the loss goes on using these tensors after this call returns.
+        if self.off_thread():  # a device copy (no sync); record() stages it to the host
+            self._captured = (out[0].detach().clone(), None if out[1] is None else out[1].detach().clone())
+            return
         self._captured = (_host(out[0], copy=True), None if out[1] is None else _host(out[1], copy=True))
 
     def _record(self, inputs: dict, logp: np.ndarray, entropy: np.ndarray | None) -> None:
@@ -347,11 +375,14 @@ class _Hook:
         micro, self._micro = self._micro, self._micro + 1
         per_generation = int(t.args.steps_per_generation)
         iteration = (int(t._step) % (per_generation * int(t.num_iterations))) // per_generation
+        seq = self._seq_ids(inputs, logp.shape[0])
+        self._pending = True
+        if self.off_thread():
+            return self._record_tensors(inputs, step, micro, iteration, seq, logp, entropy)
         completion = _host(inputs["completion_mask"]).astype(bool)
         mask = completion & _host(inputs["tool_mask"]).astype(bool) if "tool_mask" in inputs else completion
         logp_old = _host_or_none(inputs.get("old_per_token_logps"))
         logp_ref = _host_or_none(inputs.get("ref_per_token_logps")) if self.has_ref else None
-        seq = self._seq_ids(inputs, logp.shape[0])
         partials = batch_partials(logp, logp_ref, logp_old, mask)
         self._window = partials if self._window is None else merge_partials(self._window, partials)
         if self.histograms is not None:
@@ -364,6 +395,32 @@ class _Hook:
                         advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
                         token_ids=_host(inputs["completion_ids"]), seq_ids=seq,
                         group_ids=seq // int(t.num_generations), entropy=entropy, micro=micro, iteration=iteration)
+
+    def _record_tensors(self, inputs: dict, step: int, micro: int, iteration: int, seq: np.ndarray, logp: Any,
+                        entropy: Any) -> None:
+        """Off-thread mode: the tensors go to record() as they are (it copies them); no host work here."""
+        completion = inputs["completion_mask"].bool()
+        mask = completion & inputs["tool_mask"].bool() if "tool_mask" in inputs else completion
+        self.rec.record(step=step, logp=logp, logp_old=inputs.get("old_per_token_logps"),
+                        logp_ref=inputs.get("ref_per_token_logps") if self.has_ref else None,
+                        logp_sampler=inputs.get("sampling_per_token_logps"), advantages=inputs["advantages"],
+                        mask=mask, completion_mask=completion, token_ids=inputs["completion_ids"], seq_ids=seq,
+                        group_ids=seq // int(self.trainer.num_generations), entropy=entropy, micro=micro,
+                        iteration=iteration)
+
+    def _observe(self, columns: dict[str, np.ndarray]) -> None:
+        """Writer thread: merge one recorded batch's partials into the window (the same inputs as on-thread)."""
+        try:
+            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), columns["mask"])
+        except Exception as e:  # noqa: BLE001 - raised (or counted) on the training thread at the next log
+            self._observer_error = e
+            return
+        with self._window_lock:
+            self._window = p if self._window is None else merge_partials(self._window, p)
+
+    def _wait_converted(self) -> None:
+        if not self.rec.wait_converted(LOG_WAIT_S):
+            self.late_logs += 1
 
     def _seq_ids(self, inputs: dict, b: int) -> np.ndarray:
         seq = inputs.get(SEQ_KEY)
@@ -378,7 +435,16 @@ class _Hook:
         return np.arange(start, start + b, dtype=np.int64)
 
     def _add_metrics(self, logs: dict) -> None:
-        partials, self._window = _reduce_across_ranks(self._window, self.trainer.accelerator), None
+        error, self._observer_error = self._observer_error, None
+        if error is not None:
+            raise error
+        with self._window_lock:
+            window, self._window, self._pending = self._window, None, False
+        if window is None:  # the writer timed out on every batch of this window: they count at the next log
+            if int(self.trainer.accelerator.num_processes) == 1:
+                return
+            window = batch_partials(np.zeros((0, 0), np.float32), None, None, np.zeros((0, 0), bool))
+        partials = _reduce_across_ranks(window, self.trainer.accelerator)
         logs.update(log_metrics(partials, self.has_ref))
         if self.histograms is not None:
             self.histograms.flush(self.trainer)

@@ -1,0 +1,114 @@
+"""The recorder yields to training: writer-thread observers, waiting for conversion (never for a
+publish), the writer threads' lowered OS priority, their CPU time, and the TRL hook's log metrics
+computed off the training thread equal to the on-thread ones."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kldiag import format as F
+from kldiag.integrations import trl as kt
+from kldiag.recorder import Recorder
+
+
+def batch(rng: np.random.Generator, b: int = 4, t: int = 10) -> dict[str, np.ndarray]:
+    logp = -rng.exponential(1.0, (b, t)).astype(np.float32)
+    mask = np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None]
+    logp_old = logp + rng.normal(0, 0.1, (b, t)).astype(np.float32)
+    return {"logp": logp, "logp_old": logp_old, "logp_ref": logp - np.float32(3.0) * rng.random((b, t), np.float32),
+            "mask": mask}
+
+
+def test_observers_see_the_recorded_values_in_the_writer_thread(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    given = [batch(rng) for _ in range(3)]
+    seen, threads = [], set()
+
+    def observe(columns: dict[str, np.ndarray]) -> None:
+        seen.append(kt.batch_partials(columns["logp"], columns["logp_ref"], columns["logp_old"], columns["mask"]))
+        threads.add(threading.get_ident())
+
+    with Recorder(tmp_path) as rec:
+        rec.observe(observe)
+        for i, b in enumerate(given):
+            rec.record(step=i, **{k: torch.from_numpy(v).bfloat16() if k == "logp" else v for k, v in b.items()})
+        assert rec.wait_converted(10.0)
+    want = [kt.batch_partials(torch.from_numpy(b["logp"]).bfloat16().float().numpy(), b["logp_ref"], b["logp_old"],
+                              b["mask"]) for b in given]
+    assert seen == want  # exactly: the same float32 values reach the same function
+    assert threads and threading.get_ident() not in threads
+
+
+def test_wait_converted_waits_for_queued_batches_only(tmp_path: Path) -> None:
+    seen, gate = [], threading.Event()
+
+    def slow(columns: dict[str, np.ndarray]) -> None:
+        gate.wait(10.0)
+        seen.append(len(columns["logp"]))
+
+    with Recorder(tmp_path) as rec:
+        rec.observe(slow)
+        for b in (1, 2, 3):
+            rec.record(step=0, micro=b, logp=-np.ones((b, 4), np.float32))
+        assert not rec.wait_converted(0.05)  # the observer is held: a short timeout, not a hang
+        gate.set()
+        assert rec.wait_converted(10.0) and seen == [1, 2, 3]
+        assert rec.wait_converted(0.0)  # nothing new since
+
+
+def test_a_slow_publish_does_not_delay_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    publish, release = F.publish, threading.Event()
+
+    def slow_publish(*args: object, **kwargs: object) -> int:
+        release.wait(10.0)
+        return publish(*args, **kwargs)
+
+    monkeypatch.setattr(F, "publish", slow_publish)
+    with Recorder(tmp_path, rotate_rows=1) as rec:  # every batch is a part
+        for step in range(2):
+            rec.record(step=step, logp=-np.ones((1, 3), np.float32))
+        t0 = time.monotonic()
+        assert rec.wait_converted(5.0)  # both converted while the first part is still publishing
+        assert time.monotonic() - t0 < 2.0 and rec.stats["files"] == 0
+        release.set()
+    assert rec.stats["files"] == 2 and rec.stats["rows"] == 6
+    assert rec.writer_cpu_s > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("nice", [5, None])
+def test_writer_threads_run_at_a_lower_priority(tmp_path: Path, nice: int | None) -> None:
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with Recorder(tmp_path, writer_nice=nice) as rec:
+        rec.record(step=0, logp=-np.ones((1, 3), np.float32))
+        rec.flush()  # the writer and its publisher have started and set their priority
+        got = [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in (rec._writer, rec._writer.publisher)]
+    assert got == [min(19, base + (nice or 0))] * 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's is untouched
+
+
+@pytest.mark.slow
+def test_trl_log_metrics_off_thread_equal_on_thread(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import trl_grpo
+
+    model = trl_grpo.build_tiny_model(tmp_path / "model")
+    logs = {}
+    for off in (True, False):
+        trainer = trl_grpo.make_trainer(model, tmp_path / f"out{off}", steps=3)
+        kt.attach(trainer, tmp_path / f"run{off}")
+        if not off:
+            trainer._kldiag_hook._off = False  # the on-thread path, as with a guard or histograms
+        trainer.train()
+        assert trainer._kldiag_hook._off is off and trainer._kldiag_hook.late_logs == 0
+        logs[off] = [{k: v for k, v in h.items() if k.startswith("kldiag/")} for h in trainer.state.log_history]
+    assert len([h for h in logs[True] if h]) == 3
+    assert logs[True] == logs[False]
