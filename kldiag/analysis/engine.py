@@ -1,9 +1,10 @@
 """`analyze(run_dir)`: stream every part once, cache its partial, merge, build the tables.
 
 Parts are independent: each is reduced to a `Partial` (partials.py) by streaming record
-batches, in this process or in `config.workers` processes, or read back from the cache in
-RUN/.kldiag/. Partials are merged in part order whatever the workers did, so the result
-of a cached, incremental or parallel analysis equals a full serial recompute exactly.
+batches, in this process, in `config.workers` processes or in Ray tasks (engine="ray",
+ray_engine.py), or read back from the cache in RUN/.kldiag/; the merge of the earlier parts
+is cached too (prefix.py). Partials are merged in part order whatever the workers did, so
+the result of a cached, incremental or parallel analysis equals a full serial recompute exactly.
 """
 
 from __future__ import annotations
