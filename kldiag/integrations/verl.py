@@ -265,37 +265,60 @@ def _mix(x: Any) -> Any:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def row_hash(values: Any, lengths: Any) -> Any:
-    """int64 [B] hash of each row of a ragged int64 array (values [N], lengths [B]), on its device."""
+_MULTIPLIERS: dict[Any, Any] = {}  # device -> int64 [n] random odd multipliers, one per position
+
+
+def _multipliers(n: int, device: Any) -> Any:
+    """Fixed (seeded) random odd int64 multipliers for positions 0..n-1 on `device`, grown on demand."""
     import torch
 
-    b = lengths.shape[0]
-    row = torch.repeat_interleave(torch.arange(b, device=values.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    t = torch.arange(values.shape[0], device=values.device) - starts[row]
-    h = _mix(values.to(torch.int64) * 1000003 + t * 7919 + 1)
-    return torch.zeros(b, dtype=torch.int64, device=values.device).index_add_(0, row, h)
+    m = _MULTIPLIERS.get(device)
+    if m is None or m.shape[0] < n:
+        size = max(n, 2 * (m.shape[0] if m is not None else 4096))
+        g = torch.Generator().manual_seed(0x6B6C64)
+        m = (torch.randint(-(1 << 62), 1 << 62, (size,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
+        _MULTIPLIERS[device] = m
+    return m
 
 
-def _ragged(x: Any, mask_lengths: Any) -> tuple[Any, Any]:
-    """(values, lengths) of a nested [B, j] tensor, or of a padded one cut at mask_lengths."""
+def row_hash(values: Any, lengths: Any) -> Any:
+    """int64 [B] hash of each row of a ragged int64 array (values [N], lengths [B]), on its device.
+
+    sum_t (x_t + 1) * M_t (wrapping, M_t seeded random odd numbers) per row, then splitmix64's
+    finaliser mixed with the length: three passes over the tokens, no host sync.
+    """
+    import torch
+
+    b, n = lengths.shape[0], values.shape[0]
+    starts = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
+    ends = torch.cumsum(lengths, 0)
+    starts.index_add_(0, ends[:-1], torch.ones(b - 1 if b else 0, dtype=torch.int64, device=values.device))
+    row = torch.cumsum(starts[:n], 0)
+    t = torch.arange(n, device=values.device) - (ends - lengths)[row]
+    h = (values.to(torch.int64) + 1) * _multipliers(max(n, 1), values.device)[t]  # n >= every length: no sync
+    acc = torch.zeros(b, dtype=torch.int64, device=values.device).index_add_(0, row, h)
+    return _mix(acc ^ (lengths.to(torch.int64) * 0x9E3779B9))
+
+
+def _ragged(x: Any, lengths: Any) -> tuple[Any, Any]:
+    """(values, lengths) of a nested [B, j] tensor, or of a padded [B, T] one cut at `lengths`."""
     import torch
 
     if x.is_nested:
         return x.values(), x.offsets().diff()
-    keep = torch.arange(x.shape[1], device=x.device)[None, :] < mask_lengths[:, None]
-    return x[keep], mask_lengths
+    keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+    return x[keep], lengths  # boolean indexing: a sync, only on verl's padded (non-nested) layout
 
 
-def sequence_ids(data: Any, old: Any, lengths: Any) -> tuple[Any, Any]:
-    """(seq, group) int64 [B]: see the module doc. old: padded old_log_probs [B, T]."""
+def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
+    """(seq, group) int64 [B]: see the module doc. lengths: [B] response lengths on the device."""
     import torch
 
     key = "input_ids" if "input_ids" in data.keys() else "responses"
     toks, tok_len = _ragged(data[key], lengths)
-    keep = torch.arange(old.shape[1], device=old.device)[None, :] < lengths[:, None]
-    bits = old.detach().to(torch.float32).contiguous().view(torch.int32)[keep]
-    seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, lengths)) & ((1 << 62) - 1)
+    old, old_len = _ragged(data["old_log_probs"], lengths)
+    bits = old.detach().to(torch.float32).contiguous().view(torch.int32)
+    seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, old_len)) & ((1 << 62) - 1)
     uid = _non_tensor(data, "uid") if "uid" in data.keys() else None
     uid = uid.tolist() if hasattr(uid, "tolist") else uid
     if isinstance(uid, (list, tuple)) and len(uid) == len(lengths):
@@ -331,7 +354,7 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
         completion = torch.arange(t, device=logp.device)[None, :] < lengths.to(logp.device)[:, None]
         cols = {FIELDS[k]: padded[k][:, :t] for k in names}
         cols["mask"] = cols["mask"].bool() & completion
-        seq, group = sequence_ids(data, padded["old_log_probs"], lengths)
+        seq, group = sequence_ids(data, lengths)
     step, micro = _advance(data, logp.shape[0])
     seq_host = seq.cpu().numpy()  # one small [B] copy: the epoch count needs it on the host
     iteration = max((STATE.seen.get(int(s), 0) for s in seq_host), default=0)
