@@ -7,7 +7,8 @@ step) the callback asks the guard for episodes that started. Then, per the guard
 `control.should_save = True` (the Trainer saves `output_dir/checkpoint-STEP` in the same
 step, transformers `Trainer._maybe_log_save_evaluate`), `control.should_training_stop = True`
 (the Trainer leaves its loop after this step and runs on_train_end, so the recorder closes
-and every row is published), the reason in the trainer's logs (`kldiag/guard_stop_step`,
+and every row is published; with several processes, any rank's guard stops them all at the
+same step), the reason in the trainer's logs (`kldiag/guard_stop_step`,
 `log_history`) and in the run's manifest (config `guard_stop`). transformers 5.23.0,
 TRL 1.16.0.
 """
@@ -35,11 +36,14 @@ def guard_callback(guard: Any, hook: Any = None) -> Any:
 
         def on_step_end(self, args, state, control, **kwargs):
             started = guard.end_step(int(state.global_step))
+            save, stop = _any_rank(hook, bool(started) and guard.should_save, bool(started) and guard.should_stop)
+            if not (started or save or stop):
+                return control
+            control.should_save = control.should_save or save
+            if stop:  # every rank stops at the same step, or the others would hang in a collective
+                control.should_training_stop = True
             if not started:
                 return control
-            control.should_save = control.should_save or guard.should_save
-            if guard.should_stop:
-                control.should_training_stop = True
             reason = "; ".join(f"{e.kind} from step {e.start}: {e.message}" for e in started)
             state.log_history.append({"step": int(state.global_step), "kldiag/guard": reason,
                                       "kldiag/guard_stop_step": int(state.global_step) if guard.should_stop else None})
@@ -54,3 +58,15 @@ def guard_callback(guard: Any, hook: Any = None) -> Any:
             guard.close()
 
     return KldiagGuardCallback()
+
+
+def _any_rank(hook: Any, save: bool, stop: bool) -> tuple[bool, bool]:
+    """(save, stop) if any rank's guard asks for it: one all-reduce of two numbers per step, and
+    only with several processes (each rank's guard sees its own rank's tokens)."""
+    acc = getattr(getattr(hook, "trainer", None), "accelerator", None)
+    if acc is None or int(acc.num_processes) == 1:
+        return save, stop
+    import torch
+
+    flags = acc.reduce(torch.tensor([float(save), float(stop)], device=acc.device), reduction="sum")
+    return bool(flags[0].item() > 0), bool(flags[1].item() > 0)
