@@ -5,6 +5,7 @@ without Ray, --engine ray names the extra and `import kldiag` never imports Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -83,6 +84,16 @@ def test_multirank_run_with_corrupt_part(ray_session, multirank, tmp_path):
     assert first.files_new == first.files and cached.files_new == 1
     with pytest.warns(UserWarning):
         assert_same_analysis(cached, kldiag.analyze(run, LOCAL))
+
+
+def test_restart_superseded_rows_equal_local(ray_session, tmp_path):
+    """Superseded steps travel with each part (PartInfo.exclude) into the Ray tasks."""
+    cfg = SynthConfig(steps=6, seqs_per_step=6, seq_len=(5, 30), ranks=2, rows_per_file=150)
+    make_run(tmp_path / "run", cfg)
+    make_run(tmp_path / "run", dataclasses.replace(cfg, attempt=1, seed=1), steps=range(3, 5), manifest=False)
+    local, remote, _ = analyses(tmp_path / "run", per_rank=True)
+    assert remote.info["superseded_rows"] > 0
+    assert_same_analysis(remote, local)
 
 
 @dataclass(frozen=True)
