@@ -131,3 +131,22 @@ def test_combine_without_prefix_is_merge(source):
     for t in partials.TABLES:
         for col, v in getattr(b, t).items():
             np.testing.assert_array_equal(getattr(a, t)[col], v)
+
+
+def test_restart_invalidates_the_prefix(tmp_path, monkeypatch):
+    """A later attempt supersedes steps of parts inside the prefix: their keys change, so the
+    prefix no longer matches the listing and the cached analysis still equals a recompute."""
+    import dataclasses
+
+    monkeypatch.setattr(prefix, "PREFIX_TAIL", 1)
+    cfg = SynthConfig(steps=8, seqs_per_step=6, seq_len=(5, 30), ranks=2, rows_per_file=150, vocab_size=0)
+    make_run(tmp_path / "run", cfg)
+    analyze(tmp_path / "run")
+    run = open_run(tmp_path / "run")
+    assert prefix.load(run.cache_dir(), run.parts(), prefix_th(tmp_path / "run")) is not None
+    make_run(tmp_path / "run", dataclasses.replace(cfg, attempt=1, seed=3), steps=range(2, 4), manifest=False)
+    run = open_run(tmp_path / "run")
+    assert prefix.load(run.cache_dir(), run.parts(), prefix_th(tmp_path / "run")) is None
+    again = analyze(tmp_path / "run")
+    assert again.info["superseded_rows"] > 0
+    assert_same_analysis(again, analyze(tmp_path / "run", NOCACHE))
