@@ -7,6 +7,9 @@ Every figure is a ratio to a baseline measured in the same run:
   tensors (zero-copy for CPU tensors, so also / `.clone().numpy()`, a real host copy);
 - writer: sustained tokens/s from the first record() to close() (everything published)
   / writing the same Arrow table with pyarrow directly (pq.write_table, zstd level 1);
+  and the CPU seconds its threads spent per million tokens (thread CPU time, robust to
+  other load: Recorder.writer_cpu_s, or the writer thread's own clock for an older kldiag)
+  / pq.write_table's CPU seconds per million tokens;
 - bytes/token on disk with logp, logp_old, logp_ref, advantages, mask, token_ids
   (DESIGN.md bar: at most 14), and for each Parquet encoding option.
 Data: log-probs of sampled tokens (most near 0, a heavy tail), old/ref policies nearby,
@@ -88,25 +91,41 @@ def bench_hold(batches: list[dict], n: int, dtype: torch.dtype, run_dir: Path, p
     return out
 
 
+def writer_cpu_clock() -> None:
+    """For a kldiag without Recorder.writer_cpu_s: the writer thread notes its CPU time when it ends."""
+    run = W.Writer.run
+
+    def timed_run(self: W.Writer) -> None:
+        try:
+            run(self)
+        finally:
+            self.bench_cpu_s = time.thread_time()
+    W.Writer.run = timed_run
+
+
 def bench_writer(batches: list[dict], n: int, run_dir: Path, repeats: int) -> dict[str, float]:
-    """End-to-end tokens/s (first record() to close()) vs pq.write_table of the same rows.
+    """End-to-end tokens/s (first record() to close()) and the writer threads' CPU seconds vs
+    pq.write_table of the same rows (wall and thread CPU).
 
     Alternates the two `repeats` times and keeps each one's median (the machine is shared).
     """
-    walls, directs = [], []
+    walls, directs, cpus, direct_cpus = [], [], [], []
     for r in range(repeats):
         t0 = time.perf_counter()
         with kldiag.Recorder(run_dir / f"rec-{r}", rotate_seconds=None) as rec:
             for i in range(n):
                 rec.record(step=i // 8, micro=i % 8, **batches[i % len(batches)])
         walls.append(time.perf_counter() - t0)
+        cpus.append(getattr(rec, "writer_cpu_s", None) or rec._writer.bench_cpu_s)
         tables = [pq.read_table(p.path) for p in F.list_parts(run_dir / f"rec-{r}")]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for j, table in enumerate(tables):
             pq.write_table(table, run_dir / f"direct-{j}.parquet", compression="zstd", compression_level=1)
         directs.append(time.perf_counter() - t0)
+        direct_cpus.append(time.thread_time() - c0)
     stats = rec.stats
     return {"wall_s": float(np.median(walls)), "direct_s": float(np.median(directs)), "rows": stats["rows"],
+            "cpu_s": float(np.median(cpus)), "direct_cpu_s": float(np.median(direct_cpus)),
             "bytes": stats["bytes"], "files": stats["files"], "table": tables[0]}
 
 
@@ -154,6 +173,8 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=16, help="distinct micro-batches generated, then cycled")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if not hasattr(kldiag.Recorder, "writer_cpu_s"):
+        writer_cpu_clock()
     batches = make_batches(args.distinct, args.batch, args.time)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -164,6 +185,10 @@ def main() -> None:
         print(f"writer: {tps / 1e6:.2f} M tokens/s end to end (record() .. close(), median of {args.repeats}); "
               f"pyarrow write_table of the same tables: {direct_tps / 1e6:.2f} M tokens/s; "
               f"ratio {tps / direct_tps:.2f}")
+        cpu_m, direct_cpu_m = w["cpu_s"] / w["rows"] * 1e6, w["direct_cpu_s"] / w["rows"] * 1e6
+        print(f"writer CPU: {cpu_m:.3f} s per million tokens (writer threads' thread CPU time, median of "
+              f"{args.repeats}); pq.write_table: {direct_cpu_m:.3f} s per million tokens; ratio "
+              f"{cpu_m / direct_cpu_m:.2f}")
         print(f"bytes/token on disk: {w['bytes'] / w['rows']:.2f} (bar: <= 14)")
         pace = 2 * w["wall_s"] / args.batches
         print(f"hold per record() call: paced = {pace * 1e3:.0f} ms of 'compute' after each call (2x the "
