@@ -10,7 +10,7 @@ Ported to float64 numpy from verl 0.9.1 (PyPI wheel):
   `calculate_debug_metrics` (probability space: |exp(old) - exp(rollout)|).
 - `actor/kl_loss`: verl/workers/utils/losses.py `ppo_loss` -> core_algos.py `kl_penalty` + `agg_loss` on
   pi_theta and pi_ref over the step's batch (verl logs the mean over its mini-batches; equal when a step
-  is one mini-batch).
+  is one mini-batch); on a run the verl hook recorded, exactly verl's reduction (`run_overrides`).
 Settings are verl's `algorithm.rollout_correction.*` and `actor_rollout_ref.actor.*` keys.
 """
 
@@ -315,6 +315,19 @@ def step_metrics(b: StepBatch, s: Settings) -> tuple[dict[str, float | None], di
     else:
         why["actor/kl_loss"] = NO_REF
     return out, why
+
+
+def run_overrides(run, s: Settings) -> dict[str, dict[int, float]]:
+    """For a run the verl hook recorded (trainer "verl": micro = mini-batch * MICRO_SLOTS + micro-batch),
+    actor/kl_loss exactly as verl reduces it over micro-batches, DP ranks, mini-batches and epochs
+    (kldiag.analysis.verl_kl); {} for other runs (the whole-step figure stands)."""
+    name = str((getattr(run.manifest, "trainer", None) or {}).get("name") or "").lower()
+    if not name.startswith("verl"):
+        return {}
+    from kldiag.analysis.verl_kl import kl_loss_by_step
+
+    by_step = kl_loss_by_step(run, s.kl_loss_type, s.loss_agg_mode, s.loss_scale_factor)
+    return {"actor/kl_loss": {k: v for k, v in by_step.items() if math.isfinite(v)}}
 
 
 def metric_names(s: Settings) -> list[str]:
