@@ -162,6 +162,10 @@ def test_reproduced_kl_loss_equals_verls_logged_value(tmp_path, model, mode):
     assert sorted(got) == [0, 1]
     for step in got:
         assert got[step] == pytest.approx(logged[step], rel=2e-6, abs=1e-7), (step, got[step], logged[step])
+    if mode == "token-mean":  # the same numbers through kldiag.analyze's trainer-compatible table
+        table = kldiag.analyze(tmp_path / "run", kldiag.AnalysisConfig(trainer_compatible=True)).trainer_kl
+        assert table.column("kl").to_pylist() == pytest.approx([logged[0], logged[1]], rel=2e-6)
+        assert all(0 < v < 1 for v in table.column("clamp_dead_token_share").to_pylist())
 
 
 def test_two_dp_ranks_reproduce_verls_dp_mean(tmp_path, model):

@@ -214,6 +214,10 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa
                       "window_end": pa.array([], pa.int64()), "logged_kl": pa.array([], pa.float64())})
     if config.get("kl_semantics") == "slime" and run is not None:
         return slime_kl.trainer_kl(run, config)
+    if config.get("kl_semantics") == "verl" and run is not None:  # runs of kldiag.integrations.verl
+        from kldiag.analysis import verl_kl
+
+        return verl_kl.trainer_kl(run, config)
     if not seqs:
         return empty
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"

@@ -142,3 +142,19 @@ def clamp_share_by_step(run: Any) -> dict[int, dict[str, float]]:
         out[int(st)] = {"tokens": int(sel.sum()), "dead_tokens": int((sel & dead).sum()),
                         "token_share": float((sel & dead).sum() / max(sel.sum(), 1)), "weight_share": share}
     return out
+
+
+def trainer_kl(run: Any, config: dict[str, Any]) -> Any:
+    """analyze's `trainer_kl` table for runs of the verl hook (manifest config kl_semantics == "verl"):
+    step, kl (actor/kl_loss), clamp_dead_token_share, clamp_dead_weight_share (low_var_kl only, else null)."""
+    import pyarrow as pa
+
+    kl = kl_loss_by_step(run, config.get("kl_loss_type"), config.get("loss_agg_mode"), config.get("loss_scale_factor"))
+    clamps = str(config.get("kl_loss_type", "low_var_kl")).rstrip("+") in ("low_var_kl", "k3")
+    share = clamp_share_by_step(run) if clamps else {}
+    steps = sorted(kl)
+    col = [share.get(s, {}).get("token_share") for s in steps]
+    wcol = [share.get(s, {}).get("weight_share") for s in steps]
+    return pa.table({"step": pa.array(steps, pa.int64()), "kl": pa.array([kl[s] for s in steps], pa.float64()),
+                     "clamp_dead_token_share": pa.array(col, pa.float64()),
+                     "clamp_dead_weight_share": pa.array(wcol, pa.float64())})
