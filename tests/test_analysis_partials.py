@@ -80,3 +80,19 @@ def test_reduce_by_key_combines_each_column_by_its_prefix():
         np.testing.assert_array_equal(out["sum_x"], [2.0, 4.0])
         np.testing.assert_array_equal(out["max_y"], [5.0, 4.0])
         np.testing.assert_array_equal(out["h_z"], [[0, 1], [3, 2]])
+
+
+def test_every_path_reduces_a_part_over_the_same_batches(tmp_path, monkeypatch):
+    """The threaded path (several parts at once), the pipelined one (one part, the process
+    pool's and Ray's) give one part the same partial bit for bit, also when the part is
+    longer than a kernel batch (float sums depend on where batches split sequences)."""
+    monkeypatch.setattr(partials, "KERNEL_ROWS", 97)
+    make_run(tmp_path / "r", SynthConfig(steps=3, seqs_per_step=8, seq_len=(20, 60), ranks=2, vocab_size=0))
+    found = list_parts(tmp_path / "r")
+    assert len(found) == 2 and all(p.size > 0 for p in found)
+    threaded = dict(partials.compute_parts(found, TH, 1 << 20, (), threads=2))
+    for i, part in enumerate(found):
+        one = partials.compute_part(part, TH, 1 << 20)
+        for table in partials.TABLES:
+            for col, v in getattr(one, table).items():
+                np.testing.assert_array_equal(getattr(threaded[i], table)[col], v, err_msg=f"{table}.{col}")
