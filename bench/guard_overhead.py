@@ -10,6 +10,7 @@ median over pairs of the wall-time ratio, to fight a shared machine's noise. Als
 the guard's own time on the training thread (observe() copies and enqueues; end_step() waits
 for the worker and judges the rules), measured by wrapping those two methods, as a share of
 the step time, which is the overhead that does not depend on the noise. Target: within 1%.
+--synthetic also times the guard alone on LLM-sized batches (no trainer).
 """
 
 from __future__ import annotations
@@ -64,12 +65,50 @@ def run_once(model_dir: Path, work: Path, guarded: bool, steps: int, seed: int) 
     return wall
 
 
+def synthetic(batch: int, length: int, micro: int, steps: int = 50) -> None:
+    """The guard alone on LLM-sized batches: training-thread and worker milliseconds per step."""
+    import numpy as np
+
+    import kldiag
+    from kldiag import guard as G
+
+    rng = np.random.default_rng(0)
+    logp = -rng.exponential(0.7, (batch, length)).astype(np.float32)
+    ref, old = (logp - 0.01).astype(np.float32), (logp - 0.02).astype(np.float32)
+    mask = np.ones((batch, length), bool)
+    g = kldiag.Guard()
+    thread = 0.0
+    for step in range(steps):
+        start = time.perf_counter()
+        for _ in range(micro):
+            g.observe(step, logp, ref, old, None, mask)
+        thread += time.perf_counter() - start
+        g._drain()  # wait for the worker out of the timing: it runs during the next forward
+        start = time.perf_counter()
+        g.end_step(step)
+        thread += time.perf_counter() - start
+    g.close()
+    start = time.perf_counter()
+    for _ in range(5 * micro):
+        G.step_sums(*(a.astype(np.float64) for a in (logp, ref, old)), None, mask)
+    worker = (time.perf_counter() - start) / 5
+    tokens = batch * length * micro
+    print(f"guard alone, {micro} micro-batches of {batch}x{length} ({tokens:,} tokens) per step: training thread "
+          f"{thread / steps * 1e3:.2f} ms/step, worker {worker * 1e3:.1f} ms/step (off the training thread)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved (off, on) pairs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--synthetic", action="store_true",
+                        help="also time the guard alone on LLM-sized batches (4 x 16 x 2048 tokens per step)")
     args = parser.parse_args(argv)
+    if args.synthetic:
+        synthetic(16, 2048, 4)
+    if args.repeats < 1:
+        return 0
 
     import torch
     import transformers
