@@ -112,3 +112,30 @@ def test_trl_log_metrics_off_thread_equal_on_thread(tmp_path: Path) -> None:
         logs[off] = [{k: v for k, v in h.items() if k.startswith("kldiag/")} for h in trainer.state.log_history]
     assert len([h for h in logs[True] if h]) == 3
     assert logs[True] == logs[False]
+
+
+@pytest.mark.parametrize(("options", "off"), [({}, True), ({"every_n_steps": 2}, False), ({"seq_fraction": 0.5}, False),
+                                              ({"backpressure": "drop"}, False)])
+def test_the_hook_computes_metrics_off_thread_only_when_every_batch_is_recorded(tmp_path: Path, options: dict,
+                                                                                 off: bool) -> None:
+    from types import SimpleNamespace
+
+    with Recorder(tmp_path, **options) as rec:
+        hook = kt._Hook(SimpleNamespace(beta=0.1), rec)
+        assert hook.off_thread() is off and hook.off_thread() is off  # decided once
+        assert (hook._observe in rec._writer.observers) is off
+
+
+def test_an_observer_failure_is_raised_on_the_training_thread_at_the_next_log(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(beta=0.1, accelerator=SimpleNamespace(num_processes=1))
+    with Recorder(tmp_path) as rec:
+        hook = kt._Hook(trainer, rec)
+        hook._observe({"logp": np.zeros((1, 2), np.float32)})  # no mask column: a bug, not a crash of the writer
+        with pytest.raises(KeyError, match="mask"):
+            hook._add_metrics({})
+        hook._observe({"logp": -np.ones((1, 2), np.float32), "mask": np.ones((1, 2), bool)})
+        logs: dict = {}
+        hook._add_metrics(logs)
+    assert logs["kldiag/rho_max"] == 1.0 and "kldiag/k3_mean" in logs
