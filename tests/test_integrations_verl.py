@@ -113,7 +113,7 @@ def replay_update(model, data, cfg, loss, *, mini: int, micro: int, epochs: int,
             tu.assign_non_tensor(mb, kldiag_step=step)
         metrics = Metric(aggregation="sum")
         for mu in tu.chunk_tensordict(mb, mini // micro):
-            with torch.no_grad():
+            with torch.enable_grad():  # an update pass (no backward needed here)
                 _, m = loss(model_output=forward(model, mu), data=mu, dp_group=None)  # as the engine calls it
             metrics.append(m["kl_loss"])
         out.append(metrics)
@@ -234,9 +234,8 @@ def test_padded_batch_from_left_right_padding(tmp_path, model):
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(resp_mask.sum()), global_batch_size=b)
     cfg = actor()
-    with torch.no_grad():
-        want, _ = ppo_loss(cfg, forward(model, data), data)
-        got, _ = hook.ppo_loss(cfg, forward(model, data), data, run=str(tmp_path / "run"))
+    want, _ = ppo_loss(cfg, forward(model, data), data)
+    got, _ = hook.ppo_loss(cfg, forward(model, data), data, run=str(tmp_path / "run"))
     assert torch.equal(want, got)
     hook.close()
     t = kldiag.open_run(tmp_path / "run").read().to_pandas()
@@ -250,11 +249,20 @@ def test_response_to_nested_fields_match(tmp_path, model):
     data["old_log_probs"] = response_to_nested(padded["old_log_probs"], data["response_mask"])
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["response_mask"].values().sum()),
                          global_batch_size=4)
-    with torch.no_grad():
-        hook.ppo_loss(actor(), forward(model, data), data, run=str(tmp_path / "run"))
+    hook.ppo_loss(actor(), forward(model, data), data, run=str(tmp_path / "run"))
     hook.close()
     t = kldiag.open_run(tmp_path / "run").read().to_pandas()
     assert len(t) == int(data["responses"].values().numel())
+
+
+def test_forward_only_passes_are_not_recorded(tmp_path, model):
+    """verl's infer_batch can call the loss under no_grad (compute_loss): that is no update."""
+    data = make_batch(2, 2, seed=6)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["response_mask"].values().sum()),
+                         global_batch_size=2)
+    with torch.no_grad():
+        hook.ppo_loss(actor(), forward(model, data), data, run=str(tmp_path / "run"))
+    assert hook.STATE.recorder is None and not (tmp_path / "run").exists()
 
 
 def test_dead_zone_is_where_verls_low_var_kl_gradient_vanishes():

@@ -17,7 +17,8 @@ rollout_log_probs (logp_sampler), advantages, response_mask, responses (token id
 
 Ids: seq = a hash of the sample's prompt+response token ids and its old_log_probs bits (the
 same sample keeps its id across PPO epochs, shuffles and mini-batches; hashed on the device, then
-one [B] int64 copy to the host, where verl's engine syncs anyway for `loss.item()`); group = a hash of verl's `uid` (the GRPO prompt group), else of the prompt tokens.
+one [B] int64 copy to the host, where verl's engine syncs anyway for `loss.item()`); group = a
+hash of verl's `uid` (the GRPO prompt group), else of the prompt tokens.
 micro = mini_batch * MICRO_SLOTS + micro-batch within it (mini-batches counted per step, across
 epochs); iteration = how many times this rank already recorded the sequence in this step (the
 PPO epoch). kldiag rank = data-parallel rank; only the rank that owns the data records
@@ -140,12 +141,15 @@ def ppo_loss(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any
              manifest_config: dict[str, Any] | None = None, inner: Any = None) -> tuple[Any, dict[str, Any]]:
     """verl's `ppo_loss` (or `inner`), unchanged, plus recording the micro-batch it saw.
 
-    Install with `partial(ppo_loss, config=actor_config, run=RUN)` (what `loss_fn` returns).
+    Install with `partial(ppo_loss, config=actor_config, run=RUN)` (what `loss_fn` returns). Only
+    passes with gradients enabled are recorded (updates, not forward-only log-prob passes).
     Recording failures warn once and never reach training (KLDIAG_STRICT=1 raises them).
     """
     if inner is None:
         from verl.workers.utils.losses import ppo_loss as inner
     loss, metrics = inner(config, model_output, data, dp_group)
+    if not _training_pass():  # verl's infer_batch may call the loss without gradients: not an update
+        return loss, metrics
     try:
         record_micro_batch(config, model_output, data, dp_group, run=run, manifest_config=manifest_config)
     except Exception as e:  # noqa: BLE001 - never into training unless asked
@@ -156,6 +160,12 @@ def ppo_loss(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any
             warnings.warn(f"kldiag: recording a verl micro-batch failed ({type(e).__name__}: {e}); training goes "
                           "on without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=2)
     return loss, metrics
+
+
+def _training_pass() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def loss_fn(actor_config: Any, run: str | os.PathLike, manifest_config: dict[str, Any] | None = None) -> partial:
