@@ -41,7 +41,7 @@ def side_scan(analysis, scan: StepScan | None) -> dict:
     try:
         from kldiag.format import open_run
 
-        scan = scan or StepScan()
+        scan = scan or StepScan(use_cache=bool(getattr(analysis.config, "use_cache", True)))
         scan.update(open_run(analysis.run_dir))
         return scan.table()
     except Exception as e:  # the diagnosis never fails on its extra scan: those causes are just absent

@@ -97,15 +97,15 @@ def _save(cache: Path | None, key: str, sums: dict[int, np.ndarray]) -> None:
 class StepScan:
     """Incremental per-step sums of a run; `update(run)` reads only parts it has not seen."""
 
-    def __init__(self, confident_p: float = 0.99):
-        self.confident_p = confident_p
+    def __init__(self, confident_p: float = 0.99, use_cache: bool = True):
+        self.confident_p, self.use_cache = confident_p, use_cache
         self.by_part: dict[str, dict[int, np.ndarray]] = {}
 
     def update(self, run, parts=None) -> int:
         """Scan the new parts of `run` (a kldiag.format Run); returns how many were read."""
         parts = run.parts() if parts is None else parts
         new = [p for p in parts if p.key not in self.by_part]
-        cache = _cache_dir(run, self.confident_p)
+        cache = _cache_dir(run, self.confident_p) if self.use_cache else None
         for p in new:
             sums = _load(cache, p.key)
             if sums is None:
