@@ -104,3 +104,14 @@ def test_unsupported_verl_fails_when_the_mode_attaches(config, tmp_path, monkeyp
     monkeypatch.setattr(verl, "__version__", "0.10.2")
     with pytest.raises(kldiag.KldiagError, match=r"supports verl>=0.9,<0.10, found verl 0.10.2"):
         hook.attach(trainer_of(config, tmp_path))
+
+
+def test_attach_on_a_plain_verl_trainer_tags_steps_too(config, tmp_path):
+    from transfer_queue import KVBatchMeta
+
+    trainer = object.__new__(v1.get_trainer_cls("sync"))
+    trainer.config, trainer.actor_rollout_wg, trainer.global_steps = config, WorkerGroup(), 3
+    hook.attach(trainer, tmp_path / "run")
+    assert isinstance(trainer, v1.PPOTrainerSync) and trainer.kldiag_tags_steps
+    trainer._update_actor(KVBatchMeta(keys=["a"], tags=[{}], partition_id="train"), {})
+    assert trainer.actor_rollout_wg.batches[0].extra_info["kldiag_step"] == 3

@@ -177,6 +177,8 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
     """Replace the actor loss of an initialised verl V1 trainer by the recording one.
 
     Call after `trainer.init()` (it creates `trainer.actor_rollout_wg`). run defaults to $KLDIAG_RUN.
+    A trainer of a plain verl mode becomes an instance of its kldiag subclass, so that each actor
+    update carries the trainer's global step (verl_plugin.make_trainer).
     """
     version = check_version()
     run = run if run is not None else os.environ.get(ENV_RUN)
@@ -196,6 +198,10 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
     fn = loss_fn(omega_conf_to_dataclass(actor_cfg), run,
                  settings(actor_cfg, _get(algorithm, "rollout_correction"), version))
     wg.set_loss_fn(fn)
+    if not getattr(trainer, "kldiag_tags_steps", False):  # a plain verl trainer: the kldiag subclass of its class
+        from kldiag.integrations.verl_plugin import make_trainer
+
+        trainer.__class__ = make_trainer(type(trainer))  # adds only the step tag of _update_actor (_setup is done)
     return fn
 
 

@@ -45,6 +45,8 @@ def make_trainer(base: type) -> type:
     """A subclass of verl's trainer `base` that records through kldiag."""
 
     class KldiagTrainer(base):  # type: ignore[misc, valid-type]
+        kldiag_tags_steps = True
+
         def _setup(self) -> None:
             super()._setup()
             from kldiag.integrations.verl import attach
