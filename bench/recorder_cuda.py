@@ -113,6 +113,25 @@ def bench_steps(tmp: Path, steps: int, pairs: int, b: int, t: int) -> list[tuple
     return out
 
 
+def profile_hold(run: Path, batch: dict[str, torch.Tensor], calls: int) -> None:
+    """The functions record() spends its hold in (cProfile, device idle), top 12 by own time."""
+    import cProfile
+    import pstats
+
+    with kldiag.Recorder(run, strict=True, queue_batches=calls + 2) as rec:
+        rec.record(step=0, **batch)
+        rec.flush()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for i in range(calls):
+            prof.enable()
+            rec.record(step=i + 1, **batch)
+            prof.disable()
+            if i % 8 == 7:
+                rec.flush()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def _calibrate() -> float:
     """GPU clock cycles per second for torch.cuda._sleep."""
     torch.cuda.synchronize()
@@ -134,6 +153,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-time", type=int, default=1024)
+    ap.add_argument("--profile", action="store_true", help="also print where record() spends its hold (cProfile)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this bench measures the recorder's CUDA path")
@@ -148,6 +168,8 @@ def main() -> None:
                 hold, bare = bench_hold(tmp / f"hold-{name}-{queued:.0f}", batch, args.calls, queued)
                 print(f"hold [{args.batch}, {args.time}] {name} log-probs, {queued:.0f} ms queued: record() "
                       f"{hold * 1e3:.3f} ms, bare .cpu() {bare * 1e3:.3f} ms, ratio {hold / bare:.3f}")
+        if args.profile:
+            profile_hold(tmp / "profile", micro_batch(args.batch, args.time, torch.bfloat16), args.calls)
         pairs = bench_steps(tmp, args.steps, args.pairs, args.train_batch, args.train_time)
         ratios = sorted(a / p for p, a in pairs)
         print(f"train step [{args.train_batch}, {args.train_time}] TinyLM: plain "
