@@ -11,9 +11,12 @@ by the recorder only in strict mode.
 
 Yielding to training: the writer converts, and a second thread (_Publisher) encodes and
 publishes, so a publish never delays the conversion of the batches queued behind it (at
-most one part waits for the publisher: memory stays bounded). Both threads lower their own
-OS priority (`nice`, Linux: setpriority on the thread id) so training threads win the
-cores; `converted` counts the host batches converted so far (Writer.wait_converted).
+most one part waits for the publisher: memory stays bounded). The publisher (Parquet
+encoding, compression, fsync: the bulk of the writer's CPU on large batches) lowers its OS
+priority (`nice`, Linux: setpriority on its thread id) so training threads win the cores.
+The converter keeps the trainer's priority: a TRL log waits for it (`converted` counts the
+host batches converted so far, Writer.wait_converted), and a deprioritised thread holding
+the GIL or owing a log would stall the training thread (a priority inversion).
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ class Writer(threading.Thread):
         super().__init__(name=f"kldiag-writer-rank{rank}", daemon=True)
         self.store, self.rank, self.attempt, self.q = store, rank, attempt, q
         self.rotate_rows, self.rotate_steps, self.rotate_seconds = rotate_rows, rotate_steps, rotate_seconds
-        self.stats, self.on_error, self.on_publish, self.nice = stats, on_error, on_publish, nice
+        self.stats, self.on_error, self.on_publish = stats, on_error, on_publish
         self.directory = F.rank_rel(rank)
         self.index: int | None = None
         self.buffer: list[pa.RecordBatch] = []
@@ -259,8 +262,7 @@ class Writer(threading.Thread):
         self.cpu_s = 0.0  # thread CPU seconds of this thread, set when it ends (publisher: publisher.cpu_s)
 
     def run(self) -> None:
-        self.publisher.start()  # first: it inherits this thread's priority, then lowers its own
-        lower_priority(self.nice)
+        self.publisher.start()  # it lowers its own priority; this thread keeps the trainer's
         try:
             F.clean_stale_temps(self.store, self.rank)  # left by a killed predecessor of this rank
         except OSError:
