@@ -133,3 +133,15 @@ def test_cli_says_what_it_superseded(restarted: Path, capsys: pytest.CaptureFixt
     assert f"superseded: {10 * B * T:,} rows" in out and "rank 0 attempt 0" in out
     assert main(["analyze", str(restarted), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["superseded"] == [{"rank": 0, "attempt": 0, "rows": 10 * B * T}]
+
+
+def test_the_docs_duckdb_query_keeps_the_latest_attempt(restarted: Path) -> None:
+    """docs/format.md's SQL for readers without kldiag gives the rows kldiag analyses."""
+    import duckdb
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    sql = doc[doc.index("```sql") + 6:]
+    sql = sql[: sql.index("```")].replace("RUN", str(restarted))
+    got = duckdb.sql(sql).df()
+    assert len(got) == 40 * B * T == kldiag.open_run(restarted).read().num_rows
+    assert set(got[got.step >= 20].attempt) == {1} and set(got[got.step < 20].attempt) == {0}
