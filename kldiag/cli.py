@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kldiag analyze RUN | head`: the reader left, which is not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes stdout at exit
+        return 0
 
 
 if __name__ == "__main__":
