@@ -139,3 +139,26 @@ def test_an_observer_failure_is_raised_on_the_training_thread_at_the_next_log(tm
         logs: dict = {}
         hook._add_metrics(logs)
     assert logs["kldiag/rho_max"] == 1.0 and "kldiag/k3_mean" in logs
+
+
+@pytest.mark.parametrize("t", [12, 40_000])  # under and over the Stager's small-copy threshold (64 KiB a column)
+@pytest.mark.parametrize("kind", ["numpy", "float32", "bfloat16"])
+def test_record_copies_small_and_large_inputs_the_caller_then_overwrites(tmp_path: Path, t: int, kind: str) -> None:
+    rng = np.random.default_rng(1)
+    want = []
+    with Recorder(tmp_path) as rec:
+        for step in range(3):
+            logp = -rng.random((2, t)).astype(np.float32)
+            x = logp if kind == "numpy" else torch.from_numpy(logp).to(getattr(torch, kind))
+            want.append(x.float().numpy().copy() if kind == "bfloat16" else np.array(logp))
+            rec.record(step=step, logp=x)
+            x[...] = 0.0  # the trainer reuses its buffer at once
+    got = rec_logp(tmp_path)
+    assert np.array_equal(got, np.concatenate([w.ravel() for w in want]))
+
+
+def rec_logp(run: Path) -> np.ndarray:
+    import kldiag
+
+    t = kldiag.open_run(run).read(columns=["step", "seq", "pos", "logp"]).to_pandas()
+    return t.sort_values(["step", "seq", "pos"])["logp"].to_numpy()
