@@ -65,17 +65,22 @@ def read_file(path: Path, options: dict[str, Any]) -> Iterator[Sequence]:
     if m is None:
         raise DumpError(f"{path.name} is not named train_data_step{{N}}.jsonl")
     step = int(m.group(1))
-    check_tail(path)
     group_size = options.get("group_size")
+    for line_no, row in jsonl_rows(path):
+        yield to_sequence(row, step, line_no, group_size)
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-empty line of a whole JSONL file (NeMo-RL and prime-rl dumps)."""
+    check_tail(path)
     with path.open("rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield line_no, json.loads(line)
             except ValueError as e:
                 raise DumpError(f"line {line_no} is not JSON ({e})") from e
-            yield to_sequence(row, step, line_no, group_size)
 
 
 def check_tail(path: Path) -> None:

@@ -23,7 +23,6 @@ token_ids; a null log-prob (a non-finite value in the trainer) is NaN, counted b
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 
 from kldiag.errors import DumpError, UnsupportedDumpVersionError
 from kldiag.integrations.importers._sink import TOKEN_FIELDS, Sequence
-from kldiag.integrations.importers.nemo_rl import check_tail
+from kldiag.integrations.importers.nemo_rl import jsonl_rows
 
 NAME = "prime-rl"
 DUMP_VERSION = "1"
@@ -73,16 +72,8 @@ def world_size(files: list[Path], options: dict[str, Any]) -> int:
 
 
 def read_file(path: Path, options: dict[str, Any]) -> Iterator[Sequence]:
-    check_tail(path)
-    with path.open("rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DumpError(f"line {line_no} is not JSON ({e})") from e
-            yield to_sequence(row, line_no)
+    for line_no, row in jsonl_rows(path):
+        yield to_sequence(row, line_no)
 
 
 def to_sequence(row: Any, line_no: int) -> Sequence:
