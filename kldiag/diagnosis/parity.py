@@ -114,6 +114,16 @@ def _demean(ids: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(x - (np.bincount(inv, weights=x) / cnt)[inv] for x in xs)
 
 
+def shared_rows(ctx: np.ndarray) -> np.ndarray:
+    """Indices of the rows whose context id (>= 0; -1 = unknown) appears on two rows or more:
+    the only rows a within-context fit can use."""
+    known = ctx >= 0
+    if not known.any():
+        return np.zeros(0, np.int64)
+    _, inv, cnt = np.unique(ctx[known], return_inverse=True, return_counts=True)
+    return np.flatnonzero(known)[cnt[inv] >= 2]
+
+
 def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndarray | None = None) -> TemperatureFit:
     """Fit log mu on log pi_old ([N] float64 each; ctx [N] context ids, -1 = unknown).
 
@@ -130,18 +140,14 @@ def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndar
     method, contexts = "pooled", 0
     if ctx is not None and n:
         c = np.asarray(ctx)[ok]
-        known = c >= 0
-        if known.any():
-            _, inv, cnt = np.unique(c[known], return_inverse=True, return_counts=True)
-            multi = cnt[inv] >= 2
-            sel = np.flatnonzero(known)[multi]
-            if len(sel):
-                do, dm = _demean(c[sel], o[sel], m[sel])
-                varied = np.abs(do) > 1e-9
-                contexts = int(len(np.unique(c[sel][varied])))
-                if contexts >= 2:
-                    method = "shared-context"
-                    x, y = do, dm
+        sel = shared_rows(c)
+        if len(sel):
+            do, dm = _demean(c[sel], o[sel], m[sel])
+            varied = np.abs(do) > 1e-9
+            contexts = int(len(np.unique(c[sel][varied])))
+            if contexts >= 2:
+                method = "shared-context"
+                x, y = do, dm
     if method == "pooled":
         x, y = o - o.mean() if n else o, m - m.mean() if n else m
     sxx = float(np.dot(x, x))
@@ -186,15 +192,11 @@ def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None) -> StepParity:
 
     sxx = np.zeros(k)
     sxy = np.zeros(k)
-    known = c >= 0
-    if known.any():
-        _, inv, cnt = np.unique(c[known], return_inverse=True, return_counts=True)
-        multi = cnt[inv] >= 2
-        sel = np.flatnonzero(known)[multi]
-        if len(sel):
-            do, dm = _demean(c[sel], o[sel], m[sel])
-            sxx = np.bincount(sidx[sel], weights=do * do, minlength=k)
-            sxy = np.bincount(sidx[sel], weights=do * dm, minlength=k)
+    sel = shared_rows(c)
+    if len(sel):
+        do, dm = _demean(c[sel], o[sel], m[sel])
+        sxx = np.bincount(sidx[sel], weights=do * do, minlength=k)
+        sxy = np.bincount(sidx[sel], weights=do * dm, minlength=k)
     with np.errstate(invalid="ignore", divide="ignore"):
         slope = np.where(sxx > 1e-18, sxy / sxx, np.nan)
     return StepParity(steps, slope, mean(m - o), mean(np.abs(m - o)), mean(np.abs(s - o)), n.astype(np.int64))
