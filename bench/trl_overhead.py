@@ -1,6 +1,6 @@
 """Step time of a real TRL GRPOTrainer run with kldiag attached vs the same run without it.
 
-    python bench/trl_overhead.py                 # 12 interleaved pairs of 20-step runs
+    python bench/trl_overhead.py                 # 24 interleaved pairs of 30-step runs (~80 s)
     python bench/trl_overhead.py --repeats 9 --steps 30
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 
@@ -103,8 +103,8 @@ def spread(ratios: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
-    parser.add_argument("--repeats", type=int, default=12, help="interleaved (plain, attached) pairs")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--repeats", type=int, default=24, help="interleaved (plain, attached) pairs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--writer-nice", type=int, default=None,
                         help="Recorder(writer_nice=...): the writer threads' nice increment (0: none)")
