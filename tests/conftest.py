@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,14 @@ def s3():
 
     with moto_s3() as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def _restore_main_module():
+    """Streamlit's AppTest runs the app as `__main__` and leaves it in sys.modules; a process
+    pool started later (analyze(workers=2)) then re-runs app/main.py in each worker, which
+    dies on its imports. Every test gets back the `__main__` it started with."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
+

@@ -6,11 +6,14 @@ written: the doc cannot drift from what works.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import kldiag
@@ -87,12 +90,49 @@ def test_attempt_column_and_name_agree(two_rank_run) -> None:
     assert all(p.attempt == 0 and "-a0000-" in p.name for p in F.list_parts(run))
 
 
-def test_v1_runs_still_read() -> None:
-    """sample_logs are v1 runs (tokens/rank=R/, no attempt column): kldiag reads them as attempt 0."""
-    run = kldiag.open_run(SAMPLES / "demo_k3")
+def _v1_run(root: Path) -> Path:
+    """A run as the v1 writer left it: tokens/rank=0/ (Hive name), no attempt column, writer.json inside."""
+    run = root / "v1"
+    with Recorder(run) as rec:
+        for step in range(3):
+            rec.record(step=step, logp=-np.ones((2, 4), np.float32), logp_ref=-np.full((2, 4), 2.0, np.float32))
+    t = kldiag.open_run(run).read().drop_columns(["attempt"])
+    old = run / "tokens" / "rank=0"
+    old.mkdir()
+    pq.write_table(t, old / F.part_name(0, 2, 0, None))
+    (old / F.WRITER_STATS).write_text(json.dumps({"rank": 0, "rows": t.num_rows}))
+    shutil.rmtree(run / "tokens" / "rank-0")
+    shutil.rmtree(run / "writers")
+    m = json.loads((run / F.MANIFEST).read_text())
+    (run / F.MANIFEST).write_text(json.dumps({**m, "format_version": 1}))
+    return run
+
+
+def test_v1_runs_still_read(tmp_path: Path) -> None:
+    """kldiag reads a v1 run (tokens/rank=R/, no attempt column) as attempt 0."""
+    run = kldiag.open_run(_v1_run(tmp_path))
     assert run.manifest.format_version == 1
     parts = run.parts()
-    assert parts and all(p.attempt == 0 and p.exclude == () for p in parts)
+    assert len(parts) == 1 and parts[0].attempt == 0 and parts[0].exclude == ()
     t = run.read(columns=["step", "rank", "attempt"])
-    assert t.num_rows > 0 and set(t.column("attempt").to_pylist()) == {0}
-    assert kldiag.analyze(SAMPLES / "demo_k3", kldiag.AnalysisConfig(use_cache=False)).info["rows"] == t.num_rows
+    assert t.num_rows == 24 and set(t.column("attempt").to_pylist()) == {0}
+    assert kldiag.analyze(run.path, kldiag.AnalysisConfig(use_cache=False)).info["rows"] == 24
+    assert F.read_rank_stats(run.path) == {(0, 0): {"rank": 0, "rows": 24}}
+
+
+def test_upgrade_v1_makes_a_run_every_reader_reads(tmp_path: Path) -> None:
+    run = _v1_run(tmp_path)
+    before = kldiag.analyze(run, kldiag.AnalysisConfig(use_cache=False)).steps
+    assert F.upgrade_v1(run) == 1
+    assert not (run / "tokens" / "rank=0").exists() and (run / "writers" / "rank-0-a0000.json").exists()
+    assert pq.read_table(run / "tokens").num_rows == 24  # v1's Hive directory made this fail
+    assert kldiag.open_run(run).manifest.format_version == F.FORMAT_VERSION
+    assert kldiag.analyze(run, kldiag.AnalysisConfig(use_cache=False)).steps.equals(before)
+
+
+@pytest.mark.parametrize("name", ["demo_k3", "demo_k3_is", "trl_grpo_tiny"])
+def test_shipped_samples_read_with_plain_pyarrow_and_pandas(name: str) -> None:
+    import pandas as pd
+
+    n = pq.read_table(SAMPLES / name / "tokens").num_rows
+    assert n == len(pd.read_parquet(SAMPLES / name / "tokens")) == kldiag.open_run(SAMPLES / name).read().num_rows

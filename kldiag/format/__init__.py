@@ -42,6 +42,7 @@ from kldiag.format.run import (
     read_rank_stats,
     resume_manifest,
     run_path,
+    upgrade_v1,
     vocab_pieces,
     vocab_stamp,
     write_manifest,
@@ -86,6 +87,6 @@ __all__ = [
     "Run", "Store", "attempt_hulls", "check_schema", "clean_stale_temps", "is_uri", "list_parts", "next_attempt",
     "next_index", "open_part", "open_run", "part_batches", "part_name", "publish", "publish_part", "rank_dir",
     "rank_dir_name", "rank_rel", "read_manifest", "read_rank_stats", "resolve", "resume_manifest", "run_path",
-    "superseded_intervals", "superseded_mask", "vocab_pieces", "vocab_stamp", "write_manifest", "write_rank_stats",
-    "write_vocab",
+    "superseded_intervals", "superseded_mask", "upgrade_v1", "vocab_pieces", "vocab_stamp", "write_manifest",
+    "write_rank_stats", "write_vocab",
 ]

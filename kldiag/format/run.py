@@ -15,8 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kldiag.errors import CorruptPartError, NotARunError, RunFormatError
-from kldiag.format.parts import PartInfo, list_parts, open_part, superseded_mask
+from kldiag.format.parts import PartInfo, list_parts, open_part, rank_rel, superseded_mask
 from kldiag.format.schema import (
+    FORMAT_VERSION,
+    PARQUET_WRITE_OPTIONS,
     MANIFEST,
     RANK_RE_V1,
     TOKEN_SCHEMA,
@@ -25,6 +27,7 @@ from kldiag.format.schema import (
     VOCAB_SCHEMA,
     WRITERS_DIR,
     Manifest,
+    part_name,
 )
 from kldiag.format.storage import Store, resolve
 
@@ -260,3 +263,33 @@ def _stats_key(rel: str, name: str) -> tuple[int, int] | None:
     if len(bits) == 3 and bits[0] == "rank" and bits[1].isdigit() and bits[2][:1] == "a" and bits[2][1:].isdigit():
         return int(bits[1]), int(bits[2][1:])
     return None
+
+
+def upgrade_v1(run_dir: str | os.PathLike) -> int:
+    """Rewrite a local v1 run as v1.1 in place: tokens/rank=R/part-S0-S1-N.parquet becomes
+    tokens/rank-R/part-S0-S1-a0000-N.parquet with an `attempt` column (0), writer.json moves
+    to writers/, run.json says 1.1. Each new part is published before its old file is removed,
+    so a crash leaves every row readable. Returns the number of parts rewritten."""
+    store = resolve(run_dir)
+    manifest = read_manifest(store)
+    done = 0
+    for part in list_parts(store):
+        if not RANK_RE_V1.match(part.rel.split("/")[1]):
+            continue
+        t = pq.read_table(part.path)
+        if "attempt" not in t.column_names:
+            t = t.append_column(TOKEN_SCHEMA.field("attempt"), pa.array(np.zeros(t.num_rows, np.int16)))
+        name = part_name(part.step_min, part.step_max, part.index, 0)
+        store.write_parquet(f"{rank_rel(part.rank)}/{name}", t.select(TOKEN_SCHEMA.names), **PARQUET_WRITE_OPTIONS)
+        os.unlink(part.path)
+        done += 1
+    for (rank, attempt), stats in read_rank_stats(store).items():
+        write_rank_stats(store, rank, stats, attempt)
+    for old in Path(store.root, TOKENS_DIR).glob(f"rank=*/{WRITER_STATS}"):
+        old.unlink()
+        if not any(old.parent.iterdir()):
+            old.parent.rmdir()
+    manifest.format_version = FORMAT_VERSION
+    write_manifest(store, manifest)
+    return done
+
