@@ -243,13 +243,14 @@ class Writer(threading.Thread):
 
     def __init__(self, store: F.Store, rank: int, attempt: int, q: queue.Queue[Any], *, rotate_rows: int,
                  rotate_steps: int | None, rotate_seconds: float | None, stats: dict[str, int],
-                 on_error: Callable[[BaseException], None], on_publish: Callable[[], None], nice: int | None = None):
+                 on_error: Callable[[BaseException], None], on_publish: Callable[[], None], nice: int | None = None,
+                 index: int = 0):
         super().__init__(name=f"kldiag-writer-rank{rank}", daemon=True)
         self.store, self.rank, self.attempt, self.q = store, rank, attempt, q
         self.rotate_rows, self.rotate_steps, self.rotate_seconds = rotate_rows, rotate_steps, rotate_seconds
         self.stats, self.on_error, self.on_publish = stats, on_error, on_publish
         self.directory = F.rank_rel(rank)
-        self.index: int | None = None
+        self.index = index  # first free part index of the rank (the recorder listed the run once)
         self.buffer: list[pa.RecordBatch] = []
         self.buffered_rows = 0
         self.steps: set[int] = set()
@@ -347,8 +348,6 @@ class Writer(threading.Thread):
         """Publisher thread: write one part; on failure count its rows as lost and go on."""
         try:
             table = pa.Table.from_batches(batches, schema=F.TOKEN_SCHEMA)
-            if self.index is None:
-                self.index = F.next_index(self.store, self.rank)
             name = F.part_name(min(steps), max(steps), self.index, self.attempt)
             size = F.publish(self.store, self.directory, name, table)
             self.index += 1

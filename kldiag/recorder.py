@@ -143,7 +143,7 @@ class Recorder:
         self.run_dir = F.run_path(self.store)
         self.rank, self.world_size = detect_rank(rank, world_size)
         self.store.check()  # a missing bucket or an unreachable endpoint is a clear error here, not mid-run
-        self.attempt = F.next_attempt(self.store, self.rank)
+        self.attempt, first_index = F.next_attempt(self.store, self.rank)
         self.backpressure, self.strict = backpressure, strict
         self.every_n_steps, self.seq_fraction = int(every_n_steps), float(seq_fraction)
         self._stats = dict.fromkeys(W.STATS_KEYS, 0)
@@ -170,7 +170,8 @@ class Recorder:
         self._queue: queue.Queue = _Queue(queue_batches)
         self._writer = W.Writer(self.store, self.rank, self.attempt, self._queue, rotate_rows=rotate_rows,
                                 rotate_steps=rotate_steps, rotate_seconds=rotate_seconds, stats=self._stats,
-                                on_error=self._on_error, on_publish=self._on_publish, nice=writer_nice)
+                                on_error=self._on_error, on_publish=self._on_publish, nice=writer_nice,
+                                index=first_index)
         self._write_manifest()
         if tokenizer is not None:
             self.write_vocab(tokenizer)

@@ -138,16 +138,18 @@ def superseded_mask(step: np.ndarray, exclude: Sequence[Interval]) -> np.ndarray
     return out
 
 
-def next_attempt(run_dir: str | os.PathLike | Store, rank: int) -> int:
-    """The attempt number a new writer of `rank` takes: 0 on a fresh rank, else 1 + the largest."""
-    attempts = [p.attempt for p in list_parts(run_dir) if p.rank == rank]
-    return max(attempts) + 1 if attempts else 0
+def next_attempt(run_dir: str | os.PathLike | Store, rank: int) -> tuple[int, int]:
+    """(attempt, first free part index) of a new writer of `rank`, from one listing: attempt 0
+    on a fresh rank, else 1 + the largest; the index never overwrites an earlier part."""
+    mine = [p for p in list_parts(run_dir) if p.rank == rank]
+    if not mine:
+        return 0, 0
+    return max(p.attempt for p in mine) + 1, max(p.index for p in mine) + 1
 
 
 def next_index(run_dir: str | os.PathLike | Store, rank: int) -> int:
     """First free part index of a rank: a resumed run never overwrites its earlier parts."""
-    found = [p.index for p in list_parts(run_dir) if p.rank == rank]
-    return max(found) + 1 if found else 0
+    return next_attempt(run_dir, rank)[1]
 
 
 def publish(store: Store, rel_dir: str, name: str, table: pa.Table, **options: object) -> int:
