@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.errors import StorageError
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
+GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int32), ("mask", np.bool_))
+CONVERT_ROWS = 1 << 16  # gathered rows converted to Arrow at once (tiny micro-batches: per-call overhead)
 STATS_KEYS = ("rows", "files", "bytes", "dropped_rows", "lost_rows", "write_errors",
               "nonfinite", "invalid", "sampled_out_rows", "skipped_steps")
 
@@ -141,61 +142,136 @@ class _Flush:
 _STOP = object()
 
 
-def _column(batch: HostBatch, name: str, keep: np.ndarray, dtype: Any) -> np.ndarray | None:
-    col = batch.columns.get(name)
-    if col is None:
+@dataclass
+class Rows:
+    """The completion tokens of one host batch, gathered into 1-D columns of n rows.
+
+    `columns` holds FLOAT_INPUTS (float32), token_id (int32) and mask (bool); an absent
+    input is None. Gathering frees the host batch's pooled buffers; the Arrow record batch
+    is built later for many Rows at once (rows_to_record_batch): per-call Arrow overhead
+    dominates a tiny micro-batch's conversion.
+    """
+
+    step: int
+    micro: int
+    iteration: int
+    seq: np.ndarray  # [n] int64
+    group: np.ndarray | None  # [n] int64
+    pos: np.ndarray  # [n] int32, position in the completion
+    columns: dict[str, np.ndarray | None]
+
+    @property
+    def n(self) -> int:
+        return len(self.pos)
+
+
+def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
+    """{column: numpy array} of a host batch, once its device copies completed (bf16 widened)."""
+    for event in batch.events:
+        event.synchronize()
+    batch.events = []
+    return {name: col.numpy() for name, col in batch.columns.items()}
+
+
+def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) -> Rows:
+    """The completion tokens (completion_mask, else mask, else all) of `batch`; releases its buffers.
+
+    `columns`: host_columns(batch) when the caller already has them.
+    """
+    a = host_columns(batch) if columns is None else columns
+    try:
+        shape = a["logp"].shape
+        comp = a.get("completion", a.get("mask"))
+        keep = comp.astype(bool, copy=False) if comp is not None else np.ones(shape, bool)
+        lengths = keep.sum(axis=1)
+        # Position in the completion: left padding shifts the time index, not pos.
+        first = np.argmax(keep, axis=1).astype(np.int32)
+        pos = (np.arange(shape[1], dtype=np.int32)[None, :] - first[:, None])[keep]
+        group = a.get("group")
+        out = {name: _kept(a.get(name), keep, dtype) for name, dtype in GATHERED}
+        return Rows(batch.step, batch.micro, batch.iteration, np.repeat(a["seq"].astype(np.int64, copy=False), lengths),
+                    None if group is None else np.repeat(group.astype(np.int64, copy=False), lengths), pos, out)
+    finally:
+        for col in batch.columns.values():
+            if col.release is not None:
+                col.release()
+
+
+def _kept(a: np.ndarray | None, keep: np.ndarray, dtype: Any) -> np.ndarray | None:
+    if a is None:
         return None
-    a = col.numpy()
     if a.ndim == 1:  # advantages given per sequence: one value for every token of the row
         a = np.broadcast_to(a[:, None], keep.shape)
-    out = np.asarray(a[keep], dtype=dtype)
-    return out
+    return np.asarray(a[keep], dtype=dtype)  # a[keep] is a fresh array: the pooled buffer may be reused
 
 
-def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
-    """The completion tokens of `batch` as a TOKEN_SCHEMA record batch.
+def _joined(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) -> pa.Array:
+    """One Arrow column from per-Rows pieces (of `sizes` rows); absent pieces are nulls."""
+    present = [p for p in parts if p is not None]
+    if len(present) == len(parts):
+        return pa.array(present[0] if len(present) == 1 else np.concatenate(present))
+    arrow = pa.from_numpy_dtype(np.dtype(dtype))
+    if not present:
+        return pa.nulls(sum(sizes), arrow)
+    pieces = [pa.array(p) if p is not None else pa.nulls(k, arrow) for p, k in zip(parts, sizes, strict=True)]
+    return pa.concat_arrays(pieces)
+
+
+def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
+    """One TOKEN_SCHEMA record batch of several gathered Rows, in order.
 
     Returns (record batch, nonfinite rows, invalid rows): a row is nonfinite when any of
     its log-probs is NaN/inf, invalid when any is > 0. Both are written as they are.
     """
-    for event in batch.events:
-        event.synchronize()
-    shape = batch.columns["logp"].data.shape
-    comp = batch.columns.get("completion") or batch.columns.get("mask")
-    keep = comp.numpy().astype(bool, copy=False) if comp is not None else np.ones(shape, bool)
-    n = int(keep.sum())
-    lengths = keep.sum(axis=1)
-    seq = batch.columns["seq"].numpy().astype(np.int64, copy=False)
-    group = batch.columns.get("group")
-    # Position in the completion: left padding shifts the time index, not pos.
-    first = np.argmax(keep, axis=1).astype(np.int32)
-    pos = (np.arange(shape[1], dtype=np.int32)[None, :] - first[:, None])[keep]
+    sizes = [r.n for r in rows]
+    n = sum(sizes)
+
+    def const(attr: str, dtype: Any) -> pa.Array:
+        return pa.array(np.repeat(np.array([getattr(r, attr) for r in rows], dtype), sizes))
+
     arrays: dict[str, pa.Array] = {
-        "step": pa.array(np.full(n, batch.step, np.int64)),
-        "micro": pa.array(np.full(n, batch.micro, np.int32)),
-        "iteration": pa.array(np.full(n, batch.iteration, np.int16)),
-        "rank": pa.array(np.full(n, rank, np.int16)),
-        "seq": pa.array(np.repeat(seq, lengths)),
-        "group": (pa.array(np.repeat(group.numpy().astype(np.int64, copy=False), lengths)) if group is not None
-                  else pa.nulls(n, pa.int64())),
-        "pos": pa.array(pos),
+        "step": const("step", np.int64), "micro": const("micro", np.int32),
+        "iteration": const("iteration", np.int16), "rank": pa.array(np.full(n, rank, np.int16)),
+        "seq": _joined([r.seq for r in rows], sizes, np.int64),
+        "group": _joined([r.group for r in rows], sizes, np.int64),
+        "pos": _joined([r.pos for r in rows], sizes, np.int32), "attempt": pa.array(np.full(n, attempt, np.int16)),
     }
-    logps = []
-    for name in FLOAT_INPUTS:
-        v = _column(batch, name, keep, np.float32)
-        arrays[name] = pa.nulls(n, pa.float32()) if v is None else pa.array(v)
-        if name in LOGP_COLUMNS:
-            logps.append(v)
-    tok = _column(batch, "token_id", keep, np.int32)
-    arrays["token_id"] = pa.array(tok) if tok is not None else pa.nulls(n, pa.int32())
-    mask = _column(batch, "mask", keep, bool)
-    arrays["mask"] = pa.array(mask if mask is not None else np.ones(n, bool))
-    arrays["attempt"] = pa.array(np.full(n, attempt, np.int16))
-    for col in batch.columns.values():
-        if col.release is not None:
-            col.release()
+    for name, dtype in GATHERED:
+        arrays[name] = _joined([r.columns[name] for r in rows], sizes, dtype)
+    if arrays["mask"].null_count == n:
+        arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
+    elif arrays["mask"].null_count:
+        arrays["mask"] = arrays["mask"].fill_null(True)
     rb = pa.RecordBatch.from_arrays([arrays[f.name] for f in F.TOKEN_SCHEMA], schema=F.TOKEN_SCHEMA)
-    return rb, int(E.flag_nonfinite(*logps).sum()), int(E.flag_invalid(*logps).sum())
+    nonfinite, invalid = count_flags([arrays[name] for name in LOGP_COLUMNS])
+    return rb, nonfinite, invalid
+
+
+def count_flags(logps: list[pa.Array]) -> tuple[int, int]:
+    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0) over the present columns.
+
+    In the columns' own float32, as E.flag_nonfinite / E.flag_invalid decide in float64
+    (widening changes neither finiteness nor sign).
+    """
+    bad = invalid = None
+    for col in logps:
+        if col.null_count == len(col):
+            continue
+        # A null (the column absent from some batches) is no log-prob: read as -1, finite and not > 0.
+        x = (col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
+        finite = np.isfinite(x)
+        with np.errstate(invalid="ignore"):
+            pos = finite & (x > 0)
+        bad = ~finite if bad is None else bad | ~finite
+        invalid = pos if invalid is None else invalid | pos
+    if bad is None:
+        return 0, 0
+    return int(np.count_nonzero(bad)), int(np.count_nonzero(invalid))
+
+
+def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
+    """The completion tokens of one host batch as a TOKEN_SCHEMA record batch (see rows_to_record_batch)."""
+    return rows_to_record_batch([gather_rows(batch)], rank, attempt)
 
 
 def lower_priority(nice: int | None) -> None:
@@ -251,8 +327,10 @@ class Writer(threading.Thread):
         self.stats, self.on_error, self.on_publish = stats, on_error, on_publish
         self.directory = F.rank_rel(rank)
         self.index = index  # first free part index of the rank (the recorder listed the run once)
-        self.buffer: list[pa.RecordBatch] = []
-        self.buffered_rows = 0
+        self.buffer: list[pa.RecordBatch] = []  # converted rows of the next part
+        self.pending: list[Rows] = []  # gathered rows of the next part, converted CONVERT_ROWS at a time
+        self.pending_rows = 0
+        self.buffered_rows = 0  # rows of the next part, converted or not
         self.steps: set[int] = set()
         self.first_at = 0.0
         self.observers: list[Callable[[dict[str, np.ndarray]], None]] = []
@@ -298,7 +376,7 @@ class Writer(threading.Thread):
             return self.progress.wait_for(lambda: self.converted >= target or not self.is_alive(), timeout)
 
     def _next(self) -> Any:
-        if not self.buffer or self.rotate_seconds is None:
+        if not self.buffered_rows or self.rotate_seconds is None:
             return self.q.get()
         wait = self.first_at + self.rotate_seconds - time.monotonic()
         try:
@@ -306,47 +384,55 @@ class Writer(threading.Thread):
         except queue.Empty:
             return None
 
-    def _observe(self, item: HostBatch) -> None:
-        for event in item.events:
-            event.synchronize()
-        columns = {name: col.numpy() for name, col in item.columns.items()}
-        for fn in self.observers:
-            try:
-                fn(columns)
-            except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the writer
-                self.on_error(e)
-
     def _add(self, item: HostBatch) -> None:
         try:
-            if self.observers:
-                self._observe(item)
-            rb, nonfinite, invalid = to_record_batch(item, self.rank, self.attempt)
+            columns = host_columns(item)
+            for fn in self.observers:
+                try:
+                    fn(columns)
+                except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the writer
+                    self.on_error(e)
+            rows = gather_rows(item, columns)
         except Exception as e:  # noqa: BLE001 - a bad batch must not stop the writer
             self.count(write_errors=1)
             self.on_error(e)
             return
-        self.count(nonfinite=nonfinite, invalid=invalid)
         if self.rotate_steps is not None and item.step not in self.steps and len(self.steps) >= self.rotate_steps:
             self.publish()
-        if not self.buffer:
+        if not self.buffered_rows:
             self.first_at = time.monotonic()
-        self.buffer.append(rb)
-        self.buffered_rows += rb.num_rows
+        self.pending.append(rows)
+        self.pending_rows += rows.n
+        self.buffered_rows += rows.n
         self.steps.add(item.step)
         if self.buffered_rows >= self.rotate_rows:
             self.publish()
+        elif self.pending_rows >= CONVERT_ROWS:
+            self.buffer.append(self.convert(self.pending))
+            self.pending, self.pending_rows = [], 0
+
+    def convert(self, rows: list[Rows]) -> pa.RecordBatch:
+        """Gathered rows -> one Arrow record batch, counting nonfinite and invalid rows."""
+        rb, nonfinite, invalid = rows_to_record_batch(rows, self.rank, self.attempt)
+        self.count(nonfinite=nonfinite, invalid=invalid)
+        return rb
 
     def publish(self, wait: bool = False) -> None:
-        """Hand the buffered rows to the publisher as one part; `wait`: until every part handed over is out."""
-        if self.buffer and self.buffered_rows:
-            self.publisher.q.put((self.buffer, self.buffered_rows, self.steps))
-        self.buffer, self.buffered_rows, self.steps = [], 0, set()
+        """Hand the buffered rows to the publisher as one part; `wait`: until every part handed over is out.
+
+        The rows not yet converted go as they are: the publisher, at its lower priority, converts them.
+        """
+        if self.buffered_rows:
+            self.publisher.q.put((self.buffer, self.pending, self.buffered_rows, self.steps))
+        self.buffer, self.pending, self.pending_rows, self.buffered_rows, self.steps = [], [], 0, 0, set()
         if wait:
             self.publisher.q.join()
 
-    def write_part(self, batches: list[pa.RecordBatch], rows: int, steps: set[int]) -> None:
+    def write_part(self, batches: list[pa.RecordBatch], pending: list[Rows], rows: int, steps: set[int]) -> None:
         """Publisher thread: write one part; on failure count its rows as lost and go on."""
         try:
+            if pending:
+                batches = [*batches, self.convert(pending)]
             table = pa.Table.from_batches(batches, schema=F.TOKEN_SCHEMA)
             name = F.part_name(min(steps), max(steps), self.index, self.attempt)
             size = F.publish(self.store, self.directory, name, table)

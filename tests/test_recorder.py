@@ -248,13 +248,13 @@ def test_unwritable_run_dir(tmp_path: Path) -> None:
 
 
 def test_backpressure_drop_counts_and_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = W.to_record_batch
+    slow = W.gather_rows
 
-    def to_record_batch(*a: object, **k: object) -> object:
+    def gather_rows(*a: object, **k: object) -> object:
         time.sleep(0.2)
         return slow(*a, **k)
 
-    monkeypatch.setattr(W, "to_record_batch", to_record_batch)
+    monkeypatch.setattr(W, "gather_rows", gather_rows)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Recorder(tmp_path, queue_batches=1, backpressure="drop") as rec:

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from kldiag import format as F
+from kldiag import recorder as kr
 from kldiag.integrations import trl as kt
 from kldiag.recorder import Recorder
 
@@ -162,3 +164,69 @@ def rec_logp(run: Path) -> np.ndarray:
 
     t = kldiag.open_run(run).read(columns=["step", "seq", "pos", "logp"]).to_pandas()
     return t.sort_values(["step", "seq", "pos"])["logp"].to_numpy()
+
+
+def mixed_batches(rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    """Micro-batches whose optional columns come and go: sampler log-probs, groups, token ids, per-row or
+    per-token advantages, left padding, a batch with no completion token."""
+    out = []
+    for i in range(7):
+        b, t = int(rng.integers(1, 5)), int(rng.integers(3, 9))
+        comp = np.arange(t)[None, :] >= rng.integers(0, t, b)[:, None]  # left padding
+        if i == 3:
+            comp[:] = False
+        args = {"logp": -rng.random((b, t)).astype(np.float32), "completion_mask": comp,
+                "mask": comp & (rng.random((b, t)) < 0.7), "seq_ids": np.arange(b) + 10 * i}
+        if i % 2:
+            args.update(logp_sampler=-rng.random((b, t)).astype(np.float32), group_ids=np.full(b, i),
+                        advantages=rng.normal(size=b).astype(np.float32))
+        else:
+            args.update(token_ids=rng.integers(0, 50, (b, t)), advantages=rng.normal(size=(b, t)))
+        if i == 5:
+            args["logp"][0, -1] = np.nan
+        out.append(args)
+    return out
+
+
+@pytest.mark.parametrize("convert_rows", [1, 7, 1 << 16])  # every batch, some, all at publish (publisher thread)
+def test_rows_converted_together_equal_rows_converted_one_batch_at_a_time(tmp_path: Path, convert_rows: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+
+    from kldiag import _writer as W
+
+    rng = np.random.default_rng(3)
+    given = mixed_batches(rng)
+    stager = W.Stager(keep=4)
+    one_at_a_time = []
+    for i, args in enumerate(given):
+        columns = {kr.COLUMN_OF.get(k, k): stager.stage(v) for k, v in args.items()}
+        one_at_a_time.append(W.to_record_batch(W.HostBatch(i, 0, 0, columns), rank=2, attempt=1)[0])
+    want = pa.Table.from_batches(one_at_a_time)
+    monkeypatch.setattr(W, "CONVERT_ROWS", convert_rows)
+    with Recorder(tmp_path, rank=2, world_size=3) as rec:
+        for i, args in enumerate(given):
+            rec.record(step=i, **args)
+    got = pq.read_table(next((tmp_path / "tokens" / "rank-2").glob("*.parquet")))
+    assert got.num_rows == want.num_rows == rec.stats["rows"]
+    for name in want.column_names:
+        if name != "attempt":  # the recorder's own attempt is 0
+            assert got[name].to_pylist() == want[name].to_pylist() or name == "logp" and np.array_equal(
+                got[name].to_numpy(), want[name].to_numpy(), equal_nan=True), name
+    assert got["logp_sampler"].null_count > 0 and got["token_id"].null_count > 0  # absent in some batches: null
+    assert rec.stats["nonfinite"] == 1
+
+
+def test_conversion_happens_in_chunks_off_the_publish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kldiag import _writer as W
+
+    monkeypatch.setattr(W, "CONVERT_ROWS", 10)
+    with Recorder(tmp_path, rotate_seconds=None) as rec:
+        for step in range(5):
+            rec.record(step=step, logp=-np.ones((1, 4), np.float32))
+        assert rec.wait_converted(10.0)
+        writer = rec._writer
+        # 20 rows gathered: 12 converted (the chunk that crossed 10 rows), 8 waiting for the next chunk or part
+        assert (sum(b.num_rows for b in writer.buffer), writer.pending_rows, writer.buffered_rows) == (12, 8, 20)
+        assert rec.stats["files"] == 0
+    assert rec.stats["rows"] == 20 and rec.stats["files"] == 1
