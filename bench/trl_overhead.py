@@ -1,22 +1,28 @@
-"""Step time of a real TRL GRPOTrainer run with kldiag attached vs the same run without it.
+"""Step time of a real TRL GRPOTrainer run with kldiag recording vs without.
 
-    python bench/trl_overhead.py                 # 24 interleaved pairs of 30-step runs (~80 s)
-    python bench/trl_overhead.py --repeats 9 --steps 30
+    python bench/trl_overhead.py                       # 4 runs of 202 steps: 98 block pairs (~45 s)
+    python bench/trl_overhead.py --mode runs --repeats 24 --steps 30   # whole-run pairs (the older bench)
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 
-Both runs of a pair use the same tiny model, seed and data (examples/trl_grpo.py), so they
-do the same work; the order within a pair alternates, and the ratios reported are the
-minimum, median and maximum over pairs, to fight and show the noise of a shared machine.
-The time is trainer.train()'s wall time per optimizer step (generation, reference forward,
-loss, backward, optimizer, logging, and with kldiag the host copies, the log metrics and
-the background writer). Target: attached / plain within 1.05 (DESIGN.md section 5). The
-tiny model makes this a worst case: kldiag's per-token cost is compared with a forward
-pass of a 2-layer, 32-wide model.
+Same tiny model, seed and data (examples/trl_grpo.py) in every run. The tiny model makes
+this a worst case: kldiag's per-token cost is set against a forward pass of a 2-layer,
+32-wide model. Target: attached / plain within 1.05 (DESIGN.md section 5).
 
-Also printed, robust to other load on the machine because they are thread CPU time
-(time.thread_time): the hook's work on the training thread per step (target <= 1 ms), and
-the CPU the recorder's writer threads spent per step (Recorder.writer_cpu_s, when the
-kldiag under test has it).
+Two ways to pair "with" and "without", both reporting the min, median and max pair ratio:
+- `blocks` (default): kldiag is attached to one long run and switched on and off
+  (`_Hook.active`) in alternating blocks of whole generation cycles (a cycle generates once
+  and spends its completions over steps_per_generation * num_iterations micro-steps); a
+  pair is an on block and the off block next to it, in alternating order. On this 2-core
+  VM the plain step time drifts by up to 50% over a second or so (other tenants), which
+  whole-run pairs (1.5 s each) cannot cancel and adjacent 0.1 s blocks do. A block's time
+  runs from its first step's start to the next block's, so it holds its logs, and with
+  them each log's wait for the writer; the recorder's one-off close is amortised over the
+  recorded steps in the "with close" figure.
+- `runs`: whole trainer.train() runs with and without kldiag (the one-off close included).
+
+Robust to other load on the machine because they are thread CPU time (time.thread_time):
+the hook's work on the training thread per recorded step (target <= 1 ms) and the CPU of
+the recorder's writer threads per recorded step.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ HOOK_END = ("close",)
 
 def instrument_hook() -> dict[str, float]:
     """Wrap the hook's methods to add their wall time and the training thread's CPU time to the
-    returned dict (seconds: work, work_cpu, close)."""
+    returned dict (seconds: work, work_cpu, close, close_cpu)."""
     from kldiag.integrations import trl as kt
 
     spent = {"work": 0.0, "work_cpu": 0.0, "close": 0.0, "close_cpu": 0.0}
@@ -65,22 +71,9 @@ def instrument_hook() -> dict[str, float]:
     return spent
 
 
-def run_once(model_dir: Path, work: Path, attached: bool, steps: int, seed: int,
-             **options: object) -> tuple[float, float, int, float]:
-    """(wall and process-CPU seconds per optimizer step of trainer.train(), token rows recorded,
-    writer threads' CPU seconds per step or NaN)."""
-    from transformers import PrinterCallback
-
-    from kldiag.integrations.trl import attach
-
-    trainer = trl_grpo.make_trainer(model_dir, work / "out", steps=steps, seed=seed)
-    trainer.remove_callback(PrinterCallback)
-    rec = attach(trainer, work / "run", **options) if attached else None
-    wall, cpu = time.perf_counter(), time.process_time()
-    trainer.train()  # with kldiag, this includes closing the recorder (publishing the last part)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    writer = float("nan") if rec is None else getattr(rec, "writer_cpu_s", None) or rec._writer.bench_cpu_s
-    return wall / steps, cpu / steps, (rec.stats["rows"] if rec is not None else 0), writer / steps
+def writer_cpu(rec) -> float:
+    """CPU seconds of the recorder's writer threads (after close)."""
+    return getattr(rec, "writer_cpu_s", None) or rec._writer.bench_cpu_s
 
 
 def writer_cpu_clock() -> None:
@@ -97,20 +90,167 @@ def writer_cpu_clock() -> None:
     W.Writer.run = timed_run
 
 
+def trainer_for(model_dir: Path, out: Path, steps: int, seed: int):
+    from transformers import PrinterCallback
+
+    trainer = trl_grpo.make_trainer(model_dir, out, steps=steps, seed=seed)
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def cycle_steps(trainer) -> int:
+    """Optimizer steps per generation cycle (TRL GRPOTrainer._prepare_inputs)."""
+    a = trainer.args
+    micro = a.steps_per_generation * trainer.num_iterations
+    if micro % a.gradient_accumulation_steps:
+        raise SystemExit("a generation cycle is not a whole number of optimizer steps; blocks need it")
+    return micro // a.gradient_accumulation_steps
+
+
+def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, first_on: bool,
+              **options: object) -> dict[str, object]:
+    """One attached run whose hook is on and off in alternating blocks of `block` cycles.
+
+    Returns on/off block seconds as consecutive (on, off) pairs, recorded steps, close and
+    writer CPU seconds. The first pair is left out (first-call costs)."""
+    from transformers import TrainerCallback
+
+    from kldiag.integrations.trl import attach
+
+    trainer = trainer_for(model_dir, work / "out", steps, seed)
+    rec = attach(trainer, work / "run", **options)
+    hook = trainer._kldiag_hook
+    size = block * cycle_steps(trainer)
+    starts: list[float] = []
+
+    class Toggle(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step % size == 0:  # a block begins: its state decided by its pair's order
+                starts.append(time.perf_counter())
+                hook.active = _on(state.global_step // size, first_on)
+
+    trainer.add_callback(Toggle())
+    trainer.train()
+    starts.append(time.perf_counter())  # the last block ends with train(): its close is timed on its own
+    blocks = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    pairs = []
+    for p in range(1, len(blocks) // 2):  # pair 0 holds first-call costs
+        i, j = 2 * p, 2 * p + 1
+        on, off = (blocks[i], blocks[j]) if _on(i, first_on) else (blocks[j], blocks[i])
+        pairs.append((on, off))
+    on_blocks = sum(_on(b, first_on) for b in range(len(blocks)))
+    return {"pairs": pairs, "on_blocks": on_blocks, "block_steps": size, "writer_cpu": writer_cpu(rec),
+            "rows": rec.stats["rows"]}
+
+
+def _on(index: int, first_on: bool) -> bool:
+    """Block `index` records: pairs alternate (on, off), (off, on), ... starting as `first_on` says."""
+    on_first = (index // 2 % 2 == 0) == first_on
+    return (index % 2 == 0) == on_first
+
+
 def spread(ratios: list[float]) -> str:
     return f"min {min(ratios):.3f}  median {statistics.median(ratios):.3f}  max {max(ratios):.3f}"
 
 
+def main_blocks(args, model_dir: Path, tmp: Path, spent: dict[str, float], options: dict) -> None:
+    if args.runs % 2:
+        raise SystemExit("--runs must be even: runs come in complementary couples")
+    runs, on_blocks, writer, rows, closes, size = [], 0, 0.0, 0, 0.0, 1
+    block_run(model_dir, tmp / "warmup", 4 * 2 * args.block, args.block, args.seed, True, **options)
+    spent.update(dict.fromkeys(spent, 0.0))
+    for r in range(args.runs):
+        closed = spent["close"]
+        out = block_run(model_dir, tmp / f"run{r}", args.steps, args.block, args.seed, r % 2 == 0, **options)
+        closes += spent["close"] - closed
+        runs.append(out["pairs"])
+        on_blocks += out["on_blocks"]
+        size = out["block_steps"]
+        writer += out["writer_cpu"]
+        rows += out["rows"]
+        print(f"run {r}: {len(out['pairs'])} block pairs, on/off {spread([a / b for a, b in out['pairs']])}",
+              flush=True)
+    ratios = couple_ratios(runs)
+    on, off = (sum(p[k] for pairs in runs for p in pairs) for k in (0, 1))
+    report(args, spent, on_blocks * size, writer, rows, off / (sum(map(len, runs)) * size) * 1e3)
+    print(f"on / off, {len(ratios)} pairs of {args.block} cycle(s) ({size} steps) over complementary runs: "
+          f"{spread(ratios)}  (target: median <= 1.05)")
+    print(f"total on / total off: {on / off:.3f}; with the recorder's one-off close amortised over the "
+          f"recorded blocks: {(on + closes * sum(map(len, runs)) / on_blocks) / off:.3f}")
+
+
+def couple_ratios(runs: list[list[tuple[float, float]]]) -> list[float]:
+    """sqrt(r_a * r_b) per pair index of each couple of complementary runs (r: on / off).
+
+    Runs are deterministic (same seed, same data), so a block's own work w differs from its
+    neighbour's only by its data: in run a the pair gives r_a = o * w1 / w2, in run b (the
+    other block recording) r_b = o * w2 / w1, and the product cancels the data, leaving o^2.
+    Adjacent blocks (0.1 s apart) cancel the machine's drift.
+    """
+    out = []
+    for a, b in zip(runs[::2], runs[1::2], strict=True):
+        out += [(ra_on / ra_off * rb_on / rb_off) ** 0.5 for (ra_on, ra_off), (rb_on, rb_off) in zip(a, b, strict=True)]
+    return out
+
+
+def report(args, spent: dict[str, float], recorded: int, writer: float, rows: int, plain_ms: float) -> None:
+    import torch
+
+    work_ms = spent["work_cpu"] / recorded * 1e3
+    print(f"\ntiny Qwen2 GRPO, torch {torch.__version__}, {torch.get_num_threads()} threads, mode {args.mode}; "
+          f"{recorded} recorded steps, {rows} token rows; plain step ~{plain_ms:.1f} ms")
+    print(f"kldiag work on the training thread, thread CPU: {work_ms:.2f} ms per recorded step (target <= 1), "
+          f"wall {spent['work'] / recorded * 1e3:.2f} ms; writer threads' CPU: {writer / recorded * 1e3:.2f} ms "
+          f"per recorded step")
+
+
+def run_once(model_dir: Path, work: Path, attached: bool, steps: int, seed: int,
+             **options: object) -> tuple[float, float, int, float]:
+    """(wall and process-CPU seconds per step of trainer.train(), token rows, writer CPU seconds)."""
+    from kldiag.integrations.trl import attach
+
+    trainer = trainer_for(model_dir, work / "out", steps, seed)
+    rec = attach(trainer, work / "run", **options) if attached else None
+    wall, cpu = time.perf_counter(), time.process_time()
+    trainer.train()  # with kldiag, this includes closing the recorder (publishing the last part)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall / steps, cpu / steps, (rec.stats["rows"] if rec else 0), (writer_cpu(rec) if rec else 0.0)
+
+
+def main_runs(args, model_dir: Path, tmp: Path, spent: dict[str, float], options: dict) -> None:
+    for kind in (True, False):  # imports, caches, first-call costs of both kinds
+        run_once(model_dir, tmp / f"warmup_{kind}", attached=kind, steps=2, seed=args.seed)
+    spent.update(dict.fromkeys(spent, 0.0))
+    wall, cpu, rows, writer = {False: [], True: []}, {False: [], True: []}, 0, 0.0
+    for r in range(args.repeats):
+        for kind in ((False, True) if r % 2 == 0 else (True, False)):
+            w, c, n, wcpu = run_once(model_dir, tmp / f"{r}_{kind}", kind, args.steps, args.seed, **options)
+            wall[kind].append(w)
+            cpu[kind].append(c)
+            rows, writer = max(rows, n), writer + wcpu
+        print(f"pair {r}: plain {wall[False][-1] * 1e3:6.1f} ms/step  attached {wall[True][-1] * 1e3:6.1f} ms/step"
+              f"  wall ratio {wall[True][-1] / wall[False][-1]:.3f}", flush=True)
+    report(args, spent, args.repeats * args.steps, writer, rows, statistics.median(wall[False]) * 1e3)
+    for name, v in (("wall", wall), ("process CPU", cpu)):
+        print(f"attached / plain, {args.repeats} run pairs, {name}: "
+              f"{spread([a / b for a, b in zip(v[True], v[False], strict=True)])}")
+    print(f"closing the recorder at the end: {spent['close'] / args.repeats * 1e3:.1f} ms per run")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
-    parser.add_argument("--repeats", type=int, default=24, help="interleaved (plain, attached) pairs")
+    parser.add_argument("--mode", choices=("blocks", "runs"), default="blocks")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (default: 202 in blocks mode, 30 in runs mode)")
+    parser.add_argument("--runs", type=int, default=4, help="blocks mode: attached runs (couples of complements)")
+    parser.add_argument("--block", type=int, default=1, help="blocks mode: generation cycles per block")
+    parser.add_argument("--repeats", type=int, default=24, help="runs mode: interleaved (plain, attached) pairs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--writer-nice", type=int, default=None,
-                        help="Recorder(writer_nice=...): the writer threads' nice increment (0: none)")
+                        help="Recorder(writer_nice=...): the publishing thread's nice increment (0: none)")
     args = parser.parse_args(argv)
+    args.steps = args.steps or (202 if args.mode == "blocks" else 30)
 
-    import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -119,44 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if not hasattr(kldiag.Recorder, "writer_cpu_s"):
         writer_cpu_clock()
+    options = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = trl_grpo.build_tiny_model(tmp / "model", seed=args.seed)
-        options = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
-        for kind in (True, False):  # imports, caches, first-call costs of both kinds
-            run_once(model_dir, tmp / f"warmup_{kind}", attached=kind, steps=2, seed=args.seed)
-        spent.update(dict.fromkeys(spent, 0.0))
-        wall, cpu, rows, writer, closing = {False: [], True: []}, {False: [], True: []}, 0, [], []
-        for r in range(args.repeats):
-            for kind in ((False, True) if r % 2 == 0 else (True, False)):
-                closed = spent["close"]
-                w, c, n, wcpu = run_once(model_dir, tmp / f"{r}_{kind}", kind, args.steps, args.seed, **options)
-                wall[kind].append(w)
-                cpu[kind].append(c)
-                rows = max(rows, n)
-                if kind:
-                    writer.append(wcpu)
-                    closing.append((spent["close"] - closed) / args.steps)
-            print(f"pair {r}: plain {wall[False][-1] * 1e3:7.1f} ms/step   attached {wall[True][-1] * 1e3:7.1f} "
-                  f"ms/step   wall ratio {wall[True][-1] / wall[False][-1]:.3f}   "
-                  f"cpu ratio {cpu[True][-1] / cpu[False][-1]:.3f}")
-    med = {k: {kind: statistics.median(v[kind]) for kind in v} for k, v in (("wall", wall), ("cpu", cpu))}
-    pair = {k: [a / b for a, b in zip(v[True], v[False], strict=True)] for k, v in (("wall", wall), ("cpu", cpu))}
-    no_close = [(a - c) / b for a, c, b in zip(wall[True], closing, wall[False], strict=True)]
-    work_ms = spent["work"] / (args.repeats * args.steps) * 1e3
-    work_cpu_ms = spent["work_cpu"] / (args.repeats * args.steps) * 1e3
-    print(f"\ntiny Qwen2 GRPO, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.steps} steps x {args.repeats} pairs, {rows} token rows recorded per attached run")
-    print(f"median step time: plain {med['wall'][False] * 1e3:.1f} ms, attached {med['wall'][True] * 1e3:.1f} ms")
-    print(f"kldiag work on the training thread: {work_ms:.2f} ms/step = {work_ms / (med['wall'][False] * 1e3):.2%}"
-          f" of the plain step time; closing the recorder at the end: "
-          f"{spent['close'] / args.repeats * 1e3:.1f} ms per run")
-    print(f"kldiag work on the training thread, thread CPU time: {work_cpu_ms:.2f} ms/step (target <= 1); "
-          f"writer threads' CPU: {statistics.median(writer) * 1e3:.2f} ms/step (median over attached runs)")
-    print(f"attached / plain step time, {args.repeats} pair ratios: wall {spread(pair['wall'])}; "
-          f"process CPU {spread(pair['cpu'])}  (target: median wall <= 1.05)")
-    print(f"the same wall ratios less the one-off close (publish, statistics, manifest; fsyncs): "
-          f"{spread(no_close)}")
+        (main_blocks if args.mode == "blocks" else main_runs)(args, model_dir, tmp, spent, options)
     return 0
 
 

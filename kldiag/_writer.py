@@ -143,18 +143,36 @@ _STOP = object()
 
 
 @dataclass
-class Rows:
-    """The completion tokens of one host batch, gathered into 1-D columns of n rows.
-
-    `columns` holds FLOAT_INPUTS (float32), token_id (int32) and mask (bool); an absent
-    input is None. Gathering frees the host batch's pooled buffers; the Arrow record batch
-    is built later for many Rows at once (rows_to_record_batch): per-call Arrow overhead
-    dominates a tiny micro-batch's conversion.
-    """
+class Raw:
+    """One host batch waiting to be gathered: numpy columns ([B, T]; [B] for seq, group and
+    per-row advantages) and `keep`, its completion tokens (completion_mask, else mask, else all)."""
 
     step: int
     micro: int
     iteration: int
+    columns: dict[str, np.ndarray]
+    keep: np.ndarray  # [B, T] bool
+    n: int  # completion tokens
+
+    @classmethod
+    def of(cls, batch: HostBatch, columns: dict[str, np.ndarray]) -> Raw:
+        comp = columns.get("completion", columns.get("mask"))
+        keep = comp.astype(bool, copy=False) if comp is not None else np.ones(columns["logp"].shape, bool)
+        return cls(batch.step, batch.micro, batch.iteration, columns, keep, int(np.count_nonzero(keep)))
+
+
+@dataclass
+class Rows:
+    """Completion tokens gathered into 1-D columns of n rows (from one or many host batches).
+
+    `columns` holds FLOAT_INPUTS (float32), token_id (int32) and mask (bool); an absent
+    input is None. The Arrow record batch is built later for many Rows at once
+    (rows_to_record_batch).
+    """
+
+    step: np.ndarray  # [n] int64
+    micro: np.ndarray  # [n] int32
+    iteration: np.ndarray  # [n] int16
     seq: np.ndarray  # [n] int64
     group: np.ndarray | None  # [n] int64
     pos: np.ndarray  # [n] int32, position in the completion
@@ -173,36 +191,66 @@ def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
     return {name: col.numpy() for name, col in batch.columns.items()}
 
 
+def gather(raws: list[Raw]) -> Rows:
+    """The completion tokens of host batches that hold the same columns, in order, as one Rows.
+
+    Gathering many tiny micro-batches at once is a few numpy calls per column instead of
+    per column and batch: each call's fixed cost, paid under the GIL beside the training
+    thread, is what a micro-batch of a few hundred tokens costs. The result never shares
+    memory with the inputs (pooled buffers may be released after this).
+    """
+    keep = _cat([r.keep.ravel() for r in raws])
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        return _cat([_flat(r.columns[name], r.keep.shape) for r in raws])[keep].astype(dtype, copy=False)
+
+    counts = [r.n for r in raws]
+    # Position in the completion: left padding shifts the time index, not pos.
+    pos = _cat([(np.arange(r.keep.shape[1], dtype=np.int32)[None, :]
+                 - np.argmax(r.keep, axis=1).astype(np.int32)[:, None]).ravel() for r in raws])[keep]
+    present = raws[0].columns
+    return Rows(np.repeat(np.array([r.step for r in raws], np.int64), counts),
+                np.repeat(np.array([r.micro for r in raws], np.int32), counts),
+                np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
+                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
+                {name: column(name, dtype) if name in present else None for name, dtype in GATHERED})
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _flat(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """[B, T] -> [B*T]; a [B] column (per sequence) gives every token of its row its value."""
+    return a.ravel() if a.ndim == 2 else np.broadcast_to(a[:, None], shape).ravel()
+
+
 def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) -> Rows:
-    """The completion tokens (completion_mask, else mask, else all) of `batch`; releases its buffers.
+    """The completion tokens of one host batch; releases its pooled buffers.
 
     `columns`: host_columns(batch) when the caller already has them.
     """
-    a = host_columns(batch) if columns is None else columns
     try:
-        shape = a["logp"].shape
-        comp = a.get("completion", a.get("mask"))
-        keep = comp.astype(bool, copy=False) if comp is not None else np.ones(shape, bool)
-        lengths = keep.sum(axis=1)
-        # Position in the completion: left padding shifts the time index, not pos.
-        first = np.argmax(keep, axis=1).astype(np.int32)
-        pos = (np.arange(shape[1], dtype=np.int32)[None, :] - first[:, None])[keep]
-        group = a.get("group")
-        out = {name: _kept(a.get(name), keep, dtype) for name, dtype in GATHERED}
-        return Rows(batch.step, batch.micro, batch.iteration, np.repeat(a["seq"].astype(np.int64, copy=False), lengths),
-                    None if group is None else np.repeat(group.astype(np.int64, copy=False), lengths), pos, out)
+        return gather([Raw.of(batch, host_columns(batch) if columns is None else columns)])
     finally:
         for col in batch.columns.values():
             if col.release is not None:
                 col.release()
 
 
-def _kept(a: np.ndarray | None, keep: np.ndarray, dtype: Any) -> np.ndarray | None:
-    if a is None:
-        return None
-    if a.ndim == 1:  # advantages given per sequence: one value for every token of the row
-        a = np.broadcast_to(a[:, None], keep.shape)
-    return np.asarray(a[keep], dtype=dtype)  # a[keep] is a fresh array: the pooled buffer may be reused
+def gather_pending(pending: list[Raw | Rows]) -> list[Rows]:
+    """Rows of the pending items: runs of consecutive Raw batches with the same columns gathered at once."""
+    out: list[Rows] = []
+    run: list[Raw] = []
+    for item in [*pending, None]:
+        if run and (not isinstance(item, Raw) or item.columns.keys() != run[0].columns.keys()):
+            out.append(gather(run))
+            run = []
+        if isinstance(item, Raw):
+            run.append(item)
+        elif item is not None:
+            out.append(item)
+    return out
 
 
 def _joined(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) -> pa.Array:
@@ -226,12 +274,11 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
     sizes = [r.n for r in rows]
     n = sum(sizes)
 
-    def const(attr: str, dtype: Any) -> pa.Array:
-        return pa.array(np.repeat(np.array([getattr(r, attr) for r in rows], dtype), sizes))
-
     arrays: dict[str, pa.Array] = {
-        "step": const("step", np.int64), "micro": const("micro", np.int32),
-        "iteration": const("iteration", np.int16), "rank": pa.array(np.full(n, rank, np.int16)),
+        "step": _joined([r.step for r in rows], sizes, np.int64),
+        "micro": _joined([r.micro for r in rows], sizes, np.int32),
+        "iteration": _joined([r.iteration for r in rows], sizes, np.int16),
+        "rank": pa.array(np.full(n, rank, np.int16)),
         "seq": _joined([r.seq for r in rows], sizes, np.int64),
         "group": _joined([r.group for r in rows], sizes, np.int64),
         "pos": _joined([r.pos for r in rows], sizes, np.int32), "attempt": pa.array(np.full(n, attempt, np.int16)),
@@ -328,7 +375,7 @@ class Writer(threading.Thread):
         self.directory = F.rank_rel(rank)
         self.index = index  # first free part index of the rank (the recorder listed the run once)
         self.buffer: list[pa.RecordBatch] = []  # converted rows of the next part
-        self.pending: list[Rows] = []  # gathered rows of the next part, converted CONVERT_ROWS at a time
+        self.pending: list[Raw | Rows] = []  # rows of the next part, converted CONVERT_ROWS at a time
         self.pending_rows = 0
         self.buffered_rows = 0  # rows of the next part, converted or not
         self.steps: set[int] = set()
@@ -392,7 +439,10 @@ class Writer(threading.Thread):
                     fn(columns)
                 except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the writer
                     self.on_error(e)
-            rows = gather_rows(item, columns)
+            if any(col.release is not None for col in item.columns.values()):
+                rows: Raw | Rows = gather_rows(item, columns)  # pooled buffers go back to the pool now
+            else:
+                rows = Raw.of(item, columns)  # its own small copies: gathered with the next ones
         except Exception as e:  # noqa: BLE001 - a bad batch must not stop the writer
             self.count(write_errors=1)
             self.on_error(e)
@@ -411,9 +461,9 @@ class Writer(threading.Thread):
             self.buffer.append(self.convert(self.pending))
             self.pending, self.pending_rows = [], 0
 
-    def convert(self, rows: list[Rows]) -> pa.RecordBatch:
-        """Gathered rows -> one Arrow record batch, counting nonfinite and invalid rows."""
-        rb, nonfinite, invalid = rows_to_record_batch(rows, self.rank, self.attempt)
+    def convert(self, pending: list[Raw | Rows]) -> pa.RecordBatch:
+        """Pending rows -> one Arrow record batch, counting nonfinite and invalid rows."""
+        rb, nonfinite, invalid = rows_to_record_batch(gather_pending(pending), self.rank, self.attempt)
         self.count(nonfinite=nonfinite, invalid=invalid)
         return rb
 
@@ -428,7 +478,7 @@ class Writer(threading.Thread):
         if wait:
             self.publisher.q.join()
 
-    def write_part(self, batches: list[pa.RecordBatch], pending: list[Rows], rows: int, steps: set[int]) -> None:
+    def write_part(self, batches: list[pa.RecordBatch], pending: list[Raw | Rows], rows: int, steps: set[int]) -> None:
         """Publisher thread: write one part; on failure count its rows as lost and go on."""
         try:
             if pending:

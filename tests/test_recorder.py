@@ -248,13 +248,13 @@ def test_unwritable_run_dir(tmp_path: Path) -> None:
 
 
 def test_backpressure_drop_counts_and_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = W.gather_rows
+    slow = W.host_columns
 
-    def gather_rows(*a: object, **k: object) -> object:
+    def host_columns(*a: object, **k: object) -> object:
         time.sleep(0.2)
         return slow(*a, **k)
 
-    monkeypatch.setattr(W, "gather_rows", gather_rows)
+    monkeypatch.setattr(W, "host_columns", host_columns)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Recorder(tmp_path, queue_batches=1, backpressure="drop") as rec:

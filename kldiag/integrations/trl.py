@@ -46,6 +46,7 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
     batch_partials,
+    warm_kernel,
     log_metrics,
     merge_partials,
 )
@@ -95,6 +96,7 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     options = recorder_defaults(trainer)
     options["config"] = {**options["config"], **(recorder_options.pop("config", None) or {})}
     options.update(recorder_options)
+    warm_kernel()  # compiled (or loaded from numba's cache) here, not in the first step, beside the trainer
     rec = Recorder(run_dir, **options)
     hook = _Hook(trainer, rec, strict=bool(options.get("strict", False)))
     hook.install()

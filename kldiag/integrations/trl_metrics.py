@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from kldiag import estimators as E
 
 METRIC_PREFIX = "kldiag/"
 
@@ -29,55 +28,46 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
 
     k3 / weight_k3 (Schulman 2020), k3_is / its weight (DeepSeek-V3.2 eq. 7/9), flags of
     DESIGN.md section 3. Non-finite weights stay +inf in the maxima; NaN ones are left out
-    of the sums (counted in `nonfinite`). The values are those of kldiag.estimators, each
-    intermediate (d, expm1(d), rho) computed once: this runs once per recorded micro-batch.
+    of the sums (counted in `nonfinite`). Per-token values are those of kldiag.estimators
+    (tests/test_trl_metrics.py); one compiled pass that releases the GIL, because this runs
+    once per recorded micro-batch, beside the training thread.
     """
-    keep = np.asarray(mask, dtype=bool)
-    s = np.asarray(logp, dtype=np.float64)[keep]
-    o = s if logp_old is None else np.asarray(logp_old, dtype=np.float64)[keep]
-    out = dict.fromkeys(_SUM_KEYS, 0.0) | dict.fromkeys(_MAX_KEYS, 0.0)
-    out["tokens"] = float(s.size)
-    if s.size == 0:
-        return out
-    with np.errstate(over="ignore", invalid="ignore"):
-        rho = np.exp(s - o)  # E.rho
-        out["rho_max"] = _nanmax(rho)
-        if logp_ref is None:
-            out["nonfinite"] = float(np.count_nonzero(~np.isfinite(s) | ~np.isfinite(o)))
-            return out
-        r = np.asarray(logp_ref, dtype=np.float64)[keep]
-        d = r - s  # E.log_ratio
-        em1 = np.expm1(d)
-        k3 = np.where(d == np.inf, np.inf, em1 - d)  # E.k3
-        w_abs = np.abs(em1)  # |E.weight_k3|
-        nonfinite = ~(np.isfinite(s) & np.isfinite(r) & np.isfinite(o))
-        invalid = (s > 0) | (r > 0) | (o > 0)  # E.flag_invalid up to +inf, which `nonfinite` holds anyway
-        flagged = (d > np.log(E.TAU)) | (w_abs > E.WEIGHT_LIMIT) | (k3 > E.CLAMP) | nonfinite | invalid
-        k3_is = _product(rho, k3)  # E.k3_is
-        w_is = _product(rho, -d)  # E.weight_k3_is: s - r == -d exactly
-    summable = ~np.isnan(w_abs)
-    out.update(
-        k3_sum=_nansum(k3), k3_is_sum=_nansum(k3_is), flagged=float(np.count_nonzero(flagged)),
-        weight_k3_abs_sum=float(np.sum(w_abs[summable])),
-        weight_k3_abs_flagged_sum=float(np.sum(w_abs[summable & flagged])),
-        nonfinite=float(np.count_nonzero(nonfinite)),
-        weight_k3_abs_max=_nanmax(w_abs), weight_k3_is_abs_max=_nanmax(np.abs(w_is)))
+    keep = np.asarray(mask, dtype=bool).ravel()
+    s = np.asarray(logp, dtype=np.float64).ravel()
+    o = s if logp_old is None else np.asarray(logp_old, dtype=np.float64).ravel()
+    r = s if logp_ref is None else np.asarray(logp_ref, dtype=np.float64).ravel()
+    sums, counts = _kernel()(s, r, o, keep, logp_ref is not None)
+    out = dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
+    if logp_ref is None:
+        out.update(dict.fromkeys(("k3_sum", "k3_is_sum", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum",
+                                  "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged"), 0.0))
     return out
 
 
-def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a * b with E._nan_to_inf_product's rule for 0 * inf, whose mask is built only when a NaN appears."""
-    out = a * b
-    return E._nan_to_inf_product(out, a, b) if np.isnan(out).any() else out
+# Outputs of the compiled pass, in order (see _partials_kernel).
+_KERNEL_F = ("k3_sum", "k3_is_sum", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum", "weight_k3_abs_max",
+             "weight_k3_is_abs_max", "rho_max")
+_KERNEL_I = ("tokens", "flagged", "nonfinite")
 
 
-def _nansum(x: np.ndarray) -> float:
-    return float(np.sum(x[~np.isnan(x)]))
+def _kernel() -> Any:
+    """The compiled pass, built at first use (numba is imported then, not with the TRL hook)."""
+    global _COMPILED
+    if _COMPILED is None:
+        from kldiag.integrations.trl_kernel import partials_kernel
+
+        _COMPILED = partials_kernel
+    return _COMPILED
 
 
-def _nanmax(x: np.ndarray) -> float:
-    x = x[~np.isnan(x)]
-    return float(np.max(x)) if x.size else 0.0
+_COMPILED: Any = None
+
+
+def warm_kernel() -> None:
+    """Compile (or load from numba's on-disk cache) the pass before training starts: the first
+    compile holds the GIL for about a second."""
+    one = np.zeros((1, 1), np.float32)
+    batch_partials(one, one, one, np.ones((1, 1), bool))
 
 
 def merge_partials(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
