@@ -1,6 +1,6 @@
 """Step time of a real TRL GRPOTrainer run with kldiag recording vs without.
 
-    python bench/trl_overhead.py                       # 4 runs of 202 steps: 98 block pairs (~45 s)
+    python bench/trl_overhead.py                       # 4 runs of 402 steps: 196 block pairs (~80 s)
     python bench/trl_overhead.py --mode runs --repeats 24 --steps 30   # whole-run pairs (the older bench)
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("blocks", "runs"), default="blocks")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per run (default: 202 in blocks mode, 30 in runs mode)")
+                        help="optimizer steps per run (default: 402 in blocks mode, 30 in runs mode)")
     parser.add_argument("--runs", type=int, default=4, help="blocks mode: attached runs (couples of complements)")
     parser.add_argument("--block", type=int, default=1, help="blocks mode: generation cycles per block")
     parser.add_argument("--repeats", type=int, default=24, help="runs mode: interleaved (plain, attached) pairs")
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer-nice", type=int, default=None,
                         help="Recorder(writer_nice=...): the publishing thread's nice increment (0: none)")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (202 if args.mode == "blocks" else 30)
+    args.steps = args.steps or (402 if args.mode == "blocks" else 30)
 
     import transformers
 

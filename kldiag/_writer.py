@@ -116,15 +116,15 @@ class Stager:
             buf = flat.view(a.dtype).reshape(a.shape)
             np.copyto(buf, a)
             return HostArray(buf, "plain", release)
-        t = x.detach()
+        t = x.detach() if x.requires_grad else x  # detach() builds a new tensor object: a few us each
         bf16 = t.dtype == torch.bfloat16
-        if t.device.type == "cuda":
+        if t.is_cuda:
             flat, release = self._buffer(t.numel() * t.element_size(), True,
                                          lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
             buf = flat.view(t.dtype).view(t.shape)
             buf.copy_(t, non_blocking=True)
             return HostArray(buf.view(torch.int16) if bf16 else buf, "bf16" if bf16 else "plain", release)
-        if t.device.type != "cpu":  # mps, xpu, ...: a blocking copy gives a fresh host tensor
+        if not t.is_cpu:  # mps, xpu, ...: a blocking copy gives a fresh host tensor
             t = t.to("cpu")
             return HostArray(t.view(torch.int16).numpy() if bf16 else t.numpy(), "bf16" if bf16 else "plain")
         if t.numel() * t.element_size() <= self.SMALL:

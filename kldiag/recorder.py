@@ -247,7 +247,7 @@ class Recorder:
 
     def _stage(self, step: int, micro: int, iteration: int, args: dict[str, Any]) -> W.HostBatch:
         columns = {COLUMN_OF.get(name, name): self._stager.stage(x) for name, x in args.items()}
-        devices = {x.device for x in args.values() if W.torch_of(x) is not None and x.device.type == "cuda"}
+        devices = {x.device for x in args.values() if getattr(x, "is_cuda", False)}  # numpy has no is_cuda
         events = []
         if devices:
             torch = sys.modules["torch"]

@@ -93,3 +93,10 @@ def test_the_kernel_releases_the_gil() -> None:
 
     assert trl_kernel.JIT["nogil"] and M.batch_partials(*inputs(1))["tokens"] > 0
     assert trl_kernel.partials_kernel.targetoptions["nogil"]
+
+
+def test_mixed_dtypes_are_read_in_float64() -> None:
+    logp, ref, old, mask = inputs(2)
+    ref64 = ref.astype(np.float64) - 1e-9  # a difference float32 cannot hold
+    got, want = M.batch_partials(logp, ref64, old, mask), reference_partials(logp, ref64, old, mask)
+    np.testing.assert_allclose(got["k3_sum"], want["k3_sum"], rtol=1e-12)

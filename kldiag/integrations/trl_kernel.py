@@ -36,7 +36,8 @@ def product(a, b):
 
 @njit(**JIT)
 def partials_kernel(s, r, o, keep, has_ref):
-    """Sums, maxima and counts over the tokens where `keep`; all inputs [N] (float64, bool).
+    """Sums, maxima and counts over the tokens where `keep`; inputs [N]: s, r, o of one float
+    dtype (float32 is widened as it is read), keep bool.
 
     Returns (f, c): f = k3_sum, k3_is_sum, weight_k3_abs_sum, weight_k3_abs_flagged_sum,
     weight_k3_abs_max, weight_k3_is_abs_max, rho_max; c = tokens, flagged, nonfinite
@@ -48,7 +49,8 @@ def partials_kernel(s, r, o, keep, has_ref):
     for i in range(s.size):
         if not keep[i]:
             continue
-        si, oi, ri = s[i], o[i], r[i]
+        # float(x) of a float32 stays float32 in numba; the maths is float64, as in estimators.
+        si, oi, ri = np.float64(s[i]), np.float64(o[i]), np.float64(r[i])
         c[0] += 1
         rho = math.exp(si - oi)
         if rho > f[6]:  # rho >= 0: a max from 0 equals the max of the non-NaN values (0 if none)

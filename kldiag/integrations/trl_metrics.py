@@ -33,9 +33,12 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     once per recorded micro-batch, beside the training thread.
     """
     keep = np.asarray(mask, dtype=bool).ravel()
-    s = np.asarray(logp, dtype=np.float64).ravel()
-    o = s if logp_old is None else np.asarray(logp_old, dtype=np.float64).ravel()
-    r = s if logp_ref is None else np.asarray(logp_ref, dtype=np.float64).ravel()
+    given = [np.asarray(x) for x in (logp, logp_ref, logp_old) if x is not None]
+    # One kernel per dtype: float32 when every input is (widened in the kernel), else float64.
+    dtype = np.float32 if all(a.dtype == np.float32 for a in given) else np.float64
+    s = np.ascontiguousarray(given[0], dtype=dtype).ravel()
+    r = s if logp_ref is None else np.ascontiguousarray(logp_ref, dtype=dtype).ravel()
+    o = s if logp_old is None else np.ascontiguousarray(logp_old, dtype=dtype).ravel()
     sums, counts = _kernel()(s, r, o, keep, logp_ref is not None)
     out = dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
     if logp_ref is None:
