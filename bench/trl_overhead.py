@@ -1,6 +1,6 @@
 """Step time of a real TRL GRPOTrainer run with kldiag recording vs without.
 
-    python bench/trl_overhead.py                       # 4 runs of 402 steps: 196 block pairs (~80 s)
+    python bench/trl_overhead.py                       # 4 runs of 402 steps: 198 block pairs (~80 s)
     python bench/trl_overhead.py --mode runs --repeats 24 --steps 30   # whole-run pairs (the older bench)
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 

@@ -42,7 +42,7 @@ from kldiag.errors import StorageError
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
 GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int32), ("mask", np.bool_))
-CONVERT_ROWS = 1 << 16  # gathered rows converted to Arrow at once (tiny micro-batches: per-call overhead)
+CONVERT_ROWS = 1 << 16  # rows (padded, while not gathered) converted to Arrow at once: per-call costs amortised
 STATS_KEYS = ("rows", "files", "bytes", "dropped_rows", "lost_rows", "write_errors",
               "nonfinite", "invalid", "sampled_out_rows", "skipped_steps")
 
@@ -154,6 +154,16 @@ class Raw:
     keep: np.ndarray  # [B, T] bool
     n: int  # completion tokens
 
+    @property
+    def cells(self) -> int:
+        """Padded size: what it holds in memory until gathered."""
+        return self.keep.size
+
+    @property
+    def kind(self) -> tuple[tuple[str, int], ...]:
+        """Its columns and their ranks: batches of one kind are gathered together."""
+        return tuple((name, a.ndim) for name, a in self.columns.items())
+
     @classmethod
     def of(cls, batch: HostBatch, columns: dict[str, np.ndarray]) -> Raw:
         comp = columns.get("completion", columns.get("mask"))
@@ -182,6 +192,10 @@ class Rows:
     def n(self) -> int:
         return len(self.pos)
 
+    @property
+    def cells(self) -> int:
+        return len(self.pos)
+
 
 def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
     """{column: numpy array} of a host batch, once its device copies completed (bf16 widened)."""
@@ -192,7 +206,7 @@ def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
 
 
 def gather(raws: list[Raw]) -> Rows:
-    """The completion tokens of host batches that hold the same columns, in order, as one Rows.
+    """The completion tokens of host batches of one `kind` (same columns, same ranks), in order, as one Rows.
 
     Gathering many tiny micro-batches at once is a few numpy calls per column instead of
     per column and batch: each call's fixed cost, paid under the GIL beside the training
@@ -200,9 +214,13 @@ def gather(raws: list[Raw]) -> Rows:
     memory with the inputs (pooled buffers may be released after this).
     """
     keep = _cat([r.keep.ravel() for r in raws])
+    lengths = [r.keep.sum(axis=1) for r in raws]  # completion tokens per row
 
     def column(name: str, dtype: Any) -> np.ndarray:
-        return _cat([_flat(r.columns[name], r.keep.shape) for r in raws])[keep].astype(dtype, copy=False)
+        if raws[0].columns[name].ndim == 1:  # per sequence (seq, group, advantages): one value per token
+            return _cat([np.repeat(r.columns[name], k) for r, k in zip(raws, lengths, strict=True)]).astype(
+                dtype, copy=False)
+        return _cat([r.columns[name].ravel() for r in raws])[keep].astype(dtype, copy=False)
 
     counts = [r.n for r in raws]
     # Position in the completion: left padding shifts the time index, not pos.
@@ -220,11 +238,6 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _flat(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """[B, T] -> [B*T]; a [B] column (per sequence) gives every token of its row its value."""
-    return a.ravel() if a.ndim == 2 else np.broadcast_to(a[:, None], shape).ravel()
-
-
 def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) -> Rows:
     """The completion tokens of one host batch; releases its pooled buffers.
 
@@ -239,11 +252,11 @@ def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) 
 
 
 def gather_pending(pending: list[Raw | Rows]) -> list[Rows]:
-    """Rows of the pending items: runs of consecutive Raw batches with the same columns gathered at once."""
+    """Rows of the pending items: runs of consecutive Raw batches of one kind gathered at once."""
     out: list[Rows] = []
     run: list[Raw] = []
     for item in [*pending, None]:
-        if run and (not isinstance(item, Raw) or item.columns.keys() != run[0].columns.keys()):
+        if run and (not isinstance(item, Raw) or item.kind != run[0].kind):
             out.append(gather(run))
             run = []
         if isinstance(item, Raw):
@@ -375,8 +388,8 @@ class Writer(threading.Thread):
         self.directory = F.rank_rel(rank)
         self.index = index  # first free part index of the rank (the recorder listed the run once)
         self.buffer: list[pa.RecordBatch] = []  # converted rows of the next part
-        self.pending: list[Raw | Rows] = []  # rows of the next part, converted CONVERT_ROWS at a time
-        self.pending_rows = 0
+        self.pending: list[Raw | Rows] = []  # rows of the next part, converted CONVERT_ROWS cells at a time
+        self.pending_cells = 0
         self.buffered_rows = 0  # rows of the next part, converted or not
         self.steps: set[int] = set()
         self.first_at = 0.0
@@ -452,14 +465,14 @@ class Writer(threading.Thread):
         if not self.buffered_rows:
             self.first_at = time.monotonic()
         self.pending.append(rows)
-        self.pending_rows += rows.n
+        self.pending_cells += rows.cells
         self.buffered_rows += rows.n
         self.steps.add(item.step)
         if self.buffered_rows >= self.rotate_rows:
             self.publish()
-        elif self.pending_rows >= CONVERT_ROWS:
+        elif self.pending_cells >= CONVERT_ROWS:  # padded size: memory stays bounded however sparse the rows
             self.buffer.append(self.convert(self.pending))
-            self.pending, self.pending_rows = [], 0
+            self.pending, self.pending_cells = [], 0
 
     def convert(self, pending: list[Raw | Rows]) -> pa.RecordBatch:
         """Pending rows -> one Arrow record batch, counting nonfinite and invalid rows."""
@@ -474,7 +487,7 @@ class Writer(threading.Thread):
         """
         if self.buffered_rows:
             self.publisher.q.put((self.buffer, self.pending, self.buffered_rows, self.steps))
-        self.buffer, self.pending, self.pending_rows, self.buffered_rows, self.steps = [], [], 0, 0, set()
+        self.buffer, self.pending, self.pending_cells, self.buffered_rows, self.steps = [], [], 0, 0, set()
         if wait:
             self.publisher.q.join()
 

@@ -168,16 +168,19 @@ def rec_logp(run: Path) -> np.ndarray:
 
 def mixed_batches(rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
     """Micro-batches whose optional columns come and go: sampler log-probs, groups, token ids, per-row or
-    per-token advantages, left padding, a batch with no completion token."""
+    per-token advantages (the same columns with another rank, batches 6 and 7), left padding, a batch with
+    no completion token."""
     out = []
-    for i in range(7):
+    for i in range(8):
         b, t = int(rng.integers(1, 5)), int(rng.integers(3, 9))
         comp = np.arange(t)[None, :] >= rng.integers(0, t, b)[:, None]  # left padding
         if i == 3:
             comp[:] = False
         args = {"logp": -rng.random((b, t)).astype(np.float32), "completion_mask": comp,
                 "mask": comp & (rng.random((b, t)) < 0.7), "seq_ids": np.arange(b) + 10 * i}
-        if i % 2:
+        if i == 7:
+            args.update(token_ids=rng.integers(0, 50, (b, t)), advantages=rng.normal(size=b))
+        elif i % 2:
             args.update(logp_sampler=-rng.random((b, t)).astype(np.float32), group_ids=np.full(b, i),
                         advantages=rng.normal(size=b).astype(np.float32))
         else:
@@ -227,6 +230,10 @@ def test_conversion_happens_in_chunks_off_the_publish(tmp_path: Path, monkeypatc
         assert rec.wait_converted(10.0)
         writer = rec._writer
         # 20 rows gathered: 12 converted (the chunk that crossed 10 rows), 8 waiting for the next chunk or part
-        assert (sum(b.num_rows for b in writer.buffer), writer.pending_rows, writer.buffered_rows) == (12, 8, 20)
+        assert (sum(b.num_rows for b in writer.buffer), writer.pending_cells, writer.buffered_rows) == (12, 8, 20)
         assert rec.stats["files"] == 0
-    assert rec.stats["rows"] == 20 and rec.stats["files"] == 1
+        # One token of 8 kept: 9 rows wait, under 10, but their padded size (16 cells) is what memory holds.
+        rec.record(step=5, logp=-np.ones((1, 8), np.float32), completion_mask=np.arange(8)[None, :] == 0)
+        assert rec.wait_converted(10.0)
+        assert (sum(b.num_rows for b in writer.buffer), writer.pending_cells, writer.buffered_rows) == (21, 0, 21)
+    assert rec.stats["rows"] == 21 and rec.stats["files"] == 1
