@@ -135,7 +135,7 @@ def test_an_observer_failure_is_raised_on_the_training_thread_at_the_next_log(tm
     with Recorder(tmp_path) as rec:
         hook = kt._Hook(trainer, rec)
         hook._observe({"logp": np.zeros((1, 2), np.float32)})  # no mask column: a bug, not a crash of the writer
-        with pytest.raises(KeyError, match="mask"):
+        with pytest.raises(KeyError, match="completion"):
             hook._add_metrics({})
         hook._observe({"logp": -np.ones((1, 2), np.float32), "mask": np.ones((1, 2), bool)})
         logs: dict = {}

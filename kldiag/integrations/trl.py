@@ -334,7 +334,9 @@ class _Hook:
                         entropy: Any) -> None:
         """Off-thread mode: the tensors go to record() as they are (it copies them); no host work here."""
         completion = inputs["completion_mask"].bool()
-        mask = completion & inputs["tool_mask"].bool() if "tool_mask" in inputs else completion
+        # Without a tool mask the loss mask is the completion mask, which the recorder writes as `mask`
+        # when none is given: one tensor fewer to copy here and to gather in the writer.
+        mask = completion & inputs["tool_mask"].bool() if "tool_mask" in inputs else None
         self.rec.record(step=step, logp=logp, logp_old=inputs.get("old_per_token_logps"),
                         logp_ref=inputs.get("ref_per_token_logps") if self.has_ref else None,
                         logp_sampler=inputs.get("sampling_per_token_logps"), advantages=inputs["advantages"],
@@ -345,7 +347,8 @@ class _Hook:
     def _observe(self, columns: dict[str, np.ndarray]) -> None:
         """Writer thread: merge one recorded batch's partials into the window (the same inputs as on-thread)."""
         try:
-            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), columns["mask"])
+            mask = columns["mask"] if "mask" in columns else columns["completion"]
+            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask)
         except Exception as e:  # noqa: BLE001 - raised (or counted) on the training thread at the next log
             self._observer_error = e
             return

@@ -40,14 +40,11 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     r = s if logp_ref is None else np.ascontiguousarray(logp_ref, dtype=dtype).ravel()
     o = s if logp_old is None else np.ascontiguousarray(logp_old, dtype=dtype).ravel()
     sums, counts = _kernel()(s, r, o, keep, logp_ref is not None)
-    out = dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
-    if logp_ref is None:
-        out.update(dict.fromkeys(("k3_sum", "k3_is_sum", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum",
-                                  "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged"), 0.0))
-    return out
+    # Without a reference the kernel leaves the k3 sums, maxima and flags at 0.
+    return dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
 
 
-# Outputs of the compiled pass, in order (see _partials_kernel).
+# Outputs of the compiled pass, in order (trl_kernel.partials_kernel).
 _KERNEL_F = ("k3_sum", "k3_is_sum", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum", "weight_k3_abs_max",
              "weight_k3_is_abs_max", "rho_max")
 _KERNEL_I = ("tokens", "flagged", "nonfinite")
@@ -67,10 +64,11 @@ _COMPILED: Any = None
 
 
 def warm_kernel() -> None:
-    """Compile (or load from numba's on-disk cache) the pass before training starts: the first
-    compile holds the GIL for about a second."""
-    one = np.zeros((1, 1), np.float32)
-    batch_partials(one, one, one, np.ones((1, 1), bool))
+    """Compile (or load from numba's on-disk cache) both of the pass's dtypes before training starts:
+    a first compile holds the GIL for about a second."""
+    for dtype in (np.float32, np.float64):
+        one = np.zeros((1, 1), dtype)
+        batch_partials(one, one, one, np.ones((1, 1), bool))
 
 
 def merge_partials(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
