@@ -46,9 +46,9 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
     batch_partials,
-    warm_kernel,
     log_metrics,
     merge_partials,
+    warm_kernel,
 )
 
 SUPPORTED_TRL = ">=1.16,<1.17"  # keep in step with the `trl` extra in pyproject.toml
