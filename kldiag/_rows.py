@@ -160,18 +160,40 @@ def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) 
                 col.release()
 
 
-def gather_pending(pending: list[Raw | Rows]) -> list[Rows]:
-    """Rows of the pending items: runs of consecutive Raw batches of one kind gathered at once."""
+def gather_pending(pending: list[Raw | Rows],
+                   on_bad: Callable[[Raw, Exception], None] | None = None) -> list[Rows]:
+    """Rows of the pending items: runs of consecutive Raw batches of one kind gathered at once.
+
+    A run that fails (a batch whose values cannot take the format's dtypes) is gathered again
+    batch by batch: only the bad batch is dropped, reported to `on_bad` (else raised).
+    """
     out: list[Rows] = []
     run: list[Raw] = []
     for item in [*pending, None]:
         if run and (not isinstance(item, Raw) or item.kind != run[0].kind):
-            out.append(gather(run))
+            out += _gather_run(run, on_bad)
             run = []
         if isinstance(item, Raw):
             run.append(item)
         elif item is not None:
             out.append(item)
+    return out
+
+
+def _gather_run(run: list[Raw], on_bad: Callable[[Raw, Exception], None] | None) -> list[Rows]:
+    try:
+        return [gather(run)]
+    except Exception:
+        if on_bad is None and len(run) == 1:
+            raise
+    out = []
+    for raw in run:
+        try:
+            out.append(gather([raw]))
+        except Exception as e:  # noqa: BLE001 - reported; the other batches go on
+            if on_bad is None:
+                raise
+            on_bad(raw, e)
     return out
 
 

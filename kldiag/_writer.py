@@ -260,14 +260,32 @@ class Writer(threading.Thread):
         if self.buffered_rows >= self.rotate_rows:
             self.publish()
         elif self.pending_cells >= CONVERT_ROWS:  # padded size: memory stays bounded however sparse the rows
-            self.buffer.append(self.convert(self.pending))
-            self.pending, self.pending_cells = [], 0
+            pending, self.pending, self.pending_cells = self.pending, [], 0
+            n = sum(item.n for item in pending)
+            try:
+                rb = self.convert(pending)
+            except Exception as e:  # noqa: BLE001 - never kill the writer: these rows are counted as lost
+                self.buffered_rows -= n
+                self.count(write_errors=1, lost_rows=n)
+                self.on_error(e)
+                return
+            self.buffered_rows -= n - rb.num_rows  # bad batches dropped (and counted) by convert
+            self.buffer.append(rb)
 
     def convert(self, pending: list[Raw | Rows]) -> pa.RecordBatch:
-        """Pending rows -> one Arrow record batch, counting nonfinite and invalid rows."""
-        rb, nonfinite, invalid = rows_to_record_batch(gather_pending(pending), self.rank, self.attempt)
+        """Pending rows -> one Arrow record batch, counting nonfinite and invalid rows.
+
+        A batch that cannot be converted is dropped alone, counted (write_errors, lost_rows)
+        and reported, as a batch that failed on arrival is.
+        """
+        rows = gather_pending(pending, self._bad_batch)
+        rb, nonfinite, invalid = rows_to_record_batch(rows, self.rank, self.attempt)
         self.count(nonfinite=nonfinite, invalid=invalid)
         return rb
+
+    def _bad_batch(self, raw: Raw, e: Exception) -> None:
+        self.count(write_errors=1, lost_rows=raw.n)
+        self.on_error(e)
 
     def publish(self, wait: bool = False) -> None:
         """Hand the buffered rows to the publisher as one part; `wait`: until every part handed over is out.
@@ -284,7 +302,9 @@ class Writer(threading.Thread):
         """Publisher thread: write one part; on failure count its rows as lost and go on."""
         try:
             if pending:
-                batches = [*batches, self.convert(pending)]
+                rb = self.convert(pending)
+                rows -= sum(item.n for item in pending) - rb.num_rows  # bad batches: counted by convert
+                batches = [*batches, rb]
             table = pa.Table.from_batches(batches, schema=F.TOKEN_SCHEMA)
             name = F.part_name(min(steps), max(steps), self.index, self.attempt)
             size = F.publish(self.store, self.directory, name, table)

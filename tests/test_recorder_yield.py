@@ -237,3 +237,18 @@ def test_conversion_happens_in_chunks_off_the_publish(tmp_path: Path, monkeypatc
         assert rec.wait_converted(10.0)
         assert (sum(b.num_rows for b in writer.buffer), writer.pending_cells, writer.buffered_rows) == (21, 0, 21)
     assert rec.stats["rows"] == 21 and rec.stats["files"] == 1
+
+
+@pytest.mark.parametrize("convert_rows", [8, 1 << 16])  # converted by the writer, or by the publisher at close
+def test_a_batch_that_cannot_be_converted_is_dropped_alone(tmp_path: Path, convert_rows: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from kldiag import _writer as W
+
+    monkeypatch.setattr(W, "CONVERT_ROWS", convert_rows)
+    with pytest.warns(RuntimeWarning, match="writing"), Recorder(tmp_path) as rec:
+        for step in range(4):
+            tokens = np.full((1, 3), "x" if step == 1 else "7")  # step 1: token ids that are no integers
+            rec.record(step=step, logp=-np.ones((1, 3), np.float32), token_ids=tokens)
+    assert rec.stats["rows"] == 9 and rec.stats["lost_rows"] == 3 and rec.stats["write_errors"] == 1
+    got = pq.read_table(next((tmp_path / "tokens" / "rank-0").glob("*.parquet")))
+    assert sorted(set(got["step"].to_pylist())) == [0, 2, 3] and set(got["token_id"].to_pylist()) == {7}
