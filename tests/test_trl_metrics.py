@@ -100,3 +100,13 @@ def test_mixed_dtypes_are_read_in_float64() -> None:
     ref64 = ref.astype(np.float64) - 1e-9  # a difference float32 cannot hold
     got, want = M.batch_partials(logp, ref64, old, mask), reference_partials(logp, ref64, old, mask)
     np.testing.assert_allclose(got["k3_sum"], want["k3_sum"], rtol=1e-12)
+
+
+def test_shapes_that_differ_are_an_error_not_a_read_out_of_bounds() -> None:
+    logp, ref, old, mask = inputs(3)
+    with pytest.raises(ValueError, match="one shape"):
+        M.batch_partials(logp, ref[:, :5], old, mask)
+    with pytest.raises(ValueError, match="one shape"):
+        M.batch_partials(logp, ref, old, mask[:2])
+    with pytest.raises(ValueError, match="one shape"):
+        M.batch_partials(logp, ref, old, mask.T.copy().reshape(mask.shape[::-1]))

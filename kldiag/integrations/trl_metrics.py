@@ -32,13 +32,17 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     (tests/test_trl_metrics.py); one compiled pass that releases the GIL, because this runs
     once per recorded micro-batch, beside the training thread.
     """
-    keep = np.asarray(mask, dtype=bool).ravel()
-    given = [np.asarray(x) for x in (logp, logp_ref, logp_old) if x is not None]
+    keep = np.asarray(mask, dtype=bool)
+    s, r, o = (None if x is None else np.asarray(x) for x in (logp, logp_ref, logp_old))
+    if any(a is not None and a.shape != keep.shape for a in (s, r, o)):  # the kernel reads by index, unchecked
+        raise ValueError("batch_partials: logp, logp_ref, logp_old and mask must have one shape; got "
+                         f"{[None if a is None else a.shape for a in (s, r, o)]} and mask {keep.shape}")
     # One kernel per dtype: float32 when every input is (widened in the kernel), else float64.
-    dtype = np.float32 if all(a.dtype == np.float32 for a in given) else np.float64
-    s = np.ascontiguousarray(given[0], dtype=dtype).ravel()
-    r = s if logp_ref is None else np.ascontiguousarray(logp_ref, dtype=dtype).ravel()
-    o = s if logp_old is None else np.ascontiguousarray(logp_old, dtype=dtype).ravel()
+    dtype = np.float32 if all(a is None or a.dtype == np.float32 for a in (s, r, o)) else np.float64
+    s = np.ascontiguousarray(s, dtype=dtype).ravel()
+    r = s if r is None else np.ascontiguousarray(r, dtype=dtype).ravel()
+    o = s if o is None else np.ascontiguousarray(o, dtype=dtype).ravel()
+    keep = keep.ravel()
     sums, counts = _kernel()(s, r, o, keep, logp_ref is not None)
     # Without a reference the kernel leaves the k3 sums, maxima and flags at 0.
     return dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
