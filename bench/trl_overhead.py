@@ -111,8 +111,10 @@ def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, fi
               **options: object) -> dict[str, object]:
     """One attached run whose hook is on and off in alternating blocks of `block` cycles.
 
-    Returns on/off block seconds as consecutive (on, off) pairs, recorded steps, close and
-    writer CPU seconds. The first pair is left out (first-call costs)."""
+    Returns the (on, off) seconds of each pair of blocks but the first (first-call costs), the
+    number of recorded blocks and their size in steps, the writer threads' CPU seconds and the
+    rows recorded.
+    """
     from transformers import TrainerCallback
 
     from kldiag.integrations.trl import attach
