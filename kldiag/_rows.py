@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from kldiag import estimators as E
 from kldiag import format as F
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
@@ -101,9 +102,7 @@ class Rows:
     def n(self) -> int:
         return len(self.pos)
 
-    @property
-    def cells(self) -> int:
-        return len(self.pos)
+    cells = n  # gathered: its memory is its rows
 
 
 def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
@@ -239,25 +238,14 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
 
 
 def count_flags(logps: list[pa.Array]) -> tuple[int, int]:
-    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0) over the present columns.
-
-    In the columns' own float32, as E.flag_nonfinite / E.flag_invalid decide in float64
-    (widening changes neither finiteness nor sign).
-    """
-    bad = invalid = None
-    for col in logps:
-        if col.null_count == len(col):
-            continue
-        # A null (the column absent from some batches) is no log-prob: read as -1, finite and not > 0.
-        x = (col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
-        finite = np.isfinite(x)
-        with np.errstate(invalid="ignore"):
-            pos = finite & (x > 0)
-        bad = ~finite if bad is None else bad | ~finite
-        invalid = pos if invalid is None else invalid | pos
-    if bad is None:
+    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0) over the present columns
+    (estimators.flag_nonfinite / flag_invalid)."""
+    # A null (the column absent from some batches) is no log-prob: read as -1, finite and not > 0.
+    xs = [(col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
+          for col in logps if col.null_count < len(col)]
+    if not xs:
         return 0, 0
-    return int(np.count_nonzero(bad)), int(np.count_nonzero(invalid))
+    return int(np.count_nonzero(E.flag_nonfinite(*xs))), int(np.count_nonzero(E.flag_invalid(*xs)))
 
 
 def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-
 METRIC_PREFIX = "kldiag/"
 
 # Partial sums merged across micro-batches and ranks: summed, except the maxima.
@@ -43,7 +42,9 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     r = s if r is None else np.ascontiguousarray(r, dtype=dtype).ravel()
     o = s if o is None else np.ascontiguousarray(o, dtype=dtype).ravel()
     keep = keep.ravel()
-    sums, counts = _kernel()(s, r, o, keep, logp_ref is not None)
+    from kldiag.integrations.trl_kernel import partials_kernel  # numba is imported here, not with the TRL hook
+
+    sums, counts = partials_kernel(s, r, o, keep, logp_ref is not None)
     # Without a reference the kernel leaves the k3 sums, maxima and flags at 0.
     return dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
 
@@ -52,19 +53,6 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
 _KERNEL_F = ("k3_sum", "k3_is_sum", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum", "weight_k3_abs_max",
              "weight_k3_is_abs_max", "rho_max")
 _KERNEL_I = ("tokens", "flagged", "nonfinite")
-
-
-def _kernel() -> Any:
-    """The compiled pass, built at first use (numba is imported then, not with the TRL hook)."""
-    global _COMPILED
-    if _COMPILED is None:
-        from kldiag.integrations.trl_kernel import partials_kernel
-
-        _COMPILED = partials_kernel
-    return _COMPILED
-
-
-_COMPILED: Any = None
 
 
 def warm_kernel() -> None:
