@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from kldiag import views_dash as VD
+from kldiag.views import dash as VD
 
 # Distinct hues: the Streamlit theme's blue shades are hard to tell apart on one chart.
 COLORWAY = px.colors.qualitative.D3
@@ -27,7 +27,7 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
           smoothing: float = 0.0, x_range: tuple[int, int] | None = None) -> go.Figure:
     """One line per column of `df` against `x`; dashed vertical lines at alert onsets.
 
-    smoothing > 0 draws the time-weighted EMA (kldiag.views_dash.ema) over the raw line,
+    smoothing > 0 draws the time-weighted EMA (kldiag.views.dash.ema) over the raw line,
     which stays faint behind; hover lists every series at a step; x_range zooms the x axis.
     """
     fig = go.Figure()

@@ -1,6 +1,6 @@
 """Page-level widgets every page shares: the chart controls (one smoothing control and one
 step range per page, applied to all its step charts), table downloads, and deep links.
-The computation lives in kldiag.views_dash; this module only places widgets."""
+The computation lives in kldiag.views.dash; this module only places widgets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from kldiag import views_dash as VD
+from kldiag.views import dash as VD
 
 SMOOTHING_HELP = ("Time-weighted exponential moving average, debiased at the start (as W&B and TensorBoard "
                   "draw it); the raw line stays faint behind. 0 shows the raw values.")

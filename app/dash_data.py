@@ -16,8 +16,8 @@ import streamlit as st
 
 import kldiag
 from kldiag import format as F
-from kldiag import views as V
-from kldiag import views_estimators as VE
+from kldiag.views import pages as V
+from kldiag.views import estimators as VE
 from kldiag.analysis import engines
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 

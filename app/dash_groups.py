@@ -1,6 +1,6 @@
 """The Sequence page's group view: the other completions of the same GRPO prompt side by side
 (text, advantage, reward when recorded, worst tokens), groups with zero reward spread marked.
-Tables come from kldiag.views_groups; this module only displays them."""
+Tables come from kldiag.views.groups; this module only displays them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from kldiag import format as F
-from kldiag import views as V
-from kldiag import views_groups as VG
+from kldiag.views import pages as V
+from kldiag.views import groups as VG
 
 PER_ROW = 4
 TOKENS_SHOWN = 400  # tokens of each sibling rendered as coloured text

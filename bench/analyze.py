@@ -3,7 +3,7 @@
     python bench/analyze.py                 # 50M synthetic tokens (about 1 GB in a temp dir)
     python bench/analyze.py --tokens 10e6   # smaller and faster
 
-Prints, for a run written by kldiag.synth with the recorder's Parquet settings:
+Prints, for a run written by kldiag.tools.synth with the recorder's Parquet settings:
 - end-to-end `kldiag.analyze` (1 worker, no cache) tokens/s, as a ratio to one DuckDB
   query computing the same per-step metrics over the same files (bench/steps.sql: every
   mean, maximum, count and ratio of the steps table, checked equal to kldiag's before it
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from kldiag.analysis import AnalysisConfig, analyze
 from kldiag.analysis.kernel import COLUMNS
 from kldiag.format import MANIFEST, TOKENS_DIR, list_parts
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 SEQS, MEAN_LEN = 1000, 500  # per step: 500k tokens
 

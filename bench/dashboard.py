@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 BASELINE = """
 import json, sys, time

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import kldiag
 from kldiag.diagnosis import diagnose
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = "6fb43df~1:kldiag/analysis/alerts.py"

@@ -30,7 +30,7 @@ import trl_grpo  # (examples/trl_grpo.py: the tiny model, reward and trainer)
 
 def instrument_guard() -> dict[str, float]:
     """Add the wall time of Guard.observe and Guard.end_step to the returned dict (seconds)."""
-    from kldiag import guard as G
+    from kldiag.live import guard as G
 
     spent = {"observe": 0.0, "end_step": 0.0}
     for name in spent:
@@ -70,7 +70,7 @@ def synthetic(batch: int, length: int, micro: int, steps: int = 50) -> None:
     import numpy as np
 
     import kldiag
-    from kldiag import guard as G
+    from kldiag.live import guard as G
 
     rng = np.random.default_rng(0)
     logp = -rng.exponential(0.7, (batch, length)).astype(np.float32)

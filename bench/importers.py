@@ -69,7 +69,7 @@ def _parse_only(src: str, q) -> None:
 
 
 def _import(src: str, run: str, q) -> None:
-    from kldiag.integrations.importers import import_dumps
+    from kldiag.importers import import_dumps
 
     import_dumps  # noqa: B018 - imported before the baseline: RSS growth is the import's own
     base = _peak_mb()

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 import kldiag
-from kldiag import _writer as W
+from kldiag.record import writer as W
 from kldiag import format as F
 
 VOCAB = 151_936

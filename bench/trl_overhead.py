@@ -78,7 +78,7 @@ def writer_cpu(rec) -> float:
 
 def writer_cpu_clock() -> None:
     """For a kldiag without Recorder.writer_cpu_s: the writer thread notes its CPU time when it ends."""
-    from kldiag import _writer as W
+    from kldiag.record import writer as W
 
     run = W.Writer.run
 

@@ -30,8 +30,8 @@ TRAIN, WRITER = "training thread: ", "writer: "
 
 def instrument() -> tuple[dict[str, float], collections.Counter]:
     """Wrap the parts; returns (seconds, calls) by part name, filled as the run goes."""
-    from kldiag import _writer as W
-    from kldiag import recorder as R
+    from kldiag.record import writer as W
+    from kldiag.record import recorder as R
     from kldiag.integrations import trl as kt
 
     spent: dict[str, float] = collections.defaultdict(float)

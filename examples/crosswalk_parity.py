@@ -40,7 +40,7 @@ def verl_rows(run: str) -> list[tuple[str, float, float, float]]:
     from verl.utils.debug import metrics as debug
 
     from kldiag.crosswalk.batch import pad
-    from kldiag.diagnosis import tokenset as TS
+    from kldiag.mismatch import tokenset as TS
 
     def t64(x):
         return torch.tensor(np.ascontiguousarray(x), dtype=torch.float64)

@@ -10,23 +10,26 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
+from kldiag import _compat
 from kldiag.errors import KldiagError
 from kldiag.format import Manifest, open_run
+from kldiag.version import __version__
 
 # Imported on first use: `import kldiag` stays cheap, and torch is never imported by it.
 _LAZY = {
-    "Recorder": "kldiag.recorder",
+    "Recorder": "kldiag.record.recorder",
+    "RecorderConfig": "kldiag.record.recorder",
     "analyze": "kldiag.analysis",
     "Analysis": "kldiag.analysis",
     "AnalysisConfig": "kldiag.analysis",
-    "Guard": "kldiag.guard",
+    "Guard": "kldiag.live.guard",
     "crosswalk": "kldiag.crosswalk",
 }
 
-__all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "__version__", "analyze",
-           "crosswalk", "open_run"]
+__all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "RecorderConfig", "__version__",
+           "analyze", "crosswalk", "open_run"]
+
+_compat.install()  # old module paths (kldiag.recorder, kldiag.guard, ...) keep working
 
 
 def __getattr__(name: str) -> Any:

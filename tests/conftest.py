@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kldiag.format import Manifest, write_manifest, write_vocab
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 # Model output is untrusted: the dashboard must show this piece as text, never as a tag.
 APP_EVIL_PIECE = "<img src=x onerror=alert(1)>"

@@ -16,7 +16,7 @@ from kldiag.analysis.types import ABS_EDGES, ALERT_COLUMNS, FLAG_COLUMNS, SEQUEN
 from kldiag.cli import main
 from kldiag.errors import CorruptPartError, EmptyRunError, NotARunError, UnsupportedFormatVersionError
 from kldiag.format import open_run, write_manifest
-from kldiag.synth import SynthConfig, make_manifest, make_run
+from kldiag.tools.synth import SynthConfig, make_manifest, make_run
 
 SMALL = dict(steps=12, seqs_per_step=12, seq_len=(8, 40), rows_per_file=1500, micro_batches=3)
 NOCACHE = AnalysisConfig(use_cache=False)

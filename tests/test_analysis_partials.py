@@ -10,7 +10,7 @@ import pytest
 from kldiag.analysis import keyed, partials
 from kldiag.analysis.kernel import Thresholds
 from kldiag.format import list_parts
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 TH = Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 25)
 

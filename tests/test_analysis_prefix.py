@@ -16,7 +16,7 @@ from analysis_same import assert_same_analysis
 from kldiag.analysis import AnalysisConfig, analyze, partials, prefix
 from kldiag.errors import CorruptPartError
 from kldiag.format import open_run, part_name, publish_part, rank_dir
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 NOCACHE = AnalysisConfig(use_cache=False)
 

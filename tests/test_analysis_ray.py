@@ -24,7 +24,7 @@ from kldiag.analysis.engine import thresholds
 from kldiag.cli import build_parser, main
 from kldiag.errors import CorruptPartError, EngineError
 from kldiag.format import PartInfo, open_run
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs"
 LOCAL, RAY = AnalysisConfig(use_cache=False), AnalysisConfig(use_cache=False, engine="ray")
@@ -153,7 +153,7 @@ def test_cli_analyze_and_report_with_ray(ray_session, capsys, tmp_path):
 
 
 def test_dashboard_hands_the_engine_to_the_app():
-    from kldiag.dashboard import _env
+    from kldiag.cli.dashboard import _env
 
     args = build_parser().parse_args(["dashboard", "r", "--engine", "ray", "--ray-address", "ray://head:10001"])
     env = _env(args)

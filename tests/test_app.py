@@ -12,7 +12,7 @@ import pytest
 from conftest import APP_EVIL_PIECE
 from streamlit.testing.v1 import AppTest
 
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PAGES = ["overview", "distributions", "tokens", "sequence", "estimators", "compare"]
@@ -165,7 +165,7 @@ def test_dashboard_cli_rejects_a_bad_path_before_launching(capsys, app_runs):
 
 def test_dashboard_command_binds_localhost_headless_with_runs_after_dashdash(app_runs):
     from kldiag.cli import build_parser
-    from kldiag.dashboard import app_path, streamlit_command
+    from kldiag.cli.dashboard import app_path, streamlit_command
 
     args = build_parser().parse_args(["dashboard", str(app_runs["k3"]), "--port", "8999"])
     assert (args.host, args.port) == ("127.0.0.1", 8999)

@@ -18,7 +18,7 @@ from streamlit.testing.v1 import AppTest
 
 import kldiag
 from kldiag.format import write_vocab
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 

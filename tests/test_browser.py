@@ -24,7 +24,7 @@ import pytest
 from conftest import APP_EVIL_PIECE, app_make_runs
 from playwright.sync_api import Page, expect, sync_playwright
 
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from test_browser import CHROMIUM, CHROMIUM_ARGS, _open, _serve
 
 import kldiag
 from kldiag.format import write_vocab
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_browser import PAGES, SHOTS, _open, _serve, page  # noqa: F401 - page is a fixture
 
-from kldiag.recorder import Recorder
+from kldiag.record.recorder import Recorder
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 import kldiag.crosswalk as X
 from kldiag.crosswalk.batch import pad
-from kldiag.diagnosis import tokenset as TS
+from kldiag.mismatch import tokenset as TS
 
 verl = pytest.importorskip("verl")
 torch = pytest.importorskip("torch")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kldiag
-from kldiag import demo
-from kldiag import demo_train as T
+from kldiag.tools import demo
+from kldiag.tools import demo_train as T
 from kldiag import estimators as E
 from kldiag.cli import main
 from kldiag.errors import KldiagError

@@ -14,10 +14,12 @@ import kldiag
 from kldiag.cli import main
 from kldiag.diagnosis import CAUSE_NAMES, Cause, diagnose
 from kldiag.diagnosis import causes as C
-from kldiag.diagnosis import episodes as EP
-from kldiag.diagnosis.fixes import FIXES, family, fix_for
+from kldiag.analysis import episodes as EP
+from kldiag.frameworks import family, fix_for
+from kldiag.frameworks import plain as plain_fw
+from kldiag.frameworks import trl as trl_fw
 from kldiag.format import Manifest, open_run, write_manifest
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 SMALL = {"seqs_per_step": 8, "seq_len": (8, 24), "vocab_size": 32}
 
@@ -120,9 +122,10 @@ def test_fixes_name_real_grpoconfig_fields():
     trl = pytest.importorskip("trl")
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     named = set()
-    for cause, table in FIXES.items():
-        assert cause in CAUSE_NAMES and {"trl", "plain"} <= set(table)
-        named |= set(re.findall(r"`(?:GRPOConfig\()?([a-z_]+)(?:=[^`]*)?\)?`", table["trl"]))
+    assert set(plain_fw.FIXES) == set(CAUSE_NAMES)  # every cause has a fix for a plain torch loop
+    for cause, text in trl_fw.FIXES.items():
+        assert cause in CAUSE_NAMES
+        named |= set(re.findall(r"`(?:GRPOConfig\()?([a-z_]+)(?:=[^`]*)?\)?`", text))
     assert named and named <= fields, named - fields
     assert family(Manifest(trainer={"name": "NeMo-RL"})) == "nemo_rl" and family(Manifest()) == "plain"
     assert fix_for("k3_weight_blowup", Manifest(trainer={"name": "slime"})).startswith("Add `--use-unbiased-kl`")
@@ -132,7 +135,7 @@ def test_registered_detectors_replace_and_fail_safely(tmp_path):
     make_run(tmp_path, SynthConfig(steps=10, mismatch_scale=0.5, **SMALL))
     a = _analyze(tmp_path)
 
-    def parity(analysis):  # as kldiag/diagnosis/parity.py would: one argument
+    def parity(analysis):  # as kldiag/mismatch/parity.py would: one argument
         return [Cause("engine_mismatch", 3, "warning", {"source": "parity"}, "fix it",
                       extra={"implied_temperature": 0.7})]
 

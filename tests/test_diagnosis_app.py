@@ -7,7 +7,7 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 
 from kldiag.diagnosis import diagnose
-from kldiag.diagnosis.view import cause_onsets, md
+from kldiag.views.diagnosis import cause_onsets, md
 
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 

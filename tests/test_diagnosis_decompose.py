@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kldiag.diagnosis import decompose as D
-from kldiag.diagnosis import tokenset as TS
+from kldiag.mismatch import decompose as D
+from kldiag.mismatch import tokenset as TS
 
 DEMO = "sample_logs/demo_k3"
 

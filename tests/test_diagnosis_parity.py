@@ -10,8 +10,9 @@ import pyarrow as pa
 import pytest
 
 import kldiag
-from kldiag.diagnosis import parity as P
-from kldiag.diagnosis import tokenset as TS
+from kldiag.diagnosis import parity as DP
+from kldiag.mismatch import parity as P
+from kldiag.mismatch import tokenset as TS
 from kldiag.format.schema import TOKEN_SCHEMA
 
 
@@ -59,7 +60,7 @@ def test_fit_recovers_a_known_temperature(temperature):
     assert rep.fit.method == "shared-context"
     assert rep.fit.implied_temperature == pytest.approx(temperature, rel=1e-6)
     assert rep.temperature and not rep.offset
-    cause = P.temperature_cause(rep, "fix")
+    cause = DP.temperature_cause(rep, "fix")
     assert cause.to_dict()["implied_temperature"] == pytest.approx(temperature, rel=1e-6)
     assert cause.cause == "engine_temperature_mismatch"
 
@@ -69,15 +70,15 @@ def test_float_noise_at_temperature_one_is_quiet():
     rep = P.check(ts)
     assert abs(rep.fit.implied_temperature - 1.0) < 1e-3
     assert not rep.temperature and not rep.offset and not rep.first_step_disagrees and not rep.growing
-    assert P.mismatch_cause(rep, None, "fix") is None
-    assert P.temperature_cause(rep, "fix") is None
+    assert DP.mismatch_cause(rep, None, "fix") is None
+    assert DP.temperature_cause(rep, "fix") is None
 
 
 def test_constant_offset_is_found_at_slope_one():
     rep = P.check(TS.from_table(engine_table(1.0, offset=-0.1)))
     assert rep.offset and not rep.temperature
     assert rep.fit.offset == pytest.approx(-0.1, abs=1e-3)
-    cause = P.mismatch_cause(rep, None, "fix")
+    cause = DP.mismatch_cause(rep, None, "fix")
     assert cause.cause == "engine_mismatch" and "constant offset" in cause.summary
     assert cause.onset == 0  # the first step already disagrees
 
@@ -85,7 +86,7 @@ def test_constant_offset_is_found_at_slope_one():
 def test_mismatch_growing_while_drift_does_not():
     rep = P.check(TS.from_table(engine_table(1.0, steps=12, noise=0.0, growth=-0.01, offset=-1e-4)))
     assert rep.growing, rep.growth
-    assert "grows" in P.mismatch_cause(rep, None, "fix").summary
+    assert "grows" in DP.mismatch_cause(rep, None, "fix").summary
 
 
 def test_pooled_fallback_without_groups_says_so():
@@ -93,7 +94,7 @@ def test_pooled_fallback_without_groups_says_so():
     assert rep.fit.method == "pooled" and rep.fit.contexts == 0
     assert rep.temperature  # approximate, but the direction is right
     assert rep.fit.implied_temperature > 1.05
-    assert "pooled" in P.temperature_cause(rep, "fix").summary
+    assert "pooled" in DP.temperature_cause(rep, "fix").summary
 
 
 def test_prefix_hash_separates_prefixes():
@@ -122,6 +123,6 @@ def test_demo_pair_implied_temperature_is_the_engines():
 
 
 def test_parity_causes_dicts_and_runs_without_sampler():
-    found = {c["cause"]: c for c in P.parity_causes("sample_logs/demo_k3_is")}
+    found = {c["cause"]: c for c in DP.parity_causes("sample_logs/demo_k3_is")}
     assert math.isclose(found["engine_temperature_mismatch"]["implied_temperature"], 1.2, rel_tol=1e-4)
-    assert P.parity_causes("sample_logs/trl_grpo_tiny") == []  # no logp_sampler recorded: nothing to compare
+    assert DP.parity_causes("sample_logs/trl_grpo_tiny") == []  # no logp_sampler recorded: nothing to compare

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kldiag.diagnosis import tokenset as TS
-from kldiag.diagnosis import whatif as W
+from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import whatif as W
 from kldiag.format.schema import TOKEN_SCHEMA
 
 

@@ -13,7 +13,7 @@ import kldiag  # noqa: E402
 from kldiag.analysis.types import ABS_EDGES, D_EDGES  # noqa: E402
 from kldiag.cli import main  # noqa: E402
 from kldiag.export.tensorboard import STATE_FILE, histogram_fields, scalar_columns  # noqa: E402
-from kldiag.synth import SynthConfig, make_run  # noqa: E402
+from kldiag.tools.synth import SynthConfig, make_run  # noqa: E402
 
 CFG = SynthConfig(steps=6, seqs_per_step=8, seq_len=(8, 16), vocab_size=32, blowup_step=4, blowup_frac=0.05, seed=3)
 HISTS = ("d", "weight_k3_abs", "weight_k3_is_abs", "rho")

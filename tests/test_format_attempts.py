@@ -11,7 +11,7 @@ import pytest
 
 import kldiag
 from kldiag import format as F
-from kldiag.recorder import Recorder
+from kldiag.record.recorder import Recorder
 
 B, T = 4, 6
 

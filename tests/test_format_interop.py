@@ -18,7 +18,7 @@ import pytest
 
 import kldiag
 from kldiag import format as F
-from kldiag.recorder import Recorder
+from kldiag.record.recorder import Recorder
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "format.md"
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs"

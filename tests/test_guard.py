@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag import guard as G
+from kldiag.live import guard as G
 from kldiag.diagnosis import DiagnosisConfig
 
 

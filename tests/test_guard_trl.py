@@ -70,7 +70,7 @@ def test_guard_lets_the_bias_corrected_run_finish(model_dir, tmp_path):
 
 
 def test_a_recorder_write_error_never_stops_the_run(model_dir, tmp_path, monkeypatch):
-    from kldiag.recorder import Recorder
+    from kldiag.record.recorder import Recorder
 
     def broken(self, **kwargs):
         raise OSError("disk full")

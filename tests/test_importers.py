@@ -12,7 +12,7 @@ import torch
 import kldiag
 from kldiag.cli import main
 from kldiag.errors import DumpError, UnsupportedDumpVersionError
-from kldiag.integrations.importers import import_dumps
+from kldiag.importers import import_dumps
 import importer_fixtures as fx
 
 
@@ -205,7 +205,7 @@ def test_prime_rl_unknown_schema_version(tmp_path):
 
 def test_importer_memory_is_chunked(tmp_path, monkeypatch):
     """The sink records a micro-batch every CHUNK_SEQUENCES sequences: a file is never held whole."""
-    from kldiag.integrations.importers import _sink
+    from kldiag.importers import sink as _sink
 
     monkeypatch.setattr(_sink, "CHUNK_SEQUENCES", 2)
     calls = []

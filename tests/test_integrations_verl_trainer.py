@@ -77,8 +77,8 @@ def test_plugin_entry_point_registers_the_modes_in_verls_registry():
 
 def test_attach_installs_the_recording_loss_with_the_runs_settings(config, tmp_path):
     trainer = trainer_of(config, tmp_path)
-    assert verl_plugin.run_of(trainer.config) == str(tmp_path / "run")
-    hook.attach(trainer, verl_plugin.run_of(trainer.config))
+    assert hook.run_of(trainer.config) == str(tmp_path / "run")
+    hook.attach(trainer, hook.run_of(trainer.config))
     fn = trainer.actor_rollout_wg.loss_fn
     assert isinstance(fn, partial) and fn.func is hook.ppo_loss and fn.keywords["run"] == str(tmp_path / "run")
     cfg = fn.keywords["manifest_config"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kldiag.cli import main
-from kldiag.lab import LabConfig, kl_normal_grad, kl_normal_grad_reverse, run_lab
+from kldiag.tools.lab import LabConfig, kl_normal_grad, kl_normal_grad_reverse, run_lab
 
 
 def rows_by_key(rows):

@@ -1,4 +1,4 @@
-"""kldiag.recorder: round trips, ids, sampling, rotation, failures and signals (subprocesses)."""
+"""kldiag.record.recorder: round trips, ids, sampling, rotation, failures and signals (subprocesses)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import kldiag
-from kldiag import _writer as W
+from kldiag.record import writer as W
 from kldiag import format as F
 from kldiag.errors import RecorderError
-from kldiag.recorder import SEQ_ATTEMPT_BITS, SEQ_LOCAL_BITS, Recorder, seq_unit
+from kldiag.record.recorder import SEQ_ATTEMPT_BITS, SEQ_LOCAL_BITS, Recorder, seq_unit
 
 REPO = Path(__file__).resolve().parents[1]
 

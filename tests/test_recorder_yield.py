@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kldiag import format as F
-from kldiag import recorder as kr
+from kldiag.record import recorder as kr
 from kldiag.integrations import trl as kt
-from kldiag.recorder import Recorder
+from kldiag.record.recorder import Recorder
 
 
 def batch(rng: np.random.Generator, b: int = 4, t: int = 10) -> dict[str, np.ndarray]:
@@ -196,7 +196,7 @@ def test_rows_converted_together_equal_rows_converted_one_batch_at_a_time(tmp_pa
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow as pa
 
-    from kldiag import _writer as W
+    from kldiag.record import writer as W
 
     rng = np.random.default_rng(3)
     given = mixed_batches(rng)
@@ -221,7 +221,7 @@ def test_rows_converted_together_equal_rows_converted_one_batch_at_a_time(tmp_pa
 
 
 def test_conversion_happens_in_chunks_off_the_publish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kldiag import _writer as W
+    from kldiag.record import writer as W
 
     monkeypatch.setattr(W, "CONVERT_ROWS", 10)
     with Recorder(tmp_path, rotate_seconds=None) as rec:
@@ -242,7 +242,7 @@ def test_conversion_happens_in_chunks_off_the_publish(tmp_path: Path, monkeypatc
 @pytest.mark.parametrize("convert_rows", [8, 1 << 16])  # converted by the writer, or by the publisher at close
 def test_a_batch_that_cannot_be_converted_is_dropped_alone(tmp_path: Path, convert_rows: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from kldiag import _writer as W
+    from kldiag.record import writer as W
 
     monkeypatch.setattr(W, "CONVERT_ROWS", convert_rows)
     with pytest.warns(RuntimeWarning, match="writing"), Recorder(tmp_path) as rec:

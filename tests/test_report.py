@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag import report as R
-from kldiag import report_render
+from kldiag.report import build as R
+from kldiag.report import render as report_render
 from kldiag.cli import main
 
 SAMPLE_LOGS = Path(__file__).resolve().parent.parent / "sample_logs"
@@ -153,8 +153,8 @@ def test_report_on_the_corrected_sample_run_is_healthy(tmp_path, capsys):
 
 
 def test_html_is_self_contained_and_escapes_untrusted_token_text(tmp_path, capsys):
-    from kldiag import demo
-    from kldiag import demo_train as T
+    from kldiag.tools import demo
+    from kldiag.tools import demo_train as T
     pieces = list(T.vocab())
     for i in T.FILLER_IDS:  # the punished tokens: the top offenders
         pieces[T.N_PROMPT + i] = EVIL
@@ -175,7 +175,7 @@ def test_fail_on_rejects_unknown_rules(tmp_path, capsys):
 
 
 def test_nonfinite_run_is_unstable(tmp_path):
-    from kldiag.synth import SynthConfig, make_run
+    from kldiag.tools.synth import SynthConfig, make_run
 
     make_run(tmp_path / "nan", SynthConfig(steps=6, estimator="k3_is", nonfinite=((3, "logp"),), positive=(4,)))
     rep = R.build_report(kldiag.analyze(tmp_path / "nan"))
@@ -184,7 +184,7 @@ def test_nonfinite_run_is_unstable(tmp_path):
 
 
 def test_run_without_reference_is_not_judged_on_kl(tmp_path):
-    from kldiag.synth import SynthConfig, make_run
+    from kldiag.tools.synth import SynthConfig, make_run
 
     make_run(tmp_path / "noref", SynthConfig(steps=4, reference=False, on_policy=True))
     rep = R.build_report(kldiag.analyze(tmp_path / "noref"))

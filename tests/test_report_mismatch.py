@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import kldiag
-from kldiag.report import build_report
-from kldiag.report_render import format_text, render_html
+from kldiag.report.build import build_report
+from kldiag.report.render import format_text, render_html
 
 
 def test_demo_report_has_the_mismatch_sections():

@@ -20,7 +20,7 @@ import kldiag
 from kldiag import format as F
 from kldiag.cli import main as cli
 from kldiag.errors import RecorderError, StorageError
-from kldiag.recorder import Recorder
+from kldiag.record.recorder import Recorder
 
 B, T = 4, 5
 

@@ -1,4 +1,4 @@
-"""kldiag.views and kldiag.views_estimators: the dashboard's package-side data."""
+"""kldiag.views.pages and kldiag.views.estimators: the dashboard's package-side data."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from conftest import APP_EVIL_PIECE
 
 from kldiag import estimators as E
 from kldiag import format as F
-from kldiag import views as V
-from kldiag import views_estimators as VE
+from kldiag.views import pages as V
+from kldiag.views import estimators as VE
 from kldiag.analysis.types import ABS_EDGES, D_EDGES, AnalysisConfig, Histograms
 from kldiag.errors import NotARunError
-from kldiag.synth import SynthConfig, make_run
+from kldiag.tools.synth import SynthConfig, make_run
 
 
 def _cols(**kw):

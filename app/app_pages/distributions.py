@@ -5,7 +5,7 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag import views as V
+from kldiag.views import pages as V
 
 METRICS = {
     "d": ("d = log(pi_ref / pi_theta)", False),

@@ -5,7 +5,7 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag import views_estimators as VE
+from kldiag.views import estimators as VE
 
 DELTAS = [0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
 

@@ -6,9 +6,9 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from kldiag import views_mismatch as VM
+from kldiag.views import mismatch as VM
 from kldiag.crosswalk import FRAMEWORKS
-from kldiag.diagnosis import whatif as W
+from kldiag.mismatch import whatif as W
 from kldiag.format import read_manifest
 
 

@@ -6,8 +6,8 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag import views as V
-from kldiag.diagnosis import view as DV
+from kldiag.views import pages as V
+from kldiag.views import diagnosis as DV
 
 SEQUENCES_SHOWN = 1000
 

@@ -7,7 +7,7 @@ import numpy as np
 import dash_groups
 import streamlit as st
 
-from kldiag import views as V
+from kldiag.views import pages as V
 
 WINDOW = 2000  # tokens rendered as text at once
 

@@ -4,7 +4,7 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag import views as V
+from kldiag.views import pages as V
 
 SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", "d", "rho",
          "k3", "k3_is", "weight_k3", "weight_k3_is", "weight_k3_abs", *V.FLAG_NAMES]

@@ -1,19 +1,19 @@
-"""Alerts: episodes of the rules in kldiag.diagnosis.episodes, one row per episode.
+"""Alerts: episodes of the rules in kldiag.analysis.episodes, one row per episode.
 
 A rule firing on consecutive steps is one row (a 200-step blow-up is one alert, a run that
 recovers and relapses is two). Columns (ALERT_COLUMNS): `step` (= start), `kind`, `metric`,
 `value` (peak value), `baseline` (the rule's threshold), `message`, `start`, `end` (null while
 ongoing), `peak_step`, `peak_value`, `severity`, `steps` (firing steps). The per-step detail
-stays in the steps table; `kldiag.diagnosis.episodes.RULES` says which columns each rule reads.
+stays in the steps table; `kldiag.analysis.episodes.RULES` says which columns each rule reads.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+from kldiag.analysis import episodes as EP
+from kldiag.analysis.episodes import DiagnosisConfig, Episode
 from kldiag.analysis.types import ALERT_COLUMNS, AnalysisConfig
-from kldiag.diagnosis import episodes as EP
-from kldiag.diagnosis.types import DiagnosisConfig, Episode
 
 _TYPES = {"step": pa.int64(), "kind": pa.string(), "metric": pa.string(), "value": pa.float64(),
           "baseline": pa.float64(), "message": pa.string(), "start": pa.int64(), "end": pa.int64(),

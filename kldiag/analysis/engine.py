@@ -9,7 +9,6 @@ the result of a cached, incremental or parallel analysis equals a full serial re
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 import multiprocessing
@@ -20,16 +19,13 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import pyarrow as pa
-
-from kldiag.analysis import alerts, partials, prefix, tables
+from kldiag.analysis import alerts, partials, prefix, tables, worker
 from kldiag.analysis.kernel import Thresholds
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
 from kldiag.format import Manifest, PartInfo, open_run
 
 OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
-PART_ERRORS = (RunFormatError, OSError, pa.ArrowException)  # a part that raises these is skipped (or strict)
 
 
 def validate(cfg: AnalysisConfig) -> None:
@@ -67,31 +63,6 @@ def resolved(cfg: AnalysisConfig, manifest: Manifest) -> AnalysisConfig:
     return dataclasses.replace(cfg, opsm_delta=OPSM_DELTA if delta is None else float(delta))
 
 
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed buffers for reuse instead of returning them to the OS.
-
-    The kernel allocates many batch-sized temporaries; page-faulting fresh ones costs as
-    much as the arithmetic (measured in bench/analyze.py). Caps: 256 MiB kept.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: serve batch temporaries from the heap
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to this much freed memory
-    except (OSError, AttributeError):
-        pass
-
-
-def _compute(part: PartInfo, th: Thresholds, batch_size: int) -> partials.Partial | Exception:
-    """Worker entry point: a Partial, or the error that made the part unreadable."""
-    keep_freed_memory()
-    try:
-        return partials.compute_part(part, th, batch_size)
-    except PART_ERRORS as e:
-        return e
-
-
 def _skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> None:
     if strict:
         raise error if isinstance(error, RunFormatError) else CorruptPartError(
@@ -121,11 +92,11 @@ def part_partials(cache_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: A
         # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
         ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
         with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=ctx) as pool:
-            results = list(pool.map(_compute, [parts[i] for i in todo], [th] * len(todo),
+            results = list(pool.map(worker.compute, [parts[i] for i in todo], [th] * len(todo),
                                     [cfg.batch_size] * len(todo)))
     else:
-        keep_freed_memory()
-        by_index = dict(partials.compute_parts([parts[i] for i in todo], th, cfg.batch_size, PART_ERRORS))
+        worker.keep_freed_memory()
+        by_index = dict(partials.compute_parts([parts[i] for i in todo], th, cfg.batch_size, worker.PART_ERRORS))
         results = [by_index[k] for k in range(len(todo))]
     for i, result in zip(todo, results, strict=True):
         if isinstance(result, Exception):
@@ -146,7 +117,7 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) ->
     cfg = config or AnalysisConfig()
     validate(cfg)
     t0 = time.perf_counter()
-    keep_freed_memory()
+    worker.keep_freed_memory()
     run = open_run(run_dir)
     parts = run.parts()
     if not parts:

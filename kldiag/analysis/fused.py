@@ -22,7 +22,6 @@ and release the GIL, so other threads decode and reduce other parts meanwhile.
 
 from __future__ import annotations
 
-
 import numpy as np
 from numba import njit
 

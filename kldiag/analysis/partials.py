@@ -20,10 +20,10 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa

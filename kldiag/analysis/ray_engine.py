@@ -1,7 +1,7 @@
 """The Ray engine: `AnalysisConfig(engine="ray")`, `kldiag analyze RUN --engine ray`.
 
 One plain Ray task per part runs the local engine's own per-part function
-(engine._compute -> partials.compute_part) where the part lives (a shared filesystem or
+(worker.compute -> partials.compute_part) where the part lives (a shared filesystem or
 object storage), and returns the part's small `Partial`: token rows never enter the object
 store, only partials travel to the driver, which merges them in part order exactly as the
 local engine does (engine.part_partials), so the result is the same bit for bit whatever
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kldiag.analysis import partials
+from kldiag.analysis import partials, worker
 from kldiag.analysis.kernel import Thresholds
 from kldiag.errors import EngineError
 from kldiag.format import PartInfo
@@ -64,9 +64,8 @@ def connect(address: str | None = None):
 
 def reduce_part(part: PartInfo, th: Thresholds, batch_size: int) -> tuple[int, partials.Partial | Exception]:
     """Ray task body: (PARTIAL_VERSION of this worker's kldiag, the part's Partial or its error)."""
-    from kldiag.analysis.engine import _compute  # the local engine's worker entry point
 
-    return partials.PARTIAL_VERSION, _compute(part, th, batch_size)
+    return partials.PARTIAL_VERSION, worker.compute(part, th, batch_size)
 
 
 def task(ray):

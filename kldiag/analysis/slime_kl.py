@@ -50,15 +50,6 @@ def approx_kl(s: np.ndarray, r: np.ndarray, kl_loss_type: str, rho: np.ndarray |
     return kl
 
 
-def estimator_name(kl_loss_type: str | None, use_unbiased_kl: bool | None) -> str | None:
-    """kldiag's estimator name (manifest config["estimator"]) for slime's KL options."""
-    if kl_loss_type is None:
-        return None
-    if use_unbiased_kl and kl_loss_type in ("k3", "low_var_kl"):
-        return "k3_is"
-    return {"low_var_kl": "k3_clamped"}.get(kl_loss_type, kl_loss_type)
-
-
 def unbiased_rho(s: np.ndarray, o: np.ndarray) -> np.ndarray:
     """rho = exp(log_probs - old_log_probs), float64 (1 where o is s: on-policy)."""
     with np.errstate(over="ignore"):

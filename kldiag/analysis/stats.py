@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import bins, fused, scans
-from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
+from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.types import ABS_EDGES
 
 ABS_GRID = np.array([*bins.ABS_MANTISSAS, bins.ABS_K0, len(ABS_EDGES)], np.int64)  # see fused.abs_bin

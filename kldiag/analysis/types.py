@@ -80,7 +80,7 @@ class Analysis:
     sequences:  one row per sequence (SEQUENCE_COLUMNS)
     flags:      worst tokens by |k3 weight| plus every non-finite/invalid one (FLAG_COLUMNS)
     histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
-    alerts:     ALERT_COLUMNS, one row per episode (kldiag.diagnosis.episodes), sorted by start
+    alerts:     ALERT_COLUMNS, one row per episode (kldiag.analysis.episodes), sorted by start
     trainer_kl: step, micro-averaged KL as the trainer logs it, when trainer_compatible
     superseded: rank, attempt, rows: rows left out because a later attempt of the rank
                 re-recorded their steps (a restart); empty when the run has one attempt

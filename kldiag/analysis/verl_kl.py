@@ -24,45 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.crosswalk.verl import kl_penalty
+from kldiag.frameworks.verl import MICRO_SLOTS, agg_loss, dead_zone, kl_penalty
 
 COLUMNS = ["step", "micro", "iteration", "rank", "seq", "pos", "logp", "logp_ref", "mask"]
-MICRO_SLOTS = 1024  # kldiag.integrations.verl.MICRO_SLOTS (kept here: analysis never imports torch)
-MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
-
-
-def agg_loss(loss_mat: np.ndarray, mask: np.ndarray, mode: str, dp_size: int = 1,
-             batch_num_tokens: float | None = None, global_batch_size: float | None = None,
-             loss_scale_factor: float | None = None) -> float:
-    """core_algos.py `agg_loss` with verl's global batch info; loss_mat, mask [B, T], float64 inside."""
-    x = np.where(mask, np.asarray(loss_mat, np.float64), 0.0)
-    if mode == "token-mean":
-        n = mask.sum() if batch_num_tokens is None else batch_num_tokens
-        return float(x.sum() / n * dp_size)
-    if mode == "token-sum":
-        return float(x.sum() * dp_size)
-    seq_mask = mask.sum(-1) > 0
-    n_seq = seq_mask.sum() if global_batch_size is None else global_batch_size
-    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        loss = float(x.sum(-1)[seq_mask].sum() / n_seq * dp_size)
-        if mode.endswith("-norm"):
-            loss /= loss_scale_factor if loss_scale_factor is not None else mask.shape[-1]
-        return loss
-    if mode == "seq-mean-token-mean":
-        seq = x.sum(-1) / (mask.sum(-1) + 1e-8)
-        return float(seq[seq_mask].sum() / n_seq * dp_size)
-    raise ValueError(f"loss_agg_mode={mode!r}: use one of {', '.join(MODES)} (verl actor.loss_agg_mode)")
-
-
-def dead_zone(logp: np.ndarray, logp_ref: np.ndarray) -> np.ndarray:
-    """bool: tokens whose low_var_kl gradient is zero (log-ratio clamped at +-20, or value clamped at 10)."""
-    d = np.asarray(logp_ref, np.float64) - np.asarray(logp, np.float64)
-    kl = np.clip(d, -20.0, 20.0)
-    with np.errstate(over="ignore"):
-        kld = np.exp(kl) - kl - 1.0
-    return (d < -20.0) | (d > 20.0) | (kld > 10.0)
-
-
 def _micro_batches(t: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     """Padded [B, T] arrays per (step, rank, micro), rows sorted by (seq, iteration, pos)."""
     order = np.lexsort((t["pos"], t["iteration"], t["seq"], t["micro"], t["rank"], t["step"]))
@@ -86,9 +50,9 @@ def _micro_batches(t: dict[str, np.ndarray]) -> list[dict[str, Any]]:
 
 
 def _read(run: Any) -> tuple[dict[str, np.ndarray], Any]:
-    import kldiag
+    from kldiag.format import open_run
 
-    r = kldiag.open_run(run) if isinstance(run, (str, bytes)) or hasattr(run, "__fspath__") else run
+    r = open_run(run) if isinstance(run, (str, bytes)) or hasattr(run, "__fspath__") else run
     table = r.read(columns=COLUMNS)
     t = {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
     t["logp_ref"] = np.nan_to_num(t["logp_ref"].astype(np.float64), nan=0.0)

@@ -20,8 +20,8 @@ import pyarrow as pa
 
 from kldiag.crosswalk import nemo_rl, openrlhf, slime, trl, verl
 from kldiag.crosswalk.batch import StepBatch, pad
-from kldiag.diagnosis import tokenset as TS
 from kldiag.errors import KldiagError
+from kldiag.mismatch import tokenset as TS
 
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf}
 ALIASES = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl", "nemo": "nemo-rl"}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.diagnosis.tokenset import TokenSet
+from kldiag.mismatch.tokenset import TokenSet
 
 
 @dataclass

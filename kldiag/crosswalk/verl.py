@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kldiag.analysis.verl_kl import kl_loss_by_step
 from kldiag.crosswalk.batch import StepBatch, masked_sum
 from kldiag.crosswalk.batch import masked_mean as _mean
+from kldiag.frameworks import family
+from kldiag.frameworks.verl import agg_loss, kl_penalty
 
 NAME = "verl"
 SAFETY_BOUND = 20.0
@@ -257,40 +260,6 @@ def debug_metrics(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> dic
             "training/rollout_actor_probs_pearson_corr": corr}
 
 
-def kl_penalty(logp: np.ndarray, ref: np.ndarray, kl_type: str) -> np.ndarray:
-    """core_algos.py `kl_penalty` forward value (a '+' suffix changes only the gradient)."""
-    base = kl_type[:-1] if kl_type.endswith("+") else kl_type
-    if base in ("kl", "k1"):
-        return logp - ref
-    if base == "abs":
-        return np.abs(logp - ref)
-    if base in ("mse", "k2"):
-        return 0.5 * (logp - ref) ** 2
-    if base in ("low_var_kl", "k3"):
-        kl = np.clip(ref - logp, -20.0, 20.0)
-        return np.clip(np.exp(kl) - kl - 1, -10.0, 10.0)
-    raise ValueError(f"kl_loss_type={kl_type!r}: use kl/k1, abs, mse/k2, low_var_kl/k3 (with an optional '+')")
-
-
-def agg_loss(loss_mat: np.ndarray, mask: np.ndarray, mode: str, loss_scale_factor: float | None = None) -> float:
-    """core_algos.py `agg_loss` on one batch (dp_size 1, no global batch info)."""
-    if mode == "token-mean":
-        return float(masked_sum(loss_mat, mask) / mask.sum())
-    if mode == "token-sum":
-        return float(masked_sum(loss_mat, mask))
-    seq_mask = (mask.sum(-1) > 0).astype(np.float64)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        loss = float(masked_sum(masked_sum(loss_mat, mask, axis=-1), seq_mask > 0) / seq_mask.sum())
-        if mode.endswith("-norm"):
-            loss /= loss_scale_factor if loss_scale_factor is not None else mask.shape[-1]
-        return loss
-    if mode == "seq-mean-token-mean":
-        seq = masked_sum(loss_mat, mask, axis=-1) / (mask.sum(-1) + 1e-8)
-        return float(masked_sum(seq, seq_mask > 0) / seq_mask.sum())
-    raise ValueError(f"loss_agg_mode={mode!r}: use token-mean, token-sum, seq-mean-token-sum(-norm), "
-                     "seq-mean-token-mean")
-
-
 def step_metrics(b: StepBatch, s: Settings) -> tuple[dict[str, float | None], dict[str, str]]:
     """(metrics under verl's names, {name: why it is null}) for one step."""
     out: dict[str, float | None] = {}
@@ -311,7 +280,7 @@ def step_metrics(b: StepBatch, s: Settings) -> tuple[dict[str, float | None], di
         why.update({n: NO_SAMPLER for n in names if not n.startswith("actor/")})
     if b.has_ref:
         out["actor/kl_loss"] = agg_loss(kl_penalty(b.logp, np.where(b.mask, b.logp_ref, 0.0), s.kl_loss_type),
-                                        b.mask, s.loss_agg_mode, s.loss_scale_factor)
+                                        b.mask, s.loss_agg_mode, loss_scale_factor=s.loss_scale_factor)
     else:
         why["actor/kl_loss"] = NO_REF
     return out, why
@@ -321,11 +290,8 @@ def run_overrides(run, s: Settings) -> dict[str, dict[int, float]]:
     """For a run the verl hook recorded (trainer "verl": micro = mini-batch * MICRO_SLOTS + micro-batch),
     actor/kl_loss exactly as verl reduces it over micro-batches, DP ranks, mini-batches and epochs
     (kldiag.analysis.verl_kl); {} for other runs (the whole-step figure stands)."""
-    name = str((getattr(run.manifest, "trainer", None) or {}).get("name") or "").lower()
-    if not name.startswith("verl"):
+    if family(run.manifest) != "verl":
         return {}
-    from kldiag.analysis.verl_kl import kl_loss_by_step
-
     by_step = kl_loss_by_step(run, s.kl_loss_type, s.loss_agg_mode, s.loss_scale_factor)
     return {"actor/kl_loss": {k: v for k, v in by_step.items() if math.isfinite(v)}}
 

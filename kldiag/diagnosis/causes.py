@@ -1,7 +1,7 @@
 """Cause detectors: each is `f(analysis) -> list[Cause]` (or `f(analysis, ctx)`), listed in DETECTORS.
 
 Another module adds its detectors with `register(f)` at import time (e.g. the parity
-detectors of kldiag/diagnosis/parity.py, which are imported by `detectors()`), or a caller
+detectors of kldiag/diagnosis/parity.py, imported by kldiag.diagnosis.core), or a caller
 passes its own list to `diagnose(analysis, detectors=[...])`.
 """
 
@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.diagnosis import episodes as EP
+from kldiag.analysis import episodes as EP
 from kldiag.diagnosis import evidence
-from kldiag.diagnosis.fixes import family, fix_for
 from kldiag.diagnosis.types import Cause, DiagnosisConfig, Episode
-
+from kldiag.frameworks import CLAMPED_K3, clamps, fix_for
 
 
 @dataclass
@@ -55,11 +54,8 @@ def register(detector: Detector) -> Detector:
 
 
 def detectors() -> list[Detector]:
-    """DETECTORS after importing the optional detector modules (parity), if present."""
-    try:
-        import kldiag.diagnosis.parity  # noqa: F401  (issue 15: registers engine_* causes)
-    except ImportError:
-        pass
+    """DETECTORS: the built-ins, then those other modules registered (kldiag.diagnosis.core imports
+    kldiag.diagnosis.parity, whose two detectors register themselves)."""
     return list(DETECTORS)
 
 
@@ -112,22 +108,10 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     return [Cause("k3_weight_blowup", onset, severity, ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
 
 
-CLAMPING_TRAINERS = ("verl", "openrlhf", "nemo_rl", "roll", "skyrl", "areal")  # FRAMEWORKS.md section 1
-
-
-def clamps(manifest) -> bool:
-    """Whether the run's trainer clamps the K3 value at 10 (manifest config `kl_clamp`, else its name)."""
-    cfg = getattr(manifest, "config", None) or {}
-    if "kl_clamp" in cfg:
-        return bool(cfg["kl_clamp"])
-    name = str((getattr(manifest, "trainer", None) or {}).get("name") or "").lower().replace("-", "_")
-    return family(manifest) in CLAMPING_TRAINERS or any(name.startswith(t) for t in CLAMPING_TRAINERS)
-
-
 @register
 def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
     """A clamping trainer gives tokens with k3 > 10 (pi_ref/pi_theta > 13.6) no KL gradient."""
-    if ctx.estimator != "k3" or not clamps(ctx.manifest):
+    if ctx.estimator not in ("k3", CLAMPED_K3) or not clamps(ctx.manifest):
         return []
     c, cfg = ctx.cols, ctx.config
     share = EP.col(c, "clamp_saturated_count") / np.maximum(EP.col(c, "tokens"), 1.0)

@@ -13,9 +13,10 @@ import inspect
 import warnings
 from collections.abc import Sequence
 
+from kldiag.analysis import episodes as EP
 from kldiag.diagnosis import causes as C
-from kldiag.diagnosis import episodes as EP
 from kldiag.diagnosis import evidence
+from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
 from kldiag.diagnosis.scan import StepScan
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
 

@@ -1,254 +1,30 @@
-"""Parity detectors: does the inference engine's mu agree with the trainer's pi_old on the same tokens?
+"""The engine-parity causes: `engine_temperature_mismatch` and `engine_mismatch` from the parity fits.
 
-Causes (DESIGN.md section 6), registered in kldiag.diagnosis.causes.DETECTORS on import:
-
-- `engine_temperature_mismatch`: log mu = (1/T) log pi_old + c(context) on the sampled tokens
-  when the engine samples at temperature T while the trainer assumes 1 (or logs processed vs
-  raw log-probs): mu = softmax(z/T) gives log mu(x) = z_x/T - log sum_y exp(z_y/T) and
-  pi_old = softmax(z) gives log pi_old(x) = z_x - log sum_y exp(z_y), so within one context
-  (same step, prompt group, position and prefix) log mu is affine in log pi_old with slope 1/T.
-  `fit_temperature` regresses log mu on log pi_old within such contexts (fixed effects;
-  completions of a GRPO group share the prompt, so their first tokens share a context) and
-  reports implied_temperature = 1/slope. Without shared contexts it falls back to a pooled fit
-  (biased: c varies with the context's entropy), and says so in `method`.
-- `engine_mismatch`: a constant offset (log mu - log pi_old has a mean far from 0 at slope 1),
-  a first step where pi_old and mu already disagree beyond float noise (before any update the
-  two are the same weights), and mismatch that grows with the steps while the policy drift
-  |log pi_theta - log pi_old| does not (the "vicious cycle" of "When Speed Kills Stability").
-  The built-in engine_mismatch (KL(mu||pi_old) rule) is merged in: this detector replaces it.
+Registered among the detectors on import (kldiag.diagnosis.core imports this module); the fits
+themselves are kldiag.mismatch.parity's. This `engine_mismatch` replaces the built-in one and keeps
+its evidence.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kldiag.diagnosis import tokenset as TS
+from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause
+from kldiag.format import open_run
+from kldiag.frameworks import fix_for
+from kldiag.mismatch import parity as P
 
 
-COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "logp", "logp_old", "logp_sampler")
-
-
-@dataclass(frozen=True)
-class ParityConfig:
-    """Thresholds of the parity detectors (kldiag's own; docs/metrics.md)."""
-
-    slope_tol: float = 0.02  # |1/T - 1| above this (T outside ~[0.98, 1.02]) ...
-    slope_se_k: float = 5.0  # ... and above this many standard errors of the slope
-    float_noise: float = 0.05  # mean |log mu - log pi_old| bf16-vs-fp32 kernels stay below (NeMo-RL flags
-    # token_mult_prob_error = mean exp|delta| > 1.05, about 0.05 nats)
-    offset_min: float = 0.01  # |mean(log mu - log pi_old)| in nats worth a cause, at slope ~1
-    offset_se_k: float = 5.0
-    growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
-    drift_growth_max: float = 1.5  # ... while the drift grew less than this
-    min_steps_growth: int = 8
-    max_tokens: int = 1_000_000  # read at most about this many tokens (every k-th step beyond)
-
-
-@dataclass
-class TemperatureFit:
-    """log mu = slope * log pi_old + c(context), fitted on the sampled tokens."""
-
-    slope: float
-    implied_temperature: float  # 1 / slope
-    slope_se: float
-    residual_std: float  # of log mu after the fit (float noise when the model is exact)
-    offset: float  # mean(log mu - log pi_old)
-    offset_se: float
-    tokens: int
-    contexts: int  # contexts with two or more distinct tokens (0 for the pooled fit)
-    method: str  # "shared-context" or "pooled"
-
-    def to_dict(self) -> dict:
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
-
-
-def prefix_hash(seq: np.ndarray, pos: np.ndarray, token_id: np.ndarray) -> np.ndarray:
-    """uint64 hash of each token's prefix (the token ids before it in its sequence), [N].
-
-    Arrays sorted by (seq, pos). Polynomial hash sum_j (id_j + 1) * P**pos_j (mod 2**64), exclusive
-    of the token itself; positions not recorded simply do not contribute.
-    """
-    P = np.uint64(1_000_003)
-    with np.errstate(over="ignore"):
-        powers = np.ones(int(pos.max(initial=0)) + 1, np.uint64)
-        for i in range(1, len(powers)):
-            powers[i] = powers[i - 1] * P
-        term = (token_id.astype(np.uint64) + np.uint64(1)) * powers[pos]
-        csum = np.cumsum(term, dtype=np.uint64)
-        start = np.r_[0, np.flatnonzero(np.diff(seq)) + 1]
-        base = np.repeat(np.r_[np.uint64(0), csum[start[1:] - 1]] if len(start) else np.array([], np.uint64),
-                         np.diff(np.r_[start, len(seq)]))
-        return csum - base - term
-
-
-def _mix(h: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """One splitmix64-style round folding x into the hash h (uint64, wrapping)."""
-    with np.errstate(over="ignore"):
-        z = (h ^ x.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(31))) * np.uint64(0xBF58476D1CE4E5B9)
-        return z ^ (z >> np.uint64(29))
-
-
-def context_ids(ts: TS.TokenSet) -> np.ndarray:
-    """An int64 id per token: equal ids share (step, group, pos, prefix); -1 where group or ids are null.
-
-    The four keys are folded into one 64-bit hash (a collision between two of a run's contexts has
-    probability ~ n**2 / 2**64), then numbered with a 1-D np.unique.
-    """
-    h = prefix_hash(ts.seq, ts.pos, np.where(ts.token_id < 0, 0, ts.token_id))
-    for key in (ts.step, ts.group, ts.pos):
-        h = _mix(h, key)
-    _, ids = np.unique(h, return_inverse=True)
-    ids = ids.reshape(-1).astype(np.int64)
-    bad = (ts.group < 0) | (ts.token_id < 0)
-    return np.where(bad, -1, ids)
-
-
-def _demean(ids: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
-    _, inv = np.unique(ids, return_inverse=True)
-    cnt = np.bincount(inv)
-    return tuple(x - (np.bincount(inv, weights=x) / cnt)[inv] for x in xs)
-
-
-def shared_rows(ctx: np.ndarray) -> np.ndarray:
-    """Indices of the rows whose context id (>= 0; -1 = unknown) appears on two rows or more:
-    the only rows a within-context fit can use."""
-    known = ctx >= 0
-    if not known.any():
-        return np.zeros(0, np.int64)
-    _, inv, cnt = np.unique(ctx[known], return_inverse=True, return_counts=True)
-    return np.flatnonzero(known)[cnt[inv] >= 2]
-
-
-def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndarray | None = None) -> TemperatureFit:
-    """Fit log mu on log pi_old ([N] float64 each; ctx [N] context ids, -1 = unknown).
-
-    Within-context slope over contexts where log pi_old takes two or more distinct values;
-    the pooled least-squares slope with an intercept when there are fewer than 2 such contexts.
-    """
-    o, m = np.asarray(logp_old, np.float64), np.asarray(logp_sampler, np.float64)
-    ok = np.isfinite(o) & np.isfinite(m) & (o <= 0) & (m <= 0)
-    o, m = o[ok], m[ok]
-    d = m - o
-    n = len(o)
-    offset = float(d.mean()) if n else math.nan
-    offset_se = float(d.std() / math.sqrt(n)) if n > 1 else math.nan
-    method, contexts = "pooled", 0
-    if ctx is not None and n:
-        c = np.asarray(ctx)[ok]
-        sel = shared_rows(c)
-        if len(sel):
-            do, dm = _demean(c[sel], o[sel], m[sel])
-            varied = np.abs(do) > 1e-9
-            contexts = int(len(np.unique(c[sel][varied])))
-            if contexts >= 2:
-                method = "shared-context"
-                x, y = do, dm
-    if method == "pooled":
-        x, y = o - o.mean() if n else o, m - m.mean() if n else m
-    sxx = float(np.dot(x, x))
-    if n < 3 or sxx <= 0:
-        return TemperatureFit(math.nan, math.nan, math.nan, math.nan, offset, offset_se, n, contexts, method)
-    slope = float(np.dot(x, y) / sxx)
-    resid = y - slope * x
-    dof = max(len(x) - (2 if method == "pooled" else 1 + contexts), 1)
-    res_std = float(math.sqrt(float(np.dot(resid, resid)) / dof))
-    se = res_std / math.sqrt(sxx)
-    temp = 1.0 / slope if slope > 0 else math.inf
-    return TemperatureFit(slope, temp, se, res_std, offset, offset_se, n, contexts, method)
-
-
-@dataclass
-class StepParity:
-    """Per-step arrays [S]: the fit's slope, mean and mean |log mu - log pi_old|, mean |log pi_theta - log pi_old|."""
-
-    step: np.ndarray
-    slope: np.ndarray
-    offset: np.ndarray
-    mismatch_abs: np.ndarray
-    drift_abs: np.ndarray
-    tokens: np.ndarray
-
-
-def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None) -> StepParity:
-    """Per-step parity figures over the tokens with both log pi_old and log mu (mask ignored).
-
-    The slope per step is the within-context one (contexts never span steps); NaN for a step
-    without two tokens of one context that differ."""
-    ctx = context_ids(ts) if ctx is None else ctx
-    o, m, s = ts.logp_old, ts.logp_sampler, ts.logp
-    ok = np.isfinite(o) & np.isfinite(m)
-    steps, sidx = np.unique(ts.step[ok], return_inverse=True)
-    k = len(steps)
-    o, m, s, c = o[ok], m[ok], s[ok], ctx[ok]
-    n = np.bincount(sidx, minlength=k).astype(np.float64)
-
-    def mean(x, idx=sidx, w=None):
-        return np.bincount(idx, weights=x, minlength=k) / np.maximum(n if w is None else w, 1)
-
-    sxx = np.zeros(k)
-    sxy = np.zeros(k)
-    sel = shared_rows(c)
-    if len(sel):
-        do, dm = _demean(c[sel], o[sel], m[sel])
-        sxx = np.bincount(sidx[sel], weights=do * do, minlength=k)
-        sxy = np.bincount(sidx[sel], weights=do * dm, minlength=k)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        slope = np.where(sxx > 1e-18, sxy / sxx, np.nan)
-    return StepParity(steps, slope, mean(m - o), mean(np.abs(m - o)), mean(np.abs(s - o)), n.astype(np.int64))
-
-
-@dataclass
-class ParityReport:
-    """Everything the parity detectors found; `causes()` turns it into Cause objects."""
-
-    fit: TemperatureFit
-    steps: StepParity
-    temperature: bool  # the slope is off 1 beyond tolerance and noise
-    offset: bool  # a constant shift at slope ~1
-    first_step_disagrees: bool  # the first recorded step already disagrees beyond float noise
-    growing: bool  # mismatch grows while the policy drift does not
-    growth: dict
-    config: ParityConfig
-
-
-def _quarter_growth(v: np.ndarray) -> float:
-    k = max(1, len(v) // 4)
-    a, b = np.nanmean(v[:k]), np.nanmean(v[-k:])
-    return float(b / a) if a > 0 else (math.inf if b > 0 else 1.0)
-
-
-def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityReport | None:
-    """Run every parity check on a TokenSet; None when the run has no sampler log-probs."""
-    if not ts.has_sampler:
-        return None
-    ctx = context_ids(ts)
-    fit = fit_temperature(ts.logp_old, ts.logp_sampler, ctx)
-    steps = step_parity(ts, ctx)
-    off_slope = abs(fit.slope - 1.0) if math.isfinite(fit.slope) else 0.0
-    temperature = off_slope > config.slope_tol and off_slope > config.slope_se_k * (fit.slope_se or 0.0)
-    offset = (not temperature and math.isfinite(fit.offset) and abs(fit.offset) > config.offset_min
-              and abs(fit.offset) > config.offset_se_k * (fit.offset_se or 0.0))
-    first = bool(len(steps.step)) and steps.mismatch_abs[0] > config.float_noise
-    growth = {"mismatch_growth": None, "drift_growth": None}
-    growing = False
-    if len(steps.step) >= config.min_steps_growth:
-        g_m, g_d = _quarter_growth(steps.mismatch_abs), _quarter_growth(steps.drift_abs)
-        growth = {"mismatch_growth": g_m, "drift_growth": g_d}
-        growing = g_m > config.growth_ratio and g_d < config.drift_growth_max
-    return ParityReport(fit, steps, temperature, offset, first, growing, growth, config)
-
-
-def _onset(rep: ParityReport, fire: np.ndarray) -> int | None:
+def _onset(rep: P.ParityReport, fire: np.ndarray) -> int | None:
     hit = np.flatnonzero(fire)
     return int(rep.steps.step[hit[0]]) if len(hit) else None
 
 
-def temperature_cause(rep: ParityReport, fix: str) -> Cause | None:
+
+def temperature_cause(rep: P.ParityReport, fix: str) -> Cause | None:
     """engine_temperature_mismatch with a numeric implied_temperature (top-level key)."""
     if not rep.temperature:
         return None
@@ -273,7 +49,8 @@ def temperature_cause(rep: ParityReport, fix: str) -> Cause | None:
                  extra={"implied_temperature": float(f.implied_temperature)})
 
 
-def mismatch_cause(rep: ParityReport, builtin: Cause | None, fix: str) -> Cause | None:
+
+def mismatch_cause(rep: P.ParityReport, builtin: Cause | None, fix: str) -> Cause | None:
     """engine_mismatch: offset, first-step disagreement, growth; the built-in rule's evidence merged in."""
     s, cfg = rep.steps, rep.config
     why, ev = [], dict(builtin.evidence) if builtin else {}
@@ -302,78 +79,37 @@ def mismatch_cause(rep: ParityReport, builtin: Cause | None, fix: str) -> Cause 
     return Cause("engine_mismatch", onset, severity, ev, fix, summary)
 
 
-TEMPERATURE_FIX = {
-    "trl": "TRL divides the trainer's logits by `GRPOConfig.temperature` (grpo_trainer.py `_get_per_token_logps_"
-           "and_entropies`) and passes the same value to vLLM: make sure no other temperature or logits processor "
-           "reaches the engine, and that the engine returns processed log-probs.",
-    "verl": "Set the same `actor_rollout_ref.rollout.temperature` for sampling and for the actor's log-prob "
-            "recompute, and `actor_rollout_ref.rollout.logprobs_mode=processed_logprobs` (raw_logprobs are "
-            "pre-temperature).",
-    "slime": "Score with the sampling temperature: the trainer must divide the logits by `--rollout-temperature` "
-             "as SGLang does, and the rollout log-probs must be post-temperature.",
-    "plain": "The engine samples at temperature {t:.3g} while the trainer scores at 1: divide the trainer's logits "
-             "by the sampling temperature (or sample at 1), and record the engine's processed (post-temperature) "
-             "log-probs, not the raw ones.",
-}
-
-_CACHE: dict[tuple, ParityReport | None] = {}
-
-
-def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
-    """check() on the analysed run's tokens, cached on the run's part keys (both detectors share it)."""
-    from kldiag.format import open_run
-
-    run = open_run(analysis.run_dir)
-    key = (str(analysis.run_dir), tuple(p.key for p in run.parts()), config)
-    if key not in _CACHE:
-        if len(_CACHE) > 8:
-            _CACHE.clear()
-        _CACHE[key] = _check_run(run, config)
-    return _CACHE[key]
-
-
-def _check_run(run, config: ParityConfig) -> ParityReport | None:
-    if not TS.has_values(run, "logp_sampler"):
-        return None
-    return check(TS.load(run, max_tokens=config.max_tokens, columns=COLUMNS), config)
-
 
 def _fix(manifest, name: str, temperature: float = math.nan) -> str:
-    from kldiag.diagnosis.fixes import family, fix_for
+    return fix_for(name, manifest, t=temperature) if name == "engine_temperature_mismatch" else fix_for(name, manifest)
 
-    if name == "engine_temperature_mismatch":
-        fam = family(manifest)
-        return fix_for(name, manifest) or TEMPERATURE_FIX.get(fam, TEMPERATURE_FIX["plain"]).format(t=temperature)
-    return fix_for(name, manifest)
 
 
 def engine_temperature_mismatch(analysis, ctx) -> list[Cause]:
     """Cause `engine_temperature_mismatch` (key implied_temperature) from the within-context fit."""
-    rep = report_for(analysis)
+    rep = P.report_for(analysis)
     if rep is None:
         return []
     cause = temperature_cause(rep, _fix(analysis.manifest, "engine_temperature_mismatch", rep.fit.implied_temperature))
     return [cause] if cause else []
 
 
+
 def engine_mismatch(analysis, ctx) -> list[Cause]:
     """Cause `engine_mismatch`: the built-in KL rule plus offset, first-step and growth checks."""
-    from kldiag.diagnosis import causes as C
-
     builtin = C.engine_mismatch(analysis, ctx)
-    rep = report_for(analysis)
+    rep = P.report_for(analysis)
     if rep is None:
         return builtin
     cause = mismatch_cause(rep, builtin[0] if builtin else None, _fix(analysis.manifest, "engine_mismatch"))
     return [cause] if cause else []
 
 
-def parity_causes(run, config: ParityConfig = ParityConfig()) -> list[dict]:
-    """The two causes as section-6 dicts for a run path or URI, without an analysis (tests, notebooks)."""
-    from kldiag.format import open_run
 
+def parity_causes(run, config: P.ParityConfig = P.ParityConfig()) -> list[dict]:
+    """The two causes as section-6 dicts for a run path or URI, without an analysis (tests, notebooks)."""
     r = open_run(run)
-    rep = _check_run(r, config)
+    rep = P.check_run(r, config)
     if rep is None:
         return []
     found = [temperature_cause(rep, _fix(r.manifest, "engine_temperature_mismatch", rep.fit.implied_temperature)),
@@ -381,11 +117,7 @@ def parity_causes(run, config: ParityConfig = ParityConfig()) -> list[dict]:
     return [c.to_dict() for c in found if c is not None]
 
 
-def _register() -> None:
-    from kldiag.diagnosis import causes as C
 
-    C.register(engine_temperature_mismatch)
-    C.register(engine_mismatch)
+C.register(engine_temperature_mismatch)
+C.register(engine_mismatch)
 
-
-_register()

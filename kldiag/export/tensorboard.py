@@ -46,7 +46,7 @@ class ExportResult:
     histograms: int = 0
 
 
-def _tb() -> tuple[Any, Any, Any]:
+def tensorboard_modules() -> tuple[Any, Any, Any]:
     """(EventFileWriter, event_pb2, summary_pb2), or ExportError naming the extra."""
     try:
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -100,7 +100,7 @@ def scalar_columns(steps: pd.DataFrame) -> list[str]:
 def step_events(step: int, values: dict[str, float], hists: dict[str, dict[str, Any]],
                 wall_time: float | None = None) -> list[Any]:
     """TensorBoard Event protos of one step: one Summary with every scalar, one per histogram."""
-    _, event_pb2, summary_pb2 = _tb()
+    _, event_pb2, summary_pb2 = tensorboard_modules()
     wall = time.time() if wall_time is None else wall_time
     scalars = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=PREFIX + k, simple_value=float(v))
                                          for k, v in values.items()])
@@ -134,7 +134,7 @@ def _hist_rows(hist: Histograms) -> dict[int, int]:
 
 def write_analysis(a: Analysis, logdir: str | os.PathLike, run_id: str, hold_last: bool = False) -> ExportResult:
     """Append the steps of `a` newer than LOGDIR's last export as events; see the module doc."""
-    EventFileWriter, _, _ = _tb()
+    EventFileWriter, _, _ = tensorboard_modules()
     logdir = Path(logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     state = _state(logdir)
@@ -180,6 +180,6 @@ def export_tensorboard(run: str | os.PathLike, logdir: str | os.PathLike, config
     """Analyse RUN (incrementally) and append its new steps to LOGDIR as TensorBoard events."""
     from kldiag.analysis.engine import analyze
 
-    _tb()  # fail before analysing when tensorboard is missing
+    tensorboard_modules()  # fail before analysing when tensorboard is missing
     a = analyze(run, config)
     return write_analysis(a, logdir, str(a.run_dir), hold_last=hold_last)

@@ -18,8 +18,8 @@ from kldiag.errors import CorruptPartError, NotARunError, RunFormatError
 from kldiag.format.parts import PartInfo, list_parts, open_part, rank_rel, superseded_mask
 from kldiag.format.schema import (
     FORMAT_VERSION,
-    PARQUET_WRITE_OPTIONS,
     MANIFEST,
+    PARQUET_WRITE_OPTIONS,
     RANK_RE_V1,
     TOKEN_SCHEMA,
     TOKENS_DIR,

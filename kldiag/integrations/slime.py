@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.analysis import slime_kl
-from kldiag.integrations.importers import slime as dump
-from kldiag.integrations.importers._sink import Sequence, pack
+from kldiag.frameworks import slime as slime_frameworks
+from kldiag.importers import slime as dump
+from kldiag.importers.sink import Sequence, pack
 
 ENV_RUN = "KLDIAG_RUN"
 LOSS_PATH = "kldiag.integrations.slime.policy_loss"
@@ -67,7 +67,7 @@ def owns_data(mpu: Any) -> bool:
 def recorder(args: Any, mpu: Any) -> Any:
     """This process's Recorder (kldiag rank = DP rank), opened at the first call."""
     if STATE.recorder is None:
-        from kldiag.recorder import Recorder
+        from kldiag.record.recorder import Recorder
 
         run = os.environ.get(ENV_RUN)
         if not run:
@@ -75,7 +75,7 @@ def recorder(args: Any, mpu: Any) -> Any:
         config = {k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None}
         config["kl_semantics"] = "slime"
         if getattr(args, "use_kl_loss", False):
-            config["estimator"] = slime_kl.estimator_name(getattr(args, "kl_loss_type", "k1"),
+            config["estimator"] = slime_frameworks.estimator_name(getattr(args, "kl_loss_type", "k1"),
                                                           getattr(args, "use_unbiased_kl", False))
             config["beta"] = getattr(args, "kl_loss_coef", None)
         if getattr(args, "eps_clip", None) is not None:

@@ -28,7 +28,7 @@ histograms, or a recorder that samples or drops (every_n_steps, seq_fraction,
 backpressure="drop"), they are computed on the training thread as before, over every batch.
 
 The hook relies on private GRPOTrainer methods; `attach` checks the TRL version and their
-signatures and raises `IntegrationError` (naming SUPPORTED_TRL) rather than failing mid-run.
+signatures and raises `IntegrationError` (naming SUPPORTED) rather than failing mid-run.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import IntegrationError
+from kldiag.frameworks.trl import SUPPORTED
 from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -51,7 +52,6 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     warm_kernel,
 )
 
-SUPPORTED_TRL = ">=1.16,<1.17"  # keep in step with the `trl` extra in pyproject.toml
 _TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
 LOG_WAIT_S = 2.0  # a log waits at most this long for the writer; later batches count at the next log
@@ -91,7 +91,7 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     histograms = recorder_options.pop("histograms", False)
     if getattr(trainer, "_kldiag_hook", None) is not None:
         raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
-    from kldiag.recorder import Recorder
+    from kldiag.record.recorder import Recorder
 
     options = recorder_defaults(trainer)
     options["config"] = {**options["config"], **(recorder_options.pop("config", None) or {})}
@@ -118,14 +118,14 @@ def check_supported(trainer: Any) -> None:
         from packaging.version import InvalidVersion, Version
     except ImportError as e:
         raise IntegrationError(
-            f"kldiag.integrations.trl needs trl{SUPPORTED_TRL}: pip install 'kldiag[trl]' ({e})") from e
+            f"kldiag.integrations.trl needs trl{SUPPORTED}: pip install 'kldiag[trl]' ({e})") from e
     try:
         release = Version(trl.__version__).release[:2]
     except InvalidVersion:
         release = (0, 0)
     if not (_TRL_MIN <= release < _TRL_MAX):
-        raise IntegrationError(f"kldiag.integrations.trl supports trl{SUPPORTED_TRL}, found trl {trl.__version__}; "
-                               f"install a supported version: pip install 'trl{SUPPORTED_TRL}'")
+        raise IntegrationError(f"kldiag.integrations.trl supports trl{SUPPORTED}, found trl {trl.__version__}; "
+                               f"install a supported version: pip install 'trl{SUPPORTED}'")
     if not isinstance(trainer, trl.GRPOTrainer):
         raise IntegrationError(f"attach() expects a trl.GRPOTrainer or a subclass, got {type(trainer).__name__}")
     for name, params in _REQUIRED_METHODS.items():
@@ -135,12 +135,12 @@ def check_supported(trainer: Any) -> None:
             if missing:
                 raise IntegrationError(
                     f"{cls.__name__}.{name} is missing or lacks parameters {missing}; kldiag's TRL hook supports "
-                    f"trl{SUPPORTED_TRL} (found trl {trl.__version__}); use a supported TRL or the plain "
+                    f"trl{SUPPORTED} (found trl {trl.__version__}); use a supported TRL or the plain "
                     "kldiag.Recorder API")
     absent = [a for a in _REQUIRED_ATTRIBUTES if not hasattr(trainer, a)]
     if absent:
         raise IntegrationError(f"{type(trainer).__name__} lacks attributes {absent} that kldiag's TRL hook reads; "
-                               f"it supports trl{SUPPORTED_TRL} (found trl {trl.__version__})")
+                               f"it supports trl{SUPPORTED} (found trl {trl.__version__})")
 
 
 def _missing_parameters(method: Any, params: tuple[str, ...], lenient: bool = False) -> list[str]:

@@ -23,7 +23,7 @@ import numpy as np
 from kldiag import estimators as E
 from kldiag.analysis.bins import abs_bins, d_bins
 from kldiag.analysis.types import HIST_EDGES
-from kldiag.export.tensorboard import FILE_SUFFIX, PREFIX, _tb, histogram_fields, step_events
+from kldiag.export.tensorboard import FILE_SUFFIX, PREFIX, histogram_fields, step_events, tensorboard_modules
 
 
 def token_counts(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.ndarray | None,
@@ -55,7 +55,7 @@ class LiveHistograms:
         self.target = target
         self.counts: dict[str, np.ndarray] = {}
         self._own = None  # EventFileWriter when target is a path
-        _tb()  # the tensorboard package is needed either way: fail at attach, naming the extra
+        tensorboard_modules()  # the tensorboard package is needed either way: fail at attach, naming the extra
 
     def observe(self, logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.ndarray | None,
                 mask: np.ndarray) -> None:
@@ -93,7 +93,7 @@ class LiveHistograms:
 
     def _writer(self, trainer: Any) -> Any:
         if self._own is None:
-            EventFileWriter, _, _ = _tb()
+            EventFileWriter, _, _ = tensorboard_modules()
             logdir = (os.path.join(trainer.args.output_dir, "kldiag_tensorboard") if self.target is True
                       else os.fspath(self.target))
             self._own = EventFileWriter(logdir, filename_suffix=FILE_SUFFIX)

@@ -40,32 +40,30 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import IntegrationError
+from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
 
-SUPPORTED_VERL = ">=0.9,<0.10"  # keep in step with the Makefile's `pip install --no-deps verl==0.9.1`
 ENV_RUN = "KLDIAG_RUN"
-MICRO_SLOTS = 1024  # micro = mini * MICRO_SLOTS + micro-batch within the mini-batch
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
               "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",
               "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "shuffle")
-ESTIMATOR_OF = {"low_var_kl": "k3_clamped", "k3": "k3_clamped", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
 FIELDS = {"response_mask": "mask", "old_log_probs": "logp_old", "ref_log_prob": "logp_ref",
           "rollout_log_probs": "logp_sampler", "advantages": "advantages", "responses": "token_ids"}
 
 
 def check_version(version: str | None = None) -> str:
-    """verl's version, or IntegrationError naming SUPPORTED_VERL and the fix."""
+    """verl's version, or IntegrationError naming SUPPORTED and the fix."""
     from packaging.version import Version
 
     if version is None:
         try:
             import verl
         except ImportError as e:
-            raise IntegrationError(f"kldiag.integrations.verl needs verl{SUPPORTED_VERL}: "
+            raise IntegrationError(f"kldiag.integrations.verl needs verl{SUPPORTED}: "
                                    f"pip install 'kldiag[verl]' && pip install --no-deps verl==0.9.1 ({e})") from e
         version = verl.__version__
     v = Version(version)
     if not Version("0.9") <= v < Version("0.10"):
-        raise IntegrationError(f"kldiag.integrations.verl supports verl{SUPPORTED_VERL}, found verl {version}; "
+        raise IntegrationError(f"kldiag.integrations.verl supports verl{SUPPORTED}, found verl {version}; "
                                "install a supported version (pip install --no-deps verl==0.9.1), or record with "
                                "kldiag.Recorder by hand")
     return version
@@ -178,7 +176,7 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
 
     Call after `trainer.init()` (it creates `trainer.actor_rollout_wg`). run defaults to $KLDIAG_RUN.
     A trainer of a plain verl mode becomes an instance of its kldiag subclass, so that each actor
-    update carries the trainer's global step (verl_plugin.make_trainer).
+    update carries the trainer's global step (make_trainer below).
     """
     version = check_version()
     run = run if run is not None else os.environ.get(ENV_RUN)
@@ -199,8 +197,6 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
                  settings(actor_cfg, _get(algorithm, "rollout_correction"), version))
     wg.set_loss_fn(fn)
     if not getattr(trainer, "kldiag_tags_steps", False):  # a plain verl trainer: the kldiag subclass of its class
-        from kldiag.integrations.verl_plugin import make_trainer
-
         trainer.__class__ = make_trainer(type(trainer))  # adds only the step tag of _update_actor (_setup is done)
     return fn
 
@@ -227,7 +223,7 @@ def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict
     if STATE.recorder is None:
         import torch
 
-        from kldiag.recorder import Recorder
+        from kldiag.record.recorder import Recorder
 
         run = run or os.environ.get(ENV_RUN)
         if not run:
@@ -385,3 +381,31 @@ def close() -> None:
     if STATE.recorder is not None:
         STATE.recorder.close()
     STATE.__init__()
+
+
+def run_of(config: Any) -> str:
+    """The kldiag run a verl config records into (see the module doc)."""
+    run = _get(_get(config, "kldiag"), "run") or os.environ.get(ENV_RUN)
+    if not run:
+        run = os.path.join(str(_get(_get(config, "trainer"), "default_local_dir", "checkpoints")), "kldiag")
+    return str(run)
+
+
+
+def make_trainer(base: type) -> type:
+    """A subclass of verl's trainer `base` that records through kldiag."""
+
+    class KldiagTrainer(base):  # type: ignore[misc, valid-type]
+        kldiag_tags_steps = True
+
+        def _setup(self) -> None:
+            super()._setup()
+            attach(self, run_of(self.config))
+
+        def _update_actor(self, batch: Any, metrics: dict) -> Any:
+            batch.extra_info["kldiag_step"] = int(self.global_steps)  # reaches the loss as non-tensor data
+            return super()._update_actor(batch, metrics=metrics)
+
+    KldiagTrainer.__name__ = KldiagTrainer.__qualname__ = f"Kldiag{base.__name__}"
+    return KldiagTrainer
+

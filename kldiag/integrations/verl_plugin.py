@@ -29,44 +29,14 @@ MODES = {"kldiag_sync": "PPOTrainerSync", "kldiag_colocate_async": "PPOTrainerCo
          "kldiag_separate_async": "PPOTrainerSeparateAsync"}
 
 
-def run_of(config: Any) -> str:
-    """The kldiag run a verl config records into (see the module doc)."""
-    import os
-
-    from kldiag.integrations.verl import ENV_RUN, _get
-
-    run = _get(_get(config, "kldiag"), "run") or os.environ.get(ENV_RUN)
-    if not run:
-        run = os.path.join(str(_get(_get(config, "trainer"), "default_local_dir", "checkpoints")), "kldiag")
-    return str(run)
-
-
-def make_trainer(base: type) -> type:
-    """A subclass of verl's trainer `base` that records through kldiag."""
-
-    class KldiagTrainer(base):  # type: ignore[misc, valid-type]
-        kldiag_tags_steps = True
-
-        def _setup(self) -> None:
-            super()._setup()
-            from kldiag.integrations.verl import attach
-
-            attach(self, run_of(self.config))
-
-        def _update_actor(self, batch: Any, metrics: dict) -> Any:
-            batch.extra_info["kldiag_step"] = int(self.global_steps)  # reaches the loss as non-tensor data
-            return super()._update_actor(batch, metrics=metrics)
-
-    KldiagTrainer.__name__ = KldiagTrainer.__qualname__ = f"Kldiag{base.__name__}"
-    return KldiagTrainer
-
-
 def register(module: Any | None = None) -> list[str]:
     """Register the kldiag_* modes in verl's TRAINER_REGISTRY (idempotent); returns their names.
 
     No version check here: an unsupported verl fails when a kldiag mode attaches (IntegrationError
     naming the supported range), never when verl merely imports its trainers.
     """
+    from kldiag.integrations.verl import make_trainer  # only once verl's trainer package is there
+
     v1 = module if module is not None else importlib.import_module(TARGET)
     for name, base in MODES.items():
         if name not in v1.trainer_base.TRAINER_REGISTRY:

@@ -1,0 +1,47 @@
+"""One part's work, the same in this process, in a worker process and in a Ray task.
+
+`compute(part, ...)` returns the part's partial, or the error that made the part unreadable
+(the engine skips it, or raises in strict mode).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pyarrow as pa
+
+from kldiag.analysis import partials
+from kldiag.analysis.kernel import Thresholds
+from kldiag.errors import RunFormatError
+from kldiag.format import PartInfo
+
+PART_ERRORS = (RunFormatError, OSError, pa.ArrowException)  # a part that raises these is skipped (or strict)
+
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed buffers for reuse instead of returning them to the OS.
+
+    The kernel allocates many batch-sized temporaries; page-faulting fresh ones costs as
+    much as the arithmetic (measured in bench/analyze.py). Caps: 256 MiB kept.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: serve batch temporaries from the heap
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to this much freed memory
+    except (OSError, AttributeError):
+        pass
+
+
+
+def compute(part: PartInfo, th: Thresholds, batch_size: int) -> partials.Partial | Exception:
+    """Worker entry point: a Partial, or the error that made the part unreadable."""
+    keep_freed_memory()
+    try:
+        return partials.compute_part(part, th, batch_size)
+    except PART_ERRORS as e:
+        return e
+

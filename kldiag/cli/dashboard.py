@@ -1,0 +1,74 @@
+"""`kldiag dashboard RUN_DIR [RUN_DIR ...]`: start the Streamlit app on one or more runs.
+
+The app lives in app/ beside the package (a source checkout ships it there). It binds to
+127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
+`--` on its command line. Runs are checked before launching, so a typo fails here with a
+clear message instead of in the browser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kldiag.analysis import engines
+from kldiag.errors import KldiagError
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/
+
+
+def app_path() -> Path:
+    """app/main.py of this checkout; raises KldiagError naming the fix when it is missing."""
+    path = PACKAGE_ROOT / "app" / "main.py"
+    if not path.is_file():
+        raise KldiagError(f"the dashboard app is not at {path}; run kldiag from a source checkout "
+                          "(git clone, then pip install -e .) so that app/ sits beside kldiag/")
+    return path
+
+
+def streamlit_command(runs: list[Path], port: int, host: str) -> list[str]:
+    """The `python -m streamlit run` command line that serves the app on `host:port`."""
+    return [sys.executable, "-m", "streamlit", "run", str(app_path()),
+            "--server.address", host, "--server.port", str(port),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "viewer",  # no "Deploy" button; the theme follows the browser
+            "--", *[str(r) for r in runs]]
+
+
+def _env(args: argparse.Namespace | None = None) -> dict[str, str]:
+    """The app imports kldiag: make this checkout importable even when it is not installed.
+    The engine choice (--engine, --ray-address) reaches the app in the environment."""
+    env = dict(os.environ)
+    root = str(PACKAGE_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("KLDIAG_RUNS", None)  # the runs on this command line win
+    return engines.to_env(args, env) if args is not None else env
+
+
+def run(args: argparse.Namespace) -> int:
+    from kldiag.views.pages import check_run_dirs  # pandas: only when launching
+
+    runs = check_run_dirs(args.runs)
+    cmd = streamlit_command(runs, args.port, args.host)
+    print(f"kldiag: dashboard on http://{args.host}:{args.port} for {len(runs)} run(s); Ctrl-C stops it",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if os.name == "posix":
+        # Streamlit takes over this process: Ctrl-C, `kill` and process managers reach the
+        # server itself. As a child, it outlived a parent killed by SIGTERM, holding the port.
+        os.execve(cmd[0], cmd, _env(args))
+    return subprocess.call(cmd, env=_env(args))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("dashboard", help="open the Streamlit dashboard on one or more runs",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (two or more to compare)")
+    p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the app to your network)")
+    engines.add_arguments(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,75 @@
+"""`kldiag watch RUN`: a live terminal view of a run, for the SSH session next to training.
+
+Every --interval seconds it re-lists the run's parts and, when new ones were published,
+refreshes the analysis incrementally (the per-part partials of RUN/.kldiag, or the local
+cache of a remote run: only the new parts are read) and the diagnosis (its extra scan keeps
+per-part sums too). It prints one line of the latest step's key figures, and a line when an
+alert episode starts or ends; the verdict line when it changes.
+
+    kldiag watch runs/my_run                        # until Ctrl-C
+    kldiag watch s3://bucket/runs/my_run --fail-on blowup,nonfinite   # exit 1 when one starts
+    kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
+
+Exit codes: 0 (stopped, --once, or --max-idle seconds without a new part), 1 (a --fail-on
+rule fired; the episode is printed to stderr), 2 (a user error), 130 (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kldiag.analysis import engines
+from kldiag.analysis import episodes as EP
+from kldiag.analysis.types import AnalysisConfig
+from kldiag.live.watch import Watcher, render
+
+
+def run(args: argparse.Namespace) -> int:
+    fail_on = EP.parse_kinds(args.fail_on) if args.fail_on else ()
+    w = Watcher(args.run_dir, AnalysisConfig(**engines.options(args)))
+    last_verdict, waiting, idle_since = None, "", time.monotonic()
+    while True:
+        up = w.poll()
+        if up.waiting and up.waiting != waiting:
+            print(f"kldiag watch: waiting: {up.waiting}", flush=True)
+        waiting = up.waiting
+        for line in render(up, last_verdict):
+            print(line, flush=True)
+        if up.diagnosis is not None:
+            last_verdict, idle_since = up.diagnosis.verdict, time.monotonic()
+            fired = [e for e in (w.known.values() if args.once else up.started) if e.kind in fail_on]
+            if fired:
+                e = fired[0]
+                print(f"kldiag watch: failing on {e.kind} (step {e.start}): {e.message}", file=sys.stderr, flush=True)
+                return 1
+        if args.once or (args.max_idle and time.monotonic() - idle_since > args.max_idle):
+            return 0
+        time.sleep(args.interval)
+
+
+
+def _kinds_arg(text: str) -> str:
+    try:
+        EP.parse_kinds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("watch", help="follow a run live in the terminal: key figures, alert episodes",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI (s3://bucket/prefix)")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between looks (default 5)")
+    p.add_argument("--fail-on", type=_kinds_arg, default=None, metavar="RULES",
+                   help=f"comma list of episode kinds ({', '.join(EP.KINDS)}), blame, nonfinite, jump or all: "
+                        "exit 1 when one starts")
+    p.add_argument("--once", action="store_true", help="look once, print, and exit (with --fail-on: 1 if any fired)")
+    p.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="exit 0 after this many seconds without a new part (default: never)")
+    engines.add_arguments(p)
+    p.set_defaults(func=run)
+

@@ -1,0 +1,27 @@
+"""A plain torch loop (no known trainer): the fixes in the terms of the maths."""
+
+from __future__ import annotations
+
+FIXES = {
+    "k3_weight_blowup": (
+        'Multiply the K3 term by rho = exp(logp - logp_old) without detaching it (DeepSeek-V3.2 eq. 7), or use K2 = '
+        '0.5 * (logp - logp_ref)**2 as the loss.'),
+    "clamp_dead_zone": (
+        'Remove the clamp on K3 (it zeroes the gradient exactly where pi_theta << pi_ref) and use rho * K3 or K2 '
+        'instead.'),
+    "offpolicy_drift": (
+        "Update fewer times on each batch of samples, clip or mask importance ratios (truncated IS, DeepSeek-V3.2's "
+        'sequence mask).'),
+    "engine_mismatch": (
+        "The inference engine and the trainer disagree on the sampled tokens' log-probs: match temperature, top-p, "
+        'dtype and kernels, and correct with truncated importance sampling.'),
+    "numerical_fault": (
+        'Look for fp16 overflow, -inf masking of sampled tokens, and log-softmax applied twice or to '
+        'temperature-scaled logits.'),
+    "entropy_collapse": (
+        'Clip-higher (an asymmetric PPO clip, DAPO), an entropy bonus, or a higher sampling temperature.'),
+    "engine_temperature_mismatch": (
+        "The engine samples at temperature {t:.3g} while the trainer scores at 1: divide the trainer's logits by the "
+        "sampling temperature (or sample at 1), and record the engine's processed (post-temperature) log-probs, not "
+        'the raw ones.'),
+}

@@ -1,0 +1,40 @@
+"""slime: the options kldiag names in its fixes, and the estimator names of its KL types.
+
+Checked in THUDM/slime@624b824a `slime/utils/arguments.py` (--use-unbiased-kl, --kl-loss-type, --use-tis,
+--use-opsm/--opsm-delta, --get-mismatch-metrics, --eps-clip-high, --entropy-coef).
+"""
+
+from __future__ import annotations
+
+CLAMPED_K3 = "k3_clamped"  # kldiag's name for low_var_kl: K3 clamped at 10 (kldiag.frameworks.CLAMPED_K3)
+
+
+def estimator_name(kl_loss_type: str | None, use_unbiased_kl: bool | None) -> str | None:
+    """kldiag's estimator name (manifest config["estimator"]) for slime's KL options."""
+    if kl_loss_type is None:
+        return None
+    if use_unbiased_kl and kl_loss_type in ("k3", "low_var_kl"):
+        return "k3_is"
+    return {"low_var_kl": CLAMPED_K3}.get(kl_loss_type, kl_loss_type)
+
+
+
+
+FIXES = {
+    "k3_weight_blowup": (
+        'Add `--use-unbiased-kl` (rho * K3, DeepSeek-V3.2 eq. 7); keep `--kl-loss-type k3`.'),
+    "clamp_dead_zone": (
+        'slime clamps only `low_var_kl`: use `--kl-loss-type k3 --use-unbiased-kl`.'),
+    "offpolicy_drift": (
+        'Add `--use-opsm --opsm-delta 1e-4` and `--use-tis`; fewer updates per rollout.'),
+    "engine_mismatch": (
+        'Add `--use-tis` (or a `--custom-tis-function-path` such as icepop) and `--get-mismatch-metrics`; check the '
+        'SGLang dtype and temperature.'),
+    "numerical_fault": (
+        'Check fp16 overflow, -inf masking of sampled tokens, and the rollout/train temperature.'),
+    "entropy_collapse": (
+        'Raise `--eps-clip-high` (e.g. 0.28) or add `--entropy-coef`.'),
+    "engine_temperature_mismatch": (
+        'Score with the sampling temperature: the trainer must divide the logits by `--rollout-temperature` as '
+        'SGLang does, and the rollout log-probs must be post-temperature.'),
+}

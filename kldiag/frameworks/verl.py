@@ -1,0 +1,91 @@
+"""verl: its KL penalty and loss aggregation, the estimator names its hook records, its fixes.
+
+Checked in verl 0.9.1 (PyPI wheel): `verl/trainer/ppo/core_algos.py` (`kl_penalty`, `agg_loss`),
+`verl/workers/utils/losses.py` (`ppo_loss`); option names in verl-project/verl@1dda039b
+(`actor_rollout_ref.actor.kl_loss_type` incl. `k3+`, `algorithm.rollout_correction.*` in
+docs/algo/rollout_corr.md, `actor.ppo_epochs`, `actor.clip_ratio_high`, `actor.entropy_coeff`,
+`rollout.calculate_log_probs`, `rollout.logprobs_mode`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SUPPORTED = ">=0.9,<0.10"  # keep in step with the Makefile's `pip install --no-deps verl==0.9.1`
+# kl_loss_type -> the estimator kldiag records (low_var_kl is K3 clamped at 10)
+ESTIMATOR_OF = {"low_var_kl": "k3_clamped", "k3": "k3_clamped", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
+MICRO_SLOTS = 1024  # the verl hook writes micro = mini-batch * MICRO_SLOTS + micro-batch
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+
+def agg_loss(loss_mat: np.ndarray, mask: np.ndarray, mode: str, dp_size: int = 1,
+             batch_num_tokens: float | None = None, global_batch_size: float | None = None,
+             loss_scale_factor: float | None = None) -> float:
+    """core_algos.py `agg_loss` with verl's global batch info; loss_mat, mask [B, T], float64 inside."""
+    x = np.where(mask, np.asarray(loss_mat, np.float64), 0.0)
+    if mode == "token-mean":
+        n = mask.sum() if batch_num_tokens is None else batch_num_tokens
+        return float(x.sum() / n * dp_size)
+    if mode == "token-sum":
+        return float(x.sum() * dp_size)
+    seq_mask = mask.sum(-1) > 0
+    n_seq = seq_mask.sum() if global_batch_size is None else global_batch_size
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        loss = float(x.sum(-1)[seq_mask].sum() / n_seq * dp_size)
+        if mode.endswith("-norm"):
+            loss /= loss_scale_factor if loss_scale_factor is not None else mask.shape[-1]
+        return loss
+    if mode == "seq-mean-token-mean":
+        seq = x.sum(-1) / (mask.sum(-1) + 1e-8)
+        return float(seq[seq_mask].sum() / n_seq * dp_size)
+    raise ValueError(f"loss_agg_mode={mode!r}: use one of {', '.join(MODES)} (verl actor.loss_agg_mode)")
+
+
+def dead_zone(logp: np.ndarray, logp_ref: np.ndarray) -> np.ndarray:
+    """bool: tokens whose low_var_kl gradient is zero (log-ratio clamped at +-20, or value clamped at 10)."""
+    d = np.asarray(logp_ref, np.float64) - np.asarray(logp, np.float64)
+    kl = np.clip(d, -20.0, 20.0)
+    with np.errstate(over="ignore"):
+        kld = np.exp(kl) - kl - 1.0
+    return (d < -20.0) | (d > 20.0) | (kld > 10.0)
+
+
+def kl_penalty(logp: np.ndarray, ref: np.ndarray, kl_type: str) -> np.ndarray:
+    """core_algos.py `kl_penalty` forward value (a '+' suffix changes only the gradient)."""
+    base = kl_type[:-1] if kl_type.endswith("+") else kl_type
+    if base in ("kl", "k1"):
+        return logp - ref
+    if base == "abs":
+        return np.abs(logp - ref)
+    if base in ("mse", "k2"):
+        return 0.5 * (logp - ref) ** 2
+    if base in ("low_var_kl", "k3"):
+        kl = np.clip(ref - logp, -20.0, 20.0)
+        return np.clip(np.exp(kl) - kl - 1, -10.0, 10.0)
+    raise ValueError(f"kl_loss_type={kl_type!r}: use kl/k1, abs, mse/k2, low_var_kl/k3 (with an optional '+')")
+
+
+FIXES = {
+    "k3_weight_blowup": (
+        "verl has no unbiased KL: set `actor_rollout_ref.actor.kl_loss_type=k3+` (K3 value, K2's bounded gradient; "
+        'verl PR #2953) or `kl_loss_type=k2`.'),
+    "clamp_dead_zone": (
+        "The K3 clamp at 10 zeroes these tokens' KL gradient: use `actor_rollout_ref.actor.kl_loss_type=k3+` or `k2` "
+        '(no clamp on the gradient).'),
+    "offpolicy_drift": (
+        'Lower `actor_rollout_ref.actor.ppo_epochs` (or the mini-batch count), and turn on '
+        '`algorithm.rollout_correction.rollout_is=token` with `rollout_rs` (verl docs: rollout_corr.md).'),
+    "engine_mismatch": (
+        'Keep `actor_rollout_ref.rollout.calculate_log_probs=True` and set '
+        '`algorithm.rollout_correction.rollout_is=token` (`rollout_is_threshold=2.0`); check `rollout.logprobs_mode` '
+        'and the rollout dtype.'),
+    "numerical_fault": (
+        'Check `actor_rollout_ref.rollout.logprobs_mode`, fp16 overflow in the actor, and -inf masking of sampled '
+        'tokens (verl issues #751, #891: NaN in low_var_kl).'),
+    "entropy_collapse": (
+        'Raise `actor_rollout_ref.actor.clip_ratio_high` (e.g. 0.28), add `actor.entropy_coeff`, or use '
+        '`actor.policy_loss.loss_mode=clip_cov`/`kl_cov`.'),
+    "engine_temperature_mismatch": (
+        "Set the same `actor_rollout_ref.rollout.temperature` for sampling and for the actor's log-prob recompute, "
+        'and `actor_rollout_ref.rollout.logprobs_mode=processed_logprobs` (raw_logprobs are pre-temperature).'),
+}

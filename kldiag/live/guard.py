@@ -1,0 +1,225 @@
+"""`kldiag.Guard`: act on a run when a chosen alert episode starts, before hours of GPU are lost.
+
+    guard = kldiag.Guard(on="blowup,nonfinite", action="log,save,stop")
+    for step in ...:                                   # any training loop
+        guard.observe(step, logp=logp, logp_ref=logp_ref, logp_old=logp_old, mask=mask)
+        ...
+        if guard.end_step(step):                       # episodes of `on` that started
+            save_checkpoint(); break                   # guard.should_stop / should_save say what to do
+
+    from kldiag.integrations.trl import attach         # TRL: the callback does it
+    attach(trainer, "runs/x", guard=kldiag.Guard(on="blowup"))
+
+observe() copies the host arrays (the recorder's own host copies in the TRL hook) and hands
+them to a worker thread, which reduces them to per-step figures with kldiag.estimators (the
+analysis' definitions). end_step() waits (at most wait_s) for that step's figures, evaluates
+the episode rules of kldiag.analysis.episodes on the steps so far, and acts on each episode
+of a kind in `on` that started: "log" (a warning on the `kldiag.live.guard` logger and stderr),
+"save" and "stop" (flags the trainer integration turns into a checkpoint and a clean stop;
+a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`).
+A failure inside the guard disables it with one warning: it never stops a run on an error of
+its own, and a recorder's write error does not concern it (it keeps its own copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kldiag import estimators as E
+from kldiag.analysis import episodes as EP
+from kldiag.diagnosis.types import DiagnosisConfig, Episode
+
+log = logging.getLogger("kldiag.live.guard")
+ACTIONS = ("log", "save", "stop", "call")
+_SUMS = ("tokens", "sum_w", "sum_w_flagged", "flagged", "nonfinite", "invalid", "n_mismatch", "sum_mismatch",
+         "n_drift", "sum_drift")
+_MAXES = ("weight_k3_abs_max", "weight_k3_is_abs_max")
+
+
+def _arr(x: Any) -> np.ndarray | None:
+    return None if x is None else np.array(x, copy=True)  # as given (float32): widened on the worker
+
+
+def _f64(x: np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) -> dict[str, float]:
+    """Per-step partial sums and maxima of one batch ([B, T] float64 arrays; mask: bool [B, T])."""
+    keep = np.ones(np.shape(logp), bool) if mask is None else np.asarray(mask, bool)
+    out = dict.fromkeys(_SUMS, 0.0) | dict.fromkeys(_MAXES, np.nan)
+    out["tokens"] = float(keep.sum())
+    present = [x for x in (logp, logp_ref, logp_old, logp_sampler) if x is not None]
+    nonfinite, invalid = E.flag_nonfinite(*present), E.flag_invalid(*present)
+    # as the analysis (docs/metrics.md): counted over every stored token, flagged when in the loss
+    out["nonfinite"], out["invalid"] = float(nonfinite.sum()), float(invalid.sum())
+    bad = (nonfinite | invalid) & keep
+    old = logp if logp_old is None else np.where(np.isnan(logp_old), logp, logp_old)
+    ok = keep & ~nonfinite
+    if logp_ref is not None:
+        with np.errstate(all="ignore"):
+            w = np.abs(E.weight_k3(logp, logp_ref))
+            w_is = np.abs(E.weight_k3_is(logp, logp_ref, old))
+            f = E.flags(logp, logp_ref, old)
+        flagged = ((f.theta_ll_ref | f.weight_blowup | f.clamp_saturated) & ok) | bad
+        fin = ok & np.isfinite(w)
+        out.update(sum_w=float(w[fin].sum()), sum_w_flagged=float(w[fin & flagged].sum()),
+                   flagged=float(flagged.sum()),
+                   weight_k3_abs_max=float(np.nanmax(w[ok])) if ok.any() else np.nan,
+                   weight_k3_is_abs_max=float(np.nanmax(w_is[ok])) if ok.any() else np.nan)
+    with np.errstate(all="ignore"):
+        drift = np.abs(logp - old)
+        out.update(n_drift=float(ok.sum()), sum_drift=float(drift[ok].sum()))
+        if logp_sampler is not None:
+            z = old - logp_sampler
+            k3 = np.expm1(z) - z
+            m = ok & np.isfinite(k3)
+            out.update(n_mismatch=float(m.sum()), sum_mismatch=float(k3[m].sum()))
+    return out
+
+
+def _merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    out = {k: a[k] + b[k] for k in _SUMS}
+    for k in _MAXES:
+        out[k] = float(np.fmax(a[k], b[k]))
+    return out
+
+
+class Guard:
+    """Watches per-step figures of a live run and acts when an episode of `on` starts."""
+
+    def __init__(self, on: str | tuple[str, ...] = "blowup,nonfinite", action: str | tuple[str, ...] = "log,save,stop",
+                 callback: Callable[[Episode], Any] | None = None, estimator: str | None = None,
+                 config: DiagnosisConfig = DiagnosisConfig(), weight_limit: float = E.WEIGHT_LIMIT,
+                 alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0):
+        self.on = EP.parse_kinds(on)
+        actions = tuple(a.strip() for a in (action.split(",") if isinstance(action, str) else action) if a.strip())
+        unknown = sorted(set(actions) - set(ACTIONS))
+        if unknown:
+            raise ValueError(f"unknown guard action(s) {unknown}; choose from {', '.join(ACTIONS)}")
+        if "call" in actions and callback is None:
+            raise ValueError("action 'call' needs callback=f (f(episode) is called when an episode starts)")
+        self.actions = actions + (("call",) if callback is not None and "call" not in actions else ())
+        self.callback, self.estimator, self.wait_s = callback, estimator, wait_s
+        self.context = dict(weight_limit=weight_limit, alert_window=alert_window, alert_factor=alert_factor,
+                            config=config)
+        self.steps: dict[int, dict[str, float]] = {}
+        self.fired: list[Episode] = []
+        self.should_stop = self.should_save = False
+        self.failed: BaseException | None = None
+        self._judged = -(1 << 62)  # the last step end_step judged: later starts are new
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._submitted = self._processed = 0
+        self._thread = threading.Thread(target=self._work, name="kldiag-guard", daemon=True)
+        self._thread.start()
+
+    # -- the training thread
+    def observe(self, step: int, logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) -> None:
+        """Hand one batch (host arrays, [B, T]) of `step` to the worker; returns at once."""
+        if self.failed is None:
+            with self._lock:
+                self._submitted += 1
+            self._queue.put((int(step), _arr(logp), _arr(logp_ref), _arr(logp_old), _arr(logp_sampler),
+                             None if mask is None else np.array(mask, dtype=bool, copy=True)))
+
+    def end_step(self, step: int) -> list[Episode]:
+        """After the optimizer step `step`: the episodes of `on` that started (acted upon), else []."""
+        if self.failed is not None:
+            return []
+        try:
+            self._drain()
+            new = self._evaluate(int(step))
+            for e in new:
+                self._act(e)
+            return new
+        except Exception as e:  # the guard never takes a run down with it
+            self._fail(e)
+            return []
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self.wait_s)
+
+    # -- the worker
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.failed is None:
+                    step, logp, logp_ref, logp_old, logp_sampler, mask = item
+                    sums = step_sums(_f64(logp), _f64(logp_ref), _f64(logp_old), _f64(logp_sampler), mask)
+                    with self._lock:
+                        self.steps[step] = _merge(self.steps[step], sums) if step in self.steps else sums
+            except Exception as e:
+                self._fail(e)
+            finally:
+                with self._done:
+                    self._processed += item is not None
+                    self._done.notify_all()
+
+    def _drain(self) -> None:
+        with self._done:
+            if not self._done.wait_for(lambda: self._processed >= self._submitted or self.failed, self.wait_s):
+                warnings.warn(f"kldiag guard: the per-step check took over {self.wait_s}s; judging the steps so "
+                              "far", stacklevel=3)
+
+    def table(self, last: int | None = None) -> dict[str, np.ndarray]:
+        """The steps so far (the `last` ones only, if given) as the columns the episode rules read."""
+        with self._lock:
+            steps = sorted(self.steps)[-last:] if last else sorted(self.steps)
+            rows = [self.steps[s] for s in steps]
+
+        def c(k):
+            return np.array([r[k] for r in rows], dtype=np.float64)
+
+        tokens = np.maximum(c("tokens"), 1.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return {"step": np.array(steps, dtype=np.int64), "tokens": c("tokens"),
+                    "weight_k3_abs_max": c("weight_k3_abs_max"), "weight_k3_is_abs_max": c("weight_k3_is_abs_max"),
+                    "blame_share": np.where(c("sum_w") > 0, c("sum_w_flagged") / c("sum_w"), 0.0),
+                    "flagged_frac": c("flagged") / tokens, "nonfinite_count": c("nonfinite"),
+                    "invalid_count": c("invalid"), "mismatch_kl": c("sum_mismatch") / c("n_mismatch"),
+                    "drift_abs_mean": c("sum_drift") / c("n_drift")}
+
+    def _evaluate(self, step: int) -> list[Episode]:
+        """Episodes of `on` starting after the last judged step. Only the tail is judged: enough
+        steps before the new ones for the trailing median and for bridging (cost flat in run length)."""
+        ctx = EP.RuleContext(estimator=self.estimator or EP.DEFAULT_ESTIMATOR, **self.context)
+        with self._lock:
+            fresh = sum(1 for s in self.steps if self._judged < s <= step)
+        history = 2 * max(ctx.alert_window, ctx.config.quiet_steps) + 1
+        cols = self.table(last=history + fresh + 1)
+        keep = cols["step"] <= step
+        cols = {k: v[keep] for k, v in cols.items()}
+        new = [e for e in EP.episodes(cols, ctx, self.on) if e.start > self._judged]
+        self._judged = max(self._judged, step)
+        self.fired += new
+        return new
+
+    def _act(self, e: Episode) -> None:
+        if "log" in self.actions:
+            msg = f"kldiag guard: {e.kind} episode started at step {e.start}: {e.message}"
+            log.warning(msg)
+            print(msg, file=sys.stderr, flush=True)
+        self.should_save |= "save" in self.actions
+        self.should_stop |= "stop" in self.actions
+        if "call" in self.actions and self.callback is not None:
+            self.callback(e)
+
+    def _fail(self, e: BaseException) -> None:
+        if self.failed is None:
+            self.failed = e
+            warnings.warn(f"kldiag guard disabled after an internal error ({type(e).__name__}: {e}); training "
+                          "goes on unguarded", stacklevel=2)

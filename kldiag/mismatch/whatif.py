@@ -1,0 +1,147 @@
+"""What-if replay: what a correction would have done to the recorded tokens, per step.
+
+For each token of a step's batch (first reuse iteration, tokens in the loss), the importance ratio
+r = pi_theta / b with b the behaviour policy under one of two conventions of "old":
+`trainer` (b = pi_old, the trainer's recompute: slime's OPSM, PPO) or `sampler` (b = mu, the
+engine's log-prob: TRL's OPSM, TIS/MIS on the training-inference mismatch). Methods:
+
+  tis_token     w = min(r, C)                                   (token TIS, "Your Efficient RL Framework
+                                                                 Secretly Brings You Off-Policy RL Training")
+  tis_seq       w = min(R, C), R = prod r over the sequence     (sequence TIS)
+  icepop        w = r if a <= r <= b else 0                     (MIS / IcePop, Ring-1T arXiv 2510.18855)
+  geo_rs        drop the sequence when G = exp(mean log r) is outside [a, b]  (geometric-mean rejection)
+  seq_mask_tis  drop the sequence outside [a, b] by G; kept tokens w = min(r, C)  (OpenRLHF/NeMo-RL)
+  opsm          drop the sequence when A < 0 and mean(log b - log pi_theta) > delta (DeepSeek-V3.2 eq. 9)
+
+Per step: the fraction of tokens and of sequences masked or clipped, the effective sample size
+(sum w)^2 / (n sum w^2) of the corrected weights, chi-square mean(w^2) - 1 (verl's chi2_token applied to
+the corrected weights: negative once truncation pulls the mean below 1), and the gradient mass
+removed from the policy-gradient term, sum |r A| - sum |w A| (split by the sign of A, also as a share
+of that sign's sum |r A|). float64 inside; NaN log-probs leave their token out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag.mismatch.tokenset import TokenSet
+
+METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm")
+CONVENTIONS = ("trainer", "sampler")
+SAFE = 700.0  # exp() stays finite in float64
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """One correction and its thresholds (defaults: verl's rollout_is_threshold 2.0, IcePop's [0.5, 2],
+    DeepSeek-V3.2's delta as slime's --opsm-delta 1e-4)."""
+
+    method: str = "tis_token"
+    convention: str = "sampler"
+    cap: float = 2.0  # C
+    low: float = 0.5  # a
+    high: float = 2.0  # b
+    delta: float = 1e-4
+
+
+def log_ratio(ts: TokenSet, convention: str) -> np.ndarray:
+    """log r = log pi_theta - log b, [N] (NaN where b is unknown)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention={convention!r}: use trainer (pi_old) or sampler (mu)")
+    b = ts.logp_old if convention == "trainer" else ts.logp_sampler
+    return ts.logp - b
+
+
+def _seq_index(ts: TokenSet) -> tuple[np.ndarray, int]:
+    key = ts.step * (1 << 40) + ts.seq
+    _, inv = np.unique(key, return_inverse=True)
+    return inv.reshape(-1), int(inv.max(initial=-1)) + 1
+
+
+def _seq_mean(x: np.ndarray, sidx: np.ndarray, k: int) -> np.ndarray:
+    return np.bincount(sidx, weights=x, minlength=k) / np.maximum(np.bincount(sidx, minlength=k), 1)
+
+
+def corrected_weights(lr: np.ndarray, adv: np.ndarray, sidx: np.ndarray, k: int, w: WhatIf):
+    """(uncorrected weight r, corrected weight, token affected, sequence affected [k]) for tokens with
+    finite lr, [n] each; r is the token ratio, or the sequence ratio R for tis_seq."""
+    r = np.exp(np.clip(lr, -SAFE, SAFE))
+    if w.method == "tis_token":
+        wt = np.minimum(r, w.cap)
+        return r, wt, r > w.cap, np.bincount(sidx, weights=r > w.cap, minlength=k) > 0
+    if w.method == "tis_seq":
+        log_seq = np.bincount(sidx, weights=lr, minlength=k)
+        seq_r = np.exp(np.clip(log_seq, -SAFE, SAFE))
+        clipped = seq_r > w.cap
+        return seq_r[sidx], np.minimum(seq_r, w.cap)[sidx], clipped[sidx], clipped  # the sequence's ratio
+    if w.method == "icepop":
+        out = (r < w.low) | (r > w.high)
+        return r, np.where(out, 0.0, r), out, np.bincount(sidx, weights=out, minlength=k) > 0
+    if w.method in ("geo_rs", "seq_mask_tis"):
+        g = np.exp(np.clip(_seq_mean(lr, sidx, k), -SAFE, SAFE))
+        drop = (g < w.low) | (g > w.high)
+        kept = np.minimum(r, w.cap) if w.method == "seq_mask_tis" else r
+        affected = drop[sidx] | ((r > w.cap) if w.method == "seq_mask_tis" else False)
+        return r, np.where(drop[sidx], 0.0, kept), affected, drop
+    if w.method == "opsm":
+        neg = np.bincount(sidx, weights=adv < 0, minlength=k) > 0
+        drop = neg & (_seq_mean(-lr, sidx, k) > w.delta)
+        return r, np.where(drop[sidx], 0.0, r), drop[sidx], drop
+    raise ValueError(f"method={w.method!r}: use one of {', '.join(METHODS)}")
+
+
+COLUMNS = ("step", "tokens", "sequences", "token_frac", "seq_frac", "ess", "chi2", "mass_removed_pos",
+           "mass_removed_neg", "mass_removed_pos_share", "mass_removed_neg_share")
+
+
+def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
+    """Per step (COLUMNS): what correction `w` does to the recorded tokens in the loss."""
+    lr = log_ratio(ts, w.convention)
+    keep = ts.mask & np.isfinite(lr) & np.isfinite(ts.advantage)
+    sub = ts.take(np.flatnonzero(keep))
+    lr, adv = lr[keep], sub.advantage
+    sidx, k = _seq_index(sub)
+    r, wt, tok_hit, seq_hit = corrected_weights(lr, adv, sidx, k, w)
+    steps, stidx = np.unique(sub.step, return_inverse=True)
+    s = len(steps)
+    seq_step = np.zeros(k, np.int64)
+    seq_step[sidx] = stidx
+
+    def per_step(x, idx=stidx):
+        return np.bincount(idx, weights=x, minlength=s)
+
+    n, nseq = per_step(np.ones(len(lr))), np.bincount(seq_step, minlength=s).astype(np.float64)
+    sw, sw2 = per_step(wt), per_step(wt**2)
+    full, kept = np.abs(r * adv), np.abs(wt * adv)
+    pos, neg = adv > 0, adv < 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cols = {
+            "step": steps, "tokens": n.astype(np.int64), "sequences": nseq.astype(np.int64),
+            "token_frac": per_step(tok_hit) / n, "seq_frac": np.bincount(seq_step, weights=seq_hit, minlength=s) / nseq,
+            "ess": sw**2 / (n * sw2), "chi2": sw2 / n - 1.0,
+            "mass_removed_pos": per_step(np.where(pos, full - kept, 0.0)),
+            "mass_removed_neg": per_step(np.where(neg, full - kept, 0.0)),
+        }
+        cols["mass_removed_pos_share"] = cols["mass_removed_pos"] / per_step(np.where(pos, full, 0.0))
+        cols["mass_removed_neg_share"] = cols["mass_removed_neg"] / per_step(np.where(neg, full, 0.0))
+    return pa.table({c: cols[c] for c in COLUMNS})
+
+
+def sweep(ts: TokenSet, base: WhatIf, name: str, values) -> pa.Table:
+    """Run-level totals of `replay` as one threshold (`name`: cap, low, high or delta) varies."""
+    from dataclasses import replace
+
+    rows = []
+    for v in values:
+        t = replay(ts, replace(base, **{name: float(v)}))
+        n, nseq = np.sum(t.column("tokens").to_numpy()), np.sum(t.column("sequences").to_numpy())
+        tf, sf = t.column("token_frac").to_numpy(), t.column("seq_frac").to_numpy()
+        rows.append({name: float(v), "token_frac": float(np.nansum(tf * t.column("tokens").to_numpy()) / max(n, 1)),
+                     "seq_frac": float(np.nansum(sf * t.column("sequences").to_numpy()) / max(nseq, 1)),
+                     "ess_mean": float(np.nanmean(t.column("ess").to_numpy())),
+                     "mass_removed_pos_share": float(np.nanmean(t.column("mass_removed_pos_share").to_numpy())),
+                     "mass_removed_neg_share": float(np.nanmean(t.column("mass_removed_neg_share").to_numpy()))})
+    return pa.Table.from_pylist(rows)

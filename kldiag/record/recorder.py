@@ -1,0 +1,410 @@
+"""Recorder: per-token log-probs from the training loop to a run directory (format v1).
+
+    with kldiag.Recorder("runs/x", beta=0.04, estimator="k3", clip_range=0.2) as rec:
+        rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)
+
+The training thread only validates shapes and starts the device-to-host copies (pinned
+buffers and non-blocking copies for CUDA tensors, one CUDA event per batch); a background
+thread (kldiag.record.writer) builds the Arrow tables and publishes Parquet parts atomically.
+docs/recorder.md covers options, guarantees and the default seq id scheme.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kldiag import format as F
+from kldiag.errors import RecorderError
+from kldiag.record import writer as W
+from kldiag.record.config import RecorderConfig
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+SEQ_LOCAL_BITS = 20  # default seq id: ((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k
+SEQ_ATTEMPT_BITS = 12
+TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids")
+ROW_ARGS = ("seq_ids", "group_ids")
+COLUMN_OF = {"completion_mask": "completion", "token_ids": "token_id", "seq_ids": "seq", "group_ids": "group",
+             "advantages": "advantage"}
+
+
+def seq_unit(seq: np.ndarray) -> np.ndarray:
+    """splitmix64(seq) / 2**64 in [0, 1): the deterministic draw behind `seq_fraction`."""
+    with np.errstate(over="ignore"):
+        z = seq.astype(np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53
+
+
+def detect_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): arguments, else torch.distributed when initialised, else RANK/WORLD_SIZE."""
+    r, w = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    torch = sys.modules.get("torch")  # never imported here: only asked when the trainer has it
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        r, w = dist.get_rank(), dist.get_world_size()
+    r = r if rank is None else int(rank)
+    w = w if world_size is None else int(world_size)
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} is outside world_size {w}; pass rank= and world_size= with 0 <= rank < world_size")
+    return r, w
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+_OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_PREVIOUS_SIGTERM: Any = None
+
+
+def _close_all() -> None:
+    for rec in list(_OPEN):
+        rec.close(_from_exit=True)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Publish every recorded row, then do what SIGTERM did before kldiag was attached.
+
+    Recorders stay open: a previous handler that only asks for a graceful stop lets
+    training (and recording) go on to its end.
+    """
+    for rec in list(_OPEN):
+        rec.flush()
+        rec._write_stats()
+        rec._write_manifest(final=True)
+    previous = _PREVIOUS_SIGTERM
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm() -> None:
+    global _PREVIOUS_SIGTERM
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        return
+    _PREVIOUS_SIGTERM = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+atexit.register(_close_all)
+
+
+class _Queue(queue.Queue):
+    """A queue whose lock is re-entrant: the SIGTERM handler may flush while record() holds it."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize)
+        self.mutex = threading.RLock()
+        self.not_empty = threading.Condition(self.mutex)
+        self.not_full = threading.Condition(self.mutex)
+        self.all_tasks_done = threading.Condition(self.mutex)
+
+
+class Recorder:
+    """Records per-token log-probs of one training run (one instance per rank).
+
+    Every argument of record() is a [batch, time] array (torch tensor on any device and
+    dtype, or numpy), except advantages ([batch] or [batch, time]) and seq_ids/group_ids
+    ([batch]). Writer failures warn once and are counted (strict=True raises RecorderError).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, options: RecorderConfig | None = None, **kwargs: Any):
+        """run_dir: a directory or a URI (s3://bucket/prefix). options: a RecorderConfig; any of its
+        fields may also be passed as a keyword (`Recorder(run, beta=0.04, estimator="k3")`)."""
+        o = self.options = RecorderConfig.build(options, **kwargs)
+        beta, estimator, clip_range, config, tags = o.beta, o.estimator, o.clip_range, o.config, o.tags
+        rotate_rows, queue_batches, backpressure, strict = o.rotate_rows, o.queue_batches, o.backpressure, o.strict
+        self.store = F.resolve(run_dir)
+        self.run_dir = F.run_path(self.store)
+        self.rank, self.world_size = detect_rank(o.rank, o.world_size)
+        self.store.check()  # a missing bucket or an unreachable endpoint is a clear error here, not mid-run
+        self.attempt, first_index = F.next_attempt(self.store, self.rank)
+        self.backpressure, self.strict = backpressure, strict
+        self.every_n_steps, self.seq_fraction = int(o.every_n_steps), float(o.seq_fraction)
+        self._stats = dict.fromkeys(W.STATS_KEYS, 0)
+        self._error: BaseException | None = None
+        self._warned: set[str] = set()
+        self._lock = threading.RLock()
+        self._manifest_lock = threading.Lock()
+        self._seq_next: dict[tuple[int, int], int] = {}
+        self._queued = 0  # host batches put on the queue (Writer.converted catches up)
+        self._closed = False
+        self._last_stats_write = time.monotonic()
+        if isinstance(clip_range, (int, float)):
+            clip_range = (float(clip_range), float(clip_range))
+        cfg = {"beta": beta, "estimator": estimator, "clip_range": list(clip_range) if clip_range else None}
+        self.manifest = F.Manifest(
+            kldiag_version=_version(), config={**{k: v for k, v in cfg.items() if v is not None}, **(config or {})},
+            trainer={k: v for k, v in (("name", o.trainer), ("version", o.trainer_version)) if v is not None},
+            world_size=self.world_size, tags=dict.fromkeys(tags, True) if isinstance(tags, (list, tuple)) else
+            dict(tags or {}), sampling={"every_n_steps": self.every_n_steps, "seq_fraction": self.seq_fraction,
+                                        "seq_hash": "splitmix64"})
+        if self.rank == 0:
+            F.resume_manifest(self.store, self.manifest, self.attempt)
+        self._stager = W.Stager(keep=queue_batches + 2)
+        self._queue: queue.Queue = _Queue(queue_batches)
+        self._writer = W.Writer(self.store, self.rank, self.attempt, self._queue, rotate_rows=rotate_rows,
+                                rotate_steps=o.rotate_steps, rotate_seconds=o.rotate_seconds, stats=self._stats,
+                                on_error=self._on_error, on_publish=self._on_publish, nice=o.writer_nice,
+                                index=first_index)
+        self._write_manifest()
+        if o.tokenizer is not None:
+            self.write_vocab(o.tokenizer)
+        self._writer.start()
+        _OPEN.add(self)
+        _install_sigterm()
+        self._raise_if_failed()
+
+    # ---- the training-thread side -----------------------------------------------------
+
+    def record(self, *, step: int, logp: Any, logp_old: Any = None, logp_ref: Any = None, logp_sampler: Any = None,
+               advantages: Any = None, mask: Any = None, completion_mask: Any = None, token_ids: Any = None,
+               seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
+               iteration: int = 0) -> None:
+        """Queue one micro-batch. Shapes are checked before anything is copied or queued."""
+        given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
+                 "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,
+                 "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids}
+        args = {k: v for k, v in given.items() if v is not None}
+        step, micro, iteration = int(step), int(micro), int(iteration)
+        batch, _ = _check_shapes(args)
+        with self._lock:
+            self._raise_if_failed()
+            if self._closed:
+                raise RecorderError(f"record() after close() on the recorder of {self.run_dir}; "
+                                    "open a new kldiag.Recorder for more rows")
+            if step % self.every_n_steps:
+                self._stats["skipped_steps"] += 1
+                return
+            if "seq_ids" not in args:
+                args["seq_ids"] = self._default_seq_ids(step, iteration, batch)
+            if self.seq_fraction < 1.0:
+                args = self._sample_rows(args)
+                if args is None:
+                    return
+            if self.backpressure == "drop" and self._queue.full():
+                self._drop(args)
+                return
+            self._queue.put(self._stage(step, micro, iteration, args))
+            self._queued += 1
+
+    def _default_seq_ids(self, step: int, iteration: int, batch: int) -> np.ndarray:
+        """((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k, k counting this
+        rank's rows at (step, iteration): the same sequence on every iteration, and never the
+        id of another attempt's sequence at that step."""
+        if step < 0:
+            raise ValueError(f"step={step} is negative; pass step >= 0, or pass seq_ids")
+        k = self._seq_next.get((step, iteration), 0)
+        high = ((step * self.world_size + self.rank) << SEQ_ATTEMPT_BITS) + self.attempt % (1 << SEQ_ATTEMPT_BITS)
+        if k + batch > 1 << SEQ_LOCAL_BITS or high >= 1 << (63 - SEQ_LOCAL_BITS):
+            raise ValueError(f"default seq ids overflow at step {step} (row {k + batch}); pass seq_ids")
+        if len(self._seq_next) > 4096:  # old steps are done: keep the counter table small
+            for key in list(self._seq_next)[:2048]:
+                del self._seq_next[key]
+        self._seq_next[(step, iteration)] = k + batch
+        return (high << SEQ_LOCAL_BITS) + k + np.arange(batch, dtype=np.int64)
+
+    def _sample_rows(self, args: dict[str, Any]) -> dict[str, Any] | None:
+        """Keep the rows whose seq id hashes below seq_fraction (same rows on every iteration)."""
+        seq = args["seq_ids"]
+        seq = seq.detach().cpu().numpy() if W.torch_of(seq) is not None else np.asarray(seq)
+        keep = np.flatnonzero(seq_unit(seq) < self.seq_fraction)
+        self._stats["sampled_out_rows"] += len(seq) - len(keep)
+        if len(keep) == 0:
+            return None
+        if len(keep) == len(seq):
+            return args
+        out = {}
+        for name, x in args.items():
+            torch = W.torch_of(x)
+            out[name] = x[torch.from_numpy(keep).to(x.device)] if torch is not None else np.asarray(x)[keep]
+        return out
+
+    def _stage(self, step: int, micro: int, iteration: int, args: dict[str, Any]) -> W.HostBatch:
+        columns = {COLUMN_OF.get(name, name): self._stager.stage(x) for name, x in args.items()}
+        devices = {x.device for x in args.values() if getattr(x, "is_cuda", False)}  # numpy has no is_cuda
+        events = []
+        if devices:
+            torch = sys.modules["torch"]
+            for device in devices:
+                events.append(torch.cuda.Event())
+                events[-1].record(torch.cuda.current_stream(device))
+        return W.HostBatch(step, micro, iteration, columns, events)
+
+    def _drop(self, args: dict[str, Any]) -> None:
+        comp = args.get("completion_mask", args.get("mask"))
+        if comp is not None and W.torch_of(comp) is not None:
+            comp = comp.numpy() if comp.device.type == "cpu" else None  # no device sync to count
+        rows = int(np.count_nonzero(comp)) if comp is not None else int(np.prod(_shape(args["logp"])))
+        self._stats["dropped_rows"] += rows
+        self._warn_once("drop", f"kldiag: the writer of {self.run_dir} is behind; dropping micro-batches "
+                        "(backpressure='drop'); stats['dropped_rows'] counts them. Raise queue_batches, "
+                        "sample with every_n_steps/seq_fraction, or use backpressure='block'")
+
+    # ---- control ------------------------------------------------------------------------
+
+    def update_config(self, **kv: Any) -> None:
+        """Merge `kv` into manifest["config"] (facts learned after the recorder started)."""
+        self.manifest.config.update(kv)
+        self._write_manifest()
+        self._raise_if_failed()
+
+    def write_vocab(self, tokenizer: Any) -> None:
+        """Write RUN/vocab.parquet from a tokenizer (rank 0 only: every rank shares it)."""
+        if self.rank != 0:
+            return
+        try:
+            F.write_vocab(self.run_dir, tokenizer)
+        except TypeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a disk failure is counted like any write error
+            self._stats["write_errors"] += 1
+            self._on_error(e)
+        self._raise_if_failed()
+
+    def observe(self, fn: Any) -> None:
+        """Call fn({column: [B, T] or [B] numpy array}) in the writer thread for each recorded batch."""
+        self._writer.observers.append(fn)
+
+    def wait_converted(self, timeout: float = 1.0) -> bool:
+        """Wait until the writer has converted (observers called, not published) every batch recorded so far."""
+        return self._writer.wait_converted(self._queued, timeout)
+
+    @property
+    def writer_cpu_s(self) -> float:
+        """Thread CPU seconds of the writer and publisher threads (known once closed)."""
+        return self._writer.cpu_s + self._writer.publisher.cpu_s
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every micro-batch recorded so far is published."""
+        if self._closed:
+            return
+        marker = W._Flush()
+        self._queue.put(marker)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not marker.done.wait(0.5):
+            if not self._writer.is_alive() or (deadline is not None and time.monotonic() > deadline):
+                break
+        self._raise_if_failed()
+
+    def close(self, _from_exit: bool = False) -> None:
+        """Publish everything, then write the writer statistics (and, on rank 0, the manifest). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _OPEN.discard(self)
+            self._queue.put(W._STOP)
+        self._writer.join()
+        self._write_stats()
+        self._write_manifest(final=True)
+        if not _from_exit:
+            self._raise_if_failed()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """rows, files, bytes published; dropped_rows, lost_rows, write_errors, nonfinite, invalid, ..."""
+        return dict(self._stats)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # Inside an exception the data still goes out, but the user's error is the one raised.
+        self.close(_from_exit=exc_type is not None)
+
+    def __repr__(self) -> str:
+        return f"Recorder({str(self.run_dir)!r}, rank={self.rank}/{self.world_size}, rows={self._stats['rows']})"
+
+    # ---- failures, statistics, manifest ------------------------------------------------
+
+    def _on_error(self, e: BaseException) -> None:
+        if self._error is None:
+            self._error = e
+        if self.strict:
+            return  # raised on the training thread's next call instead
+        self._warn_once("error", f"kldiag: writing {self.run_dir} failed: {W.describe_error(e)}; training goes "
+                        "on, the failure is counted in the manifest (writer.write_errors). Pass strict=True to "
+                        "raise instead")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _raise_if_failed(self) -> None:
+        if self.strict and self._error is not None:
+            e, self._error = self._error, None
+            raise RecorderError(f"kldiag recorder for {self.run_dir} failed: {W.describe_error(e)}") from e
+
+    def _on_publish(self) -> None:
+        if time.monotonic() - self._last_stats_write > 10.0:
+            self._last_stats_write = time.monotonic()
+            self._write_stats()
+            self._write_manifest(final=True)
+
+    def _write_stats(self) -> None:
+        try:
+            F.write_rank_stats(self.store, self.rank, {"rank": self.rank, "attempt": self.attempt, **self._stats},
+                               self.attempt)
+        except Exception as e:  # noqa: BLE001 - counted, never raised into training
+            self._stats["write_errors"] += 1
+            self._on_error(e)
+
+    def _write_manifest(self, final: bool = False) -> None:
+        """Rank 0 writes run.json; `final` adds the writer statistics of every rank seen so far."""
+        if self.rank != 0:
+            return
+        with self._manifest_lock:
+            try:
+                if final:
+                    per_rank = F.read_rank_stats(self.store)
+                    per_rank[(0, self.attempt)] = {"rank": 0, **self._stats}
+                    total = {k: sum(int(s.get(k, 0)) for s in per_rank.values()) for k in W.STATS_KEYS}
+                    self.manifest.writer = {**total, "ranks_reported": sorted({r for r, _ in per_rank}),
+                                            "attempts_reported": sorted({a for _, a in per_rank})}
+                F.write_manifest(self.store, self.manifest)
+            except Exception as e:  # noqa: BLE001 - counted, never raised into training
+                self._stats["write_errors"] += 1
+                self._on_error(e)
+
+
+def _check_shapes(args: dict[str, Any]) -> tuple[int, int]:
+    """ValueError naming the argument and both shapes unless every array fits logp's [B, T]."""
+    shape = _shape(args["logp"])
+    if len(shape) != 2:
+        raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
+    for name, x in args.items():
+        got = _shape(x)
+        if name in TOKEN_ARGS:
+            want, ok = f"{shape}", got == shape
+        elif name in ROW_ARGS:
+            want, ok = f"({shape[0]},)", got == shape[:1]
+        else:  # advantages
+            want, ok = f"({shape[0]},) or {shape}", got in (shape[:1], shape)
+        if not ok:
+            raise ValueError(f"{name} has shape {got}, but logp has shape {shape}; pass {name} with shape {want}")
+    return shape
+
+
+def _version() -> str:
+    from kldiag.version import __version__
+
+    return __version__

@@ -1,0 +1,253 @@
+"""Host batches to Arrow: the completion tokens of recorded micro-batches as TOKEN_SCHEMA record batches.
+
+The recorder's writer thread (kldiag.record.writer) takes `HostBatch` objects off its queue. A
+micro-batch copied plainly waits as a `Raw` batch; batches of one kind are gathered
+(padding dropped, kldiag.format's columns and dtypes) into `Rows` many at once and turned
+into one Arrow record batch: on micro-batches of a few hundred tokens the fixed cost of
+each numpy and Arrow call, paid under the GIL beside the training thread, is the whole
+cost. NaN/inf and positive log-probs are written as they are and counted (count_flags).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag import estimators as E
+from kldiag import format as F
+
+LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
+FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
+GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int32), ("mask", np.bool_))
+
+
+@dataclass
+class HostArray:
+    """One column on (or on its way to) the host. kind: "plain" or "bf16" (raw uint16 bits)."""
+
+    data: Any  # numpy array, or a pinned torch tensor filled by a non-blocking copy
+    kind: str = "plain"
+    release: Callable[[], None] | None = None  # hands a pooled buffer back once read
+
+    def numpy(self) -> np.ndarray:
+        a = self.data if isinstance(self.data, np.ndarray) else self.data.numpy()
+        if self.kind == "bf16":
+            # bfloat16 is the top half of a float32: widen the bits, no torch needed.
+            return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return a
+
+
+@dataclass
+class HostBatch:
+    """A micro-batch of [B, T] columns plus [B] row ids, as record() hands it over."""
+
+    step: int
+    micro: int
+    iteration: int
+    columns: dict[str, HostArray]  # [B, T]: logp..., token_id, mask, completion; [B]: seq, group
+    events: list[Any] = field(default_factory=list)  # torch.cuda.Event after the copies; waited on here
+
+
+@dataclass
+class Raw:
+    """One host batch waiting to be gathered: numpy columns ([B, T]; [B] for seq, group and
+    per-row advantages) and `keep`, its completion tokens (completion_mask, else mask, else all)."""
+
+    step: int
+    micro: int
+    iteration: int
+    columns: dict[str, np.ndarray]
+    keep: np.ndarray  # [B, T] bool
+    n: int  # completion tokens
+
+    @property
+    def cells(self) -> int:
+        """Padded size: what it holds in memory until gathered."""
+        return self.keep.size
+
+    @property
+    def kind(self) -> tuple[tuple[str, int], ...]:
+        """Its columns and their ranks: batches of one kind are gathered together."""
+        return tuple((name, a.ndim) for name, a in self.columns.items())
+
+    @classmethod
+    def of(cls, batch: HostBatch, columns: dict[str, np.ndarray]) -> Raw:
+        comp = columns.get("completion", columns.get("mask"))
+        keep = comp.astype(bool, copy=False) if comp is not None else np.ones(columns["logp"].shape, bool)
+        return cls(batch.step, batch.micro, batch.iteration, columns, keep, int(np.count_nonzero(keep)))
+
+
+@dataclass
+class Rows:
+    """Completion tokens gathered into 1-D columns of n rows (from one or many host batches).
+
+    `columns` holds FLOAT_INPUTS (float32), token_id (int32) and mask (bool); an absent
+    input is None. The Arrow record batch is built later for many Rows at once
+    (rows_to_record_batch).
+    """
+
+    step: np.ndarray  # [n] int64
+    micro: np.ndarray  # [n] int32
+    iteration: np.ndarray  # [n] int16
+    seq: np.ndarray  # [n] int64
+    group: np.ndarray | None  # [n] int64
+    pos: np.ndarray  # [n] int32, position in the completion
+    columns: dict[str, np.ndarray | None]
+
+    @property
+    def n(self) -> int:
+        return len(self.pos)
+
+    cells = n  # gathered: its memory is its rows
+
+
+def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
+    """{column: numpy array} of a host batch, once its device copies completed (bf16 widened)."""
+    for event in batch.events:
+        event.synchronize()
+    batch.events = []
+    return {name: col.numpy() for name, col in batch.columns.items()}
+
+
+def gather(raws: list[Raw]) -> Rows:
+    """The completion tokens of host batches of one `kind` (same columns, same ranks), in order, as one Rows.
+
+    Gathering many tiny micro-batches at once is a few numpy calls per column instead of
+    per column and batch: each call's fixed cost, paid under the GIL beside the training
+    thread, is what a micro-batch of a few hundred tokens costs. The result never shares
+    memory with the inputs (pooled buffers may be released after this).
+    """
+    keep = _cat([r.keep.ravel() for r in raws])
+    lengths = [r.keep.sum(axis=1) for r in raws]  # completion tokens per row
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        if raws[0].columns[name].ndim == 1:  # per sequence (seq, group, advantages): one value per token
+            return _cat([np.repeat(r.columns[name], k) for r, k in zip(raws, lengths, strict=True)]).astype(
+                dtype, copy=False)
+        return _cat([r.columns[name].ravel() for r in raws])[keep].astype(dtype, copy=False)
+
+    counts = [r.n for r in raws]
+    # Position in the completion: left padding shifts the time index, not pos.
+    pos = _cat([(np.arange(r.keep.shape[1], dtype=np.int32)[None, :]
+                 - np.argmax(r.keep, axis=1).astype(np.int32)[:, None]).ravel() for r in raws])[keep]
+    present = raws[0].columns
+    return Rows(np.repeat(np.array([r.step for r in raws], np.int64), counts),
+                np.repeat(np.array([r.micro for r in raws], np.int32), counts),
+                np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
+                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
+                {name: column(name, dtype) if name in present else None for name, dtype in GATHERED})
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def gather_rows(batch: HostBatch, columns: dict[str, np.ndarray] | None = None) -> Rows:
+    """The completion tokens of one host batch; releases its pooled buffers.
+
+    `columns`: host_columns(batch) when the caller already has them.
+    """
+    try:
+        return gather([Raw.of(batch, host_columns(batch) if columns is None else columns)])
+    finally:
+        for col in batch.columns.values():
+            if col.release is not None:
+                col.release()
+
+
+def gather_pending(pending: list[Raw | Rows],
+                   on_bad: Callable[[Raw, Exception], None] | None = None) -> list[Rows]:
+    """Rows of the pending items: runs of consecutive Raw batches of one kind gathered at once.
+
+    A run that fails (a batch whose values cannot take the format's dtypes) is gathered again
+    batch by batch: only the bad batch is dropped, reported to `on_bad` (else raised).
+    """
+    out: list[Rows] = []
+    run: list[Raw] = []
+    for item in [*pending, None]:
+        if run and (not isinstance(item, Raw) or item.kind != run[0].kind):
+            out += _gather_run(run, on_bad)
+            run = []
+        if isinstance(item, Raw):
+            run.append(item)
+        elif item is not None:
+            out.append(item)
+    return out
+
+
+def _gather_run(run: list[Raw], on_bad: Callable[[Raw, Exception], None] | None) -> list[Rows]:
+    try:
+        return [gather(run)]
+    except Exception:
+        if on_bad is None and len(run) == 1:
+            raise
+    out = []
+    for raw in run:
+        try:
+            out.append(gather([raw]))
+        except Exception as e:  # noqa: BLE001 - reported; the other batches go on
+            if on_bad is None:
+                raise
+            on_bad(raw, e)
+    return out
+
+
+def _joined(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) -> pa.Array:
+    """One Arrow column from per-Rows pieces (of `sizes` rows); absent pieces are nulls."""
+    present = [p for p in parts if p is not None]
+    if len(present) == len(parts):
+        return pa.array(present[0] if len(present) == 1 else np.concatenate(present))
+    arrow = pa.from_numpy_dtype(np.dtype(dtype))
+    if not present:
+        return pa.nulls(sum(sizes), arrow)
+    pieces = [pa.array(p) if p is not None else pa.nulls(k, arrow) for p, k in zip(parts, sizes, strict=True)]
+    return pa.concat_arrays(pieces)
+
+
+def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
+    """One TOKEN_SCHEMA record batch of several gathered Rows, in order.
+
+    Returns (record batch, nonfinite rows, invalid rows): a row is nonfinite when any of
+    its log-probs is NaN/inf, invalid when any is > 0. Both are written as they are.
+    """
+    sizes = [r.n for r in rows]
+    n = sum(sizes)
+
+    arrays: dict[str, pa.Array] = {
+        "step": _joined([r.step for r in rows], sizes, np.int64),
+        "micro": _joined([r.micro for r in rows], sizes, np.int32),
+        "iteration": _joined([r.iteration for r in rows], sizes, np.int16),
+        "rank": pa.array(np.full(n, rank, np.int16)),
+        "seq": _joined([r.seq for r in rows], sizes, np.int64),
+        "group": _joined([r.group for r in rows], sizes, np.int64),
+        "pos": _joined([r.pos for r in rows], sizes, np.int32), "attempt": pa.array(np.full(n, attempt, np.int16)),
+    }
+    for name, dtype in GATHERED:
+        arrays[name] = _joined([r.columns[name] for r in rows], sizes, dtype)
+    if arrays["mask"].null_count == n:
+        arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
+    elif arrays["mask"].null_count:
+        arrays["mask"] = arrays["mask"].fill_null(True)
+    rb = pa.RecordBatch.from_arrays([arrays[f.name] for f in F.TOKEN_SCHEMA], schema=F.TOKEN_SCHEMA)
+    nonfinite, invalid = count_flags([arrays[name] for name in LOGP_COLUMNS])
+    return rb, nonfinite, invalid
+
+
+def count_flags(logps: list[pa.Array]) -> tuple[int, int]:
+    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0) over the present columns
+    (estimators.flag_nonfinite / flag_invalid)."""
+    # A null (the column absent from some batches) is no log-prob: read as -1, finite and not > 0.
+    xs = [(col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
+          for col in logps if col.null_count < len(col)]
+    if not xs:
+        return 0, 0
+    return int(np.count_nonzero(E.flag_nonfinite(*xs))), int(np.count_nonzero(E.flag_invalid(*xs)))
+
+
+def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
+    """The completion tokens of one host batch as a TOKEN_SCHEMA record batch (see rows_to_record_batch)."""
+    return rows_to_record_batch([gather_rows(batch)], rank, attempt)

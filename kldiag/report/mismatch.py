@@ -1,0 +1,107 @@
+"""The Mismatch sections of `kldiag report` (text and HTML), the same views as the dashboard's Mismatch page:
+engine/trainer parity, drift against mismatch, the low-probability pitfall, what-if corrections at their
+default thresholds, and the crosswalk of the run's framework (mean and last value of each metric)."""
+
+from __future__ import annotations
+
+import html
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+from kldiag.mismatch import whatif as W
+from kldiag.views import mismatch as VM
+
+
+def _num(x: Any) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def whatif_rows(view: VM.MismatchView) -> list[list[str]]:
+    """One row per correction and convention at the default thresholds (WhatIf())."""
+    rows = []
+    conventions = W.CONVENTIONS if view.has_sampler else ("trainer",)
+    for method in W.METHODS:
+        for conv in conventions:
+            t = VM.whatif_totals(VM.whatif_frame(view, W.WhatIf(method, conv)))
+            rows.append([method, "pi_old" if conv == "trainer" else "mu", f"{t['token_frac']:.2%}",
+                         f"{t['seq_frac']:.2%}", _num(t["ess"]), f"{t['mass_removed_pos_share']:.1%}",
+                         f"{t['mass_removed_neg_share']:.1%}"])
+    return rows
+
+
+def crosswalk_rows(run_dir, manifest) -> tuple[str, list[list[str]], dict[str, str]]:
+    fw = VM.own_framework(manifest)
+    frame, reasons = VM.crosswalk_frame(run_dir, fw)
+    rows = []
+    for c in frame.columns[1:]:
+        v = frame[c].astype(float)
+        rows.append([c, _num(float(np.nanmean(v))) if v.notna().any() else "-",
+                     _num(float(v.dropna().iloc[-1])) if v.notna().any() else "-"])
+    return fw, rows, reasons
+
+
+def text_lines(run_dir) -> list[str]:
+    """The stdout lines of the Mismatch section."""
+    view = VM.load(run_dir)
+    if not view.has_sampler:
+        return ["mismatch: no sampler log-probs (logp_sampler) recorded: engine parity not checked"]
+    s = view.summary
+    lines = [f"mismatch: |log pi_theta/pi_old| (drift) {s['drift_abs']:.4g}, |log pi_old/mu| (engine) "
+             f"{s['mismatch_abs']:.4g} nats per token (engine share {s['mismatch_share']:.0%})"]
+    lines += [f"  {label}: {value}" for label, value, _ in VM.parity_rows(view)[:1]]
+    lines += [f"  {f}" for f in VM.parity_findings(view)] or ["  engine and trainer agree up to float noise"]
+    return lines
+
+
+def _figures(view: VM.MismatchView) -> list[Any]:
+    import plotly.graph_objects as go
+
+    f1 = go.Figure([go.Scatter(x=view.by_step["step"], y=view.by_step[c], name=n, mode="lines")
+                    for c, n in (("drift_abs", "|log pi_theta/pi_old| (drift)"),
+                                 ("mismatch_abs", "|log pi_old/mu| (engine mismatch)"))])
+    f1.update_layout(title="Policy drift against engine mismatch per step", xaxis_title="step",
+                     yaxis_title="nats", height=340)
+    p = np.sqrt(view.by_prob["lo"] * view.by_prob["hi"])
+    f2 = go.Figure([go.Scatter(x=p, y=view.by_prob[c], name=c, mode="lines+markers")
+                    for c in ("mismatch_abs", "mismatch_k3", "drift_abs")])
+    f2.update_layout(title="Mismatch against mu's token probability (the low-probability-token pitfall)",
+                     xaxis_title="mu's token probability", xaxis_type="log", yaxis_type="log", height=340)
+    return [f1, f2]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def section_html(run_dir, manifest, include_plotlyjs: bool = False) -> str:
+    """The HTML of the Mismatch sections (escaped; Plotly's JS only when include_plotlyjs)."""
+    import plotly.io as pio
+
+    try:
+        view = VM.load(run_dir)
+        out = ["<h2>Mismatch: engine against trainer</h2>"]
+        if view.has_sampler:
+            out.append(_table(["check", "value", "meaning"], VM.parity_rows(view)))
+            out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(view)]
+            out += [pio.to_html(f, full_html=False, include_plotlyjs=include_plotlyjs and i == 0)
+                    for i, f in enumerate(_figures(view))]
+        else:
+            out.append("<p>No sampler log-probs (logp_sampler) recorded: the engine's mu is unknown.</p>")
+        out.append("<h2>What if: corrections at their default thresholds</h2>")
+        out.append(_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
+                           "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
+        fw, rows, reasons = crosswalk_rows(run_dir, manifest)
+        out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
+        out.append(_table(["metric", "mean over steps", "last step"], rows))
+        out += [f"<p><code>{html.escape(k)}</code> is null: {html.escape(v)}</p>" for k, v in reasons.items()]
+        return "".join(out)
+    except Exception as e:  # the report never fails on its mismatch sections
+        warnings.warn(f"kldiag report: mismatch sections skipped ({type(e).__name__}: {e})", stacklevel=2)
+        return f"<h2>Mismatch</h2><p>Skipped: {html.escape(type(e).__name__)}: {html.escape(str(e))}</p>"

@@ -1,0 +1,174 @@
+"""What `kldiag report` shows: the stdout summary and the HTML page.
+
+The page is one self-contained file that opens offline: Plotly's JavaScript is embedded
+once, with the first figure (plotly.io.to_html with include_plotlyjs=True, then False).
+Token text is model output, hence untrusted: every piece and every message goes through
+html.escape before it reaches the page, and through `printable` before a terminal.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kldiag.report.build import Offender, Report, column, fmt_num, fmt_weight_max, has_reference
+
+# ---- text -----------------------------------------------------------------------------
+
+
+def printable(piece: str) -> str:
+    """Token text safe for a terminal: control characters (ANSI escapes included) as \\x.. escapes."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in piece)
+
+
+def in_context(o: Offender, show: Callable[[str], str], mark: Callable[[str], str]) -> str:
+    """The offending token between its neighbours. Subword pieces carry their own spaces
+    (" um"); word-level pieces do not, so those are joined with a space."""
+    pieces = [*o.before, o.piece, *o.after]
+    sep = "" if any(p[:1].isspace() or p[-1:].isspace() for p in pieces) else " "
+    parts = [show(p) for p in o.before] + [mark(show(o.piece))] + [show(p) for p in o.after]
+    return sep.join(parts)
+
+
+def format_text(rep: Report) -> str:
+    """The short stdout summary."""
+    f = rep.facts
+    assumed = " (assumed: the manifest does not say)" if rep.estimator_assumed else ""
+    lines = [(f"kldiag report: {rep.run_dir}  (loss {rep.estimator}{assumed}, beta {f['beta']}, "
+              f"{f['steps']} steps, {f['tokens']} tokens)"),
+             f"verdict: {rep.verdict.upper()}" + (f"  onset at step {rep.onset_step}" if rep.onset_step is not None
+                                                  else "")]
+    if rep.first_moved:
+        lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
+    lines += [f"  [{'FIRED' if r.fired else 'ok':5s}] {r.name:9s} {r.message}" for r in rep.rules]
+    if rep.offenders:
+        lines.append("top offending tokens (largest |k3 weight|):")
+    for o in rep.offenders[:5]:
+        ctx = in_context(o, printable, lambda p: f"[{p}]")
+        lines.append(f"  step {o.step:5d} seq {o.seq} pos {o.pos}: |k3 w| {fmt_num(abs(o.weight_k3))}  "
+                     f"|k3_is w| {fmt_num(abs(o.weight_k3_is))}  pi_ref/pi_theta = e^{o.d:.1f}  {ctx}")
+    if not has_reference(rep.analysis.steps):
+        lines.append("estimators: no reference log-probs (logp_ref) recorded")
+    else:
+        lines.append("estimators on this run's tokens: " + "; ".join(
+            f"{c['estimator']} mean {fmt_num(c['mean'])} max|w| {fmt_weight_max(c)}" for c in rep.comparison
+            if c["estimator"] != "k1"))
+    lines += ["recommendations:"] + [f"  - {r}" for r in rep.recommendations]
+    if rep.diagnosis is not None:
+        from kldiag.diagnosis.text import format_diagnosis
+
+        lines += ["diagnosis (as in kldiag analyze and the dashboard):", format_diagnosis(rep.diagnosis)]
+    if rep.analysis is not None:
+        from kldiag.report.mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
+
+        lines += text_lines(rep.run_dir)
+    return "\n".join(lines)
+
+
+# ---- HTML ---------------------------------------------------------------------------------
+
+
+def figures(rep: Report) -> list[Any]:
+    """Plotly figures: loss weights, flagged tokens, KL values, off-policy signals, per step."""
+    import plotly.graph_objects as go
+
+    s = rep.analysis.steps
+    x = column(s, "step", np.int64)
+
+    def fig(title: str, names: list[str], log: bool, ytitle: str) -> Any:
+        f = go.Figure([go.Scatter(x=x, y=column(s, n), name=n, mode="lines") for n in names if n in s.column_names])
+        f.update_layout(title=title, xaxis_title="step", yaxis_title=ytitle, height=340,
+                        margin={"l": 60, "r": 20, "t": 50, "b": 40}, yaxis_type="log" if log else "linear")
+        if rep.onset_step is not None:
+            f.add_vline(x=rep.onset_step, line_dash="dash", line_color="red", annotation_text="onset")
+        for c in getattr(rep.diagnosis, "causes", []):  # each cause's onset, where it differs
+            if c.onset is not None and c.onset != rep.onset_step and c.severity != "info":
+                f.add_vline(x=c.onset, line_dash="dot", line_color="orange", annotation_text=c.cause)
+        return f
+
+    w = fig("Max |gradient weight| per step (K3: 1 - pi_ref/pi_theta; k3_is: rho log(pi_theta/pi_ref))",
+            ["weight_k3_abs_max", "weight_k3_is_abs_max", "weight_k3_abs_p99"], True, "|weight|")
+    # a trace, not add_hline: shapes on a log axis take log10 positions
+    w.add_trace(go.Scatter(x=[x.min(), x.max()] if len(x) else [], y=[rep.facts["blowup_weight"]] * 2,
+                           name="blow-up limit", mode="lines", line={"dash": "dot", "color": "gray"}))
+    return [w,
+            fig("Flagged tokens per step", ["weight_blowup_count", "theta_ll_ref_count", "clamp_saturated_count",
+                                            "nonfinite_count"], False, "tokens"),
+            fig("KL estimates per step (token means)", ["k2_mean", "k3_mean", "k3_is_mean"], True, "value"),
+            fig("Off-policy: rho and sampler mismatch", ["rho_max", "mismatch_kl", "drift_abs_mean",
+                                                         "opsm_masked_frac"], True, "value")]
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+.v-healthy{color:#1a7f37}.v-warning{color:#9a6700}.v-unstable{color:#cf222e}code{background:#f4f4f4}
+mark{background:#ffd7d5;font-weight:bold}.ctx{font-family:monospace;white-space:pre}"""
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """An HTML table; every cell is escaped here (cells are plain text)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _offender_rows(rep: Report) -> str:
+    rows = []
+    for o in rep.offenders:
+        ctx = in_context(o, html.escape, lambda p: f"<mark>{p}</mark>")
+        cells = [str(o.step), str(o.seq), str(o.pos), fmt_num(o.weight_k3), fmt_num(o.weight_k3_is), f"{o.d:.2f}"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td class=ctx>{ctx}</td></tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("step", "seq", "pos", "k3 weight", "k3_is weight",
+                                             "d = log(pi_ref/pi_theta)", "in context"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def render_html(rep: Report) -> str:
+    """One self-contained HTML page: Plotly's JavaScript is embedded once, with the first figure."""
+    import plotly.io as pio
+
+    figs = figures(rep) if rep.analysis is not None and rep.analysis.steps.num_rows else []
+    plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
+    e, f = html.escape, rep.facts
+    first = (f"<p>First metric to leave its recent range: <b>{e(rep.first_moved[1])}</b> at step "
+             f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
+    onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
+    comp = _table(["estimator", "mean value", "worst step mean", "max |weight|", "p99 |weight| (worst step)",
+                   "expected gradient"], [[c["estimator"], fmt_num(c["mean"]), fmt_num(c["worst_step_mean"]),
+                                           fmt_weight_max(c), fmt_num(c["weight_p99"]), c["target"]]
+                                          for c in rep.comparison])
+    if not has_reference(rep.analysis.steps):
+        comp = "<p>No reference log-probs (logp_ref) recorded: no KL term to compare.</p>"
+    rules = _table(["rule", "fired", "first step", "finding"],
+                   [[r.name, "yes" if r.fired else "no", "" if r.step is None else r.step, r.message]
+                    for r in rep.rules])
+    recs = "".join(f"<li>{e(r)}</li>" for r in rep.recommendations)
+    causes = _table(["cause", "severity", "onset", "finding", "fix"],
+                    [[c.cause, c.severity, "" if c.onset is None else c.onset, c.summary, c.fix]
+                     for c in getattr(rep.diagnosis, "causes", [])]) if getattr(rep.diagnosis, "causes", None) else ""
+    name = str(rep.run_dir).rstrip("/").rsplit("/", 1)[-1]  # a path or a URI
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(name)}"
+            f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
+            f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
+            f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"
+            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{causes}{first}{rules}"
+            f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
+            f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
+            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}</body></html>")
+
+
+def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
+    from kldiag.report.mismatch import section_html  # issue 15: the dashboard's Mismatch page, as HTML
+
+    return section_html(rep.run_dir, rep.analysis.manifest, include_plotlyjs) if rep.analysis is not None else ""
+
+
+def write_html(rep: Report, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(rep), encoding="utf-8")
+    return path

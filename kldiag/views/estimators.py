@@ -1,0 +1,267 @@
+"""The Estimators page's data: what each estimator would have done on a run's own tokens.
+
+Computed per part file (`part_partial`) and merged (`merge_partials`), so a live run costs
+only its new files when the caller caches partials by `PartInfo.key`. Only tokens in the
+loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
+(Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kldiag import estimators as E
+from kldiag import format as F
+from kldiag.analysis.bins import abs_bins
+from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
+from kldiag.errors import RunFormatError
+from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quantiles, nulls
+
+COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
+READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
+SAMPLE_COLUMNS = ("step", "seq", "d", "rho", "weight_k2", "weight_k3", "weight_k3_is", "flagged", "kind")
+# The scatter's sample always holds the tokens that matter most, then random ones (`kind`):
+KEEP_TOP = 200  # tokens with the largest |k3 weight| ("top |k3 weight|"), per part and merged
+KEEP_FLAGGED = 1000  # flagged tokens kept, the worst first ("flagged")
+SAMPLED = "sampled"
+SEQ_COLUMNS = ("step", "seq", "advantage", "gap_sum", "n")
+
+
+@dataclass
+class EstimatorPartial:
+    """Mergeable sums over tokens in the loss. Dicts are keyed by estimator name (COMPARED)."""
+
+    rows: int = 0  # every row read, for re-weighting samples
+    tokens: int = 0  # rows in the loss with a reference log-prob
+    flagged: int = 0  # theta_ll_ref | weight_blowup | clamp_saturated
+    clamp_saturated: int = 0
+    k3_weight_lost: float = 0.0  # sum |k3 weight| of clamp-saturated tokens: what clamping drops
+    value_sum: dict[str, float] = field(default_factory=dict)
+    value_nonfinite: dict[str, int] = field(default_factory=dict)
+    weight_abs_sum: dict[str, float] = field(default_factory=dict)
+    weight_abs_flagged: dict[str, float] = field(default_factory=dict)
+    weight_abs_max: dict[str, float] = field(default_factory=dict)
+    weight_hist: dict[str, np.ndarray] = field(default_factory=dict)  # counts over ABS_EDGES bins
+    seqs: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(SEQ_COLUMNS)))
+    sample: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(SAMPLE_COLUMNS)))
+    skipped: list[str] = field(default_factory=list)
+
+
+def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(value, weight) per compared estimator from `views.derive` output."""
+    saturated = q["k3"] > config.clamp
+    return {
+        "k1": (q["k1"], np.ones_like(q["k1"])),
+        "k2": (q["k2"], q["weight_k2"]),
+        "k3": (q["k3"], q["weight_k3"]),
+        "k3_is": (q["k3_is"], q["weight_k3_is"]),
+        "k3_clamped": (np.minimum(q["k3"], config.clamp), np.where(saturated, 0.0, q["weight_k3"])),
+    }
+
+
+def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
+                   seed: int) -> EstimatorPartial:
+    cols = {c: _f64(batch.column(c)) for c in LOGP_COLUMNS}
+    absent = nulls(batch)
+    keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
+    part = EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
+    part.seqs = _seq_gaps(batch, cols, absent)
+    q = derive({c: v[keep] for c, v in cols.items()}, config, {c: v[keep] for c, v in absent.items()})
+    part.flagged = int(q["flagged"].sum())
+    part.clamp_saturated = int(q["clamp_saturated"].sum())
+    with np.errstate(invalid="ignore"):
+        lost = np.abs(q["weight_k3"][q["clamp_saturated"]])
+    part.k3_weight_lost = float(lost[np.isfinite(lost)].sum())
+    for name, (value, weight) in values_and_weights(q, config).items():
+        finite_v = np.isfinite(value)
+        part.value_sum[name] = float(value[finite_v].sum())
+        part.value_nonfinite[name] = int((~finite_v).sum())
+        w = np.abs(weight)
+        finite_w = np.isfinite(w)
+        part.weight_abs_sum[name] = float(w[finite_w].sum())
+        part.weight_abs_flagged[name] = float(w[finite_w & q["flagged"]].sum())
+        part.weight_abs_max[name] = float(np.nanmax(w)) if w.size and not np.all(np.isnan(w)) else 0.0
+        part.weight_hist[name] = _abs_hist(w)
+    pick, kind = sample_pick(q["weight_k3"], q["flagged"], sample_size, seed)
+    ids = {c: batch.column(c).to_numpy()[keep][pick] for c in ("step", "seq")}
+    part.sample = pd.DataFrame({**ids, **{c: q[c][pick] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
+                                "kind": kind})
+    return part
+
+
+def sample_pick(weight_k3: np.ndarray, flagged: np.ndarray, sample_size: int,
+                seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [m] of a token sample and their kind: the KEEP_FLAGGED worst flagged tokens and the
+    KEEP_TOP largest |k3 weight| always (NaN weights count as largest), then at most
+    `sample_size` drawn uniformly from the rest. Sorted row indices and kind labels (object [m])."""
+    w = np.abs(np.asarray(weight_k3, dtype=np.float64))
+    w = np.where(np.isnan(w), np.inf, w)
+    order = np.argsort(-w, kind="stable")
+    top = order[:KEEP_TOP]
+    flagged_rows = order[np.asarray(flagged, dtype=bool)[order]][:KEEP_FLAGGED]
+    special = np.union1d(top, flagged_rows)
+    rest = np.setdiff1d(np.arange(w.size), special, assume_unique=True)
+    if rest.size > sample_size:  # bounded: a scatter never draws every token
+        rest = np.random.default_rng(seed).choice(rest, size=sample_size, replace=False)
+    pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
+    kind = np.full(pick.size, SAMPLED, dtype=object)
+    kind[np.isin(pick, top)] = "top |k3 weight|"
+    kind[np.isin(pick, flagged_rows)] = "flagged"
+    return pick, kind
+
+
+def _abs_hist(w: np.ndarray) -> np.ndarray:
+    """Counts over the shared |weight| bins (Histograms convention: zeros in bin 0, inf last)."""
+    w = w[~np.isnan(w)]
+    return np.bincount(abs_bins(np.abs(w)), minlength=len(ABS_EDGES) + 1)
+
+
+def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Per (step, seq): advantage and the sum/count of log mu - s over tokens in the loss.
+
+    mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
+    """
+    s = cols["logp"]
+    mu = np.where(absent["logp_sampler"], cols["logp_old"], cols["logp_sampler"])
+    mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
+    in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
+    df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
+                       "advantage": _f64(batch.column("advantage")),
+                       "gap_sum": np.where(in_loss, mu - s, 0.0), "n": in_loss.astype(np.int64)})
+    g = df.groupby(["step", "seq"], sort=False)
+    return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+
+
+def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
+                 sample_size: int = 2000, batch_size: int = 1 << 20) -> EstimatorPartial:
+    """The partial of one part file, read batch by batch (memory bounded by batch_size).
+
+    A corrupt part is skipped with a warning and listed in `skipped` (strict: raises).
+    """
+    seed = zlib.crc32(part.name.encode())
+    try:
+        # part_batches leaves out rows a later attempt superseded, as the analysis does
+        parts = [_batch_partial(b, config, sample_size, seed + i)
+                 for i, b in enumerate(F.part_batches(part, list(READ_COLUMNS), batch_size))]
+    except (RunFormatError, OSError, pa.ArrowException) as e:
+        if config.strict:
+            raise
+        warnings.warn(f"kldiag: skipping {part.path}: {e}", stacklevel=2)
+        return EstimatorPartial(skipped=[str(part.path)])
+    return merge_partials(parts, sample_size=sample_size, seed=seed)
+
+
+def merge_partials(parts: Sequence[EstimatorPartial], sample_size: int = 5000, seed: int = 0) -> EstimatorPartial:
+    """Exact merge of sums, maxima and histograms; the token sample is re-drawn uniformly."""
+    out = EstimatorPartial()
+    parts = [p for p in parts if p is not None]
+    for p in parts:
+        out.rows += p.rows
+        out.tokens += p.tokens
+        out.flagged += p.flagged
+        out.clamp_saturated += p.clamp_saturated
+        out.k3_weight_lost += p.k3_weight_lost
+        out.skipped += p.skipped
+        for name in p.value_sum:
+            out.value_sum[name] = out.value_sum.get(name, 0.0) + p.value_sum[name]
+            out.value_nonfinite[name] = out.value_nonfinite.get(name, 0) + p.value_nonfinite[name]
+            out.weight_abs_sum[name] = out.weight_abs_sum.get(name, 0.0) + p.weight_abs_sum[name]
+            out.weight_abs_flagged[name] = out.weight_abs_flagged.get(name, 0.0) + p.weight_abs_flagged[name]
+            out.weight_abs_max[name] = max(out.weight_abs_max.get(name, 0.0), p.weight_abs_max[name])
+            out.weight_hist[name] = out.weight_hist.get(name, 0) + p.weight_hist[name]
+    seqs = [p.seqs for p in parts if len(p.seqs)]
+    if seqs:
+        g = pd.concat(seqs, ignore_index=True).groupby(["step", "seq"], sort=True)
+        out.seqs = g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+    out.sample = _merge_samples([p for p in parts if len(p.sample)], sample_size, seed)
+    return out
+
+
+def _merge_samples(parts: Sequence[EstimatorPartial], n: int, seed: int) -> pd.DataFrame:
+    """The worst tokens of every part (flagged and top |k3 weight|, bounded as in `sample_pick`)
+    and a uniform sample of at most n others: each part's sampled rows weighted by tokens/sampled."""
+    if not parts:
+        return pd.DataFrame(columns=list(SAMPLE_COLUMNS))
+    df = pd.concat([p.sample for p in parts], ignore_index=True)
+    if "kind" not in df.columns:
+        df["kind"] = SAMPLED
+    special = df[df["kind"] != SAMPLED]
+    if len(special):
+        pick, kind = sample_pick(special["weight_k3"].to_numpy(), (special["kind"] == "flagged").to_numpy(), 0, 0)
+        special = special.iloc[pick].assign(kind=kind)
+    sampled = []
+    for p in parts:
+        mine = p.sample[p.sample["kind"] == SAMPLED] if "kind" in p.sample.columns else p.sample
+        sampled.append((mine, p.tokens / max(len(mine), 1)))
+    rest = pd.concat([m for m, _ in sampled], ignore_index=True)
+    weights = np.concatenate([np.full(len(m), wt) for m, wt in sampled])
+    if len(rest) > n:
+        pick = np.random.default_rng(seed).choice(len(rest), size=n, replace=False, p=weights / weights.sum())
+        rest = rest.iloc[np.sort(pick)]
+    return pd.concat([special, rest], ignore_index=True).sort_values(["step"], kind="stable").reset_index(drop=True)
+
+
+# ---- what the page shows -------------------------------------------------------------
+
+
+def estimator_table(p: EstimatorPartial) -> pd.DataFrame:
+    """One row per estimator: mean value, mean/p99/max |weight|, flagged tokens' share of |weight|."""
+    rows = []
+    for name in COMPARED:
+        if name not in p.value_sum:
+            continue
+        n = max(p.tokens - p.value_nonfinite[name], 1)
+        # The histogram interpolates inside a bin; never report a p99 above the max.
+        p99 = min(hist_quantiles(p.weight_hist[name][None, :], ABS_EDGES, [0.99])[0, 0], p.weight_abs_max[name])
+        total = p.weight_abs_sum[name]
+        rows.append({
+            "estimator": name,
+            "expected gradient": E.get_estimator(name).target,
+            "value mean": p.value_sum[name] / n,
+            "non-finite values": p.value_nonfinite[name],
+            "|weight| mean": total / max(p.tokens, 1),
+            "|weight| p99": p99,
+            "|weight| max": p.weight_abs_max[name],
+            "flagged share of |weight|": p.weight_abs_flagged[name] / total if total > 0 else 0.0,
+        })
+    return pd.DataFrame(rows)
+
+
+def clamp_summary(p: EstimatorPartial) -> dict[str, float]:
+    """Clamp saturation: the fraction of tokens above the clamp, and K3's |weight| they carry."""
+    total = p.weight_abs_sum.get("k3", 0.0)
+    return {
+        "tokens": p.tokens,
+        "flagged_frac": p.flagged / p.tokens if p.tokens else 0.0,
+        "clamp_saturated_frac": p.clamp_saturated / p.tokens if p.tokens else 0.0,
+        "k3_weight_lost_share": p.k3_weight_lost / total if total > 0 else 0.0,
+    }
+
+
+def opsm_masked(seqs: pd.DataFrame, delta: float) -> np.ndarray:
+    """Which sequences DeepSeek's off-policy sequence mask drops: advantage < 0 and
+    mean over the sequence's loss tokens of (log mu - s) > delta."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        gap = seqs["gap_sum"].to_numpy(dtype=np.float64) / seqs["n"].to_numpy(dtype=np.float64)
+        return (seqs["advantage"].to_numpy(dtype=np.float64) < 0) & (gap > delta)
+
+
+def opsm_curve(seqs: pd.DataFrame, deltas: Sequence[float]) -> pd.DataFrame:
+    """Fraction of sequences masked for each delta (the slide of the threshold)."""
+    n = max(len(seqs), 1)
+    return pd.DataFrame({"delta": list(deltas), "masked_frac": [opsm_masked(seqs, d).sum() / n for d in deltas]})
+
+
+def opsm_by_step(seqs: pd.DataFrame, delta: float) -> pd.DataFrame:
+    """Per step: fraction of its sequences the mask drops at `delta`."""
+    if seqs.empty:
+        return pd.DataFrame({"step": pd.Series(dtype=np.int64), "masked_frac": pd.Series(dtype=np.float64)})
+    df = pd.DataFrame({"step": seqs["step"].to_numpy(), "masked": opsm_masked(seqs, delta)})
+    return df.groupby("step", sort=True)["masked"].mean().rename("masked_frac").reset_index()

@@ -1,0 +1,107 @@
+"""Mismatch views: what the dashboard's Mismatch page and `kldiag report` show (pandas frames).
+
+Computation lives in kldiag.diagnosis (parity, whatif, decompose) and kldiag.crosswalk; this module
+only shapes it for display. One TokenSet per run feeds every view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from kldiag.mismatch import decompose as DC
+from kldiag.diagnosis import parity as DP
+from kldiag.mismatch import parity as P
+from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import whatif as W
+
+DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is none of the frameworks
+
+
+@dataclass
+class MismatchView:
+    """Everything the page draws before any widget is touched."""
+
+    tokens: TS.TokenSet
+    parity: P.ParityReport | None
+    by_step: pd.DataFrame
+    by_prob: pd.DataFrame
+    by_pos: pd.DataFrame
+    by_entropy: pd.DataFrame | None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_sampler(self) -> bool:
+        return self.tokens.has_sampler
+
+
+def load(run, max_tokens: int = 4_000_000) -> MismatchView:
+    """The view of a run (path, URI or Run); at most ~max_tokens tokens (every k-th step beyond)."""
+    ts = TS.load(run, max_tokens=max_tokens)
+    ent = DC.by_entropy(ts)
+    return MismatchView(ts, P.check(ts), DC.by_step(ts).to_pandas(), DC.by_sampler_prob(ts).to_pandas(),
+                        DC.by_position(ts).to_pandas(), ent.to_pandas() if ent is not None else None,
+                        DC.summary(ts))
+
+
+def parity_rows(view: MismatchView) -> list[tuple[str, str, str]]:
+    """(label, value, help) for the page's metric row and the report's list."""
+    rep = view.parity
+    if rep is None:
+        return []
+    f = rep.fit
+    temp = f"{f.implied_temperature:.4g}" if f.implied_temperature == f.implied_temperature else "n/a"
+    return [("Implied engine temperature", temp,
+             f"1 / slope of log mu on log pi_old ({f.method} fit over {f.tokens:,} tokens, {f.contexts:,} shared "
+             "contexts); 1 when the engine and the trainer agree"),
+            ("Fit residual (nats)", f"{f.residual_std:.2g}", "float noise when the temperature model is exact"),
+            ("Mean log mu - log pi_old", f"{f.offset:+.3g}", "a constant offset at slope 1 is a semantic bug"),
+            ("Mismatch growth (last/first quarter)",
+             f"{rep.growth['mismatch_growth']:.3g}" if rep.growth["mismatch_growth"] is not None else "n/a",
+             f"policy drift over the same quarters: x{rep.growth['drift_growth']:.3g}"
+             if rep.growth["drift_growth"] is not None else "too few steps")]
+
+
+def parity_findings(view: MismatchView) -> list[str]:
+    """One line per parity cause found (empty: the engine agrees with the trainer up to noise)."""
+    rep = view.parity
+    if rep is None:
+        return []
+    out = []
+    t = DP.temperature_cause(rep, "")
+    if t is not None:
+        out.append(f"engine_temperature_mismatch: {t.summary}")
+    m = DP.mismatch_cause(rep, None, "")
+    if m is not None:
+        out.append(f"engine_mismatch: {m.summary}")
+    return out
+
+
+def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:
+    return W.replay(view.tokens, w).to_pandas()
+
+
+def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:
+    """Run-level totals of a what-if frame (token- and sequence-weighted fractions, mean ESS, mass shares)."""
+    n, s = frame["tokens"].sum(), frame["sequences"].sum()
+    return {"token_frac": float((frame["token_frac"] * frame["tokens"]).sum() / max(n, 1)),
+            "seq_frac": float((frame["seq_frac"] * frame["sequences"]).sum() / max(s, 1)),
+            "ess": float(frame["ess"].mean()),
+            "mass_removed_pos_share": float(frame["mass_removed_pos_share"].mean()),
+            "mass_removed_neg_share": float(frame["mass_removed_neg_share"].mean())}
+
+
+def crosswalk_frame(run, framework: str, **settings: Any) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The crosswalk table and its null reasons."""
+    from kldiag.crosswalk import crosswalk, null_reasons
+
+    t = crosswalk(run, framework, **settings)
+    return t.to_pandas(), null_reasons(t)
+
+
+def own_framework(manifest) -> str:
+    from kldiag.crosswalk import framework_of
+
+    return framework_of(manifest) or DEFAULT_FRAMEWORK

@@ -1,0 +1,393 @@
+"""What the dashboard pages show that `Analysis` does not hold: pure package code.
+
+Three kinds of helpers, none importing Streamlit:
+
+- tables of an `Analysis` reshaped for display: headline figures, alert onsets, the flags
+  table filtered by step range / flag / threshold, step curves of several runs;
+- histogram maths: step x bin heatmaps and percentile bands read from the mergeable
+  per-step histograms (`Analysis.histograms`);
+- reads of the run's own tokens: one sequence with every per-token quantity
+  (`read_sequence`, `sequence_html`), and per-part partials of the estimator comparison
+  (`kldiag.views.estimators`).
+
+Per-token maths comes from `kldiag.estimators` (Schulman 2020; DeepSeek-V3.2 eq. 7/9).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kldiag import estimators as E
+from kldiag import format as F
+from kldiag.analysis.types import AnalysisConfig, Histograms
+
+DEFAULT_CONFIG = AnalysisConfig()
+LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
+FLAG_NAMES = E.FLAG_NAMES
+# Quantities a sequence's tokens can be coloured by: column -> label.
+SEQUENCE_QUANTITIES = {
+    "d": "d = log(pi_ref/pi_theta)",
+    "weight_k3_abs": "|k3 weight| = |1 - pi_ref/pi_theta|",
+    "weight_k3_is_abs": "|k3_is weight| = |rho (s - r)|",
+    "rho": "rho = pi_theta/pi_old",
+}
+
+
+# ---- runs ----------------------------------------------------------------------------
+
+
+def check_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path | str]:
+    """Resolve run directories (URIs stay as given); raise NotARunError/RunFormatError/
+    StorageError naming the bad one.
+
+    An empty run (no parts yet) is valid: a live run may not have published yet.
+    """
+    runs: list[Path | str] = []
+    for p in paths:
+        path = str(p) if F.is_uri(str(p)) else Path(p).expanduser().resolve()
+        F.read_manifest(path)  # raises with a message that names the fix
+        runs.append(path)
+    return runs
+
+
+def part_keys(run_dir: str | os.PathLike) -> tuple[str, ...]:
+    """Identity of the published parts (rank/name/size/mtime): a new file changes it."""
+    return tuple(p.key for p in F.list_parts(run_dir))
+
+
+def run_label(path: str | os.PathLike, others: Sequence[str | os.PathLike] = ()) -> str:
+    """Short unique name of a run for legends: its directory name, with its parent if ambiguous."""
+    def split(p: str | os.PathLike) -> tuple[str, str]:  # (parent name, name), for paths and URIs
+        bits = str(p).rstrip("/").rsplit("/", 2)
+        return (bits[-2] if len(bits) > 1 else "", bits[-1])
+
+    parent, name = split(path)
+    same = [o for o in others if split(o)[1] == name and str(o) != str(path)]
+    return f"{parent}/{name}" if same else name
+
+
+def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:
+    """Which optional log-prob columns hold any value, judged on the newest readable part.
+
+    A run without logp_ref has no KL to diagnose; without logp_old it is on-policy (rho = 1).
+    """
+    parts = F.list_parts(run_dir)
+    if not parts:
+        return {c: False for c in LOGP_COLUMNS}
+    run = F.open_run(run_dir)
+    for part in reversed(parts):  # the newest part that reads (corrupt ones warn by name)
+        t = run.read_parts([part], columns=LOGP_COLUMNS)
+        if t.num_rows:
+            return {c: t.column(c).null_count < t.num_rows for c in LOGP_COLUMNS}
+    return {c: False for c in LOGP_COLUMNS}
+
+
+# ---- per-token quantities ------------------------------------------------------------
+
+
+def _f64(col: pa.ChunkedArray | pa.Array | np.ndarray) -> np.ndarray:
+    """A float column as float64 with NaN where null."""
+    if isinstance(col, np.ndarray):
+        return col.astype(np.float64)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def nulls(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
+    """Where each log-prob column is null (absent), as bool [n] (a NaN value is not null)."""
+    return {c: np.asarray(table.column(c).is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            for c in LOGP_COLUMNS}
+
+
+def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONFIG,
+           absent: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every per-token quantity from the four log-prob columns (float64 [n]).
+
+    `absent` marks null entries (see `nulls`); without it NaN means absent (except in logp). An absent
+    logp_old means on-policy: rho = 1. An absent logp_ref leaves the KL columns NaN.
+    Returns d, rho, k1, k2, k3, k3_is, weight_k2/k3/k3_is, their abs, and the flags.
+    """
+    if absent is None:  # logp is never null in format v1: a NaN there is always a finding
+        absent = {c: np.isnan(cols[c]) & (c != "logp") for c in LOGP_COLUMNS}
+    s, r = cols["logp"], cols["logp_ref"]
+    o = np.where(absent["logp_old"], s, cols["logp_old"])
+    out = {"d": E.log_ratio(s, r), "rho": E.rho(s, o)}
+    for name in ("k1", "k2", "k3"):
+        out[name] = E.value(name, s, r)
+    out["k3_is"] = E.k3_is(s, r, o)
+    out["weight_k2"] = E.weight_k2(s, r)
+    out["weight_k3"] = E.weight_k3(s, r)
+    out["weight_k3_is"] = E.weight_k3_is(s, r, o)
+    out["weight_k3_abs"] = np.abs(out["weight_k3"])
+    out["weight_k3_is_abs"] = np.abs(out["weight_k3_is"])
+    flags = E.flags(s, r, tau=config.tau, limit=config.weight_limit, clamp=config.clamp)
+    for name in ("theta_ll_ref", "weight_blowup", "clamp_saturated"):
+        out[name] = np.asarray(getattr(flags, name))
+    # A null is absent, not non-finite: only present values can be findings.
+    present = [(cols[c], ~absent[c]) for c in LOGP_COLUMNS]
+    out["nonfinite"] = np.logical_or.reduce([p & ~np.isfinite(x) for x, p in present])
+    with np.errstate(invalid="ignore"):
+        out["invalid"] = np.logical_or.reduce([p & (x > 0) for x, p in present])
+    out["flagged"] = out["theta_ll_ref"] | out["weight_blowup"] | out["clamp_saturated"]
+    return out
+
+
+# ---- one sequence --------------------------------------------------------------------
+
+
+def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
+                  config: AnalysisConfig = DEFAULT_CONFIG, vocab: Mapping[int, str] | None = None) -> pd.DataFrame:
+    """The tokens of sequence `seq` at `step`, one row per (iteration, pos), sorted.
+
+    Reads only the parts whose step range holds `step`. Columns: the token columns of
+    format v1, `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
+    An unknown (step, seq) gives an empty frame.
+    """
+    parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
+    table = F.open_run(run_dir).read_parts(parts)
+    keep = pc.and_(pc.equal(table.column("step"), int(step)), pc.equal(table.column("seq"), int(seq)))
+    table = table.filter(keep).sort_by([("iteration", "ascending"), ("pos", "ascending")])
+    df = table.to_pandas()
+    for name, values in derive({c: _f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
+        df[name] = values
+    df["piece"] = decode(df["token_id"], vocab)
+    return df
+
+
+def decode(token_ids: pd.Series | Sequence, vocab: Mapping[int, str] | None) -> list[str]:
+    """Text of each token id; "<id>" when there is no vocab or the id is unknown."""
+    out = []
+    for t in token_ids:
+        if t is None or (isinstance(t, float) and np.isnan(t)):
+            out.append("<?>")
+        elif vocab is not None and int(t) in vocab and vocab[int(t)] is not None:
+            out.append(str(vocab[int(t)]))
+        else:
+            out.append(f"<{int(t)}>")
+    return out
+
+
+def _intensity(values: np.ndarray, quantity: str) -> np.ndarray:
+    """Colour strength in [0, 1] and sign per token (NaN -> 0).
+
+    d and rho are read on a log scale around "no difference" (d = 0, rho = 1); weights on
+    log10 from 1 (a typical token) to 1e3 and beyond.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if quantity == "d":
+            x = v / np.log(E.TAU)  # 1.0 at the theta_ll_ref threshold
+        elif quantity == "rho":
+            x = np.log(v) / np.log(2.0)  # 1.0 at rho = 2 or 1/2
+        else:
+            x = np.log10(np.maximum(v, 1e-12)) / 3.0  # 1.0 at |weight| = 1000
+    x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
+    return np.clip(x, -1.0, 1.0)
+
+
+def _fmt(v: object) -> str:
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return "n/a"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    return str(v)
+
+
+HOVER_FIELDS = ("pos", "token_id", "logp", "logp_old", "logp_ref", "logp_sampler",
+                "d", "rho", "k3", "k3_is", "weight_k3", "weight_k3_is")
+
+
+def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs", focus_pos: int | None = None) -> str:
+    """The sequence as text, each token's background coloured by `quantity`.
+
+    Token text is untrusted model output: every piece and every attribute value goes
+    through html.escape; hover text sits in title attributes. Red means pi_theta below
+    pi_ref (d > 0), large weights or rho > 1; blue the opposite. The token at `focus_pos`
+    (a deep link's token) is outlined and carries the class kldiag-focus.
+    """
+    if quantity not in SEQUENCE_QUANTITIES:
+        raise ValueError(f"unknown quantity {quantity!r}; choose one of {sorted(SEQUENCE_QUANTITIES)}")
+    strength = _intensity(df[quantity].to_numpy(dtype=np.float64, na_value=np.nan), quantity)
+    spans = []
+    for i, row in enumerate(df.itertuples(index=False)):
+        fields = row._asdict()
+        tip = "\n".join(f"{k}: {_fmt(fields.get(k))}" for k in HOVER_FIELDS)
+        flags = [f for f in FLAG_NAMES if bool(fields.get(f, False))]
+        tip += "\nflags: " + (", ".join(flags) or "none")
+        a = strength[i]
+        rgb = "220,38,38" if a >= 0 else "37,99,235"
+        border = "2px solid #7f1d1d" if flags else "1px solid transparent"
+        style = f"background: rgba({rgb},{abs(a) * 0.85:.3f}); border-bottom: {border}"
+        focus = focus_pos is not None and fields.get("pos") == focus_pos
+        cls = "kldiag-tok kldiag-focus" if focus else "kldiag-tok"
+        style += "; outline: 2px solid #f59e0b; outline-offset: 1px" if focus else ""
+        spans.append(f'<span class="{cls}" style="{style}" title="{html.escape(tip, quote=True)}">'
+                     f"{html.escape(str(fields['piece']), quote=True)}</span>")
+    body = "".join(spans)
+    return ('<div class="kldiag-seq" style="font-family: ui-monospace, monospace; white-space: pre-wrap; '
+            f'line-height: 1.9; word-break: break-word">{body}</div>')
+
+
+# ---- analysis tables for display -----------------------------------------------------
+
+
+def headline(steps: pd.DataFrame) -> dict[str, float]:
+    """Headline figures of a run from its steps table (STEP_COLUMNS)."""
+    if steps.empty:
+        return {"steps": 0, "tokens": 0}
+    last = steps.iloc[-1]
+    tokens = float(steps["tokens"].sum())
+    flagged = float((steps["flagged_frac"].fillna(0) * steps["tokens"]).sum())
+    return {
+        "steps": len(steps),
+        "last_step": int(last["step"]),
+        "tokens": int(tokens),
+        "k3_mean": float(last["k3_mean"]),
+        "k3_is_mean": float(last["k3_is_mean"]),
+        "weight_k3_abs_max": _nanmax(steps["weight_k3_abs_max"]),
+        "weight_k3_is_abs_max": _nanmax(steps["weight_k3_is_abs_max"]),
+        "flagged_frac": flagged / tokens if tokens else 0.0,
+    }
+
+
+def _nanmax(col: pd.Series) -> float:
+    """Max ignoring NaN; NaN when there is no value (a run without reference), without a warning."""
+    v = col.to_numpy(dtype=np.float64, na_value=np.nan)
+    return float(np.nanmax(v)) if np.any(~np.isnan(v)) else float("nan")
+
+
+def onset_steps(alerts: pd.DataFrame) -> list[tuple[int, str]]:
+    """(step, label) where a vertical line goes: the first alert of each kind, one line per
+    step, its label naming every kind that starts there."""
+    if alerts.empty:
+        return []
+    first = alerts.sort_values("step", kind="stable").groupby("kind", sort=False).head(1)
+    kinds = first.groupby("step", sort=True)["kind"].agg(lambda k: ", ".join(dict.fromkeys(k)))
+    return [(int(step), str(label)) for step, label in kinds.items()]
+
+
+def filter_flags(flags: pd.DataFrame, step_range: tuple[int, int] | None = None,
+                 kinds: Sequence[str] = (), min_abs_weight: float = 0.0,
+                 sort_by: str = "weight_k3_abs", descending: bool = True) -> pd.DataFrame:
+    """Rows of the flags table inside `step_range` (inclusive), carrying any flag in `kinds`
+    (all rows when empty) and with |k3 weight| >= min_abs_weight (non-finite rows always kept)."""
+    df = flags.copy()
+    df["weight_k3_abs"] = df["weight_k3"].abs()
+    keep = np.ones(len(df), dtype=bool)
+    if step_range is not None:
+        keep &= (df["step"] >= step_range[0]).to_numpy() & (df["step"] <= step_range[1]).to_numpy()
+    if kinds:
+        unknown = sorted(set(kinds) - set(FLAG_NAMES))
+        if unknown:
+            raise ValueError(f"unknown flags {unknown}; choose among {list(FLAG_NAMES)}")
+        keep &= df[list(kinds)].fillna(False).astype(bool).any(axis=1).to_numpy()
+    if min_abs_weight > 0:
+        keep &= ((df["weight_k3_abs"] >= min_abs_weight) | df["nonfinite"].fillna(False).astype(bool)).to_numpy()
+    out = df[keep]
+    if sort_by not in out.columns:
+        raise ValueError(f"cannot sort by {sort_by!r}; choose a column of the flags table")
+    return out.sort_values(sort_by, ascending=not descending, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def compare_steps(steps: Mapping[str, pd.DataFrame], metric: str) -> pd.DataFrame:
+    """Long frame (run, step, value) of one step metric over several runs, for one chart."""
+    frames = []
+    for name, df in steps.items():
+        if metric in df.columns:
+            frames.append(pd.DataFrame({"run": name, "step": df["step"].to_numpy(),
+                                        "value": df[metric].to_numpy(dtype=np.float64, na_value=np.nan)}))
+    if not frames:
+        return pd.DataFrame({"run": pd.Series(dtype=str), "step": pd.Series(dtype=np.int64),
+                             "value": pd.Series(dtype=np.float64)})
+    return pd.concat(frames, ignore_index=True)
+
+
+def numeric_metrics(steps: Sequence[pd.DataFrame]) -> list[str]:
+    """Numeric step columns every given run has (the Compare page's metric choices)."""
+    common = None
+    for df in steps:
+        cols = [c for c in df.columns if c != "step" and pd.api.types.is_numeric_dtype(df[c])]
+        common = cols if common is None else [c for c in common if c in cols]
+    return common or []
+
+
+# ---- histograms: heatmaps and percentile bands ---------------------------------------
+
+
+def bin_bounds(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper value of every histogram bin (len(edges) + 1 bins, see Histograms)."""
+    lo = np.concatenate([[edges[0] if edges[0] <= 0 else 0.0], edges])
+    hi = np.concatenate([edges, [np.inf]])
+    return lo, hi
+
+
+def hist_quantiles(counts: np.ndarray, edges: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles [n_steps, len(qs)] of per-step histograms, interpolated inside a bin.
+
+    Log-spaced edges (all positive) interpolate geometrically. The open-ended first and
+    last bins return their finite edge. Steps with no counts give NaN.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    log = bool(np.all(edges > 0))
+    lo = np.concatenate([[edges[0]], edges])
+    hi = np.concatenate([edges, [edges[-1]]])
+    total = counts.sum(axis=1, keepdims=True)
+    cum = np.cumsum(counts, axis=1)
+    out = np.full((counts.shape[0], len(qs)), np.nan)
+    for j, q in enumerate(qs):
+        target = q * total[:, 0]
+        idx = np.minimum((cum < target[:, None]).sum(axis=1), counts.shape[1] - 1)
+        rows = np.arange(counts.shape[0])
+        before = np.where(idx > 0, cum[rows, np.maximum(idx - 1, 0)], 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.clip((target - before) / counts[rows, idx], 0.0, 1.0)
+        a, b = lo[idx], hi[idx]
+        val = np.exp(np.log(a) + frac * (np.log(b) - np.log(a))) if log else a + frac * (b - a)
+        out[:, j] = np.where(total[:, 0] > 0, val, np.nan)
+    return out
+
+
+def coarsen_steps(steps: np.ndarray, counts: np.ndarray, max_rows: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """Sum adjacent steps' histograms so at most `max_rows` remain; keeps each group's first step."""
+    n = len(steps)
+    if n <= max_rows:
+        return steps, counts
+    starts = np.linspace(0, n, max_rows + 1).astype(np.int64)[:-1]
+    starts = np.unique(starts)
+    return steps[starts], np.add.reduceat(counts, starts, axis=0)
+
+
+def heatmap(hist: Histograms, name: str, max_rows: int = 400) -> dict[str, np.ndarray | list[str]]:
+    """Step x bin heatmap of histogram `name`: z[bin, step] is the fraction of the step's tokens.
+
+    Bins empty in every step are cut from both ends. Returns steps, labels (bin ranges), z.
+    """
+    steps, counts = coarsen_steps(hist.steps, hist.counts[name], max_rows)
+    used = np.flatnonzero(counts.sum(axis=0))
+    if used.size == 0:
+        return {"steps": steps, "labels": [], "z": np.zeros((0, len(steps)))}
+    first, last = used[0], used[-1] + 1
+    total = counts.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(total > 0, counts / np.maximum(total, 1), np.nan)
+    lo, hi = bin_bounds(hist.edges[name])
+    labels = [f"[{lo[i]:.3g}, {hi[i]:.3g})" for i in range(first, last)]
+    return {"steps": steps, "labels": labels, "z": frac[:, first:last].T}
+
+
+def percentile_bands(hist: Histograms, name: str,
+                     qs: Sequence[float] = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)) -> pd.DataFrame:
+    """One row per step, one column per quantile ("p1", "p50", ...), from the histograms."""
+    values = hist_quantiles(hist.counts[name], hist.edges[name], qs)
+    df = pd.DataFrame(values, columns=[f"p{q * 100:g}" for q in qs])
+    df.insert(0, "step", hist.steps)
+    return df

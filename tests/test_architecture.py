@@ -1,0 +1,159 @@
+"""The package's layer rule, checked over every import in kldiag/ (lazy ones inside functions too).
+
+Layers, lowest first (docs/architecture.md): a module may import its own layer and the layers
+below it, never one above. No import cycles between modules or between packages, and no private
+name (`_x`) imported from another package.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "kldiag"
+
+# Each entry is a layer: the top-level names of kldiag (a package or a module) that live in it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "version", "estimators", "_compat"),  # the maths reference and the exceptions
+    ("format",),  # the run format and its storage
+    ("frameworks",),  # what each RL framework computes, names and accepts (numpy only)
+    ("record",),  # the recorder, its writer and rows
+    ("analysis",),  # the engine, its reducers and kernels, the tables and alert rules
+    ("mismatch",),  # trainer/engine parity, decomposition, what-if
+    ("crosswalk",),  # each framework's logged metrics from the tokens
+    ("diagnosis",),  # episodes, causes, verdict, fixes
+    ("live",),  # the guard and the watcher
+    ("export",),  # TensorBoard / W&B (the TRL hook sends its live histograms through it)
+    ("importers",),  # framework dumps into runs
+    ("integrations",),  # trainer hooks
+    ("views",),  # display shaping, no Streamlit
+    ("report",),  # the HTML / text post-mortem
+    ("tools",),  # lab, demo, synthetic runs
+    ("cli",),  # one module per subcommand
+    ("__init__", "__main__"),  # the public facade
+)
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def top(module: str) -> str:
+    """The top-level name under kldiag of a module ("kldiag" itself: "__init__")."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(module: str) -> list[tuple[str, list[str], bool, int]]:
+    """(imported kldiag module, names taken from it, inside a function, line) for every import."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            lazy = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, [], in_func, child.lineno) for a in child.names if a.name.startswith("kldiag"))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = module.split(".")[: None if is_pkg else -1]
+                    base = base[: len(base) - (child.level - 1)]
+                    src = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    src = child.module or ""
+                if src.startswith("kldiag"):
+                    for a in child.names:
+                        sub = f"{src}.{a.name}"
+                        out.append((sub, [], in_func, child.lineno) if sub in MODULES
+                                   else (src, [a.name], in_func, child.lineno))
+            visit(child, lazy)
+
+    visit(tree, False)
+    return out
+
+
+def resolve(name: str) -> str:
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+EDGES = {m: [(resolve(t), names, lazy, line) for t, names, lazy, line in imports(m)] for m in MODULES}
+
+
+def test_every_module_is_in_a_layer():
+    assert sorted({top(m) for m in MODULES} - set(LAYER_OF)) == []
+
+
+def test_no_import_points_up_a_layer():
+    bad = [f"{m}:{line} imports {t} ({top(m)} is below {top(t)})"
+           for m, edges in EDGES.items() for t, _, _, line in edges
+           if t != m and LAYER_OF[top(t)] > LAYER_OF[top(m)]]
+    assert bad == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+@pytest.mark.parametrize("level", ["module", "package"])
+def test_no_import_cycles(level):
+    graph: dict[str, set[str]] = defaultdict(set)
+    for m, edges in EDGES.items():
+        for t, _, _, _ in edges:
+            a, b = (m, t) if level == "module" else (top(m), top(t))
+            if a != b:
+                graph[a].add(b)
+    assert _cycles(graph) == []
+
+
+def test_no_private_name_crosses_packages():
+    bad = [f"{m}:{line} takes {n} from {t}" for m, edges in EDGES.items() for t, names, _, line in edges
+           for n in names if n.startswith("_") and not n.startswith("__") and top(t) != top(m)]
+    bad += [f"{m}:{line} imports private module {t}" for m, edges in EDGES.items() for t, _, _, line in edges
+            if top(t) != top(m) and m != "kldiag" and any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])]
+    assert bad == []
