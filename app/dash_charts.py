@@ -1,4 +1,7 @@
-"""Plotly figures of per-step aggregates (never per-token data, except bounded samples)."""
+"""Plotly figures of per-step aggregates (never per-token data, except bounded samples).
+
+The step charts the report draws too (`lines`, the Overview's step trends) are built in
+kldiag.views.charts; this module keeps the dashboard's own (heatmap, bands, compare, scatter)."""
 
 from __future__ import annotations
 
@@ -10,68 +13,9 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from kldiag.views import dash as VD
+from kldiag.views.charts import COLORWAY, LABELS, decade_ticks, lines  # noqa: F401 - the pages call C.lines
 
-# Distinct hues: the Streamlit theme's blue shades are hard to tell apart on one chart.
-COLORWAY = px.colors.qualitative.D3
 ESTIMATOR_COLORS = {"weight_k3": "#d62728", "weight_k3_is": "#2ca02c", "weight_k2": "#7f7f7f"}
-
-LABELS = {
-    "k3_mean": "k3 mean", "k3_is_mean": "k3_is mean", "k1_mean": "k1 mean", "k2_mean": "k2 mean",
-    "weight_k3_abs_max": "max |k3 weight|", "weight_k3_abs_p99": "p99 |k3 weight|",
-    "weight_k3_is_abs_max": "max |k3_is weight|", "weight_k3_is_abs_p99": "p99 |k3_is weight|",
-}
-
-
-def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = False,
-          onsets: Sequence[tuple[int, str]] = (), x: str = "step", height: int = 320,
-          smoothing: float = 0.0, x_range: tuple[int, int] | None = None) -> go.Figure:
-    """One line per column of `df` against `x`; dashed vertical lines at alert onsets.
-
-    smoothing > 0 draws the time-weighted EMA (kldiag.views.dash.ema) over the raw line,
-    which stays faint behind; hover lists every series at a step; x_range zooms the x axis.
-    """
-    fig = go.Figure()
-    xs = df[x].to_numpy()
-    shown = []
-    for i, c in enumerate(col for col in columns if col in df.columns):
-        y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
-        if log_y:
-            y = np.where(y > 0, y, np.nan)  # log axes cannot show zeros
-        name, color = LABELS.get(c, c), COLORWAY[i % len(COLORWAY)]
-        mode = "lines+markers" if len(df) < 60 else "lines"
-        if smoothing > 0:
-            fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
-                                     opacity=0.25, line={"color": color}, hoverinfo="skip"))
-            y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
-        fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color}))
-        shown.append(y)
-    shown_x = x_range or ((float(xs.min()), float(xs.max())) if len(xs) else (0.0, 1.0))
-    _onsets(fig, [(step, label) for step, label in onsets if shown_x[0] <= step <= shown_x[1]], shown_x)
-    fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": 40, "b": 10}, colorway=COLORWAY,
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.2}, xaxis_title=x,
-                      hovermode="x unified")
-    if x_range is not None:
-        fig.update_xaxes(range=list(x_range))
-    if log_y:
-        decade_ticks(fig, np.concatenate(shown) if shown else np.array([]))
-    return fig
-
-
-def decade_ticks(fig: go.Figure, values: np.ndarray, axis: str = "y") -> None:
-    """A log axis labelled at decades only (1e-2, 1, 1e2 ...; never "2, 5" without their decade)."""
-    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
-    update(type="log", dtick=VD.log_dtick(values), exponentformat="power", minor={"ticks": "outside",
-                                                                                   "showgrid": False})
-
-
-def _onsets(fig: go.Figure, onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> None:
-    """Dashed lines at alert onsets, their labels stacked in lanes so that none overlap."""
-    lanes = VD.onset_lanes(onsets, *x_range)
-    for (step, label), lane in zip(onsets, lanes, strict=True):
-        fig.add_vline(x=step, line_dash="dash", line_color="crimson", opacity=0.7)
-        fig.add_annotation(x=step, y=1.0 - 0.09 * lane, xref="x", yref="paper", text=label, showarrow=False,
-                           xanchor="left", yanchor="top", font={"size": 10, "color": "crimson"},
-                           bgcolor="rgba(128,128,128,0.12)")
 
 
 def heatmap(steps: np.ndarray, labels: Sequence[str], z: np.ndarray, title: str) -> go.Figure:

@@ -17,6 +17,7 @@ import streamlit as st
 import kldiag
 from kldiag import format as F
 from kldiag.views import pages as V
+from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
 from kldiag.analysis import engines
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
@@ -43,7 +44,13 @@ def labels(paths: list[str]) -> dict[str, str]:
 
 @st.cache_resource(max_entries=16, show_spinner="Analysing the run ...")
 def _analysis(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
-    return kldiag.analyze(path, kldiag.AnalysisConfig(**engines.from_env()))  # kldiag dashboard --engine
+    # every page's data in the analysis's one read of each part (the Sequence page aside)
+    return kldiag.analyze(path, kldiag.AnalysisConfig(**engines.from_env()), VD.reducers())  # --engine
+
+
+def analysis_of(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
+    """The run's Analysis with every page's reducers (cached on the part keys)."""
+    return _analysis(path, keys)
 
 
 @st.cache_resource(max_entries=16)
@@ -64,16 +71,10 @@ def diagnosis(run: Loaded):
     return _diagnosis(run.path, run.keys)
 
 
-@st.cache_resource(max_entries=4096)
-def _part_partial(path: str, key: str, _part: F.PartInfo) -> VE.EstimatorPartial:
-    return VE.part_partial(_part)  # keyed on (run, part key): a part is immutable once published
-
-
-@st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
+@st.cache_resource(max_entries=16)
 def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
-    """What each estimator does on the run's own tokens; only new parts are read."""
-    wanted = set(keys)
-    return VE.merge_partials([_part_partial(path, p.key, p) for p in F.list_parts(path) if p.key in wanted])
+    """What each estimator does on the run's own tokens (read along with the analysis)."""
+    return VE.from_arrays(_analysis(path, keys).reduced[VE.EstimatorReducer.name])
 
 
 @st.cache_resource(max_entries=8)
@@ -89,7 +90,7 @@ def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFr
 
 @st.cache_data(max_entries=64)
 def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
-    return V.columns_present(path)
+    return V.present_in(_analysis(path, keys))
 
 
 # ---- what pages call -----------------------------------------------------------------

@@ -26,8 +26,8 @@ _LAZY = {
     "crosswalk": "kldiag.crosswalk",
 }
 
-__all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "RecorderConfig", "__version__",
-           "analyze", "crosswalk", "open_run"]
+__all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "RecorderConfig",
+           "__version__", "analyze", "crosswalk", "open_run"]
 
 _compat.install()  # old module paths (kldiag.recorder, kldiag.guard, ...) keep working
 

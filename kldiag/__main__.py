@@ -1,3 +1,5 @@
+"""`python -m kldiag`: the `kldiag` command (kldiag.cli.main), for environments without the script."""
+
 import sys
 
 from kldiag.cli import main

@@ -1,6 +1,6 @@
 """Per-token KL estimators, their gradient weights, and the per-token flags.
 
-Notation (DESIGN.md section 2), every argument an array of log-probs of the *sampled*
+Notation (docs/metrics.md, "Per-token estimators"), every argument an array of log-probs of the *sampled*
 token, any shape, broadcastable:
 
     s = logp       log pi_theta   current policy (the gradient flows through it)
@@ -16,7 +16,7 @@ ratio = pi_ref / pi_theta = exp(d). The corrected estimator is DeepSeek-V3.2 eq.
 
 A *gradient weight* is d(value)/d(s): the coefficient that multiplies grad(log pi_theta)
 of that token when the value is used as a loss. Its expectation under the sampling policy
-is the estimator's expected gradient (table in DESIGN.md section 2).
+is the estimator's expected gradient (the table in docs/metrics.md, "Per-token estimators").
 
 Everything is computed in float64, whatever comes in. Overflow of exp(d) yields +inf (a
 flag), never NaN: numpy warnings about overflow are silenced on purpose.
@@ -31,7 +31,7 @@ import numpy as np
 
 from kldiag.errors import UnknownEstimatorError
 
-# Default thresholds of the per-token flags (DESIGN.md section 3).
+# Default thresholds of the per-token flags (docs/metrics.md, "Per-token flags").
 TAU = 20.0  # theta_ll_ref: pi_theta at least TAU times below pi_ref
 WEIGHT_LIMIT = 10.0  # weight_blowup: |1 - exp(d)| above this
 CLAMP = 10.0  # clamp_saturated: k3 above the value verl/OpenRLHF/ROLL/AReaL clamp to
@@ -39,19 +39,23 @@ CLAMP = 10.0  # clamp_saturated: k3 above the value verl/OpenRLHF/ROLL/AReaL cla
 ArrayLike = np.ndarray | float
 
 
-def _f64(x) -> np.ndarray:
+def as_f64(x) -> np.ndarray:
+    """x as a float64 numpy array (no copy when it is one already): a scalar, a sequence, a numpy
+    array, or a pyarrow Array / ChunkedArray, whose nulls become NaN."""
+    if type(x).__module__.startswith("pyarrow"):
+        x = x.to_numpy(zero_copy_only=False)
     return np.asarray(x, dtype=np.float64)
 
 
 def log_ratio(logp, logp_ref) -> np.ndarray:
     """d = log(pi_ref / pi_theta) = logp_ref - logp, float64, same shape as the inputs."""
-    return _f64(logp_ref) - _f64(logp)
+    return as_f64(logp_ref) - as_f64(logp)
 
 
 def rho(logp, logp_old) -> np.ndarray:
     """Importance ratio pi_theta / pi_old = exp(logp - logp_old); +inf on overflow."""
     with np.errstate(over="ignore"):
-        return np.exp(_f64(logp) - _f64(logp_old))
+        return np.exp(as_f64(logp) - as_f64(logp_old))
 
 
 # ---- values -------------------------------------------------------------------------
@@ -59,7 +63,7 @@ def rho(logp, logp_old) -> np.ndarray:
 
 def k1(logp, logp_ref) -> np.ndarray:
     """k1 = s - r = log(pi_theta / pi_ref). Unbiased for KL(pi_theta||pi_ref), high variance."""
-    return _f64(logp) - _f64(logp_ref)
+    return as_f64(logp) - as_f64(logp_ref)
 
 
 def k2(logp, logp_ref) -> np.ndarray:
@@ -67,8 +71,12 @@ def k2(logp, logp_ref) -> np.ndarray:
     return 0.5 * log_ratio(logp, logp_ref) ** 2
 
 
-def _k3_of_d(d: np.ndarray) -> np.ndarray:
-    # expm1(d) - d keeps precision near d = 0, where exp(d) - d - 1 cancels.
+def k3_of_log_ratio(d) -> np.ndarray:
+    """k3 = exp(d) - d - 1 of a log-ratio d, computed as expm1(d) - d; +inf at d = +inf.
+
+    Written as exp(d) - d - 1 it loses every digit below |d| ~ 1e-8 (it gives 0 at d = 1e-9, where
+    k3 = 5e-19); expm1(d) - d keeps a relative error of about 1e-16 / |d| (1.5e-7 at d = 1e-9)."""
+    d = as_f64(d)
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.expm1(d) - d
     # expm1(+inf) - inf is NaN; the true limit is +inf.
@@ -77,7 +85,7 @@ def _k3_of_d(d: np.ndarray) -> np.ndarray:
 
 def k3(logp, logp_ref) -> np.ndarray:
     """k3 = exp(d) - d - 1 >= 0 (Schulman 2020). Unbiased for KL(pi_theta||pi_ref) on-policy."""
-    return _k3_of_d(log_ratio(logp, logp_ref))
+    return k3_of_log_ratio(log_ratio(logp, logp_ref))
 
 
 def k3_is(logp, logp_ref, logp_old) -> np.ndarray:
@@ -117,7 +125,7 @@ def weight_k1(logp, logp_ref) -> np.ndarray:
 
 def weight_k2(logp, logp_ref) -> np.ndarray:
     """d k2 / d s = s - r: expected gradient = grad KL(pi_theta||pi_ref), on-policy."""
-    return _f64(logp) - _f64(logp_ref)
+    return as_f64(logp) - as_f64(logp_ref)
 
 
 def weight_k3(logp, logp_ref) -> np.ndarray:
@@ -175,7 +183,7 @@ class Estimator(NamedTuple):
     value: Callable[..., np.ndarray]
     weight: Callable[..., np.ndarray]
     needs_old: bool
-    target: str  # what the expected gradient equals (DESIGN.md section 2)
+    target: str  # what the expected gradient equals (docs/metrics.md, the estimator table)
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -213,7 +221,7 @@ def weight(name: str, logp, logp_ref, logp_old=None) -> np.ndarray:
     return est.weight(logp, logp_ref)
 
 
-# ---- per-token flags (DESIGN.md section 3) -------------------------------------------
+# ---- per-token flags (docs/metrics.md, "Per-token flags") -----------------------------
 
 
 def flag_theta_ll_ref(logp, logp_ref, tau: float = TAU) -> np.ndarray:
@@ -236,7 +244,7 @@ def flag_clamp_saturated(logp, logp_ref, clamp: float = CLAMP) -> np.ndarray:
 
 def flag_nonfinite(*logps) -> np.ndarray:
     """Any given log-prob is NaN or +-inf (None arguments are skipped: column absent)."""
-    present = [~np.isfinite(_f64(x)) for x in logps if x is not None]
+    present = [~np.isfinite(as_f64(x)) for x in logps if x is not None]
     return np.logical_or.reduce(present) if present else np.zeros((), dtype=bool)
 
 
@@ -245,7 +253,7 @@ def flag_invalid(*logps) -> np.ndarray:
     present = []
     for x in logps:
         if x is not None:
-            x = _f64(x)
+            x = as_f64(x)
             with np.errstate(invalid="ignore"):
                 present.append(np.isfinite(x) & (x > 0))
     return np.logical_or.reduce(present) if present else np.zeros((), dtype=bool)
@@ -273,7 +281,7 @@ def flags(
     limit: float = WEIGHT_LIMIT,
     clamp: float = CLAMP,
 ) -> Flags:
-    """All per-token flags of DESIGN.md section 3 at once; shapes broadcast."""
+    """All per-token flags (docs/metrics.md, "Per-token flags") at once; shapes broadcast."""
     shape = np.broadcast_shapes(*(np.shape(x) for x in (logp, logp_ref, logp_old, logp_sampler) if x is not None))
     everything = (logp, logp_ref, logp_old, logp_sampler)
     return Flags(

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kldiag.analysis import keyed, partials
+from kldiag.analysis import keyed, partials, reduce
 from kldiag.analysis.kernel import Thresholds
 from kldiag.format import list_parts
 from kldiag.tools.synth import SynthConfig, make_run
@@ -63,12 +63,12 @@ def test_merged_sequences_are_whole(parts):
 
 def test_cache_roundtrip(parts, tmp_path):
     path = tmp_path / "p.part"
-    assert partials.save(path, parts[0])
-    assert_same(partials.load(path), parts[0])
+    assert reduce.save_arrays(path, partials.to_arrays(parts[0]))
+    assert_same(partials.from_arrays(reduce.load_arrays(path)), parts[0])
     good = path.read_bytes()
     for broken in (b"not a partial", good[:40], good[:-8], good[:20] + b"x" * 30 + good[50:]):
         path.write_bytes(broken)
-        assert partials.load(path) is None
+        assert reduce.load_arrays(path) is None
 
 
 def test_reduce_by_key_combines_each_column_by_its_prefix():
@@ -86,13 +86,17 @@ def test_every_path_reduces_a_part_over_the_same_batches(tmp_path, monkeypatch):
     """The threaded path (several parts at once), the pipelined one (one part, the process
     pool's and Ray's) give one part the same partial bit for bit, also when the part is
     longer than a kernel batch (float sums depend on where batches split sequences)."""
-    monkeypatch.setattr(partials, "KERNEL_ROWS", 97)
     make_run(tmp_path / "r", SynthConfig(steps=3, seqs_per_step=8, seq_len=(20, 60), ranks=2, vocab_size=0))
     found = list_parts(tmp_path / "r")
     assert len(found) == 2 and all(p.size > 0 for p in found)
-    threaded = dict(partials.compute_parts(found, TH, 1 << 20, (), threads=2))
+    red = partials.AnalysisReducer(TH)
+    threaded = {i: partials.from_arrays(r[red.name])
+                for i, r in reduce.fold_parts([(p, [red]) for p in found], 97, (), threads=2)}
+    pipelined = {i: partials.from_arrays(r[red.name])
+                 for i, r in reduce.fold_parts([(p, [red]) for p in found], 97, (), threads=1)}
     for i, part in enumerate(found):
-        one = partials.compute_part(part, TH, 1 << 20)
+        one = partials.compute_part(part, TH, 97)
+        assert_same(pipelined[i], one)
         for table in partials.TABLES:
             for col, v in getattr(one, table).items():
                 np.testing.assert_array_equal(getattr(threaded[i], table)[col], v, err_msg=f"{table}.{col}")

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, partials, prefix
+from kldiag.analysis import AnalysisConfig, analyze, partials, prefix, reduce
 from kldiag.errors import CorruptPartError
 from kldiag.format import open_run, part_name, publish_part, rank_dir
 from kldiag.tools.synth import SynthConfig, make_run
@@ -55,8 +55,8 @@ def source(tmp_path_factory) -> Path:
 def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
     monkeypatch.setattr(prefix, "PREFIX_TAIL", 2)  # rewrite the prefix often
     loads = []
-    real_load = partials.load
-    monkeypatch.setattr(partials, "load", lambda path: loads.append(path) or real_load(path))
+    real_load = reduce.load_arrays
+    monkeypatch.setattr(reduce, "load_arrays", lambda path: loads.append(path) or real_load(path))
     staged = split_run(source, tmp_path / "run", rows=70)
     assert len(staged) > 12
     cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)
@@ -70,11 +70,11 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
         assert grown.files == n and grown.files_new == 1
         assert_same_analysis(grown, analyze(tmp_path / "run", AnalysisConfig(use_cache=False, per_rank=True,
                                                                              trainer_compatible=True)))
-        part_loads = [p for p in loads if p.parent.name == "partials"]
+        part_loads = [p for p in loads if p.parent.name == "analysis"]
         if pre is not None:  # per-part partials read: the prefix's open parts and the tail only
             used += 1
             opened = sum(p.step_max >= pre.step_cut for p in parts[:pre.k])
-            assert len(part_loads) == opened + n - pre.k
+            assert len(part_loads) == opened + n - pre.k - grown.files_new  # the new part: in memory
     assert used >= len(staged) - 3
     assert len(part_loads) < len(staged) // 2  # the last refresh read a few partials, not all of them
     assert len(loads) - len(part_loads) <= 1  # the prefix file: read once after each rewrite, else remembered

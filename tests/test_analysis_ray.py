@@ -114,13 +114,13 @@ def test_dying_worker_is_retried_then_the_part_named(ray_session, multirank, tmp
     good = run.parts()[0]
     log = tmp_path / "attempts"
     dying = DyingPart(**{**good.__dict__, "path": str(tmp_path / "part-dying.parquet")}, log=str(log))
-    th = thresholds(AnalysisConfig(), run.manifest)
-    out = ray_engine.compute([good, dying], th, 1 << 20)
-    assert isinstance(out[0], partials.Partial) and out[0].rows > 0
+    red = partials.AnalysisReducer(thresholds(AnalysisConfig(), run.manifest))
+    out = dict(ray_engine.compute([(good, [red]), (dying, [red])], 1 << 20))
+    assert partials.from_arrays(out[0][red.name]).rows > 0
     assert isinstance(out[1], EngineError) and "part-dying.parquet" in str(out[1])
     assert log.read_text() == "x" * (ray_engine.MAX_RETRIES + 1)
     with pytest.raises(EngineError, match="part-dying.parquet failed"):
-        ray_engine.compute([dying, good], th, 1 << 20, strict=True)
+        list(ray_engine.compute([(dying, [red]), (good, [red])], 1 << 20, strict=True))
 
 
 def test_run_in_s3_through_ray(ray_session, s3, multirank, tmp_path, monkeypatch):

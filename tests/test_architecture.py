@@ -18,7 +18,7 @@ PKG = ROOT / "kldiag"
 
 # Each entry is a layer: the top-level names of kldiag (a package or a module) that live in it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "version", "estimators", "_compat"),  # the maths reference and the exceptions
+    ("errors", "version", "estimators", "fmt", "_compat"),  # the maths reference, number formats, the exceptions
     ("format",),  # the run format and its storage
     ("frameworks",),  # what each RL framework computes, names and accepts (numpy only)
     ("record",),  # the recorder, its writer and rows
@@ -155,5 +155,6 @@ def test_no_private_name_crosses_packages():
     bad = [f"{m}:{line} takes {n} from {t}" for m, edges in EDGES.items() for t, names, _, line in edges
            for n in names if n.startswith("_") and not n.startswith("__") and top(t) != top(m)]
     bad += [f"{m}:{line} imports private module {t}" for m, edges in EDGES.items() for t, _, _, line in edges
-            if top(t) != top(m) and m != "kldiag" and any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])]
+            if top(t) != top(m) and m != "kldiag"
+            and any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])]
     assert bad == []

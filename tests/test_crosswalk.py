@@ -1,4 +1,4 @@
-"""kldiag.crosswalk: the API, the CLI's JSON contract (DESIGN.md section 6), settings, nulls with reasons,
+"""kldiag.crosswalk: the API, the CLI's JSON contract (docs/crosswalk.md), settings, nulls with reasons,
 and cross-checks of slime / NeMo-RL / OpenRLHF metrics against kldiag's other implementations."""
 
 from __future__ import annotations
@@ -61,11 +61,9 @@ def test_settings_from_the_manifest_and_coercion():
 
 
 def test_nemo_token_mult_prob_error_equals_the_diagnosis_scan():
-    from kldiag.diagnosis.scan import StepScan
+    from kldiag.diagnosis.scan import scan_of
 
-    scan = StepScan()
-    scan.update(kldiag.open_run(DEMO))
-    ref = scan.table()["token_mult_prob_error"]
+    ref = scan_of(kldiag.analyze(DEMO))["token_mult_prob_error"]
     mine = np.array(X.crosswalk(DEMO, "nemo-rl").column("token_mult_prob_error").to_pylist())
     np.testing.assert_allclose(mine, ref, rtol=1e-12)
 

@@ -176,19 +176,26 @@ def test_analyze_json_contract(tmp_path, capsys):
     assert "fix: " in text
 
 
-def test_side_scan_is_incremental_and_cached(tmp_path, monkeypatch):
+def test_side_scan_rides_along_is_incremental_and_cached(tmp_path, monkeypatch):
+    """The scan is a reducer: read in the analysis's pass, only new parts later, none once cached."""
+    from kldiag.analysis import runner
     from kldiag.diagnosis import scan as S
 
+    red = [S.ScanReducer()]
     make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(0, 3))
-    first = S.StepScan()
-    assert first.update(open_run(tmp_path)) == 1
+    opened = runner.opened_parts
+    first = kldiag.analyze(tmp_path, kldiag.AnalysisConfig(), red)
+    assert runner.opened_parts - opened == 1 and "scan" in first.reduced
     make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(3, 6), manifest=False)
     calls = []
     real = S.batch_sums
     monkeypatch.setattr(S, "batch_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert first.update(open_run(tmp_path)) == 1 and len(calls) == 1  # only the new part is read
-    fresh = S.StepScan()  # another process: the run's cache answers, no part is read
-    assert fresh.update(open_run(tmp_path)) == 2 and len(calls) == 1
-    t, u = first.table(), fresh.table()
+    grown = kldiag.analyze(tmp_path, kldiag.AnalysisConfig(), red)
+    assert grown.files_new == 1 and len(calls) == 1  # only the new part is read
+    again = kldiag.analyze(tmp_path, kldiag.AnalysisConfig(), red)
+    assert again.files_new == 0 and len(calls) == 1  # the run's cache answers: no part is read
+    fresh = kldiag.analyze(tmp_path, kldiag.AnalysisConfig(use_cache=False), red)
+    t, u = S.table(again.reduced["scan"]), S.table(fresh.reduced["scan"])
     assert list(t["step"]) == list(range(6)) and np.allclose(t["confident_share"], u["confident_share"])
     assert np.allclose(t["entropy_mean"], u["entropy_mean"])
+    assert S.scan_of(first)["step"].tolist() == list(range(3))  # from the analysis, no read

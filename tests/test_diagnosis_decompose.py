@@ -51,3 +51,22 @@ def test_summary_share(ts):
     s = D.summary(ts)
     assert s["tokens"] == 102400
     assert s["mismatch_share"] == pytest.approx(s["mismatch_abs"] / (s["drift_abs"] + s["mismatch_abs"]))
+
+
+def test_mismatch_k3_keeps_precision_near_zero():
+    """K3 of KL(mu || pi_old) for a tiny log-ratio d: exp(d) - d - 1 gives 0 at d = 1e-9 (cancellation);
+    the expm1 form (kldiag.estimators) matches the series d^2/2 + d^3/6 + d^4/24 to a few 1e-7."""
+    m = np.array([-1e-9, 1e-9, -0.5 - 1e-9, -1e-6, -3e-5])  # log mu; one token per step
+    o = np.array([0.0, 0.0, -0.5, 0.0, 0.0])  # log pi_old
+    n = len(m)
+    ints = np.arange(n, dtype=np.int64)
+    ts = TS.TokenSet(step=ints, seq=np.zeros(n, np.int64), group=np.full(n, -1), pos=np.zeros(n, np.int64),
+                     token_id=np.full(n, -1), iteration=np.zeros(n, np.int64), micro=np.zeros(n, np.int64),
+                     rank=np.zeros(n, np.int64), logp=o.copy(), logp_old=o, logp_ref=np.full(n, np.nan),
+                     logp_sampler=m, advantage=np.full(n, np.nan), mask=np.ones(n, bool), entropy=np.full(n, np.nan),
+                     has_old=np.ones(n, bool))
+    d = o - m  # exact in float64 (Sterbenz), the d decompose sees
+    series = d**2 / 2 + d**3 / 6 + d**4 / 24
+    got = np.array(D.by_step(ts).column("mismatch_k3").to_pylist())
+    np.testing.assert_allclose(got, series, rtol=1e-6)
+    assert np.exp(d[0]) - d[0] - 1 == 0.0  # what the naive form gives: every digit lost

@@ -11,7 +11,7 @@ from kldiag.errors import UnknownEstimatorError
 
 
 def _torch_values(s, r, o):
-    """The estimator table of DESIGN.md section 2, written directly in torch."""
+    """The estimator table of docs/metrics.md ("Per-token estimators"), written directly in torch."""
     d = r - s
     k3 = torch.exp(d) - d - 1
     return {
@@ -138,3 +138,24 @@ def test_rho_and_log_ratio_shapes_broadcast():
     s = np.zeros((2, 3))
     assert E.rho(s, np.zeros(3)).shape == (2, 3)
     assert E.weight_k1(s, np.zeros(3)).shape == (2, 3)
+
+
+def test_as_f64_reads_numpy_scalars_and_arrow_columns():
+    import pyarrow as pa
+
+    a = np.arange(3, dtype=np.float64)
+    assert E.as_f64(a) is a  # no copy
+    np.testing.assert_array_equal(E.as_f64(np.float32([0.5, -1])), [0.5, -1.0])
+    assert E.as_f64(2).dtype == np.float64 and E.as_f64(2).shape == ()
+    col = pa.chunked_array([pa.array([1.5, None], pa.float32()), pa.array([-2.0], pa.float32())])
+    np.testing.assert_array_equal(E.as_f64(col), [1.5, np.nan, -2.0])
+    np.testing.assert_array_equal(E.as_f64(pa.array([None, 3.0])), [np.nan, 3.0])
+
+
+def test_k3_of_log_ratio_near_zero_and_at_infinity():
+    d = np.array([1e-9, -1e-9, 1e-5, np.inf, -np.inf, np.nan])
+    got = E.k3_of_log_ratio(d)
+    small = d[:3]
+    np.testing.assert_allclose(got[:3], small**2 / 2 + small**3 / 6 + small**4 / 24, rtol=1e-6)
+    assert got[3] == np.inf and got[4] == np.inf and np.isnan(got[5])
+    np.testing.assert_array_equal(E.k3(np.zeros(3), d[:3]), got[:3])

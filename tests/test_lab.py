@@ -1,4 +1,4 @@
-"""The estimator lab reproduces the known-truth results of DESIGN.md section 2."""
+"""The estimator lab reproduces the known-truth results of docs/metrics.md ("Known truth")."""
 
 from __future__ import annotations
 

@@ -1,88 +1,90 @@
-"""The post-mortem report: its rules (pure functions), and the report on real runs."""
+"""The post-mortem report: it judges nothing itself. Its verdict, causes, episodes, recommendations
+and `--fail-on` exit code are the Diagnosis's; its step charts are the dashboard Overview's."""
 
 from __future__ import annotations
 
+import ast
 import html
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kldiag
+from kldiag.analysis.episodes import KINDS
+from kldiag.cli import main
+from kldiag.cli import report as cli_report
+from kldiag.diagnosis import CAUSE_NAMES, Cause, Diagnosis, DiagnosisConfig, Episode, diagnose
 from kldiag.report import build as R
 from kldiag.report import render as report_render
-from kldiag.cli import main
+from kldiag.views import charts as VC
 
 SAMPLE_LOGS = Path(__file__).resolve().parent.parent / "sample_logs"
 EVIL = "<img src=x onerror=alert(1)>"
 
-STEPS = np.arange(10, 16)
+REPORT_DIR = Path(R.__file__).resolve().parent
+RULE_ENGINE = ("rule_blowup", "rule_nonfinite", "rule_blame", "rule_latent", "rule_mismatch", "evaluate_rules",
+               "RULE_NAMES", "FAILING", "NOTES", "verdict", "parse_rules", "exit_code", "recommendations",
+               "RuleResult", "first_step")
 
 
-# ---- rules ---------------------------------------------------------------------------------
+# ---- no rule engine of its own ----------------------------------------------------------------
 
 
-def test_rule_blowup_names_the_first_step_and_the_peak():
-    r = R.rule_blowup(STEPS, [1.0, 2.0, 150.0, np.nan, 900.0, 3.0], "k3", 100.0)
-    assert r.fired and r.step == 12
-    assert "900" in r.message and "step 14" in r.message
-    calm = R.rule_blowup(STEPS, [1.0, 2.0, 50.0, np.nan, 90.0, 3.0], "k3_is", 100.0)
-    assert not calm.fired and calm.step is None and "k3_is" in calm.message
+def test_the_report_has_no_rule_engine_and_no_thresholds():
+    for name in RULE_ENGINE:
+        assert not hasattr(R, name) and not hasattr(report_render, name), name
+    for path in REPORT_DIR.glob("*.py"):  # no module under kldiag/report defines a rule
+        funcs = [n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)]
+        assert not [f for f in funcs if f.startswith("rule") or f in RULE_ENGINE], path.name
+    fields = set(R.ReportConfig.__dataclass_fields__)
+    assert not fields & {"blowup_weight", "blame_share", "mismatch_kl"}  # thresholds: DiagnosisConfig's only
+    assert isinstance(R.ReportConfig().diagnosis, DiagnosisConfig)
 
 
-def test_rule_blowup_counts_an_infinite_weight():
-    assert R.rule_blowup(STEPS, [1, 1, 1, 1, np.inf, 1], "k3", 100.0).step == 14
+def _diagnosis() -> Diagnosis:
+    causes = [Cause("k3_weight_blowup", 12, "critical", {}, "set use_bias_correction_kl=True", "K3 blows up."),
+              Cause("engine_mismatch", 3, "info", {}, "match the engine", "a small mismatch")]
+    eps = [Episode("mismatch", 3, 5, 4, 0.02, "warning", "mismatch msg", metric="mismatch_kl"),
+           Episode("blowup", 14, None, 20, 900.0, "critical", "blowup msg", metric="weight_k3_abs_max")]
+    return Diagnosis("unstable", causes, eps)
 
 
-def test_rule_nonfinite():
-    r = R.rule_nonfinite(STEPS, [0, 0, 0, 2, 0, 1], [0, 1, 0, 0, 0, 0])
-    assert r.fired and r.step == 11 and "3 non-finite and 1 positive" in r.message
-    assert not R.rule_nonfinite(STEPS, np.zeros(6), np.zeros(6)).fired
+def test_what_the_report_takes_from_a_diagnosis():
+    dg = _diagnosis()
+    assert R.fired(dg) == {"k3_weight_blowup", "engine_mismatch", "mismatch", "blowup"}
+    assert R.verdict_onset(dg) == 12  # the critical cause's onset, not the earlier info note's
+    assert R.first_moved(dg) == (3, "mismatch_kl", "mismatch msg")
+    recs = R.fixes(dg)
+    assert recs[0] == "k3_weight_blowup (critical, from step 12): K3 blows up. Fix: set use_bias_correction_kl=True"
+    assert "a small mismatch" in recs[1] and "match the engine" in recs[1]
+    assert R.verdict_onset(Diagnosis("healthy", [], dg.episodes)) is None
+    assert R.fixes(Diagnosis("healthy"))[0].startswith("Nothing to fix")
 
 
-def test_rule_blame_only_judges_a_k3_loss():
-    share = [0.1, 0.2, 0.7, 0.9, 0.1, 0.0]
-    r = R.rule_blame(STEPS, share, "k3", 0.5)
-    assert r.fired and r.step == 12 and "2 steps" in r.message
-    assert not R.rule_blame(STEPS, share, "k3_is", 0.5).fired
+@pytest.mark.parametrize(("text", "names"), [
+    ("blowup", ("blowup", "k3_weight_blowup")),
+    ("nonfinite", ("nonfinite", "invalid", "numerical_fault")),
+    ("blame", ("blame_share",)),
+    ("latent", ("latent",)),
+    ("mismatch", ("mismatch", "engine_mismatch", "engine_temperature_mismatch")),
+    ("numerical_fault, flagged_onset", ("numerical_fault", "flagged_onset")),
+    ("blowup,k3_weight_blowup", ("blowup", "k3_weight_blowup")),
+])
+def test_fail_on_names_map_to_episode_kinds_and_causes(text, names):
+    assert cli_report.parse_fail_on(text) == names
 
 
-def test_rule_latent_says_whose_weight_it_is():
-    assert "not this run's loss" in R.rule_latent(STEPS, [1, 1, 500, 1, 1, 1], "k3_is", 100.0).message
-    assert not R.rule_latent(STEPS, np.ones(6), "k3", 100.0).fired
-
-
-def test_rule_mismatch_needs_to_dominate_the_drift():
-    kl = np.full(6, 0.05)  # a typical |log(pi_old/mu)| of sqrt(0.1) = 0.32
-    assert R.rule_mismatch(STEPS, kl, np.full(6, 0.1), 0.01).fired
-    assert not R.rule_mismatch(STEPS, kl, np.full(6, 0.5), 0.01).fired  # drift is larger
-    assert not R.rule_mismatch(STEPS, np.full(6, 0.001), np.zeros(6), 0.01).fired
-    unknown = R.rule_mismatch(STEPS, np.full(6, np.nan), np.zeros(6), 0.01)
-    assert not unknown.fired and "unknown" in unknown.message
-
-
-def test_verdict_levels():
-    ok = R.RuleResult("blame", False, None, "")
-    assert R.verdict([ok]) == "healthy"
-    assert R.verdict([ok, R.RuleResult("latent", True, 3, "")]) == "healthy"  # a note, not a problem
-    assert R.verdict([ok, R.RuleResult("mismatch", True, 3, "")]) == "warning"
-    assert R.verdict([R.RuleResult("mismatch", True, 3, ""), R.RuleResult("nonfinite", True, 1, "")]) == "unstable"
-
-
-def test_parse_rules():
-    assert R.parse_rules("blowup, nonfinite") == ("blowup", "nonfinite")
-    assert R.parse_rules("all") == R.RULE_NAMES
-    with pytest.raises(ValueError, match="unknown rule.*blowpu.*choose from"):
-        R.parse_rules("blowup,blowpu")
+def test_fail_on_accepts_every_kind_and_cause():
+    for name in (*KINDS, *CAUSE_NAMES):  # a kind that is also an older rule's name stands for more
+        assert cli_report.parse_fail_on(name) == cli_report.ALIASES.get(name, (name,)) and name in \
+            cli_report.parse_fail_on(name)
+    assert set(cli_report.parse_fail_on("all")) == {*KINDS, *CAUSE_NAMES}
+    with pytest.raises(ValueError, match="unknown rule.*blowpu.*choose from.*k3_weight_blowup"):
+        cli_report.parse_fail_on("blowup,blowpu")
     with pytest.raises(ValueError):
-        R.parse_rules(" , ")
-
-
-def test_recommendations_are_concrete():
-    recs = " ".join(R.recommendations({"blowup"}, "k3", {"opsm_masked_frac": 0.25}))
-    assert "use_bias_correction_kl=True" in recs and "off_policy_mask_threshold" in recs and "25.0%" in recs
-    assert "vllm_importance_sampling_correction" in " ".join(R.recommendations({"mismatch"}, "k3_is", {}))
-    assert R.recommendations(set(), "k3_is", {})[0].startswith("Nothing to fix")
+        cli_report.parse_fail_on(" , ")
 
 
 def test_printable_neutralises_terminal_escapes():
@@ -113,10 +115,48 @@ def test_abs_bound_of_a_histogram():
 
 def _copy_run(name: str, tmp_path: Path) -> Path:
     """A sample run copied out of the repository, so the analysis cache lands in tmp."""
-    import shutil
-
     src = SAMPLE_LOGS / name
     return Path(shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns(".kldiag")))
+
+
+@pytest.fixture(scope="module")
+def sample_runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("samples")
+    return {name: _copy_run(name, tmp) for name in ("demo_k3", "demo_k3_is")}
+
+
+def _same_as_diagnose(rep: R.Report, dg: Diagnosis) -> None:
+    assert rep.verdict == dg.verdict
+    assert [c.cause for c in rep.diagnosis.causes] == [c.cause for c in dg.causes]
+    assert [(e.kind, e.start, e.end) for e in rep.diagnosis.episodes] == [(e.kind, e.start, e.end) for e in dg.episodes]
+    assert rep.fired() == {c.cause for c in dg.causes} | {e.kind for e in dg.episodes}
+    assert len(rep.recommendations) == max(1, len(dg.causes))
+    for rec, c in zip(rep.recommendations, dg.causes, strict=False):
+        assert rec.startswith(c.cause) and c.fix in rec and c.summary.rstrip(".") in rec
+
+
+@pytest.mark.parametrize("name", ["demo_k3", "demo_k3_is"])
+def test_the_report_says_what_diagnose_says(sample_runs, name):
+    analysis = kldiag.analyze(sample_runs[name])
+    dg = diagnose(analysis)
+    rep = R.build_report(analysis)
+    _same_as_diagnose(rep, dg)
+    if name == "demo_k3":
+        assert rep.verdict == "unstable" and dg.causes[0].cause == "k3_weight_blowup"
+        assert rep.onset_step == dg.causes[0].onset
+    else:
+        assert rep.verdict != "unstable" and "k3_weight_blowup" not in rep.fired()
+    assert R.build_report(analysis, diagnosis=dg).diagnosis is dg  # a caller's diagnosis is not redone
+
+
+def test_the_report_draws_the_overviews_step_charts(sample_runs):
+    rep = R.build_report(kldiag.analyze(sample_runs["demo_k3"]))
+    figs = report_render.figures(rep)
+    assert [f.layout.title.text for f in figs] == [c.title for c in VC.STEP_TRENDS]
+    limit = [t for t in figs[VC.WEIGHT_CHART].data if t.name == "blow-up limit"]
+    assert len(limit) == 1 and list(limit[0].y) == [DiagnosisConfig().blowup_weight] * 2
+    labels = {a.text for f in figs for a in f.layout.annotations}
+    assert any("k3_weight_blowup" in t for t in labels)  # the causes' onsets, as on the dashboard
 
 
 def _first_blowup_step(run_dir: Path, limit: float) -> int:
@@ -128,28 +168,49 @@ def _first_blowup_step(run_dir: Path, limit: float) -> int:
     return int(np.min(np.asarray(t["step"])[w > limit]))
 
 
-def test_report_on_the_unstable_sample_run_names_the_blowup_and_its_onset(tmp_path, capsys):
-    run = _copy_run("demo_k3", tmp_path)
+def test_report_on_the_unstable_sample_run_names_the_blowup_and_its_onset(sample_runs, tmp_path, capsys):
+    run = sample_runs["demo_k3"]
     out = tmp_path / "k3.html"
     assert main(["report", str(run), "-o", str(out), "--fail-on", "blowup"]) == 1
-    text = capsys.readouterr().out
-    onset = _first_blowup_step(run, R.ReportConfig.blowup_weight)
-    assert "verdict: UNSTABLE" in text and f"onset at step {onset}" in text
-    assert "[FIRED] blowup" in text and "use_bias_correction_kl=True" in text
-    assert "first to move:" in text
+    text, err = capsys.readouterr()
+    dg = diagnose(kldiag.analyze(run))
+    onset = dg.causes[0].onset
+    assert "verdict: UNSTABLE: k3_weight_blowup" in text and f"onset at step {onset}" in text
+    assert "failing on cause k3_weight_blowup (critical" in err and "episode blowup" in err
+    # the blow-up episode starts where the K3 weight first passes the limit (computed here without the engine)
+    first = _first_blowup_step(run, DiagnosisConfig().blowup_weight)
+    assert min(e.start for e in dg.episodes if e.kind == "blowup") == first
+    assert f"blowup              steps {first}-" in text and "first to move:" in text
+    assert dg.causes[0].fix in " ".join(text.split())
     page = out.read_text()
     assert f"onset at step <b>{onset}</b>" in page and "Verdict: UNSTABLE" in page
+    assert html.escape(dg.causes[0].fix) in page and "<h2>What fired</h2>" in page
     assert any(html.escape(p) in page for p in (" um", " like", " basically", " actually"))
 
 
-def test_report_on_the_corrected_sample_run_is_healthy(tmp_path, capsys):
-    run = _copy_run("demo_k3_is", tmp_path)
-    assert main(["report", str(run), "-o", str(tmp_path / "is.html"), "--fail-on", "blowup,nonfinite"]) == 0
+@pytest.mark.parametrize(("name", "fail_on", "code"), [
+    ("demo_k3", "k3_weight_blowup", 1),
+    ("demo_k3", "nonfinite,numerical_fault,entropy_collapse", 0),
+    ("demo_k3_is", "blowup,nonfinite", 0),
+    ("demo_k3_is", "latent", 1),  # its tokens would blow K3 up: an info episode, still there
+    ("demo_k3_is", "mismatch", 1),  # the demo's engine samples at temperature 1.2 on purpose
+    ("demo_k3_is", "engine_temperature_mismatch", 1),
+    ("demo_k3_is", "k3_weight_blowup,offpolicy_drift", 0),
+])
+def test_fail_on_exits_1_when_the_diagnosis_has_a_named_finding(sample_runs, tmp_path, capsys, name, fail_on, code):
+    assert main(["report", str(sample_runs[name]), "-o", str(tmp_path / "r.html"), "--fail-on", fail_on]) == code
+    err = capsys.readouterr().err
+    assert ("kldiag report: failing on" in err) == bool(code)
+
+
+def test_thresholds_go_to_the_diagnosis(sample_runs, tmp_path, capsys):
+    run = sample_runs["demo_k3"]
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html"), "--blowup-weight", "1e9",
+                 "--fail-on", "k3_weight_blowup"]) == 1  # its blame rule still fires, as a warning
     text = capsys.readouterr().out
-    # Not unstable: no blow-up. The demo's sampler runs at temperature 1.2 on purpose, which the
-    # diagnosis may name (engine_temperature_mismatch): a warning about the engine, not the KL.
-    assert "verdict: UNSTABLE" not in text and "[ok   ] blowup" in text
-    assert "[FIRED] latent" in text  # its tokens would blow K3 up: a note, not a failure
+    dg = diagnose(kldiag.analyze(run), DiagnosisConfig(blowup_weight=1e9))
+    assert dg.verdict == "warning" and f"verdict: {dg.verdict.upper()}" in text
+    assert "blowup" not in {e.kind for e in dg.episodes} and "] blowup" not in text
 
 
 def test_html_is_self_contained_and_escapes_untrusted_token_text(tmp_path, capsys):
@@ -171,23 +232,31 @@ def test_html_is_self_contained_and_escapes_untrusted_token_text(tmp_path, capsy
 def test_fail_on_rejects_unknown_rules(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["report", str(tmp_path), "--fail-on", "explode"])
-    assert e.value.code == 2 and "choose from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "choose from" in err
+    assert all(n in err for n in ("blowup", "latent", "blame_share", "k3_weight_blowup", "engine_temperature_mismatch"))
 
 
 def test_nonfinite_run_is_unstable(tmp_path):
     from kldiag.tools.synth import SynthConfig, make_run
 
     make_run(tmp_path / "nan", SynthConfig(steps=6, estimator="k3_is", nonfinite=((3, "logp"),), positive=(4,)))
-    rep = R.build_report(kldiag.analyze(tmp_path / "nan"))
+    analysis = kldiag.analyze(tmp_path / "nan")
+    rep = R.build_report(analysis)
+    _same_as_diagnose(rep, diagnose(analysis))
     assert rep.verdict == "unstable" and rep.onset_step == 3
-    assert R.exit_code(rep, ("nonfinite",)) == 1 and R.exit_code(rep, ("blowup",)) == 0
+    assert cli_report.failing(rep, cli_report.parse_fail_on("nonfinite"))[0].startswith("cause numerical_fault")
+    assert cli_report.failing(rep, cli_report.parse_fail_on("blowup")) == []
 
 
-def test_run_without_reference_is_not_judged_on_kl(tmp_path):
+def test_run_without_reference_is_not_judged_on_kl(tmp_path, capsys):
     from kldiag.tools.synth import SynthConfig, make_run
 
     make_run(tmp_path / "noref", SynthConfig(steps=4, reference=False, on_policy=True))
-    rep = R.build_report(kldiag.analyze(tmp_path / "noref"))
-    assert rep.verdict == "healthy"
-    assert all("not judged" in r.message for r in rep.rules if r.name in ("blowup", "blame", "latent"))
-    assert "no reference log-probs" in report_render.format_text(rep)
+    analysis = kldiag.analyze(tmp_path / "noref")
+    rep = R.build_report(analysis)
+    _same_as_diagnose(rep, diagnose(analysis))
+    assert rep.verdict == "healthy" and rep.fired() == set() and rep.onset_step is None
+    text = report_render.format_text(rep)
+    assert "no reference log-probs" in text and "Nothing to fix" in text
+    assert main(["report", str(tmp_path / "noref"), "-o", str(tmp_path / "r.html"), "--fail-on", "all"]) == 0

@@ -14,7 +14,7 @@ from kldiag.format import read_manifest
 
 @st.cache_resource(max_entries=8, show_spinner="Reading the run's tokens ...")
 def _view(path: str, keys: tuple[str, ...]) -> VM.MismatchView:
-    return VM.load(path)
+    return VM.view_of(D.analysis_of(path, keys))  # the analysis's token sample: no extra read
 
 
 @st.cache_data(max_entries=64)
@@ -24,7 +24,7 @@ def _whatif(path: str, keys: tuple[str, ...], method: str, convention: str, para
 
 @st.cache_data(max_entries=16, show_spinner="Computing the framework's metrics ...")
 def _crosswalk(path: str, keys: tuple[str, ...], framework: str):
-    return VM.crosswalk_frame(path, framework)
+    return VM.crosswalk_frame(D.analysis_of(path, keys), framework)
 
 
 def lines(df, x, cols, title, log_x=False, log_y=False, names=None):

@@ -1,13 +1,13 @@
 """Overview: the verdict and its causes (onset, fix), headline figures, alert episodes, and step
 trends with the causes' onsets marked."""
 
-import dash_charts as C
 import dash_controls as K
 import dash_data as D
 import streamlit as st
 
 from kldiag.views import pages as V
 from kldiag.views import diagnosis as DV
+from kldiag.views import charts as VC
 
 SEQUENCES_SHOWN = 1000
 
@@ -36,7 +36,7 @@ if h["steps"]:
     row2[2].metric("Flagged tokens", f"{h['flagged_frac']:.3%}")
     row2[3].metric("Alert episodes", f"{len(run.alerts)}")
 
-onsets = DV.cause_onsets(dg) or V.onset_steps(run.alerts)
+onsets = VC.trend_onsets(dg)
 st.subheader("Alerts (episodes)")
 if run.alerts.empty:
     st.success("No alerts: every metric stayed within its recent range.")
@@ -48,19 +48,10 @@ st.subheader("Step trends")
 s = run.steps
 ctl = K.chart_controls("ov", s["step"])
 kw = {"smoothing": ctl.smoothing, "x_range": ctl.x_range}
-left, right = st.columns(2)
-left.plotly_chart(C.lines(s, ["k3_mean", "k3_is_mean"], "KL estimate per step: k3 vs k3_is", True, onsets, **kw))
-right.plotly_chart(C.lines(s, ["weight_k3_abs_max", "weight_k3_abs_p99", "weight_k3_is_abs_max",
-                               "weight_k3_is_abs_p99"], "|gradient weight|: max and p99", True, onsets, **kw))
-left, right = st.columns(2)
-left.plotly_chart(C.lines(s, ["theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count",
-                              "nonfinite_count", "invalid_count"], "Flagged tokens per step", False, onsets, **kw))
-right.plotly_chart(C.lines(s, ["blame_share", "flagged_frac"],
-                           "Blame share: flagged tokens' share of |k3 weight|", False, onsets, **kw))
-left, right = st.columns(2)
-left.plotly_chart(C.lines(s, ["rho_min", "rho_mean", "rho_max"], "rho = pi_theta / pi_old", True, onsets, **kw))
-right.plotly_chart(C.lines(s, ["rho_clip_frac", "drift_abs_mean", "mismatch_kl", "opsm_masked_frac"],
-                           "Off-policy drift and sampler mismatch", False, onsets, **kw))
+trends = VC.step_trends(s, onsets, **kw)  # the same charts as kldiag report's "Per step"
+for i in range(0, len(trends), 2):
+    for column, fig in zip(st.columns(2), trends[i:i + 2], strict=False):  # an odd last one: left
+        column.plotly_chart(fig)
 with st.expander("Steps table"):
     st.dataframe(s, hide_index=True, width="stretch")
     K.downloads(s, "steps", "ov_steps")

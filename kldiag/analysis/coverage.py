@@ -1,5 +1,7 @@
-"""What an analysis cannot compute because the run lacks a column (an imported dump, or a
-trainer that does not expose it), said in words next to the null columns.
+"""What an analysis cannot compute because the run lacks a column, said in words (`cannot_compute`).
+
+The column may be missing because the run is an imported dump, or because the trainer does not
+expose it; the sentences stand next to the null columns.
 
 A metric is reported missing only when it is null on every step that has tokens: the
 columns are judged from the per-step table, and the reason names the null input column

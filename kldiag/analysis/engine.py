@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import os
-import sys
 import time
-import warnings
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
+from collections.abc import Sequence
 
-from kldiag.analysis import alerts, partials, prefix, tables, worker
+from kldiag.analysis import alerts, partials, prefix, runner, tables, worker
 from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
-from kldiag.errors import CorruptPartError, EmptyRunError, RunFormatError
-from kldiag.format import Manifest, PartInfo, open_run
+from kldiag.errors import EmptyRunError
+from kldiag.format import Manifest, open_run
 
 OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
 
@@ -63,56 +60,14 @@ def resolved(cfg: AnalysisConfig, manifest: Manifest) -> AnalysisConfig:
     return dataclasses.replace(cfg, opsm_delta=OPSM_DELTA if delta is None else float(delta))
 
 
-def _skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> None:
-    if strict:
-        raise error if isinstance(error, RunFormatError) else CorruptPartError(
-            f"part file {part.path} is unreadable ({error}); delete it or move it out of the run") from error
-    warnings.warn(f"kldiag: skipping part {part.path}: {error}", stacklevel=3)
-    skipped.append(str(part.path))
-
-
-def part_partials(cache_dir: Path, parts: list[PartInfo], th: Thresholds, cfg: AnalysisConfig,
-                  skipped: list[str]) -> tuple[list[partials.Partial], int]:
-    """The partial of every readable part, in part order; also how many were computed now.
-
-    cache_dir: the run's cache directory (Run.cache_dir(): RUN/.kldiag, or a local one for URIs).
-    """
-    found: dict[int, partials.Partial] = {}
-    if cfg.use_cache:
-        for i, part in enumerate(parts):
-            cached = partials.load(partials.cache_path(cache_dir, part, th))
-            if cached is not None:
-                found[i] = cached
-    todo = [i for i in range(len(parts)) if i not in found]
-    if cfg.engine == "ray":  # Ray tasks run _compute where the parts are (kldiag[ray]; no Ray when all cached)
-        from kldiag.analysis import ray_engine
-
-        results = ray_engine.compute([parts[i] for i in todo], th, cfg.batch_size, cfg.strict, cfg.ray_address)
-    elif cfg.workers > 1 and len(todo) > 1:
-        # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
-        ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=ctx) as pool:
-            results = list(pool.map(worker.compute, [parts[i] for i in todo], [th] * len(todo),
-                                    [cfg.batch_size] * len(todo)))
-    else:
-        worker.keep_freed_memory()
-        by_index = dict(partials.compute_parts([parts[i] for i in todo], th, cfg.batch_size, worker.PART_ERRORS))
-        results = [by_index[k] for k in range(len(todo))]
-    for i, result in zip(todo, results, strict=True):
-        if isinstance(result, Exception):
-            _skip(parts[i], result, cfg.strict, skipped)
-            continue
-        found[i] = result
-        if cfg.use_cache:
-            partials.save(partials.cache_path(cache_dir, parts[i], th), result)
-    return [found[i] for i in sorted(found)], len(todo)
-
-
-def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) -> Analysis:
+def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
+            reducers: Sequence[Reducer] = ()) -> Analysis:
     """Analyse a run directory (format v1); see kldiag.analysis.types.Analysis for the result.
 
-    Raises NotARunError / UnsupportedFormatVersionError for a directory that is not a
-    readable run, EmptyRunError when it holds no token rows yet.
+    `reducers` ride along in the same read of each part (a face asks for what it will show:
+    the diagnosis's side scan, a token sample, ...); their merged partials are in
+    `Analysis.reduced[name]`. Raises NotARunError / UnsupportedFormatVersionError for a directory
+    that is not a readable run, EmptyRunError when it holds no token rows yet.
     """
     cfg = config or AnalysisConfig()
     validate(cfg)
@@ -124,13 +79,38 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None) ->
         raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank-R/part-*.parquet); "
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
-    skipped: list[str] = []
-    # merges the new parts' partials after the cached merge of the earlier ones (prefix.py)
-    merged, computed = prefix.merged_partial(run.cache_dir(), parts, th, cfg, skipped, part_partials)
+    red = partials.AnalysisReducer(th)
+    pending = [red] + [runner.bound(r, parts) for r in reducers if r.name != red.name]
+    done = runner.Pass(run.cache_dir(), parts, pending, cfg)
+    merged = merged_analysis(done, red, cfg)
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
-                            f"{len(skipped)} skipped as unreadable)")
-    return build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
+                            f"{len(done.skipped)} skipped as unreadable)")
+    a = build(run, resolved(cfg, run.manifest), merged, len(parts), done.computed, done.skipped,
+              time.perf_counter() - t0)
+    a.reduced = {r.name: done.merged(r) for r in pending[1:]}
+    a.memo.update({("reducer", r.name): r for r in pending[1:]})  # which settings each was read with
+    return a
+
+
+def merged_analysis(done: runner.Pass, red: partials.AnalysisReducer, cfg: AnalysisConfig) -> partials.Partial:
+    """The analysis partial of every readable part, merged after the cached merge of the earlier
+    parts (prefix.py): only the new parts' partials are merged on a refresh."""
+    index = {p.key: i for i, p in enumerate(done.parts)}
+
+    def part_partials(cache_dir, subset, th, cfg, skipped) -> tuple[list[partials.Partial], int]:
+        found = []
+        for part in subset:
+            got = done.partial(index[part.key], red)
+            if got is None:
+                skipped.append(str(part.path))
+            else:
+                found.append(partials.from_arrays(got))
+        return found, 0
+
+    skipped = list(done.skipped)
+    merged, _ = prefix.merged_partial(done.cache_dir, done.parts, red.th, cfg, skipped, part_partials)
+    return merged
 
 
 def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, computed: int,

@@ -16,7 +16,7 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
   mismatch             warning   KL(mu || pi_old) per token above mismatch_kl and its typical
                                  |log ratio| sqrt(2 KL) above the policy drift
   weight_blowup_onset  warning   max |k3 weight| jumps alert_factor x over its trailing median
-                                 and exceeds the flag limit (DESIGN.md section 3)
+                                 and exceeds the flag limit (weight_limit, docs/metrics.md)
   flagged_onset        warning   the flagged fraction jumps alert_factor x over its trailing median
   latent               info      K3's weight exceeds blowup_weight on a run whose loss is not K3
 
@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from kldiag import fmt
+
 SEVERITIES = ("info", "warning", "critical")  # ordered: a verdict is driven by the worst
 
 
@@ -42,7 +44,7 @@ class DiagnosisConfig:
     """Thresholds of the episode rules and the cause detectors (docs/metrics.md cites each)."""
 
     blowup_weight: float = 100.0  # |loss weight| beyond this: a blow-up (10x the flag limit W)
-    blame_share: float = 0.5  # flagged tokens' share of the |k3 weight| (DESIGN.md section 3)
+    blame_share: float = 0.5  # flagged tokens' share of the |k3 weight| (docs/metrics.md, blame_share)
     mismatch_kl: float = 0.01  # mean KL(mu || pi_old) per token (kldiag report's rule)
     quiet_steps: int = 10  # an episode ends after this many steps without firing (a recovery)
     ess_low: float = 0.3  # rho_ess below: verl docs/algo/rollout_corr.md, "Troubleshooting"
@@ -240,14 +242,6 @@ def spans(fire: np.ndarray, quiet: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(firsts, lasts, strict=True)]
 
 
-def _fmt(v: float, percent: bool = False) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    if percent:
-        return f"{v:.0%}"
-    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
-
-
 PERCENT_METRICS = ("blame_share", "flagged_frac")
 K3_ONLY = ("blame_share", "weight_blowup_onset", "flagged_onset")  # info when the loss is not K3
 
@@ -268,7 +262,7 @@ def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
         severity = "info" if rule.kind in K3_ONLY and ctx.estimator != "k3" else rule.severity
         span = (f"from step {step[a]} (ongoing)" if ongoing else f"step {step[a]}" if a == b
                 else f"steps {step[a]}-{end}")
-        what = rule.what.format(value=_fmt(float(value[peak]), rule.metric in PERCENT_METRICS))
+        what = rule.what.format(value=fmt.metric(float(value[peak]), rule.metric in PERCENT_METRICS))
         msg = f"{span}: {what}, peak at step {step[peak]}"
         out.append(Episode(rule.kind, int(step[a]), end, int(step[peak]), float(value[peak]), severity, msg,
                            metric=metric, steps=len(inside)))

@@ -9,7 +9,7 @@ Method (Cody & Waite 1980; Tang 1989): x = n ln2 + r with |r| <= ln2 / 2, expm1(
 Taylor series to r^13 (truncation below 2^-60 relative), then exp(x) = 2^n (1 + expm1(r))
 and expm1(x) = 2^n expm1(r) + (2^n - 1). 2^n is built from its exponent bits in two halves
 so that n may reach 1024 or -1077 without overflowing the bit field. Accuracy against
-numpy, float64 (tests/test_analysis_fastexp.py): exp within 1 ulp, expm1 within 2 ulp;
+numpy, float64 (tests/test_analysis_kernel.py): exp within 1 ulp, expm1 within 2 ulp;
 NaN, +-inf, overflow and underflow as numpy.
 
 Compiled without fastmath "reassoc": reassociation would undo the Cody-Waite split.

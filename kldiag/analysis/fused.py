@@ -1,6 +1,6 @@
 """The compiled kernel: one pass over a record batch gives every per-sequence and per-step sum.
 
-Per-token maths is that of kldiag.estimators (DESIGN.md section 2), from d = logp_ref - logp
+Per-token maths is that of kldiag.estimators (docs/metrics.md, "Per-token estimators"), from d = logp_ref - logp
 and x = logp - logp_old, each float32 input converted to float64 as it is read:
 
     k1 = -d    k2 = d^2 / 2    k3 = expm1(d) - d    weight_k3 = -expm1(d)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kldiag.analysis import keyed, partials
+from kldiag.analysis import keyed, partials, reduce
 from kldiag.analysis.kernel import Thresholds
 from kldiag.analysis.stats import select_first, select_top
 from kldiag.format import PartInfo
@@ -92,7 +92,8 @@ def _load_data(path: Path) -> partials.Partial | None:
     hit = _memo.get(path)
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    data = partials.load(path)
+    raw = reduce.load_arrays(path)
+    data = partials.from_arrays(raw) if raw is not None else None
     if data is not None:
         if len(_memo) >= MEMO_ENTRIES:
             _memo.pop(next(iter(_memo)))
@@ -105,7 +106,7 @@ def save(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix
     folder = Path(cache_dir) / "prefix"
     key, dig = settings_key(th), digest(parts[:pre.k])
     name = f"{key}-{dig}.part"
-    if not partials.save(folder / name, pre.sealed):
+    if not reduce.save_arrays(folder / name, partials.to_arrays(pre.sealed)):
         return False
     meta = folder / f"{key}.json"
     try:

@@ -18,14 +18,14 @@ EngineError in strict mode. Ray itself is imported only here, only when this eng
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from kldiag.analysis import partials, worker
-from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis import reduce, worker
 from kldiag.errors import EngineError
 from kldiag.format import PartInfo
 
 RAY_EXTRA = "pip install 'kldiag[ray]'"
+REDUCE_VERSION = 1  # the driver and the workers must agree on the reducer protocol and partial layouts
 MAX_RETRIES = 3  # Ray re-runs a part's task this many times after its worker died
 _task = None  # the Ray remote function, made once per process
 
@@ -62,10 +62,9 @@ def connect(address: str | None = None):
     return ray
 
 
-def reduce_part(part: PartInfo, th: Thresholds, batch_size: int) -> tuple[int, partials.Partial | Exception]:
-    """Ray task body: (PARTIAL_VERSION of this worker's kldiag, the part's Partial or its error)."""
-
-    return partials.PARTIAL_VERSION, worker.compute(part, th, batch_size)
+def reduce_part(part: PartInfo, reducers: Sequence[reduce.Reducer], batch_size: int) -> tuple[int, dict | Exception]:
+    """Ray task body: (REDUCE_VERSION of this worker's kldiag, the part's partials or its error)."""
+    return REDUCE_VERSION, worker.compute(part, reducers, batch_size)
 
 
 def task(ray):
@@ -75,34 +74,42 @@ def task(ray):
     return _task
 
 
-def compute(parts: Sequence[PartInfo], th: Thresholds, batch_size: int, strict: bool = False,
-            address: str | None = None) -> list[partials.Partial | Exception]:
-    """The Partial (or the error that made it unreadable) of each part, in part order.
+def compute(jobs: Sequence[reduce.Job], batch_size: int, strict: bool = False,
+            address: str | None = None) -> Iterator[tuple[int, dict | Exception]]:
+    """(index, the part's partials or the error that made it unreadable) of each job, in job order,
+    each yielded as soon as it and every job before it are back: the driver merges as they arrive
+    and holds at most the results that came back ahead of an earlier one.
 
-    A part whose worker kept dying comes back as an EngineError naming it (raised at once
-    in strict mode, the remaining tasks cancelled). Parts are opaque values here: PartInfo
-    pickles with its store (a local path, or the filesystem of an s3:// run).
+    A part whose worker kept dying comes back as an EngineError naming it (raised at once in
+    strict mode, the remaining tasks cancelled). Parts and reducers are plain picklable values.
     """
-    if not parts:  # everything came from the cache: no cluster needed, but say when Ray is missing
+    if not jobs:  # everything came from the cache: no cluster needed, but say when Ray is missing
         require_ray()
-        return []
+        return
     ray = connect(address)
     remote = task(ray)
-    refs = [remote.remote(part, th, batch_size) for part in parts]
-    out: list[partials.Partial | Exception] = []
+    refs = [remote.remote(part, reducers, batch_size) for part, reducers in jobs]
+    index = {ref: i for i, ref in enumerate(refs)}
+    ahead: dict[int, dict | Exception] = {}
+    pending, nxt = list(refs), 0
     try:
-        for part, ref in zip(parts, refs, strict=True):
-            out.append(_get(ray, part, ref))
-            if strict and isinstance(out[-1], EngineError):
-                raise out[-1]
+        while nxt < len(refs):
+            done, pending = ray.wait(pending, num_returns=1) if pending else ([], pending)
+            for ref in done:
+                i = index[ref]
+                ahead[i] = _get(ray, jobs[i][0], ref)
+                if strict and isinstance(ahead[i], EngineError):
+                    raise ahead[i]
+            while nxt in ahead:
+                yield nxt, ahead.pop(nxt)
+                nxt += 1
     except BaseException:
-        for ref in refs[len(out):]:
+        for ref in pending:
             ray.cancel(ref)
         raise
-    return out
 
 
-def _get(ray, part: PartInfo, ref) -> partials.Partial | Exception:
+def _get(ray, part: PartInfo, ref) -> dict | Exception:
     try:
         version, result = ray.get(ref)
     except ray.exceptions.RayTaskError as e:  # a bug, not a bad part: raise it, naming the part
@@ -112,7 +119,7 @@ def _get(ray, part: PartInfo, ref) -> partials.Partial | Exception:
         return EngineError(f"part {part.path} failed {MAX_RETRIES + 1} times on Ray ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); its worker keeps dying (memory? a node "
                            "lost?): check `ray status` and the worker logs, then analyse again")
-    if version != partials.PARTIAL_VERSION:
-        raise EngineError(f"Ray workers run a kldiag whose partials are version {version}, this driver's are "
-                          f"{partials.PARTIAL_VERSION}: install the same kldiag on every node of the cluster")
+    if version != REDUCE_VERSION:
+        raise EngineError(f"Ray workers run a kldiag whose reducers are version {version}, this driver's are "
+                          f"{REDUCE_VERSION}: install the same kldiag on every node of the cluster")
     return result

@@ -101,6 +101,8 @@ class Analysis:
     skipped: list[str] = field(default_factory=list)  # parts skipped as corrupt, by path
     superseded: pa.Table | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)
 
 
 STEP_COLUMNS = (

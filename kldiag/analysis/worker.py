@@ -1,6 +1,6 @@
 """One part's work, the same in this process, in a worker process and in a Ray task.
 
-`compute(part, ...)` returns the part's partial, or the error that made the part unreadable
+`compute(part, reducers, ...)` returns every reducer's partial of the part, or the error that made the part unreadable
 (the engine skips it, or raises in strict mode).
 """
 
@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Sequence
 
 import pyarrow as pa
 
-from kldiag.analysis import partials
-from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis import reduce
 from kldiag.errors import RunFormatError
 from kldiag.format import PartInfo
 
 PART_ERRORS = (RunFormatError, OSError, pa.ArrowException)  # a part that raises these is skipped (or strict)
-
 
 
 def keep_freed_memory() -> None:
@@ -36,12 +35,8 @@ def keep_freed_memory() -> None:
         pass
 
 
-
-def compute(part: PartInfo, th: Thresholds, batch_size: int) -> partials.Partial | Exception:
-    """Worker entry point: a Partial, or the error that made the part unreadable."""
+def compute(part: PartInfo, reducers: Sequence[reduce.Reducer], batch_size: int) -> dict | Exception:
+    """Worker entry point: {reducer name: the part's partial}, or the error that made the part unreadable."""
     keep_freed_memory()
-    try:
-        return partials.compute_part(part, th, batch_size)
-    except PART_ERRORS as e:
-        return e
+    return reduce.compute_part(part, reducers, batch_size, PART_ERRORS)
 

@@ -1,5 +1,7 @@
-"""The `kldiag` command: one module per subcommand in this package, each with
-`add_parser(subparsers)`, which sets `func(args) -> int` as the parser default."""
+"""The `kldiag` command: parses the arguments and runs the subcommand, one module per subcommand.
+
+Each module of this package has `add_parser(subparsers)`, which sets `func(args) -> int` as the
+parser default."""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ import pyarrow.parquet as pq
 from kldiag.analysis import coverage, engines
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig
+from kldiag.diagnosis import diagnose
+from kldiag.fmt import num
+from kldiag.report.build import reducers as report_reducers
 
 # Options that are not thresholds, handled by hand.
 _SKIP = {"workers", "strict", "use_cache", "engine", "ray_address"}
@@ -61,13 +64,13 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
 def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = analyze(args.run_dir, config_from_args(args))
+        # what the diagnosis and `kldiag report` read, in the same one read of each part: a report after
+        # an analyze reads no part
+        a = analyze(args.run_dir, config_from_args(args), report_reducers())
     for w in caught:
         print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.out:
         write_tables(a, args.out)
-    from kldiag.diagnosis import diagnose
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dg = diagnose(a)
@@ -110,10 +113,8 @@ def _clean(v: Any) -> Any:
 
 def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
     """What --json prints: run facts, the per-step table, alerts (episodes), worst tokens (first 20),
-    and the diagnosis (DESIGN.md section 6: verdict and causes)."""
+    and the diagnosis (verdict and causes); docs/metrics.md, "kldiag analyze RUN --json", lists the keys."""
     if diagnosis is None:
-        from kldiag.diagnosis import diagnose
-
         diagnosis = diagnose(a)
     return {
         "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
@@ -136,20 +137,12 @@ def superseded_line(rows: list[dict[str, int]]) -> str:
             "they stay on disk (kldiag.open_run(RUN).read(include_superseded=True))")
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def render(a: Analysis, diagnosis=None) -> str:
     """The verdict and causes, a readable per-step table (first and last rows when long), the alerts."""
     t = a.steps.select(list(SUMMARY_COLUMNS))
     rows = t.to_pylist()
     shown = rows if len(rows) <= MAX_ROWS else rows[: MAX_ROWS // 2] + [None] + rows[-MAX_ROWS // 2:]
-    cells = [[_fmt(r[c]) for c in SUMMARY_COLUMNS] if r else ["..."] * len(SUMMARY_COLUMNS) for r in shown]
+    cells = [[num(r[c]) for c in SUMMARY_COLUMNS] if r else ["..."] * len(SUMMARY_COLUMNS) for r in shown]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(SUMMARY_COLUMNS)]
     lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]

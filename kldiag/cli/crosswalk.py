@@ -5,7 +5,7 @@ logs them, recomputed from the recorded tokens with its semantics (docs/crosswal
 the framework's own config keys, e.g. verl: rollout_is=token rollout_is_threshold=2.0
 rollout_rs=seq_mean_k3 rollout_rs_threshold=0.01 kl_loss_type=low_var_kl loss_agg_mode=token-mean;
 trl: vllm_importance_sampling_mode=token_truncate vllm_importance_sampling_clip_max=2.
---json prints a list of {"step": S, "<name>": value or null, ...} (DESIGN.md section 6), with
+--json prints a list of {"step": S, "<name>": value or null, ...} (docs/crosswalk.md), with
 "null_reasons": {name: why} in a step that has nulls; the text form prints a table and, below it,
 why a column is null.
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any
+
+from kldiag.fmt import num
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,14 +32,6 @@ def add_parser(subparsers: Any) -> None:
                    help="a framework config key (repeatable)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per step")
     p.set_defaults(func=run)
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.6g}" if math.isfinite(v) else str(v)
-    return str(v)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     names = table.column_names
     rows = records(table, reasons=False)
-    widths = [max(len(n), *(len(_fmt(r[n])) for r in rows)) if rows else len(n) for n in names]
+    widths = [max(len(n), *(len(num(r[n], 6)) for r in rows)) if rows else len(n) for n in names]
     print("  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True)))
     for row in rows:
-        print("  ".join(_fmt(row[n]).rjust(w) for n, w in zip(names, widths, strict=True)))
+        print("  ".join(num(row[n], 6).rjust(w) for n, w in zip(names, widths, strict=True)))
     for name, why in null_reasons(table).items():
         print(f"{name}: null: {why}")
     return 0

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import dashboard
+from kldiag.report.build import reducers
 from kldiag.tools.demo import format_summary, run_pair, summarize
 
 
@@ -23,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kldiag demo: training the K3 run and its k3_is twin into {out}/", file=sys.stderr)
     runs = run_pair(out, steps=args.steps, seed=args.seed, progress=not args.quiet)
     for r in runs:
-        analysis = analyze(r.run_dir)
+        analysis = analyze(r.run_dir, AnalysisConfig(), reducers())  # what the summary and report read
         print(format_summary(summarize(r, analysis)))
         if not args.no_report:
             from kldiag.report.build import build_report

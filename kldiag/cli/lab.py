@@ -1,4 +1,4 @@
-"""The estimator lab: a known-truth check of every estimator's gradient (`kldiag lab`).
+"""`kldiag lab`: the estimator lab, a known-truth check of every estimator's gradient (kldiag.tools.lab).
 
 In the spirit of Schulman (2020): pi_theta = N(mu, sigma), pi_ref = N(mu_ref, sigma_ref),
 samples x from pi_old = N(mu_old, sigma_old) (pi_theta itself by default, the on-policy

@@ -1,22 +1,29 @@
 """`kldiag report RUN_DIR`: a post-mortem of one run, as one offline HTML file and a text summary.
 
-Built on `kldiag.analyze`. The verdict comes from small rules (pure functions of per-step
-arrays), each with a name that `--fail-on` accepts, so a CI job or a cron can gate on them:
+Built on `kldiag.analyze` and `kldiag.diagnosis.diagnose`: the verdict, what fired (the causes and
+the alert episodes), the recommendations (each cause's fix, in the run's trainer's own option
+names) and the exit code all come from the one diagnosis that `kldiag analyze`, `kldiag watch`
+and the dashboard show. --blowup-weight and --mismatch-kl set its DiagnosisConfig.
 
-  blowup      the gradient weight of the KL loss the run uses exceeds --blowup-weight (default
-              100: ten times the per-token flag limit) on some token: K3's 1 - pi_ref/pi_theta
-              (DeepSeek-V3.2 section 3.1), or rho * log(pi_theta/pi_ref) for k3_is (eq. 9)
-  nonfinite   a NaN/inf log-prob, or a log-prob above 0, was recorded
-  blame       under a K3 loss, a step where flagged tokens carry over half of the |k3 weight|
-  latent      K3's weight on this run's own tokens exceeds --blowup-weight, whatever loss the run
-              uses (a K3 run would blow up on these tokens; K3 *values* logged here are huge)
-  mismatch    sampler/trainer mismatch dominates: the mean KL(mu||pi_old) per token exceeds
-              --mismatch-kl (default 0.01) and its typical |log ratio|, sqrt(2 KL), exceeds the
-              policy drift mean |log pi_theta - log pi_old|
+--fail-on RULES (a comma list) exits 1 when the diagnosis holds an episode of a named kind or a
+cause of a named name, whatever its severity, and names it on stderr; 0 otherwise. Names: every
+episode kind, every cause name (docs/metrics.md), and these, each standing for
 
-Verdict: "unstable" when blowup or nonfinite fires, "warning" when blame or mismatch fires,
-"healthy" otherwise (latent is a note). `--fail-on blowup,nonfinite` (or `all`) exits 1 when
-any named rule fires. The text summary and the HTML page are rendered by kldiag.report.render.
+  blowup     a `blowup` episode (the weight of the run's own KL loss past --blowup-weight,
+             default 100: K3's 1 - pi_ref/pi_theta, or k3_is's rho log(pi_theta/pi_ref)),
+             or the `k3_weight_blowup` cause
+  nonfinite  a `nonfinite` or `invalid` episode (a NaN/inf log-prob, a log-prob above 0), or the
+             `numerical_fault` cause
+  blame      a `blame_share` episode (flagged tokens carry over half of the |k3 weight|)
+  latent     a `latent` episode (K3's weight past --blowup-weight on a run whose loss is not K3)
+  mismatch   a `mismatch` episode (mean KL(mu||pi_old) per token past --mismatch-kl, default
+             0.01, and its typical |log ratio| above the policy drift), or an `engine_mismatch`
+             or `engine_temperature_mismatch` cause
+  jump       a `weight_blowup_onset` or `flagged_onset` episode
+  all        every episode kind and every cause
+
+Verdict (the diagnosis's): "unstable" when a cause or an episode is critical, "warning" when a
+cause is a warning, "healthy" otherwise. Rendered by kldiag.report.render.
 """
 
 from __future__ import annotations
@@ -27,32 +34,67 @@ from collections.abc import Callable
 from typing import Any
 
 from kldiag.analysis import engines
+from kldiag.analysis import episodes as EP
 from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.report.build import RULE_NAMES, ReportConfig, build_report, exit_code, parse_rules
+from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
+from kldiag.report.build import Report, ReportConfig, build_report, reducers
+
+# --fail-on names that stand for several episode kinds and causes (the report's older rules first).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "blowup": ("blowup", "k3_weight_blowup"),
+    "nonfinite": ("nonfinite", "invalid", "numerical_fault"),
+    "blame": ("blame_share",),
+    "latent": ("latent",),
+    "mismatch": ("mismatch", "engine_mismatch", "engine_temperature_mismatch"),
+    "jump": EP.ALIASES["jump"],
+    "all": (*EP.KINDS, *CAUSE_NAMES),
+}
+NAMES = tuple(dict.fromkeys((*ALIASES, *EP.KINDS, *CAUSE_NAMES)))  # what --fail-on accepts
+
+
+def parse_fail_on(text: str) -> tuple[str, ...]:
+    """'blowup,numerical_fault' -> the episode kinds and cause names they stand for (ALIASES)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in NAMES]
+    if unknown or not names:
+        raise ValueError(f"unknown rule(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(NAMES)}")
+    return tuple(dict.fromkeys(x for n in names for x in ALIASES.get(n, (n,))))
+
+
+def failing(rep: Report, fail_on: tuple[str, ...]) -> list[str]:
+    """'cause k3_weight_blowup (critical, from step 36)' for each named cause or episode kind present."""
+    out = [f"cause {c.cause} ({c.severity}" + (f", from step {c.onset})" if c.onset is not None else ")")
+           for c in rep.diagnosis.causes if c.cause in fail_on]
+    first: dict[str, int] = {}
+    for e in rep.diagnosis.episodes:
+        if e.kind in fail_on:
+            first.setdefault(e.kind, e.start)
+    return out + [f"episode {kind} (from step {step})" for kind, step in first.items()]
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:
     try:
-        return parse_rules(text)
+        return parse_fail_on(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 
 def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> int:
-    analysis = (analyze or analyze_run)(args.run_dir, AnalysisConfig(**engines.options(args)))
-    cfg = ReportConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl)
+    cfg = ReportConfig(diagnosis=DiagnosisConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl))
+    # one read of each part for everything the report shows (none while the run's cache is warm)
+    analysis = (analyze or analyze_run)(args.run_dir, AnalysisConfig(**engines.options(args)), reducers(cfg))
     rep = build_report(analysis, cfg)
     from kldiag.report.render import format_text, write_html  # plotly: only when rendering
 
     path = write_html(rep, args.output)
     print(format_text(rep))
     print(f"report: {path}")
-    code = exit_code(rep, args.fail_on)
-    if code:
-        print(f"kldiag report: failing on {', '.join(sorted(rep.fired() & set(args.fail_on)))}", file=sys.stderr)
-    return code
+    hit = failing(rep, args.fail_on)
+    if hit:
+        print(f"kldiag report: failing on {'; '.join(hit)}", file=sys.stderr)
+    return 1 if hit else 0
 
 
 
@@ -62,11 +104,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by kldiag.Recorder")
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default ./report.html)")
     p.add_argument("--fail-on", type=_rules_arg, default=(), metavar="RULES",
-                   help=f"comma list of rules ({', '.join(RULE_NAMES)}) or 'all': exit 1 when one fires")
-    p.add_argument("--blowup-weight", type=float, default=ReportConfig.blowup_weight,
-                   help="|gradient weight| of the loss beyond which a token is a blow-up (default 100)")
-    p.add_argument("--mismatch-kl", type=float, default=ReportConfig.mismatch_kl,
-                   help="mean KL(mu||pi_old) per token above which mismatch can dominate (default 0.01)")
+                   help=f"comma list of {', '.join(ALIASES)} (see above), episode kinds ({', '.join(EP.KINDS)}) "
+                        f"or causes ({', '.join(CAUSE_NAMES)}): exit 1 when one is in the diagnosis")
+    p.add_argument("--blowup-weight", type=float, default=DiagnosisConfig.blowup_weight,
+                   help="DiagnosisConfig.blowup_weight: |gradient weight| of the loss beyond which a token is a "
+                        "blow-up (default 100)")
+    p.add_argument("--mismatch-kl", type=float, default=DiagnosisConfig.mismatch_kl,
+                   help="DiagnosisConfig.mismatch_kl: mean KL(mu||pi_old) per token above which mismatch can "
+                        "dominate (default 0.01)")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 

@@ -1,5 +1,7 @@
-"""Crosswalk: per step, the KL / importance-sampling / mismatch metrics a framework logs, under its own
-names, recomputed from the recorded tokens with that framework's semantics (docs/crosswalk.md).
+"""Crosswalk: each framework's own KL / importance-sampling / mismatch metrics, from the recorded tokens.
+
+Per step, the metrics a framework logs, under its own names, recomputed from the recorded tokens
+with that framework's semantics (docs/crosswalk.md).
 
     table = kldiag.crosswalk("runs/r1", "verl", rollout_is="token", rollout_is_threshold=2.0)
 
@@ -21,6 +23,7 @@ import pyarrow as pa
 from kldiag.crosswalk import nemo_rl, openrlhf, slime, trl, verl
 from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.errors import KldiagError
+from kldiag.frameworks import family
 from kldiag.mismatch import tokenset as TS
 
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf}
@@ -40,12 +43,10 @@ def module(framework: str):
 
 
 def framework_of(manifest) -> str | None:
-    """The crosswalk framework of a run's own trainer (manifest trainer name), None when not one of them."""
-    name = str((getattr(manifest, "trainer", None) or {}).get("name") or "").lower().replace("_", "-")
-    for fw in FRAMEWORKS:
-        if name.startswith(fw) or name.startswith(fw.replace("-", "")):
-            return fw
-    return "nemo-rl" if name.startswith("nemo") else None
+    """The crosswalk framework of a run's own trainer (kldiag.frameworks.family of its manifest's
+    trainer name, spelt as --framework takes it: "nemo-rl"), None when it is not one of FRAMEWORKS."""
+    name = family(manifest).replace("_", "-")
+    return name if name in FRAMEWORKS else None
 
 
 def _coerce(text: Any) -> Any:
@@ -102,17 +103,20 @@ def _calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
     return out
 
 
-def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, **settings: Any) -> pa.Table:
-    """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data)."""
+def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.Sample | None = None,
+              **settings: Any) -> pa.Table:
+    """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data).
+
+    `sample`: a token sample already read (a face's shared one); else the run is read here."""
     from kldiag.format import open_run
 
     r = open_run(run) if not hasattr(run, "iter_batches") else run
     mod = module(framework)
     s = parse_settings(framework, settings, r.manifest)
-    ts = TS.load(r, max_tokens=max_tokens)
+    ts = sample.tokens() if sample is not None else TS.load(r, max_tokens=max_tokens)
     calls_by_step: dict[int, list[StepBatch]] = {}
     if getattr(mod, "NEEDS_ALL_ITERATIONS", False):
-        ts_all = TS.load(r, all_iterations=True, max_tokens=max_tokens)
+        ts_all = sample.tokens(True) if sample is not None else TS.load(r, all_iterations=True, max_tokens=max_tokens)
         calls_by_step = {step: _calls(ts_all, step, sl) for step, sl in ts_all.step_slices()}
     rows, reasons = [], {}
     first = dict(ts.step_slices())
@@ -152,8 +156,9 @@ STEP_NULL = "this step has no tokens this metric needs (e.g. only reuse iteratio
 
 
 def records(table: pa.Table, reasons: bool = True) -> list[dict[str, Any]]:
-    """The JSON list of DESIGN.md section 6: one object per step, {"step": S, "<name>": value or null, ...};
-    with `reasons`, a step with null metrics also has "null_reasons": {name: why}."""
+    """The JSON list `kldiag crosswalk --json` prints (docs/crosswalk.md): one object per step,
+    {"step": S, "<name>": value or null, ...}; with `reasons`, a step with null metrics also has
+    "null_reasons": {name: why}."""
     why = null_reasons(table)
     rows = table.to_pylist()
     if reasons:

@@ -3,12 +3,13 @@
     from kldiag.diagnosis import diagnose
     diagnosis = diagnose(analysis)   # Diagnosis(verdict, causes, episodes)
 
-Modules: types (the contract: Episode, Cause, Diagnosis, DiagnosisConfig), episodes (alert
-rules -> episodes), causes (DETECTORS: one function per cause, `f(analysis) -> list[Cause]`),
-fixes (advice in the trainer's own option names), evidence (worst tokens of an episode), scan
-(entropy and token_mult_prob_error per step, cached per part), core (diagnose: the verdict),
-text and view (the terminal's and the dashboard's rendering); parity (issue 15: engine
-parity causes). Cause names: docs/metrics.md.
+Modules: types (the contract: Episode, Cause, Diagnosis, DiagnosisConfig), causes (DETECTORS: one
+function per cause, `f(analysis) -> list[Cause]`), evidence (worst tokens of an episode), scan
+(entropy and token_mult_prob_error per step, cached per part), core (diagnose: the verdict), text
+(the terminal's rendering), parity (the engine-parity causes, from kldiag.mismatch.parity's fits).
+Elsewhere: the alert rules that make episodes are kldiag.analysis.episodes, the fixes in each
+trainer's option names kldiag.frameworks, the dashboard's rendering kldiag.views.diagnosis.
+Cause names: docs/metrics.md.
 """
 
 from kldiag.diagnosis.types import CAUSE_NAMES, Cause, Diagnosis, DiagnosisConfig, Episode

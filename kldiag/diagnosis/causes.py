@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag import fmt
 from kldiag.analysis import episodes as EP
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis.types import Cause, DiagnosisConfig, Episode
@@ -28,7 +29,7 @@ class Context:
     manifest: Any
     estimator: str
     config: DiagnosisConfig = DiagnosisConfig()
-    side: dict[str, np.ndarray] = field(default_factory=dict)  # scan.StepScan.table()
+    side: dict[str, np.ndarray] = field(default_factory=dict)  # scan.table(): the side scan by step
     episodes: list[Episode] = field(default_factory=list)
 
     def side_at(self, step: np.ndarray, name: str) -> np.ndarray:
@@ -95,15 +96,15 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
           "weight_k3_is_abs_max_at_peak": is_w,
           "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
     if fire.any():
-        head = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {EP._fmt(peak)} at step {peak_step} (above "
-                f"{EP._fmt(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
+        head = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {fmt.metric(peak)} at step {peak_step} (above "
+                f"{fmt.metric(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
         if onset < _first(c["step"], fire):
             head += f"; flagged tokens carry over {cfg.blame_share:.0%} of the |k3 weight| from step {onset}"
     else:
         head = (f"from step {onset}, flagged tokens carry up to {ev['blame_share_max']:.0%} of the |k3 weight| "
-                f"(max {EP._fmt(peak)}, below the blow-up limit {EP._fmt(cfg.blowup_weight)} so far)")
+                f"(max {fmt.metric(peak)}, below the blow-up limit {fmt.metric(cfg.blowup_weight)} so far)")
     summary = (f"{head}: tokens with pi_theta << pi_ref dominate the KL gradient; the corrected k3_is weight "
-               f"at step {peak_step} is {EP._fmt(is_w)}")
+               f"at step {peak_step} is {fmt.metric(is_w)}")
     severity = "critical" if fire.any() else "warning"
     return [Cause("k3_weight_blowup", onset, severity, ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
 
@@ -157,7 +158,7 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     if fire_mean.any():
         why.append(f"mean rho leaves [{lo}, {hi}]")
     if fire_is.any():
-        why.append(f"the k3_is weight rho*log(pi_theta/pi_ref) reaches {EP._fmt(float(np.nanmax(w_is)))}")
+        why.append(f"the k3_is weight rho*log(pi_theta/pi_ref) reaches {fmt.metric(float(np.nanmax(w_is)))}")
     summary = f"off-policy drift from step {onset}: " + "; ".join(why)
     severity = "critical" if fire_is.any() else "warning"
     return [Cause("offpolicy_drift", onset, severity, ev, fix_for("offpolicy_drift", ctx.manifest), summary)]
@@ -186,8 +187,8 @@ def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
           "token_mult_prob_error_max": float(np.nanmax(tmpe)) if np.isfinite(tmpe).any() else None,
           "token_mult_prob_error_threshold": cfg.token_mult_prob_error}
     verb = "dominates the off-policy gap" if dominates else "is present, though smaller than the policy drift"
-    summary = (f"sampler/trainer mismatch {verb}: mean KL(mu||pi_old) {EP._fmt(mean_kl)} per token vs policy drift "
-               f"|log pi_theta/pi_old| {EP._fmt(mean_drift)}; median token_mult_prob_error {EP._fmt(median_t)} "
+    summary = (f"sampler/trainer mismatch {verb}: mean KL(mu||pi_old) {fmt.metric(mean_kl)} per token vs policy drift "
+               f"|log pi_theta/pi_old| {fmt.metric(mean_drift)}; median token_mult_prob_error {fmt.metric(median_t)} "
                f"(NeMo-RL flags > {cfg.token_mult_prob_error})")
     return [Cause("engine_mismatch", onset, "warning" if dominates else "info", ev,
                   fix_for("engine_mismatch", ctx.manifest), summary)]

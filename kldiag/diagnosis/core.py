@@ -17,7 +17,8 @@ from kldiag.analysis import episodes as EP
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
-from kldiag.diagnosis.scan import StepScan
+from kldiag.diagnosis.scan import ScanReducer, scan_of
+from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
 
 
@@ -37,14 +38,16 @@ def run_episodes(analysis, config: DiagnosisConfig) -> tuple[list[Episode], EP.R
     return eps, ctx, cols
 
 
-def side_scan(analysis, scan: StepScan | None) -> dict:
+def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
+    """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
+    and the side scan and the parity sample come from the analysis's one read of each part."""
+    return [ScanReducer(config.confident_p), SampleReducer()]
+
+
+def side_scan(analysis, config: DiagnosisConfig) -> dict:
     """The extra per-step figures (entropy, confident share, token_mult_prob_error); {} on failure."""
     try:
-        from kldiag.format import open_run
-
-        scan = scan or StepScan(use_cache=bool(getattr(analysis.config, "use_cache", True)))
-        scan.update(open_run(analysis.run_dir))
-        return scan.table()
+        return scan_of(analysis, ScanReducer(config.confident_p))
     except Exception as e:  # the diagnosis never fails on its extra scan: those causes are just absent
         warnings.warn(f"kldiag: entropy/mismatch scan skipped ({type(e).__name__}: {e})", stacklevel=2)
         return {}
@@ -56,15 +59,15 @@ def _call(detector, analysis, ctx: C.Context) -> list[Cause]:
     return list(detector(analysis, ctx) if len(params) >= 2 else detector(analysis))
 
 
-def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=None,
-             scan: StepScan | None = None) -> Diagnosis:
+def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=None) -> Diagnosis:
     """Episodes, causes (each detector's, a failing detector warned about and skipped) and verdict.
 
-    `scan` keeps the side scan's per-part sums between calls (kldiag watch); `detectors`
-    defaults to causes.detectors() (the built-ins, then those registered by other modules).
+    Reads no part when `analysis` was made with `reducers()` (else the side scan and the parity
+    sample read the parts whose partials are not cached yet); `detectors` defaults to
+    causes.detectors() (the built-ins, then those registered by other modules).
     """
     eps, rctx, cols = run_episodes(analysis, config)
-    side = side_scan(analysis, scan) if config is not None else {}
+    side = side_scan(analysis, config) if config is not None else {}
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
     found: list[tuple[bool, Cause]] = []
     for det in C.detectors() if detectors is None else detectors:

@@ -109,7 +109,7 @@ def engine_mismatch(analysis, ctx) -> list[Cause]:
 def parity_causes(run, config: P.ParityConfig = P.ParityConfig()) -> list[dict]:
     """The two causes as section-6 dicts for a run path or URI, without an analysis (tests, notebooks)."""
     r = open_run(run)
-    rep = P.check_run(r, config)
+    rep = P.check_run(run, config)
     if rep is None:
         return []
     found = [temperature_cause(rep, _fix(r.manifest, "engine_temperature_mismatch", rep.fit.implied_temperature)),

@@ -1,4 +1,4 @@
-"""The diagnosis contract: episodes, causes and the verdict (DESIGN.md section 6).
+"""The diagnosis contract: episodes, causes and the verdict (docs/metrics.md, "kldiag analyze RUN --json").
 
 `kldiag analyze --json` prints `Diagnosis.to_dict()` under "diagnosis" and the episodes under
 "alerts"; cause names are a public contract listed in docs/metrics.md (CAUSE_NAMES).

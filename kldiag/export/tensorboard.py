@@ -1,4 +1,4 @@
-"""`kldiag export tensorboard RUN LOGDIR`: the analysis as TensorBoard scalars and histograms.
+"""The analysis as TensorBoard scalars and histograms (behind `kldiag export tensorboard RUN LOGDIR`).
 
 Every numeric column of the steps table becomes a scalar `kldiag/<column>`; the per-step
 histograms of d, |k3 weight|, |k3_is weight| and rho (Analysis.histograms) become

@@ -1,6 +1,6 @@
 """One compiled pass over a micro-batch for the TRL hook's log metrics (trl_metrics.batch_partials).
 
-Per-token maths is that of kldiag.estimators (DESIGN.md sections 2-3), in float64:
+Per-token maths is that of kldiag.estimators (docs/metrics.md, "Per-token estimators"), in float64:
 
     d = logp_ref - logp    rho = exp(logp - logp_old)    k3 = expm1(d) - d    |weight_k3| = |expm1(d)|
     k3_is = rho * k3 (DeepSeek-V3.2 eq. 7)    weight_k3_is = rho * (logp - logp_ref) (eq. 9)

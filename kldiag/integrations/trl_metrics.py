@@ -25,8 +25,8 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
                    mask: np.ndarray) -> dict[str, float]:
     """Partial sums of one micro-batch over its loss tokens. Inputs [B, T]; logp_old None = on-policy.
 
-    k3 / weight_k3 (Schulman 2020), k3_is / its weight (DeepSeek-V3.2 eq. 7/9), flags of
-    DESIGN.md section 3. Non-finite weights stay +inf in the maxima; NaN ones are left out
+    k3 / weight_k3 (Schulman 2020), k3_is / its weight (DeepSeek-V3.2 eq. 7/9), the per-token
+    flags of docs/metrics.md. Non-finite weights stay +inf in the maxima; NaN ones are left out
     of the sums (counted in `nonfinite`). Per-token values are those of kldiag.estimators
     (tests/test_trl_metrics.py); one compiled pass that releases the GIL, because this runs
     once per recorded micro-batch, beside the training thread.

@@ -48,10 +48,6 @@ def _arr(x: Any) -> np.ndarray | None:
     return None if x is None else np.array(x, copy=True)  # as given (float32): widened on the worker
 
 
-def _f64(x: np.ndarray | None) -> np.ndarray | None:
-    return None if x is None else np.asarray(x, dtype=np.float64)
-
-
 def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) -> dict[str, float]:
     """Per-step partial sums and maxima of one batch ([B, T] float64 arrays; mask: bool [B, T])."""
     keep = np.ones(np.shape(logp), bool) if mask is None else np.asarray(mask, bool)
@@ -159,7 +155,8 @@ class Guard:
                     return
                 if self.failed is None:
                     step, logp, logp_ref, logp_old, logp_sampler, mask = item
-                    sums = step_sums(_f64(logp), _f64(logp_ref), _f64(logp_old), _f64(logp_sampler), mask)
+                    logps = (None if x is None else E.as_f64(x) for x in (logp, logp_ref, logp_old, logp_sampler))
+                    sums = step_sums(*logps, mask)
                     with self._lock:
                         self.steps[step] = _merge(self.steps[step], sums) if step in self.steps else sums
             except Exception as e:

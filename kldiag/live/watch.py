@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,9 +11,12 @@ from typing import Any
 
 from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.diagnosis.scan import StepScan
+from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.diagnosis.types import Diagnosis, Episode
 from kldiag.errors import EmptyRunError, NotARunError
+from kldiag.format import open_run
+from kldiag.fmt import num
 
 
 @dataclass
@@ -33,14 +37,12 @@ class Watcher:
     def __init__(self, run: str, config=None, analyze: Callable[..., Any] | None = None):
         self.run = run
         self.config = config or AnalysisConfig()
-        self._analyze = analyze or analyze_run
-        self.scan = StepScan()
+        # the diagnosis's reducers ride along: one read of each new part, cached like the analysis
+        self._analyze = analyze or functools.partial(analyze_run, reducers=diagnosis_reducers())
         self.keys: tuple[str, ...] = ()
         self.known: dict[tuple[str, int], Episode] = {}  # (kind, start) -> last seen episode
 
     def _part_keys(self) -> tuple[str, ...]:
-        from kldiag.format import open_run
-
         return tuple(p.key for p in open_run(self.run).parts())
 
     def poll(self) -> Update:
@@ -52,15 +54,13 @@ class Watcher:
             return Update(waiting="no part published yet")
         if keys == self.keys:
             return Update()
-        from kldiag.diagnosis import diagnose
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 a = self._analyze(self.run, self.config)
             except EmptyRunError as e:
                 return Update(waiting=str(e))
-            dg = diagnose(a, scan=self.scan)
+            dg = diagnose(a)
         self.keys = keys
         up = Update(parts_new=a.files_new, analysis=a, diagnosis=dg)
         for e in dg.episodes:
@@ -78,18 +78,10 @@ FIGURES = (("k3_mean", "k3"), ("k3_is_mean", "k3_is"), ("weight_k3_abs_max", "ma
            ("rho_ess", "rho_ess"), ("mismatch_kl", "mismatch_kl"), ("nonfinite_count", "nonfinite"))
 
 
-def _num(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if v == v else "nan"
-    return str(v)
-
-
 def step_line(analysis) -> str:
     """The latest step's key figures on one line."""
     row = analysis.steps.slice(analysis.steps.num_rows - 1, 1).to_pylist()[0]
-    figs = "  ".join(f"{label} {_num(row.get(col))}" for col, label in FIGURES if col in row)
+    figs = "  ".join(f"{label} {num(row.get(col), 3)}" for col, label in FIGURES if col in row)
     return f"step {row['step']}  tokens {row['tokens']:,}  {figs}"
 
 

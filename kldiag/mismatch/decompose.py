@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag import estimators as E
 from kldiag.mismatch.tokenset import TokenSet
 
 PROB_EDGES = 10.0 ** np.arange(-8.0, 0.01, 0.5)  # mu's probability, half-decade buckets (1e-8 .. 1)
@@ -44,8 +45,7 @@ def _grouped(idx: np.ndarray, k: int, t: dict[str, np.ndarray]) -> dict[str, np.
             return np.bincount(idx[sel], weights=x[sel], minlength=k) / n
 
     d = t["mismatch"]
-    with np.errstate(over="ignore", invalid="ignore"):
-        k3 = np.exp(d) - d - 1
+    k3 = E.k3_of_log_ratio(d)  # the expm1 form: exp(d) - d - 1 is 0 near d = 0
     out = {"tokens": np.bincount(idx[keep], minlength=k), "drift_abs": mean(np.abs(t["drift"]), keep),
            "mismatch_abs": mean(np.abs(d), has_m), "mismatch_mean": mean(d, has_m), "mismatch_k3": mean(k3, has_m),
            "total_abs": mean(np.abs(t["total"]), has_m)}

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kldiag.analysis.engine import analyze
+from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import tokenset as TS
 
 COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "logp", "logp_old", "logp_sampler")
@@ -43,7 +45,7 @@ class ParityConfig:
     growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
     drift_growth_max: float = 1.5  # ... while the drift grew less than this
     min_steps_growth: int = 8
-    max_tokens: int = 1_000_000  # read at most about this many tokens (every k-th step beyond)
+    max_tokens: int = TS.SAMPLE_TOKENS  # the shared sample: about this many tokens (every k-th step beyond)
 
 
 @dataclass
@@ -241,23 +243,17 @@ def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityRepor
     return ParityReport(fit, steps, temperature, offset, first, growing, growth, config)
 
 
-_CACHE: dict[tuple, ParityReport | None] = {}
-
-
 def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
-    """check() on the analysed run's tokens, cached on the run's part keys (both detectors share it)."""
-    from kldiag.format import open_run
-
-    run = open_run(analysis.run_dir)
-    key = (str(analysis.run_dir), tuple(p.key for p in run.parts()), config)
-    if key not in _CACHE:
-        if len(_CACHE) > 8:
-            _CACHE.clear()
-        _CACHE[key] = check_run(run, config)
-    return _CACHE[key]
+    """check() on the analysed run's shared token sample (TS.sample_of), kept in `analysis.memo`:
+    both parity detectors, the report and the dashboard's Mismatch page share one fit."""
+    key = ("parity", config)
+    if key not in analysis.memo:
+        sample = TS.sample_of(analysis, config.max_tokens)
+        analysis.memo[key] = check(sample.tokens(), config) if sample.has_values("logp_sampler") else None
+    return analysis.memo[key]
 
 
 def check_run(run, config: ParityConfig) -> ParityReport | None:
-    if not TS.has_values(run, "logp_sampler"):
-        return None
-    return check(TS.load(run, max_tokens=config.max_tokens, columns=COLUMNS), config)
+    """check() on a run path or URI, read here (no analysis at hand: tests, notebooks)."""
+    sample = TS.sample_of(analyze(run, AnalysisConfig(), [TS.SampleReducer(config.max_tokens)]), config.max_tokens)
+    return check(sample.tokens(), config) if sample.has_values("logp_sampler") else None

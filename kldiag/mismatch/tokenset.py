@@ -15,6 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag.analysis import runner
+from kldiag.format import open_run
+from kldiag.format.schema import TOKEN_SCHEMA
+
 COLUMNS = ["step", "micro", "iteration", "rank", "seq", "group", "pos", "token_id", "logp", "logp_old",
            "logp_ref", "logp_sampler", "advantage", "mask", "entropy"]
 MAX_TOKENS = 20_000_000
@@ -71,18 +75,12 @@ class TokenSet:
         return bool(np.isfinite(self.logp_ref).any())
 
 
-def _f64(t: pa.Table, name: str) -> np.ndarray:
-    return t.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
-
-
 def _i64(t: pa.Table, name: str, null: int = -1) -> np.ndarray:
     return pc.fill_null(t.column(name), null).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _fill(b: pa.RecordBatch) -> pa.RecordBatch:
     """The batch with every COLUMNS column, absent ones null (mask: true)."""
-    from kldiag.format.schema import TOKEN_SCHEMA
-
     n = b.num_rows
     arrays = [b.column(c) if c in b.schema.names else
               (pa.array(np.ones(n, bool)) if c == "mask" else pa.nulls(n, TOKEN_SCHEMA.field(c).type)) for c in COLUMNS]
@@ -104,32 +102,56 @@ def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
     return bool(np.all((ds > 0) | ((ds == 0) & ((dq > 0) | ((dq == 0) & (dp > 0))))))
 
 
-def from_table(t: pa.Table, all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
-    """A TokenSet from a table in the run schema (tests build one directly)."""
-    ints = {c: _i64(t, c) for c in ("step", "seq", "group", "pos", "token_id", "iteration", "micro", "rank")}
-    floats = {c: _f64(t, c) for c in ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")}
-    mask = pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
-    old_null = t.column("logp_old").is_null().to_numpy(zero_copy_only=False)
+INT_COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "micro", "rank")
+FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")
+
+
+def columns_of(t: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
+    """The COLUMNS of a table as compact arrays: ints (-1 where null), floats as stored (NaN where
+    null), mask (false where null) and old_valid (logp_old recorded)."""
+    out = {c: pc.fill_null(t.column(c), -1).to_numpy(zero_copy_only=False) for c in INT_COLUMNS}
+    out.update({c: t.column(c).to_numpy(zero_copy_only=False) for c in FLOAT_COLUMNS})
+    out["mask"] = pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
+    out["old_valid"] = t.column("logp_old").is_valid().to_numpy(zero_copy_only=False)
+    return out
+
+
+def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
+    """A TokenSet from columns_of's arrays (of one table or of merged sample partials)."""
+    ints = {c: np.asarray(cols[c], np.int64) for c in INT_COLUMNS}
+    floats = {c: np.asarray(cols[c], np.float64) for c in FLOAT_COLUMNS}
+    mask, has_old = np.asarray(cols["mask"], bool), np.asarray(cols["old_valid"], bool)
     idx = None if all_iterations else _first_iteration(ints["seq"], ints["iteration"])
     if idx is not None:
         ints, floats = {k: v[idx] for k, v in ints.items()}, {k: v[idx] for k, v in floats.items()}
-        mask, old_null = mask[idx], old_null[idx]
+        mask, has_old = mask[idx], has_old[idx]
     if not _sorted(ints["step"], ints["seq"], ints["pos"]):
         order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
         ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
-        mask, old_null = mask[order], old_null[order]
-    has_old = ~old_null
-    logp = floats["logp"]
-    floats["logp_old"] = np.where(has_old, floats["logp_old"], logp)
+        mask, has_old = mask[order], has_old[order]
+    floats["logp_old"] = np.where(has_old, floats["logp_old"], floats["logp"])
     return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
+
+
+def from_table(t: pa.Table, all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
+    """A TokenSet from a table in the run schema (tests build one directly)."""
+    return from_columns(columns_of(t), all_iterations, step_stride)
 
 
 def stride_for(run, max_tokens: int) -> int:
     """Keep every k-th step so that about max_tokens rows are read (estimated from part sizes)."""
     parts = run.parts()
     total_bytes = sum(p.size for p in parts)
-    est_rows = total_bytes / 12.0  # the recorder's parts are ~12 bytes a token (DESIGN.md section 5)
+    est_rows = total_bytes / 12.0  # the recorder's parts are ~12 bytes a token (docs/recorder.md)
     return max(1, int(np.ceil(est_rows / max(max_tokens, 1))))
+
+
+def sample_stride(parts, max_tokens: int) -> int:
+    """A power of two k such that every k-th step of `parts` is about max_tokens rows at most: the
+    stride of a growing run changes only when its size doubles (each change recomputes the sample)."""
+    est_rows = sum(p.size for p in parts) / 12.0  # the recorder's parts are ~12 bytes a token
+    need = est_rows / max(max_tokens, 1)
+    return 1 if need <= 1 else 1 << int(np.ceil(np.log2(need)))
 
 
 def has_values(run, column: str) -> bool:
@@ -146,8 +168,6 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
     """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range;
     `columns` reads only those (the others come back null: NaN, -1, mask true)."""
     if not hasattr(run, "iter_batches"):
-        from kldiag.format import open_run
-
         run = open_run(run)
     stride = stride_for(run, max_tokens)
     batches = []
@@ -163,11 +183,88 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
             rng = pc.and_(pc.greater_equal(step, steps[0]), pc.less_equal(step, steps[1]))
             keep = rng if keep is None else pc.and_(keep, rng)
         batches.append(b if keep is None else b.filter(keep))
-    from kldiag.format.schema import TOKEN_SCHEMA
-
     schema = pa.schema([TOKEN_SCHEMA.field(c) for c in COLUMNS])
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
     ts = from_table(table, all_iterations, stride)
     ts.meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(getattr(run.manifest, "config", {}) or {}),
                "trainer": dict(getattr(run.manifest, "trainer", {}) or {})}
     return ts
+
+
+SAMPLE_TOKENS = 4_000_000  # tokens kept by the shared sample (every k-th step beyond)
+
+
+@dataclass(frozen=True)
+class SampleReducer:
+    """The tokens of every `stride`-th step, all COLUMNS (reduce.py's protocol): one sample that the
+    parity fits, the decomposition, the what-if replays and the crosswalk of every face share.
+
+    `bind(parts)` fixes the stride from the run's size (sample_stride); the sample keeps every
+    reuse iteration (the crosswalk needs them) and float log-probs as stored (float32)."""
+
+    max_tokens: int = SAMPLE_TOKENS
+    stride: int = 0  # 0: not bound yet
+    name: str = "tokens"
+    version: int = 1
+    columns: tuple[str, ...] = tuple(COLUMNS)
+
+    def bind(self, parts) -> SampleReducer:
+        return SampleReducer(self.max_tokens, sample_stride(parts, self.max_tokens))
+
+    def settings(self) -> dict:
+        return {"stride": self.stride}
+
+    def start(self, part) -> list:
+        return []
+
+    def add(self, state: list, batch: pa.RecordBatch) -> None:
+        if self.stride > 1:
+            batch = batch.filter(pa.array(batch.column("step").to_numpy(zero_copy_only=False) % self.stride == 0))
+        if batch.num_rows:
+            state.append(columns_of(batch))
+
+    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
+        return self.merge(state) if state else empty_columns()
+
+    def merge(self, partials) -> dict[str, np.ndarray]:
+        partials = [p for p in partials if len(p["step"])]
+        if not partials:
+            return empty_columns()
+        return {c: np.concatenate([p[c] for p in partials]) for c in partials[0]}
+
+
+def empty_columns() -> dict[str, np.ndarray]:
+    out = {c: np.zeros(0, np.int64) for c in INT_COLUMNS}
+    out.update({c: np.zeros(0, np.float32) for c in FLOAT_COLUMNS})
+    out.update(mask=np.zeros(0, bool), old_valid=np.zeros(0, bool))
+    return out
+
+
+class Sample:
+    """The merged sample of a run, with its TokenSets made on first use (first iterations or all)."""
+
+    def __init__(self, cols: dict[str, np.ndarray], stride: int, meta: dict | None = None):
+        self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
+        self._sets: dict[bool, TokenSet] = {}
+
+    def tokens(self, all_iterations: bool = False) -> TokenSet:
+        if all_iterations not in self._sets:
+            ts = from_columns(self.cols, all_iterations, self.stride)
+            ts.meta = dict(self.meta)
+            self._sets[all_iterations] = ts
+        return self._sets[all_iterations]
+
+    def has_values(self, column: str) -> bool:
+        """Whether the sample holds a non-null value of `column` (a log-prob or the entropy)."""
+        v = self.cols.get(column)
+        return v is not None and bool(np.isfinite(v).any())
+
+
+def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
+    """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
+    else one more read of the parts that lack a cached sample partial."""
+    run = open_run(analysis.run_dir)
+    meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
+            "trainer": dict(run.manifest.trainer or {})}
+    red = SampleReducer(max_tokens).bind(run.parts())
+    return Sample(runner.reduced(analysis, red), red.stride, meta)

@@ -1,4 +1,4 @@
-"""Recorder: per-token log-probs from the training loop to a run directory (format v1).
+"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.1).
 
     with kldiag.Recorder("runs/x", beta=0.04, estimator="k3", clip_range=0.2) as rec:
         rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)

@@ -1,5 +1,6 @@
-"""The recorder's host side: staging buffers, and the background writer threads
-(host batches -> Arrow record batches, kldiag.record.rows -> Parquet parts).
+"""The recorder's host side: staging buffers, and the background threads that write Parquet parts.
+
+Host batches become Arrow record batches (kldiag.record.rows), then published Parquet parts.
 
 The training thread stages its arrays into reused host buffers (Stager: pinned memory and
 non-blocking copies for CUDA tensors) and hands `HostBatch` objects over a bounded queue

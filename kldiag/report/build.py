@@ -1,4 +1,10 @@
-"""The report's content: the analysis, the diagnosis and the worst tokens of one run, as a `Report`."""
+"""The report's content: the analysis, the diagnosis and the worst tokens of one run, as a `Report`.
+
+The report judges nothing itself. Its verdict, its onset, what fired (the causes and alert
+episodes), its recommendations (each cause's summary and fix, in the run's trainer's own option
+names) and so `kldiag report --fail-on` all come from one `kldiag.diagnosis.Diagnosis`: the one
+`kldiag analyze`, `kldiag watch` and the dashboard show. Its thresholds are DiagnosisConfig's.
+"""
 
 from __future__ import annotations
 
@@ -10,29 +16,24 @@ from typing import Any
 import numpy as np
 
 from kldiag import estimators as E
-
-# The per-step column holding the max |gradient weight| of each KL loss a trainer uses.
-LOSS_WEIGHT_COLUMN = {"k3": "weight_k3_abs_max", "k3_is": "weight_k3_is_abs_max"}
-DEFAULT_ESTIMATOR = "k3"  # verl's and OpenRLHF's, and TRL's with use_bias_correction_kl=False
+from kldiag.analysis import runner
+from kldiag.analysis.context import ContextReducer, lookup
+from kldiag.analysis.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
+from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.core import reducers as diagnosis_reducers
+from kldiag.diagnosis.types import Diagnosis, DiagnosisConfig
+from kldiag.format import open_run
 
 
 @dataclass(frozen=True)
 class ReportConfig:
-    """Thresholds of the verdict rules and what the report shows."""
+    """What the report shows. What judges the run is `diagnosis` (kldiag.diagnosis.DiagnosisConfig)."""
 
-    blowup_weight: float = 100.0  # |loss weight| beyond this: blow-up (10x the flag limit W)
-    blame_share: float = 0.5  # share of |k3 weight| carried by flagged tokens
-    mismatch_kl: float = 0.01  # mean KL(pi_old || mu) per token
-    top_tokens: int = 10  # offending tokens listed
+    top_tokens: int = 10  # offending tokens listed on the page
     context: int = 5  # tokens shown on each side of an offending token
-
-
-@dataclass
-class RuleResult:
-    name: str
-    fired: bool
-    step: int | None  # the first step where it fired
-    message: str
+    text_tokens: int = 5  # offending tokens printed in the text summary
+    text_episodes: int = 12  # alert episodes printed in the text summary (the page lists every one)
+    diagnosis: DiagnosisConfig = DiagnosisConfig()  # the thresholds, when build_report diagnoses the run
 
 
 @dataclass
@@ -55,148 +56,60 @@ class Report:
     run_dir: Path | str  # a Path, or the URI of a remote run
     estimator: str
     estimator_assumed: bool  # the manifest did not say; DEFAULT_ESTIMATOR assumed
-    verdict: str  # "healthy" | "warning" | "unstable"
-    rules: list[RuleResult]
-    onset_step: int | None
-    first_moved: tuple[int, str, str] | None  # (step, metric, message) of the earliest alert
+    verdict: str  # the diagnosis's: "healthy" | "warning" | "unstable"
+    onset_step: int | None  # verdict_onset(diagnosis)
+    first_moved: tuple[int, str, str] | None  # (step, metric, message) of the earliest episode
     offenders: list[Offender]
     comparison: list[dict[str, Any]]
-    recommendations: list[str]
+    recommendations: list[str]  # fixes(diagnosis)
     facts: dict[str, Any] = field(default_factory=dict)
     analysis: Any = None
-    diagnosis: Any = None  # kldiag.diagnosis.Diagnosis: the verdict and the causes, with fixes
+    diagnosis: Diagnosis | None = None  # the verdict, the causes (with fixes) and the episodes
+    config: ReportConfig = ReportConfig()
 
     def fired(self) -> set[str]:
-        return {r.name for r in self.rules if r.fired}
+        """What fired: the diagnosis's cause names and episode kinds, whatever their severity."""
+        return fired(self.diagnosis)
 
 
-# ---- rules: pure functions of per-step arrays ---------------------------------------------
+# ---- what the report takes from the Diagnosis ------------------------------------------------
 
 
-def first_step(steps: np.ndarray, condition: np.ndarray) -> int | None:
-    """The first step where `condition` holds (NaN-safe: pass a boolean array), or None."""
-    hit = np.flatnonzero(condition)
-    return int(steps[hit[0]]) if len(hit) else None
+def fired(dg: Diagnosis | None) -> set[str]:
+    """The cause names and episode kinds present in a diagnosis (empty without one)."""
+    if dg is None:
+        return set()
+    return {c.cause for c in dg.causes} | {e.kind for e in dg.episodes}
 
 
-def rule_blowup(steps, loss_weight_max, estimator: str, limit: float) -> RuleResult:
-    """The KL loss's own per-token |gradient weight| beyond `limit` at some step."""
-    w = np.nan_to_num(np.asarray(loss_weight_max, dtype=np.float64), nan=0.0)
-    step = first_step(steps, w > limit)
-    if step is None:
-        return RuleResult("blowup", False, None, f"max |{estimator} weight| {fmt_num(w.max(initial=0))} "
-                          f"stays below {fmt_num(limit)}")
-    peak = int(np.argmax(w))
-    return RuleResult("blowup", True, step, f"|{estimator} weight| exceeds {fmt_num(limit)} from step {step}, "
-                      f"up to {fmt_num(w[peak])} at step {int(steps[peak])}")
+def verdict_onset(dg: Diagnosis) -> int | None:
+    """The step the verdict starts at: the earliest onset among the causes of the verdict's
+    severity (critical for unstable, warning for warning), else its earliest episode; None if healthy."""
+    level = {"unstable": "critical", "warning": "warning"}.get(dg.verdict)
+    starts = [c.onset for c in dg.causes if c.severity == level and c.onset is not None]
+    starts = starts or [e.start for e in dg.episodes if e.severity == level]
+    return min(starts, default=None)
 
 
-def rule_nonfinite(steps, nonfinite_count, invalid_count) -> RuleResult:
-    bad = np.asarray(nonfinite_count) + np.asarray(invalid_count)
-    step = first_step(steps, bad > 0)
-    if step is None:
-        return RuleResult("nonfinite", False, None, "every log-prob is finite and <= 0")
-    return RuleResult("nonfinite", True, step, f"{int(np.sum(nonfinite_count))} non-finite and "
-                      f"{int(np.sum(invalid_count))} positive log-probs, the first at step {step}")
+def first_moved(dg: Diagnosis) -> tuple[int, str, str] | None:
+    """(step, metric, message) of the earliest episode: the metric that moved first."""
+    if not dg.episodes:
+        return None
+    e = min(dg.episodes, key=lambda e: e.start)
+    return int(e.start), e.metric or e.kind, e.message
 
 
-def rule_blame(steps, blame_share, estimator: str, limit: float) -> RuleResult:
-    share = np.nan_to_num(np.asarray(blame_share, dtype=np.float64), nan=0.0)
-    step = first_step(steps, share > limit) if estimator == "k3" else None
-    if step is None:
-        why = "" if estimator == "k3" else f" (the loss is {estimator}, not K3)"
-        return RuleResult("blame", False, None, f"no step where flagged tokens carry over {limit:.0%} "
-                          f"of the K3 gradient{why}")
-    n = int(np.sum(share > limit))
-    return RuleResult("blame", True, step, f"in {n} steps, from step {step}, flagged tokens carry over "
-                      f"{limit:.0%} of the K3 gradient (max {share.max():.0%})")
-
-
-def rule_latent(steps, weight_k3_max, estimator: str, limit: float) -> RuleResult:
-    w = np.nan_to_num(np.asarray(weight_k3_max, dtype=np.float64), nan=0.0)
-    step = first_step(steps, w > limit)
-    if step is None:
-        return RuleResult("latent", False, None, f"K3's weights stay below {fmt_num(limit)} on this run's tokens")
-    whose = "this run's loss" if estimator == "k3" else f"K3 (not this run's loss, {estimator})"
-    return RuleResult("latent", True, step, f"the weight of {whose} reaches {fmt_num(w.max())} on this run's "
-                      f"tokens, from step {step}")
-
-
-def rule_mismatch(steps, mismatch_kl, drift_abs_mean, limit: float) -> RuleResult:
-    """Mismatch dominates when its KL passes `limit` and its typical log-ratio, sqrt(2 KL)
-    (k3 ~ x^2/2 for small x), exceeds the policy drift mean |log pi_theta - log pi_old|."""
-    kl = np.asarray(mismatch_kl, dtype=np.float64)
-    drift = np.asarray(drift_abs_mean, dtype=np.float64)
-    if not np.any(np.isfinite(kl) & (kl > 0)):
-        return RuleResult("mismatch", False, None, "no sampler log-probs recorded (logp_sampler): "
-                          "mismatch unknown")
-    mean_kl = float(np.nanmean(kl))
-    mean_drift = float(np.nanmean(drift)) if np.any(np.isfinite(drift)) else 0.0
-    fired = mean_kl > limit and math.sqrt(2 * mean_kl) > mean_drift
-    step = first_step(steps, np.nan_to_num(kl) > limit) if fired else None
-    verb = "dominates" if fired else "does not dominate"
-    return RuleResult("mismatch", fired, step, f"sampler/trainer mismatch {verb}: mean KL(mu||pi_old) "
-                      f"{mean_kl:.3g} per token (|log ratio| ~ {math.sqrt(2 * mean_kl):.3g}) vs policy drift "
-                      f"|log pi_theta/pi_old| {mean_drift:.3g} (limit {limit:g})")
-
-
-RULE_NAMES = ("blowup", "nonfinite", "blame", "latent", "mismatch")
-FAILING = ("blowup", "nonfinite")  # rules that make the verdict "unstable"
-NOTES = ("latent",)  # facts worth knowing that leave a healthy run healthy
-
-
-def verdict(rules: list[RuleResult]) -> str:
-    fired = {r.name for r in rules if r.fired}
-    if fired & set(FAILING):
-        return "unstable"
-    return "warning" if fired - set(NOTES) else "healthy"
-
-
-def parse_rules(text: str) -> tuple[str, ...]:
-    """'blowup,nonfinite' -> ('blowup', 'nonfinite'); 'all' -> every rule."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if names == ("all",):
-        return RULE_NAMES
-    unknown = [n for n in names if n not in RULE_NAMES]
-    if unknown or not names:
-        raise ValueError(f"unknown rule(s) {', '.join(unknown) or '(none given)'}; choose from "
-                         f"{', '.join(RULE_NAMES)} or all")
-    return names
-
-
-def exit_code(report: Report, fail_on: tuple[str, ...]) -> int:
-    """1 when a rule named in `fail_on` fired, else 0."""
-    return 1 if report.fired() & set(fail_on) else 0
-
-
-def recommendations(fired: set[str], estimator: str, facts: dict[str, Any]) -> list[str]:
-    """Concrete next steps for the rules that fired."""
+def fixes(dg: Diagnosis) -> list[str]:
+    """The recommendations: one per cause, worst first, its summary then its fix (phrased by the
+    diagnosis in the run's trainer's own option names)."""
     out = []
-    if "blowup" in fired and estimator == "k3":
-        out.append("Switch the KL loss to the corrected estimator k3_is = rho * k3 (DeepSeek-V3.2 eq. 7): "
-                   "in TRL `GRPOConfig(use_bias_correction_kl=True)`, in slime `--use-unbiased-kl`. Its weight "
-                   "rho * log(pi_theta/pi_ref) grows like a log where K3's 1 - pi_ref/pi_theta explodes.")
-    if "blowup" in fired and estimator != "k3":
-        out.append(f"The {estimator} weights blow up through rho = pi_theta/pi_old (max rho "
-                   f"{fmt_num(facts.get('rho_max', math.nan))}): reduce staleness (fewer steps between "
-                   "generation and training) or mask off-policy sequences (below).")
-    if fired & {"blowup", "blame"}:
-        out.append("Set an off-policy sequence mask: TRL `GRPOConfig(off_policy_mask_threshold=...)` "
-                   "(DeepSeek-V3.2 eq. 9 delta; at kldiag's delta it would drop "
-                   f"{facts.get('opsm_masked_frac', 0.0):.1%} of the sequences).")
-    if "mismatch" in fired:
-        out.append("Sampler/trainer mismatch dominates the off-policy gap: check that the inference engine "
-                   "samples with the trainer's temperature, top-p and dtype; in TRL turn on "
-                   "`vllm_importance_sampling_correction` (truncated importance sampling).")
-    if "nonfinite" in fired:
-        out.append(f"Non-finite or positive log-probs from step {facts.get('nonfinite_step')}: check for "
-                   "fp16 overflow, -inf masking of sampled tokens, and logits/temperature scaling.")
-    if "latent" in fired and estimator != "k3":
-        out.append("K3 *values* on this run are huge (a trainer logging K3 shows an exploding 'KL') while "
-                   f"the {estimator} gradient is healthy: read the k3_is column, and keep this estimator.")
-    if "latent" in fired and estimator == "k3" and "blowup" not in fired:
-        out.append("K3's weights are large but below the blow-up limit: consider k3_is before they grow.")
-    return out or ["Nothing to fix: the KL term's gradient weights stay bounded and every value is finite."]
+    for c in dg.causes:
+        onset = f", from step {c.onset}" if c.onset is not None else ""
+        out.append(f"{c.cause} ({c.severity}{onset}): {c.summary.rstrip('.')}. Fix: {c.fix}")
+    if out:
+        return out
+    seen = f" ({len(dg.episodes)} alert episode(s), none a cause)" if dg.episodes else ""
+    return [f"Nothing to fix: the diagnosis names no cause{seen}."]
 
 
 def fmt_weight_max(row: dict[str, Any]) -> str:
@@ -224,39 +137,9 @@ def column(table, name: str, dtype=np.float64) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
-def evaluate_rules(steps_table, estimator: str, cfg: ReportConfig) -> list[RuleResult]:
-    """Every rule of RULE_NAMES on the steps table of an Analysis."""
-    s = column(steps_table, "step", np.int64)
-    weight_col = LOSS_WEIGHT_COLUMN.get(estimator)
-    kl_rules = [
-        rule_blowup(s, column(steps_table, weight_col), estimator, cfg.blowup_weight) if weight_col else
-        RuleResult("blowup", False, None, f"not judged: kldiag tracks the weights of the k3 and k3_is "
-                   f"losses, this run uses {estimator}"),
-        rule_blame(s, column(steps_table, "blame_share"), estimator, cfg.blame_share),
-        rule_latent(s, column(steps_table, "weight_k3_abs_max"), estimator, cfg.blowup_weight),
-    ]
-    if not has_reference(steps_table):
-        kl_rules = [RuleResult(r.name, False, None, "not judged: no reference log-probs (logp_ref) recorded, "
-                               "so no KL term") for r in kl_rules]
-    nonfinite = rule_nonfinite(s, np.nan_to_num(column(steps_table, "nonfinite_count")),
-                               np.nan_to_num(column(steps_table, "invalid_count")))
-    mismatch = rule_mismatch(s, column(steps_table, "mismatch_kl"), column(steps_table, "drift_abs_mean"),
-                             cfg.mismatch_kl)
-    return [kl_rules[0], nonfinite, *kl_rules[1:], mismatch]
-
-
 def has_reference(steps_table) -> bool:
     """Whether any token had a reference log-prob (the KL means are null without one)."""
     return bool(np.isfinite(column(steps_table, "k3_mean")).any())
-
-
-def first_alert(alerts_table) -> tuple[int, str, str] | None:
-    """(step, metric, message) of the earliest alert: the metric that moved first."""
-    if alerts_table is None or alerts_table.num_rows == 0:
-        return None
-    rows = alerts_table.select(["step", "metric", "message"]).to_pylist()
-    first = min(rows, key=lambda r: r["step"])
-    return int(first["step"]), str(first["metric"]), str(first["message"])
 
 
 def _weighted_mean(values: np.ndarray, tokens: np.ndarray) -> float:
@@ -297,74 +180,55 @@ def comparison(steps_table, histograms=None) -> list[dict[str, Any]]:
     return rows
 
 
-def _contexts(run_dir: Path, seqs: list[int]) -> dict[int, dict[int, int | None]]:
-    """seq -> {pos: token_id} for the given sequences, streamed from the run's parts."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from kldiag.format import open_run
-
-    out: dict[int, dict[int, int | None]] = {s: {} for s in seqs}
-    wanted = pa.array(seqs, pa.int64())
-    for batch in open_run(run_dir).iter_batches(columns=["seq", "pos", "token_id"]):
-        hit = batch.filter(pc.is_in(batch.column(0), value_set=wanted))
-        for seq, pos, tok in zip(*(hit.column(i).to_pylist() for i in range(3)), strict=True):
-            out[seq][pos] = tok
-    return out
+def reducers(config: ReportConfig = ReportConfig()) -> list:
+    """What the report reads besides the analysis tables, for `analyze(run, cfg, reducers(config))`:
+    the diagnosis's side scan and token sample (its Mismatch sections and crosswalk share the sample)
+    and the offending tokens' context. With them every part is read once, and never while cached."""
+    return [*diagnosis_reducers(config.diagnosis), context_reducer(config)]
 
 
-def offenders(analysis, limit: int, context: int) -> list[Offender]:
-    """The tokens with the largest |k3 weight|, with `context` tokens on each side."""
+def context_reducer(config: ReportConfig) -> ContextReducer:
+    return ContextReducer(keep=max(32, config.top_tokens), width=config.context)
+
+
+def offenders(analysis, limit: int, context: int, reducer: ContextReducer | None = None) -> list[Offender]:
+    """The tokens with the largest |k3 weight|, with `context` tokens on each side (from the context
+    reducer's pass: the one the analysis read along, else one more)."""
     flags = analysis.flags
     if flags.num_rows == 0:
         return []
     w = np.abs(np.nan_to_num(column(flags, "weight_k3"), nan=0.0))
     order = np.argsort(-w, kind="stable")[:limit]
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
-    from kldiag.format import open_run
-
+    reducer = reducer or ContextReducer(keep=max(32, limit), width=context)
+    around = lookup(runner.reduced(analysis, reducer), context)
     vocab = open_run(analysis.run_dir).vocab() or {}
-    seq_tokens = _contexts(analysis.run_dir, sorted({r["seq"] for r in rows}))
 
     def piece(t: int | None) -> str:
-        return "?" if t is None else vocab.get(t, f"<{t}>")
+        return "?" if t is None or t < 0 else vocab.get(t, f"<{t}>")
 
     out = []
     for r in rows:
-        toks = seq_tokens.get(r["seq"], {})
-        before = [piece(toks[p]) for p in range(r["pos"] - context, r["pos"]) if p in toks]
-        after = [piece(toks[p]) for p in range(r["pos"] + 1, r["pos"] + 1 + context) if p in toks]
+        key = (int(r["step"]), int(r["rank"]), int(r["seq"]), int(r["iteration"]), int(r["pos"]))
+        before, after = around.get(key, ([], []))
         text = r.get("piece") or piece(r.get("token_id"))
-        out.append(Offender(int(r["step"]), int(r["seq"]), int(r["pos"]), text, before, after,
-                            float(r["weight_k3"]), float(r["weight_k3_is"]), float(r["d"])))
+        out.append(Offender(int(r["step"]), int(r["seq"]), int(r["pos"]), text, [piece(x) for x in before],
+                            [piece(x) for x in after], float(r["weight_k3"]), float(r["weight_k3_is"]), float(r["d"])))
     return out
 
 
-def build_report(analysis, config: ReportConfig = ReportConfig()) -> Report:
-    """The post-mortem of one analysed run (see the module docstring for the rules)."""
+def build_report(analysis, config: ReportConfig = ReportConfig(), diagnosis: Diagnosis | None = None) -> Report:
+    """The post-mortem of one analysed run. `diagnosis`: the run's Diagnosis when the caller has
+    one already (made with config.diagnosis), else diagnose(analysis, config.diagnosis)."""
+    if diagnosis is None:
+        diagnosis = diagnose(analysis, config.diagnosis)
     manifest_cfg = analysis.manifest.config or {}
-    estimator = manifest_cfg.get("estimator") or DEFAULT_ESTIMATOR
     steps = analysis.steps
-    rules = evaluate_rules(steps, estimator, config)
-    by_name = {r.name: r for r in rules}
-    facts = {
-        "steps": steps.num_rows, "tokens": int(np.nansum(column(steps, "tokens"))),
-        "beta": manifest_cfg.get("beta"), "rho_max": float(np.nanmax(column(steps, "rho_max"), initial=0.0)),
-        "opsm_masked_frac": float(np.nanmean(column(steps, "opsm_masked_frac"))) if steps.num_rows else 0.0,
-        "nonfinite_step": by_name["nonfinite"].step,
-        "flagged_tokens": int(np.nansum(column(steps, "weight_blowup_count"))),
-        "blowup_weight": config.blowup_weight,
-    }
-    fired = {r.name for r in rules if r.fired}
-    onset = by_name["blowup"].step if "blowup" in fired else by_name["nonfinite"].step
-    from kldiag.diagnosis import DiagnosisConfig, diagnose  # the verdict of analyze, watch and the dashboard
+    facts = {"steps": steps.num_rows, "tokens": int(np.nansum(column(steps, "tokens"))),
+             "beta": manifest_cfg.get("beta"), "blowup_weight": config.diagnosis.blowup_weight}
+    worst = offenders(analysis, config.top_tokens, config.context, context_reducer(config))
+    return Report(analysis.run_dir, manifest_cfg.get("estimator") or DEFAULT_ESTIMATOR,
+                  not manifest_cfg.get("estimator"), diagnosis.verdict, verdict_onset(diagnosis),
+                  first_moved(diagnosis), worst,
+                  comparison(steps, analysis.histograms), fixes(diagnosis), facts, analysis, diagnosis, config)
 
-    dg = diagnose(analysis, DiagnosisConfig(blowup_weight=config.blowup_weight, blame_share=config.blame_share,
-                                            mismatch_kl=config.mismatch_kl))
-    return Report(analysis.run_dir, estimator, not manifest_cfg.get("estimator"), dg.verdict, rules,
-                  onset, first_alert(analysis.alerts), offenders(analysis, config.top_tokens, config.context),
-                  comparison(steps, analysis.histograms), recommendations(fired, estimator, facts), facts, analysis,
-                  dg)
-
-
-# ---- command line --------------------------------------------------------------------------

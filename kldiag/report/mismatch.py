@@ -34,9 +34,9 @@ def whatif_rows(view: VM.MismatchView) -> list[list[str]]:
     return rows
 
 
-def crosswalk_rows(run_dir, manifest) -> tuple[str, list[list[str]], dict[str, str]]:
+def crosswalk_rows(analysis, manifest) -> tuple[str, list[list[str]], dict[str, str]]:
     fw = VM.own_framework(manifest)
-    frame, reasons = VM.crosswalk_frame(run_dir, fw)
+    frame, reasons = VM.crosswalk_frame(analysis, fw)
     rows = []
     for c in frame.columns[1:]:
         v = frame[c].astype(float)
@@ -45,9 +45,9 @@ def crosswalk_rows(run_dir, manifest) -> tuple[str, list[list[str]], dict[str, s
     return fw, rows, reasons
 
 
-def text_lines(run_dir) -> list[str]:
+def text_lines(analysis) -> list[str]:
     """The stdout lines of the Mismatch section."""
-    view = VM.load(run_dir)
+    view = VM.view_of(analysis)
     if not view.has_sampler:
         return ["mismatch: no sampler log-probs (logp_sampler) recorded: engine parity not checked"]
     s = view.summary
@@ -80,12 +80,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def section_html(run_dir, manifest, include_plotlyjs: bool = False) -> str:
+def section_html(analysis, manifest, include_plotlyjs: bool = False) -> str:
     """The HTML of the Mismatch sections (escaped; Plotly's JS only when include_plotlyjs)."""
     import plotly.io as pio
 
     try:
-        view = VM.load(run_dir)
+        view = VM.view_of(analysis)
         out = ["<h2>Mismatch: engine against trainer</h2>"]
         if view.has_sampler:
             out.append(_table(["check", "value", "meaning"], VM.parity_rows(view)))
@@ -97,7 +97,7 @@ def section_html(run_dir, manifest, include_plotlyjs: bool = False) -> str:
         out.append("<h2>What if: corrections at their default thresholds</h2>")
         out.append(_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
                            "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
-        fw, rows, reasons = crosswalk_rows(run_dir, manifest)
+        fw, rows, reasons = crosswalk_rows(analysis, manifest)
         out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
         out.append(_table(["metric", "mean over steps", "last step"], rows))
         out += [f"<p><code>{html.escape(k)}</code> is null: {html.escape(v)}</p>" for k, v in reasons.items()]

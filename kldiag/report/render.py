@@ -3,19 +3,21 @@
 The page is one self-contained file that opens offline: Plotly's JavaScript is embedded
 once, with the first figure (plotly.io.to_html with include_plotlyjs=True, then False).
 Token text is model output, hence untrusted: every piece and every message goes through
-html.escape before it reaches the page, and through `printable` before a terminal.
+html.escape before it reaches the page, and through `printable` before a terminal. What the
+page says about the run (verdict, causes, episodes, fixes) is the report's Diagnosis; its step
+charts are the dashboard Overview's (kldiag.views.charts).
 """
 
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from kldiag.report.build import Offender, Report, column, fmt_num, fmt_weight_max, has_reference
+from kldiag.diagnosis.text import verdict_line
+from kldiag.report.build import Offender, Report, fmt_num, fmt_weight_max, has_reference
 
 # ---- text -----------------------------------------------------------------------------
 
@@ -34,20 +36,33 @@ def in_context(o: Offender, show: Callable[[str], str], mark: Callable[[str], st
     return sep.join(parts)
 
 
+def episode_lines(rep: Report) -> list[str]:
+    """What fired, one line per alert episode of the diagnosis (at most config.text_episodes)."""
+    eps = rep.diagnosis.episodes
+    if not eps:
+        return ["alert episodes: none"]
+    shown = eps[:rep.config.text_episodes]
+    lines = [f"alert episodes ({len(eps)}):"]
+    lines += [f"  [{e.severity:8s}] {e.kind:19s} {printable(e.message)}" for e in shown]
+    if len(eps) > len(shown):
+        lines.append(f"  ... {len(eps) - len(shown)} more on the HTML page")
+    return lines
+
+
 def format_text(rep: Report) -> str:
     """The short stdout summary."""
     f = rep.facts
     assumed = " (assumed: the manifest does not say)" if rep.estimator_assumed else ""
     lines = [(f"kldiag report: {rep.run_dir}  (loss {rep.estimator}{assumed}, beta {f['beta']}, "
               f"{f['steps']} steps, {f['tokens']} tokens)"),
-             f"verdict: {rep.verdict.upper()}" + (f"  onset at step {rep.onset_step}" if rep.onset_step is not None
-                                                  else "")]
+             verdict_line(rep.diagnosis) + (f"; onset at step {rep.onset_step}" if rep.onset_step is not None
+                                            else "")]
     if rep.first_moved:
         lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
-    lines += [f"  [{'FIRED' if r.fired else 'ok':5s}] {r.name:9s} {r.message}" for r in rep.rules]
+    lines += episode_lines(rep)
     if rep.offenders:
         lines.append("top offending tokens (largest |k3 weight|):")
-    for o in rep.offenders[:5]:
+    for o in rep.offenders[:rep.config.text_tokens]:
         ctx = in_context(o, printable, lambda p: f"[{p}]")
         lines.append(f"  step {o.step:5d} seq {o.seq} pos {o.pos}: |k3 w| {fmt_num(abs(o.weight_k3))}  "
                      f"|k3_is w| {fmt_num(abs(o.weight_k3_is))}  pi_ref/pi_theta = e^{o.d:.1f}  {ctx}")
@@ -57,15 +72,12 @@ def format_text(rep: Report) -> str:
         lines.append("estimators on this run's tokens: " + "; ".join(
             f"{c['estimator']} mean {fmt_num(c['mean'])} max|w| {fmt_weight_max(c)}" for c in rep.comparison
             if c["estimator"] != "k1"))
-    lines += ["recommendations:"] + [f"  - {r}" for r in rep.recommendations]
-    if rep.diagnosis is not None:
-        from kldiag.diagnosis.text import format_diagnosis
-
-        lines += ["diagnosis (as in kldiag analyze and the dashboard):", format_diagnosis(rep.diagnosis)]
+    lines.append("recommendations (the diagnosis's causes, worst first):")
+    lines += [textwrap.fill(r, 100, initial_indent="  - ", subsequent_indent="    ") for r in rep.recommendations]
     if rep.analysis is not None:
         from kldiag.report.mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
 
-        lines += text_lines(rep.run_dir)
+        lines += text_lines(rep.analysis)
     return "\n".join(lines)
 
 
@@ -73,34 +85,12 @@ def format_text(rep: Report) -> str:
 
 
 def figures(rep: Report) -> list[Any]:
-    """Plotly figures: loss weights, flagged tokens, KL values, off-policy signals, per step."""
-    import plotly.graph_objects as go
+    """The dashboard Overview's step trends (kldiag.views.charts), the diagnosis's onsets marked
+    and the blow-up limit drawn on the |gradient weight| chart."""
+    from kldiag.views import charts as VC
 
-    s = rep.analysis.steps
-    x = column(s, "step", np.int64)
-
-    def fig(title: str, names: list[str], log: bool, ytitle: str) -> Any:
-        f = go.Figure([go.Scatter(x=x, y=column(s, n), name=n, mode="lines") for n in names if n in s.column_names])
-        f.update_layout(title=title, xaxis_title="step", yaxis_title=ytitle, height=340,
-                        margin={"l": 60, "r": 20, "t": 50, "b": 40}, yaxis_type="log" if log else "linear")
-        if rep.onset_step is not None:
-            f.add_vline(x=rep.onset_step, line_dash="dash", line_color="red", annotation_text="onset")
-        for c in getattr(rep.diagnosis, "causes", []):  # each cause's onset, where it differs
-            if c.onset is not None and c.onset != rep.onset_step and c.severity != "info":
-                f.add_vline(x=c.onset, line_dash="dot", line_color="orange", annotation_text=c.cause)
-        return f
-
-    w = fig("Max |gradient weight| per step (K3: 1 - pi_ref/pi_theta; k3_is: rho log(pi_theta/pi_ref))",
-            ["weight_k3_abs_max", "weight_k3_is_abs_max", "weight_k3_abs_p99"], True, "|weight|")
-    # a trace, not add_hline: shapes on a log axis take log10 positions
-    w.add_trace(go.Scatter(x=[x.min(), x.max()] if len(x) else [], y=[rep.facts["blowup_weight"]] * 2,
-                           name="blow-up limit", mode="lines", line={"dash": "dot", "color": "gray"}))
-    return [w,
-            fig("Flagged tokens per step", ["weight_blowup_count", "theta_ll_ref_count", "clamp_saturated_count",
-                                            "nonfinite_count"], False, "tokens"),
-            fig("KL estimates per step (token means)", ["k2_mean", "k3_mean", "k3_is_mean"], True, "value"),
-            fig("Off-policy: rho and sampler mismatch", ["rho_max", "mismatch_kl", "drift_abs_mean",
-                                                         "opsm_masked_frac"], True, "value")]
+    return VC.step_trends(rep.analysis.steps.to_pandas(), VC.trend_onsets(rep.diagnosis),
+                          blowup_weight=rep.facts["blowup_weight"])
 
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -134,7 +124,7 @@ def render_html(rep: Report) -> str:
     figs = figures(rep) if rep.analysis is not None and rep.analysis.steps.num_rows else []
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
     e, f = html.escape, rep.facts
-    first = (f"<p>First metric to leave its recent range: <b>{e(rep.first_moved[1])}</b> at step "
+    first = (f"<p>First to move (the earliest alert episode): <b>{e(rep.first_moved[1])}</b> at step "
              f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
     onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
     comp = _table(["estimator", "mean value", "worst step mean", "max |weight|", "p99 |weight| (worst step)",
@@ -143,28 +133,35 @@ def render_html(rep: Report) -> str:
                                           for c in rep.comparison])
     if not has_reference(rep.analysis.steps):
         comp = "<p>No reference log-probs (logp_ref) recorded: no KL term to compare.</p>"
-    rules = _table(["rule", "fired", "first step", "finding"],
-                   [[r.name, "yes" if r.fired else "no", "" if r.step is None else r.step, r.message]
-                    for r in rep.rules])
     recs = "".join(f"<li>{e(r)}</li>" for r in rep.recommendations)
-    causes = _table(["cause", "severity", "onset", "finding", "fix"],
-                    [[c.cause, c.severity, "" if c.onset is None else c.onset, c.summary, c.fix]
-                     for c in getattr(rep.diagnosis, "causes", [])]) if getattr(rep.diagnosis, "causes", None) else ""
     name = str(rep.run_dir).rstrip("/").rsplit("/", 1)[-1]  # a path or a URI
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kldiag report: {e(name)}"
             f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
             f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
             f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"
-            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{causes}{first}{rules}"
+            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{first}"
+            f"<h2>What fired</h2>{_fired(rep)}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
             f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}</body></html>")
 
 
+def _fired(rep: Report) -> str:
+    """The diagnosis's causes and alert episodes, as two tables (or a line saying there are none)."""
+    dg = rep.diagnosis
+    causes = (_table(["cause", "severity", "onset"], [[c.cause, c.severity, "" if c.onset is None else c.onset]
+                                                      for c in dg.causes]) if dg.causes else "<p>No cause.</p>")
+    episodes = (_table(["episode", "severity", "start", "end", "peak step", "peak value", "finding"],
+                       [[x.kind, x.severity, x.start, "ongoing" if x.end is None else x.end, x.peak_step,
+                         fmt_num(x.peak_value), x.message] for x in dg.episodes])
+                if dg.episodes else "<p>No alert episode.</p>")
+    return causes + episodes
+
+
 def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
     from kldiag.report.mismatch import section_html  # issue 15: the dashboard's Mismatch page, as HTML
 
-    return section_html(rep.run_dir, rep.analysis.manifest, include_plotlyjs) if rep.analysis is not None else ""
+    return section_html(rep.analysis, rep.analysis.manifest, include_plotlyjs) if rep.analysis is not None else ""
 
 
 def write_html(rep: Report, path: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""Synthetic runs in format v1, for tests and benchmarks: known truth, any size.
+"""Synthetic runs in run format v1.1, for tests and benchmarks: known truth, any size.
 
     from kldiag.tools.synth import SynthConfig, make_run
     make_run("runs/synth", SynthConfig(steps=20, seqs_per_step=64, blowup_step=12))

@@ -1,7 +1,7 @@
 """The Estimators page's data: what each estimator would have done on a run's own tokens.
 
-Computed per part file (`part_partial`) and merged (`merge_partials`), so a live run costs
-only its new files when the caller caches partials by `PartInfo.key`. Only tokens in the
+A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
+of each part, cached with it, merged (`merge_partials`), so a live run costs only its new files. Only tokens in the
 loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
 (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag import format as F
+from kldiag.analysis import reduce
 from kldiag.analysis.bins import abs_bins
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
@@ -139,23 +140,85 @@ def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray])
     return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
 
 
+KINDS = (SAMPLED, "top |k3 weight|", "flagged")  # the sample's `kind`, stored as its index
+SCALARS = ("rows", "tokens", "flagged", "clamp_saturated", "k3_weight_lost")
+DTYPES = {"step": np.int64, "seq": np.int64, "n": np.int64, "kind": np.int8, "flagged": bool}  # else float64
+PER_ESTIMATOR = ("value_sum", "value_nonfinite", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max")
+
+
+@dataclass(frozen=True)
+class EstimatorReducer:
+    """The Estimators page's partial as a reducer (kldiag.analysis.reduce): read in the analysis's
+    pass over each part, cached with it, merged in part order."""
+
+    tau: float = DEFAULT_CONFIG.tau
+    weight_limit: float = DEFAULT_CONFIG.weight_limit
+    clamp: float = DEFAULT_CONFIG.clamp
+    sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
+    name: str = "estimators"
+    version: int = 1
+    columns: tuple[str, ...] = tuple(READ_COLUMNS)
+
+    def settings(self) -> dict:
+        return {"tau": self.tau, "weight_limit": self.weight_limit, "clamp": self.clamp,
+                "sample_size": self.sample_size}
+
+    def config(self) -> AnalysisConfig:
+        return AnalysisConfig(tau=self.tau, weight_limit=self.weight_limit, clamp=self.clamp)
+
+    def start(self, part: F.PartInfo) -> dict:
+        return {"seed": zlib.crc32(part.name.encode()), "parts": []}
+
+    def add(self, state: dict, batch: pa.RecordBatch) -> None:
+        seed = state["seed"] + len(state["parts"])
+        state["parts"].append(_batch_partial(batch, self.config(), self.sample_size, seed))
+
+    def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
+        return to_arrays(merge_partials(state["parts"], sample_size=self.sample_size, seed=state["seed"]))
+
+    def merge(self, partials) -> dict[str, np.ndarray]:
+        return to_arrays(merge_partials([from_arrays(p) for p in partials]))
+
+
+def to_arrays(p: EstimatorPartial) -> dict[str, np.ndarray]:
+    """An EstimatorPartial as named arrays (the engine's cache format); `kind` as its KINDS index."""
+    out = {k: np.array([getattr(p, k)]) for k in SCALARS}
+    for k in PER_ESTIMATOR:
+        out.update({f"{k}/{name}": np.array([v]) for name, v in getattr(p, k).items()})
+    out.update({f"weight_hist/{name}": np.asarray(v) for name, v in p.weight_hist.items()})
+    out.update({f"seqs/{c}": p.seqs[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS})
+    sample = p.sample.assign(kind=p.sample["kind"].map(KINDS.index)) if len(p.sample) else p.sample
+    out.update({f"sample/{c}": sample[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
+    return out
+
+
+def from_arrays(a: dict[str, np.ndarray]) -> EstimatorPartial:
+    p = EstimatorPartial(**{k: a[k][0].item() for k in SCALARS})
+    for key, v in a.items():
+        table, _, name = key.partition("/")
+        if table in PER_ESTIMATOR:
+            getattr(p, table)[name] = v[0].item()
+        elif table == "weight_hist":
+            p.weight_hist[name] = np.asarray(v)
+    p.seqs = pd.DataFrame({c: a[f"seqs/{c}"] for c in SEQ_COLUMNS})
+    sample = pd.DataFrame({c: a[f"sample/{c}"] for c in SAMPLE_COLUMNS})
+    p.sample = sample.assign(kind=[KINDS[int(k)] for k in sample["kind"]]) if len(sample) else sample
+    return p
+
+
 def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
                  sample_size: int = 2000, batch_size: int = 1 << 20) -> EstimatorPartial:
-    """The partial of one part file, read batch by batch (memory bounded by batch_size).
+    """The partial of one part file, read on its own (tests; faces get it from the analysis's pass).
 
     A corrupt part is skipped with a warning and listed in `skipped` (strict: raises).
     """
-    seed = zlib.crc32(part.name.encode())
-    try:
-        # part_batches leaves out rows a later attempt superseded, as the analysis does
-        parts = [_batch_partial(b, config, sample_size, seed + i)
-                 for i, b in enumerate(F.part_batches(part, list(READ_COLUMNS), batch_size))]
-    except (RunFormatError, OSError, pa.ArrowException) as e:
-        if config.strict:
-            raise
-        warnings.warn(f"kldiag: skipping {part.path}: {e}", stacklevel=2)
+    red = EstimatorReducer(config.tau, config.weight_limit, config.clamp, sample_size)
+    got = reduce.compute_part(part, [red], batch_size, () if config.strict else (RunFormatError, OSError,
+                                                                                 pa.ArrowException))
+    if isinstance(got, Exception):
+        warnings.warn(f"kldiag: skipping {part.path}: {got}", stacklevel=2)
         return EstimatorPartial(skipped=[str(part.path)])
-    return merge_partials(parts, sample_size=sample_size, seed=seed)
+    return from_arrays(got[red.name])
 
 
 def merge_partials(parts: Sequence[EstimatorPartial], sample_size: int = 5000, seed: int = 0) -> EstimatorPartial:

@@ -12,6 +12,9 @@ from typing import Any
 import pandas as pd
 
 from kldiag.mismatch import decompose as DC
+from kldiag.analysis.engine import analyze
+from kldiag.analysis.types import AnalysisConfig
+from kldiag.crosswalk import crosswalk, framework_of, null_reasons
 from kldiag.diagnosis import parity as DP
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
@@ -37,13 +40,30 @@ class MismatchView:
         return self.tokens.has_sampler
 
 
-def load(run, max_tokens: int = 4_000_000) -> MismatchView:
-    """The view of a run (path, URI or Run); at most ~max_tokens tokens (every k-th step beyond)."""
-    ts = TS.load(run, max_tokens=max_tokens)
+def load(analysis) -> MismatchView:
+    """The view of an analysed run, from its shared token sample (TS.sample_of: read along with the
+    analysis when it was made with `reducers()`); a path or URI is analysed here first."""
+    if not hasattr(analysis, "reduced"):
+        analysis = analyze(analysis, AnalysisConfig(), reducers())
+    ts = TS.sample_of(analysis).tokens()
     ent = DC.by_entropy(ts)
-    return MismatchView(ts, P.check(ts), DC.by_step(ts).to_pandas(), DC.by_sampler_prob(ts).to_pandas(),
+    return MismatchView(ts, P.report_for(analysis), DC.by_step(ts).to_pandas(), DC.by_sampler_prob(ts).to_pandas(),
                         DC.by_position(ts).to_pandas(), ent.to_pandas() if ent is not None else None,
                         DC.summary(ts))
+
+
+def view_of(analysis) -> MismatchView:
+    """load(analysis), made once per Analysis (the report's text and HTML share it)."""
+    if not hasattr(analysis, "memo"):
+        return load(analysis)
+    if "mismatch_view" not in analysis.memo:
+        analysis.memo["mismatch_view"] = load(analysis)
+    return analysis.memo["mismatch_view"]
+
+
+def reducers() -> list:
+    """What the Mismatch view reads besides the analysis: the shared token sample."""
+    return [TS.SampleReducer()]
 
 
 def parity_rows(view: MismatchView) -> list[tuple[str, str, str]]:
@@ -93,15 +113,13 @@ def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:
             "mass_removed_neg_share": float(frame["mass_removed_neg_share"].mean())}
 
 
-def crosswalk_frame(run, framework: str, **settings: Any) -> tuple[pd.DataFrame, dict[str, str]]:
-    """The crosswalk table and its null reasons."""
-    from kldiag.crosswalk import crosswalk, null_reasons
-
-    t = crosswalk(run, framework, **settings)
+def crosswalk_frame(analysis, framework: str, **settings: Any) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The crosswalk table of an analysed run (on its shared token sample) and its null reasons."""
+    if not hasattr(analysis, "reduced"):
+        analysis = analyze(analysis, AnalysisConfig(), reducers())
+    t = crosswalk(analysis.run_dir, framework, sample=TS.sample_of(analysis), **settings)
     return t.to_pandas(), null_reasons(t)
 
 
 def own_framework(manifest) -> str:
-    from kldiag.crosswalk import framework_of
-
     return framework_of(manifest) or DEFAULT_FRAMEWORK

@@ -28,6 +28,8 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis.types import AnalysisConfig, Histograms
+from kldiag.mismatch import tokenset as TS
+from kldiag.fmt import num
 
 DEFAULT_CONFIG = AnalysisConfig()
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
@@ -74,6 +76,12 @@ def run_label(path: str | os.PathLike, others: Sequence[str | os.PathLike] = ())
     return f"{parent}/{name}" if same else name
 
 
+def present_in(analysis) -> dict[str, bool]:
+    """Which optional log-prob columns hold any value, judged on the analysis's token sample."""
+    sample = TS.sample_of(analysis)
+    return {c: sample.has_values(c) for c in LOGP_COLUMNS}
+
+
 def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:
     """Which optional log-prob columns hold any value, judged on the newest readable part.
 
@@ -93,11 +101,7 @@ def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:
 # ---- per-token quantities ------------------------------------------------------------
 
 
-def _f64(col: pa.ChunkedArray | pa.Array | np.ndarray) -> np.ndarray:
-    """A float column as float64 with NaN where null."""
-    if isinstance(col, np.ndarray):
-        return col.astype(np.float64)
-    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
+_f64 = E.as_f64  # views/estimators.py still imports this name; new code calls E.as_f64
 
 
 def nulls(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
@@ -155,7 +159,7 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     keep = pc.and_(pc.equal(table.column("step"), int(step)), pc.equal(table.column("seq"), int(seq)))
     table = table.filter(keep).sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
-    for name, values in derive({c: _f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
+    for name, values in derive({c: E.as_f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
         df[name] = values
     df["piece"] = decode(df["token_id"], vocab)
     return df
@@ -192,16 +196,6 @@ def _intensity(values: np.ndarray, quantity: str) -> np.ndarray:
     return np.clip(x, -1.0, 1.0)
 
 
-def _fmt(v: object) -> str:
-    if v is None or (isinstance(v, float) and np.isnan(v)):
-        return "n/a"
-    if isinstance(v, (bool, np.bool_)):
-        return "yes" if v else "no"
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.4g}"
-    return str(v)
-
-
 HOVER_FIELDS = ("pos", "token_id", "logp", "logp_old", "logp_ref", "logp_sampler",
                 "d", "rho", "k3", "k3_is", "weight_k3", "weight_k3_is")
 
@@ -220,7 +214,7 @@ def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs", focus_pos: 
     spans = []
     for i, row in enumerate(df.itertuples(index=False)):
         fields = row._asdict()
-        tip = "\n".join(f"{k}: {_fmt(fields.get(k))}" for k in HOVER_FIELDS)
+        tip = "\n".join(f"{k}: {num(fields.get(k), missing='n/a', nan='n/a')}" for k in HOVER_FIELDS)
         flags = [f for f in FLAG_NAMES if bool(fields.get(f, False))]
         tip += "\nflags: " + (", ".join(flags) or "none")
         a = strength[i]

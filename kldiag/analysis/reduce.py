@@ -1,0 +1,260 @@
+"""The reducer protocol: every pass over a run's tokens is a reducer the one engine runs per part.
+
+A reducer folds one part's record batches into a partial, a dict of named numpy arrays, and
+merges partials in part order (the shape of Ray Data's AggregateFn and of Dask's
+chunk/combine/aggregate: init, accumulate a block, merge, finalize):
+
+    class Reducer:
+        name: str                    # the cache's namespace, stable
+        version: int                 # bump when the meaning or layout of a partial changes
+        columns: tuple[str, ...]     # the token columns it reads
+        def settings(self) -> dict   # JSON: every setting that changes a partial (part of the cache key)
+        def start(self, part)        # an empty state for one part
+        def add(self, state, batch)  # fold one record batch (superseded rows already removed)
+        def finish(self, state, dropped) -> dict[str, np.ndarray]   # the part's partial
+        def merge(self, partials) -> dict[str, np.ndarray]           # in part order
+        def result(self, merged)     # what a face reads (a table, a TokenSet, ...)
+
+The engine (engine.py) opens each part at most once for all the reducers that lack its partial,
+reading the union of their columns, runs the same `compute_part` in this process, in worker
+processes or in Ray tasks, caches every partial in one format (`save_arrays`: raw arrays behind a
+JSON header, no pickle) keyed by the part's identity and the reducer's settings, and merges in
+part order, so a cached, incremental or parallel run equals a serial recompute exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag.format import PartInfo, open_part, superseded_mask
+
+Arrays = dict[str, np.ndarray]
+CACHE_MAGIC = b"KLDPART2"
+
+
+class Reducer(Protocol):
+    name: str
+    version: int
+    columns: tuple[str, ...]
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def start(self, part: PartInfo) -> Any: ...
+
+    def add(self, state: Any, batch: pa.RecordBatch) -> None: ...
+
+    def finish(self, state: Any, dropped: int) -> Arrays: ...
+
+    def merge(self, partials: Sequence[Arrays]) -> Arrays: ...
+
+
+def cache_key(reducer: Reducer, part: PartInfo) -> str:
+    """sha1 of the reducer's name, version and settings and the part's identity (size, mtime, attempts)."""
+    text = json.dumps([reducer.name, reducer.version, reducer.settings(), part.key], sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def cache_path(cache_dir: Path, reducer: Reducer, part: PartInfo) -> Path:
+    """CACHE/<reducer name>/<key>.part (CACHE: RUN/.kldiag, or a local directory for a URI run)."""
+    return Path(cache_dir) / reducer.name / f"{cache_key(reducer, part)}.part"
+
+
+def save_arrays(path: Path, arrays: Arrays) -> bool:
+    """Write named arrays atomically; False when they cannot be cached (read-only run, object arrays).
+
+    Layout: magic, 8-byte header length, 4-byte CRC32 of the header, a JSON header of (name, dtype,
+    shape, offset) and the total data length, then the arrays' raw bytes: loading is one read and
+    one json.loads (np.savez's per-array headers made a cached re-analysis 5x slower).
+    """
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    if any(a.dtype.hasobject for a in arrays.values()):  # raw bytes of pointers mean nothing
+        return False
+    header, offset = [], 0
+    for name, a in arrays.items():
+        header.append([name, a.dtype.str, list(a.shape), offset])
+        offset += a.nbytes
+    head = json.dumps({"arrays": header, "bytes": offset}).encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            crc = zlib.crc32(head).to_bytes(4, "little")
+            f.write(CACHE_MAGIC + len(head).to_bytes(8, "little") + crc + head)
+            for a in arrays.values():
+                f.write(a.tobytes())
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+
+
+def load_arrays(path: Path) -> Arrays | None:
+    """Named arrays written by save_arrays, or None when absent or unreadable (then recomputed)."""
+    try:
+        buf = path.read_bytes()
+        if buf[:8] != CACHE_MAGIC:
+            return None
+        body = 20 + int.from_bytes(buf[8:16], "little")
+        head = buf[20:body]
+        if zlib.crc32(head) != int.from_bytes(buf[16:20], "little"):
+            return None
+        meta = json.loads(head)
+        if len(buf) != body + meta["bytes"]:  # truncated or grown: not what was written
+            return None
+        out = {}
+        for name, dtype, shape, offset in meta["arrays"]:
+            count = int(np.prod(shape))
+            out[name] = np.frombuffer(buf, np.dtype(dtype), count, body + offset).reshape(shape)
+        return out
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def union_columns(reducers: Sequence[Reducer]) -> list[str]:
+    """The columns any of the reducers reads, in first-seen order ("step" always: superseded rows)."""
+    return list(dict.fromkeys(["step", *(c for r in reducers for c in r.columns)]))
+
+
+def part_batches(part: PartInfo, columns: Sequence[str], batch_size: int, use_threads: bool = False) -> Iterator:
+    """The record batches of one part, only `columns`; raises CorruptPartError when unreadable."""
+    return open_part(part, columns).iter_batches(batch_size=batch_size, columns=list(columns),
+                                                 use_threads=use_threads)
+
+
+class PartFold:
+    """Folds one part's batches into every reducer's state; superseded rows are dropped once for all."""
+
+    def __init__(self, part: PartInfo, reducers: Sequence[Reducer]):
+        self.part, self.reducers = part, list(reducers)
+        self.states = [r.start(part) for r in self.reducers]
+        self.dropped = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if self.part.exclude:  # rows of steps a later attempt re-recorded: counted, not reduced
+            gone = superseded_mask(batch.column("step").to_numpy(), self.part.exclude)
+            if gone.any():
+                self.dropped += int(gone.sum())
+                batch = batch.filter(pa.array(~gone))
+        for r, s in zip(self.reducers, self.states, strict=True):
+            r.add(s, batch)
+
+    def finish(self) -> dict[str, Arrays]:
+        return {r.name: r.finish(s, self.dropped) for r, s in zip(self.reducers, self.states, strict=True)}
+
+
+def compute_part(part: PartInfo, reducers: Sequence[Reducer], batch_size: int,
+                 errors: tuple = ()) -> dict[str, Arrays] | Exception:
+    """Every reducer's partial of one part from one read of it; the error when the part is unreadable
+    (an error not in `errors` propagates). The entry point of threads, processes and Ray tasks."""
+    fold = PartFold(part, reducers)
+    try:
+        for batch in part_batches(part, union_columns(reducers), batch_size):
+            fold.add(batch)
+    except errors as e:
+        return e
+    return fold.finish()
+
+
+def prefetched(items: Iterator, depth: int = 2) -> Iterator:
+    """Yield from `items`, produced by a background thread `depth` ahead.
+
+    Parquet decoding releases the GIL, so the next batch decodes while numpy works on this
+    one. Errors are re-raised here; closing the generator stops the thread.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop, done = threading.Event(), object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, which raises it
+            q.put(e)
+        q.put(done)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+Job = tuple[PartInfo, Sequence[Reducer]]  # a part and the reducers that lack its partial
+
+
+def fold_parts(jobs: Sequence[Job], batch_size: int, errors: tuple,
+               threads: int | None = None) -> Iterator[tuple[int, dict[str, Arrays] | Exception]]:
+    """(index, the reducers' partials or the part's error) of each job, in job order.
+
+    With several parts and CPUs, `threads` threads (default: one per CPU) each decode and reduce
+    whole parts: decoding and the kernels release the GIL, so every core does both. One part or
+    one CPU: a reader thread decodes ahead across parts while this one reduces.
+    """
+    threads = min(len(jobs), threads or os.cpu_count() or 1)
+    if threads <= 1:
+        yield from _pipelined(jobs, batch_size, errors)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="kldiag-part")
+    try:
+        yield from enumerate(pool.map(lambda job: compute_part(job[0], job[1], batch_size, errors), jobs))
+    finally:  # a consumer that stops early (strict mode) does not wait for the remaining parts
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _job_batches(jobs: Sequence[Job], batch_size: int, errors: tuple) -> Iterator:
+    """(index, batch) of every part in turn, then (index, None); (index, error) when unreadable."""
+    for i, (part, reducers) in enumerate(jobs):
+        try:
+            # Small batches fill the decode/reduce pipeline quickly: a part is a few of them.
+            for batch in part_batches(part, union_columns(reducers), batch_size, use_threads=True):
+                yield i, batch
+        except errors as e:
+            yield i, e
+            continue
+        yield i, None
+
+
+def _pipelined(jobs: Sequence[Job], batch_size: int, errors: tuple) -> Iterator:
+    """fold_parts with one reducing thread: a reader thread decodes ahead across parts."""
+    fold, failed = None, set()
+    for i, item in prefetched(_job_batches(jobs, batch_size, errors), depth=3):
+        if i in failed:
+            continue
+        if isinstance(item, BaseException):
+            failed.add(i)
+            fold = None
+            yield i, item
+        elif item is None:
+            yield i, (fold or PartFold(*jobs[i])).finish()
+            fold = None
+        else:
+            fold = fold or PartFold(*jobs[i])
+            try:
+                fold.add(item)
+            except errors as e:
+                failed.add(i)
+                fold = None
+                yield i, e

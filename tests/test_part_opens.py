@@ -1,0 +1,73 @@
+"""Faces read each part once: `kldiag report`, `kldiag analyze` and the dashboard's data open every
+part at most once on a cold cache and never while the cache is warm (the one-engine rule)."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kldiag.cli import main
+from kldiag.format import parts as format_parts
+from kldiag.tools.synth import SynthConfig, make_run
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs"
+
+
+@pytest.fixture
+def opens(monkeypatch) -> Counter:
+    """Counts every open of a part file, by path (the one way any reader reaches a part's bytes)."""
+    counts: Counter = Counter()
+    real = format_parts.PartInfo.open
+
+    def counted(self):
+        counts[str(self.path)] += 1
+        return real(self)
+
+    monkeypatch.setattr(format_parts.PartInfo, "open", counted)
+    return counts
+
+
+def fresh_copy(name: str, tmp_path: Path) -> Path:
+    run = tmp_path / name
+    shutil.copytree(SAMPLES / name, run, ignore=shutil.ignore_patterns(".kldiag"))
+    return run
+
+
+@pytest.mark.parametrize("name", ["demo_k3", "demo_k3_is", "trl_grpo_tiny"])
+def test_report_opens_each_part_once_cold_and_never_warm(name, tmp_path, opens, capsys):
+    run = fresh_copy(name, tmp_path)
+    parts = [str(p) for p in sorted((run / "tokens").rglob("part-*.parquet"))]
+    main(["report", str(run), "-o", str(tmp_path / "cold.html")])
+    cold = capsys.readouterr().out
+    assert set(opens) == set(parts) and max(opens.values()) == 1, dict(opens)
+    opens.clear()
+    main(["report", str(run), "-o", str(tmp_path / "warm.html")])
+    assert dict(opens) == {}
+    assert capsys.readouterr().out.replace("warm.html", "cold.html") == cold  # the same report from the cache
+
+
+def test_analyze_and_report_share_one_read(tmp_path, opens, capsys):
+    """A multi-part, multi-rank run: `kldiag analyze` then `kldiag report` read each part once in all."""
+    make_run(tmp_path / "r", SynthConfig(steps=12, seqs_per_step=8, ranks=2, blowup_step=6, vocab_size=64))
+    main(["analyze", str(tmp_path / "r")])
+    first = dict(opens)
+    assert first and max(first.values()) == 1
+    main(["report", str(tmp_path / "r"), "-o", str(tmp_path / "r.html")])
+    assert dict(opens) == first  # the report found every partial it needs in the cache
+
+
+def test_dashboard_data_reads_each_part_once(tmp_path, opens):
+    import kldiag
+    from kldiag.diagnosis import diagnose
+    from kldiag.views import dashboard, estimators, mismatch
+
+    run = fresh_copy("demo_k3_is", tmp_path)
+    a = kldiag.analyze(run, kldiag.AnalysisConfig(), dashboard.reducers())
+    diagnose(a)
+    estimators.from_arrays(a.reduced[estimators.EstimatorReducer.name])
+    mismatch.view_of(a)
+    mismatch.crosswalk_frame(a, "trl")
+    assert max(opens.values()) == 1 and len(opens) == 1
