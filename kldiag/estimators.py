@@ -291,3 +291,12 @@ def flags(
         nonfinite=np.broadcast_to(flag_nonfinite(*everything), shape),
         invalid=np.broadcast_to(flag_invalid(*everything), shape),
     )
+
+
+def opsm_drop(advantage, gap_sum, n, delta: float) -> np.ndarray:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's `off_policy_mask_threshold`): drop a sequence
+    when its advantage is negative and the mean over its n loss tokens of log mu - log pi_theta
+    (gap_sum / n; n = 0 counts as 1, as TRL divides) exceeds delta. Arrays [S]; NaN advantage: kept."""
+    with np.errstate(invalid="ignore"):
+        mean = as_f64(gap_sum) / np.maximum(as_f64(n), 1.0)
+        return (as_f64(advantage) < 0) & (mean > delta)

@@ -4,8 +4,9 @@ Modules: types (the contract: AnalysisConfig, Analysis), engine (analyze), reduc
 reducer protocol and the one engine that runs reducers per part, cached), worker, engines and
 ray_engine (where a part's work runs), kernel/fused/fastexp/bins/stats/scans (one record batch ->
 partials), keyed/partials/prefix (mergeable partial results and their caches), tables/alerts (the
-result), episodes (the alert rules), coverage (what a run cannot give), slime_kl/verl_kl (a
-framework's own KL). The CLI is kldiag/cli/analyze.py. Metrics are documented in docs/metrics.md.
+result), episodes (the alert rules), context (the tokens around the worst ones), coverage (what a
+run cannot give), slime_kl/verl_kl (a framework's own KL). The CLI is kldiag/cli/analyze.py.
+Metrics are documented in docs/metrics.md.
 """
 
 from kldiag.analysis.engine import analyze

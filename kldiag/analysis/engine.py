@@ -79,38 +79,60 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
         raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank-R/part-*.parquet); "
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
-    red = partials.AnalysisReducer(th)
-    pending = [red] + [runner.bound(r, parts) for r in reducers if r.name != red.name]
-    done = runner.Pass(run.cache_dir(), parts, pending, cfg)
-    merged = merged_analysis(done, red, cfg)
+    others = [runner.bound(r, parts) for r in reducers if r.name != partials.AnalysisReducer.name]
+    skipped: list[str] = []
+    merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped)
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
-                            f"{len(done.skipped)} skipped as unreadable)")
-    a = build(run, resolved(cfg, run.manifest), merged, len(parts), done.computed, done.skipped,
-              time.perf_counter() - t0)
-    a.reduced = {r.name: done.merged(r) for r in pending[1:]}
-    a.memo.update({("reducer", r.name): r for r in pending[1:]})  # which settings each was read with
+                            f"{len(skipped)} skipped as unreadable)")
+    a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
+    a.reduced = reduced
+    a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
     return a
 
 
-def merged_analysis(done: runner.Pass, red: partials.AnalysisReducer, cfg: AnalysisConfig) -> partials.Partial:
-    """The analysis partial of every readable part, merged after the cached merge of the earlier
-    parts (prefix.py): only the new parts' partials are merged on a refresh."""
-    index = {p.key: i for i, p in enumerate(done.parts)}
+def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequence[Reducer],
+             skipped: list[str]) -> tuple[partials.Partial, dict, int]:
+    """One pass over the parts: the merged analysis partial, the other reducers' merged partials, and
+    how many parts were read. With a cached prefix (prefix.py) the analysis merges only the partials
+    of the parts after it (and of its open ones); without, it merges as partials arrive (prefix.Stream)."""
+    red = partials.AnalysisReducer(th)
+    pre = prefix.load(cache_dir, parts, th) if cfg.use_cache else None
+    k = pre.k if pre else 0
+    opened = {i for i in range(k) if parts[i].step_max >= pre.step_cut} if pre else set()
+    stream, tail = (prefix.Stream(parts, th.top_k) if pre is None else None), {}
+    before_gap: list[partials.Partial] = []  # the merge of the parts before the first unreadable one
 
-    def part_partials(cache_dir, subset, th, cfg, skipped) -> tuple[list[partials.Partial], int]:
-        found = []
-        for part in subset:
-            got = done.partial(index[part.key], red)
-            if got is None:
-                skipped.append(str(part.path))
-            else:
-                found.append(partials.from_arrays(got))
-        return found, 0
+    def analysis_sink(i: int, arrays) -> None:
+        p = partials.from_arrays(arrays)
+        if stream is None:
+            tail[i] = p
+            return
+        if i != stream.added and not before_gap:
+            before_gap.append(stream.result())
+        stream.add(i, p)
 
-    skipped = list(done.skipped)
-    merged, _ = prefix.merged_partial(done.cache_dir, done.parts, red.th, cfg, skipped, part_partials)
-    return merged
+    accs = {r.name: runner.Accumulator(r) for r in others}
+    done = runner.Pass(cache_dir, parts, [red, *others], cfg, skipped,
+                       wanted=lambda i, r: r.name != red.name or i >= k or i in opened)
+    done.run({red.name: analysis_sink, **accs})
+    reduced = {name: acc.result() for name, acc in accs.items()}
+    if pre is not None and opened & done.failed:  # a prefix part unreadable now: merge without the prefix
+        del skipped[:]
+        merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped)
+        return merged, reduced, done.computed + more
+    if stream is not None:
+        merged = stream.result()
+        end = min(done.failed, default=len(parts))  # a prefix never covers an unreadable part
+        if cfg.use_cache and end > 0:
+            covered = before_gap[0] if before_gap else merged
+            prefix.save(cache_dir, parts, th, prefix.seal(covered, end, parts[end - 1].step_min))
+        return merged, reduced, done.computed
+    after = [tail[i] for i in range(k, len(parts)) if i in tail]
+    merged = prefix.combine(pre, [tail[i] for i in sorted(opened)], after, th.top_k)
+    if cfg.use_cache:
+        prefix.refresh(cache_dir, parts, th, pre, tail, merged)
+    return merged, reduced, done.computed
 
 
 def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, computed: int,

@@ -140,7 +140,8 @@ def trailing_median(v: np.ndarray, window: int) -> np.ndarray:
         return np.nanmedian(past, axis=1)
 
 
-def _gt(v: np.ndarray, limit) -> np.ndarray:
+def gt(v: np.ndarray, limit) -> np.ndarray:
+    """v > limit elementwise, NaN as false."""
     with np.errstate(invalid="ignore"):
         return np.nan_to_num(v > limit, nan=False).astype(bool)
 
@@ -148,12 +149,12 @@ def _gt(v: np.ndarray, limit) -> np.ndarray:
 def _blowup(c: Cols, ctx: RuleContext):
     name = LOSS_WEIGHT_COLUMN.get(ctx.estimator)
     v = col(c, name) if name else np.full(len(c["step"]), np.nan)
-    return _gt(v, ctx.config.blowup_weight), v
+    return gt(v, ctx.config.blowup_weight), v
 
 
 def _latent(c: Cols, ctx: RuleContext):
     v = col(c, "weight_k3_abs_max")
-    return _gt(v, ctx.config.blowup_weight) & (ctx.estimator != "k3"), v
+    return gt(v, ctx.config.blowup_weight) & (ctx.estimator != "k3"), v
 
 
 def _count(name: str):
@@ -165,14 +166,15 @@ def _count(name: str):
 
 def _blame(c: Cols, ctx: RuleContext):
     v = col(c, "blame_share")
-    return _gt(v, ctx.config.blame_share), v
+    return gt(v, ctx.config.blame_share), v
 
 
-def _mismatch(c: Cols, ctx: RuleContext):
+def mismatch_rule(c: Cols, ctx: RuleContext):
+    """The mismatch rule: KL(mu || pi_old) per token above mismatch_kl and its typical |log ratio| above the drift."""
     kl, drift = col(c, "mismatch_kl"), np.nan_to_num(col(c, "drift_abs_mean"))
     with np.errstate(invalid="ignore"):
         typical = np.sqrt(2 * np.maximum(kl, 0))
-    return _gt(kl, ctx.config.mismatch_kl) & _gt(typical - drift, 0), kl
+    return gt(kl, ctx.config.mismatch_kl) & gt(typical - drift, 0), kl
 
 
 def _jump(metric: str, flagged: bool):
@@ -182,10 +184,10 @@ def _jump(metric: str, flagged: bool):
         if flagged:
             tokens = np.maximum(col(c, "tokens"), 1.0)
             base = np.maximum(base, 1.0 / tokens)
-            gate = _gt(v * tokens, MIN_FLAGGED - 0.5)
+            gate = gt(v * tokens, MIN_FLAGGED - 0.5)
         else:
-            gate = _gt(v, ctx.weight_limit)
-        return _gt(v - ctx.alert_factor * base, 0) & gate, v
+            gate = gt(v, ctx.weight_limit)
+        return gt(v - ctx.alert_factor * base, 0) & gate, v
     return fire
 
 
@@ -197,7 +199,7 @@ RULES: tuple[Rule, ...] = (
          "log-probs above 0, i.e. probability > 1 ({value} token(s) at the peak)"),
     Rule("blame_share", "blame_share", "warning", _blame,
          "flagged tokens carry up to {value} of the total |k3 weight| (a few tokens dominate the KL gradient)"),
-    Rule("mismatch", "mismatch_kl", "warning", _mismatch,
+    Rule("mismatch", "mismatch_kl", "warning", mismatch_rule,
          "sampler/trainer mismatch KL(mu||pi_old) reaches {value} per token, above the policy drift"),
     Rule("weight_blowup_onset", "weight_k3_abs_max", "warning", _jump("weight_k3_abs_max", False),
          "max |k3 weight| leaves its recent range (up to {value})", True),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,37 +163,7 @@ def seal(merged: partials.Partial, k: int, cut: int) -> Prefix:
                                            rows=merged.rows))
 
 
-PartPartials = Callable[..., tuple[list[partials.Partial], int]]
-
-
-def merged_partial(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, cfg, skipped: list[str],
-                   part_partials: PartPartials) -> tuple[partials.Partial, int]:
-    """The merge of every readable part's partial, and how many partials were computed now.
-
-    part_partials(cache_dir, parts, th, cfg, skipped) is the engine's: partials of the
-    readable parts in order, skipped ones appended to `skipped` by path.
-    """
-    pre = load(cache_dir, parts, th) if cfg.use_cache else None
-    k = pre.k if pre else 0
-    opened = [i for i in range(k) if parts[i].step_max >= pre.step_cut] if pre else []
-    wanted = opened + list(range(k, len(parts)))
-    before = len(skipped)
-    found, computed = part_partials(cache_dir, [parts[i] for i in wanted], th, cfg, skipped)
-    gone = set(skipped[before:])
-    ok = [i for i in wanted if str(parts[i].path) not in gone]
-    by_index = dict(zip(ok, found, strict=True))
-    if pre and any(i not in by_index for i in opened):  # a prefix part unreadable now: no prefix
-        del skipped[before:]
-        found, more = part_partials(cache_dir, list(parts), th, cfg, skipped)
-        return partials.merge(found, th.top_k), computed + more
-    tail_ok = [i for i in range(k, len(parts)) if i in by_index]
-    result = combine(pre, [by_index[i] for i in opened], [by_index[i] for i in tail_ok], th.top_k)
-    if cfg.use_cache:
-        _refresh(cache_dir, parts, th, pre, by_index, result)
-    return result, computed
-
-
-def _refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix | None,
+def refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix | None,
              by_index: dict[int, partials.Partial], result: partials.Partial) -> None:
     """Rewrite the prefix up to the first skipped part once PREFIX_TAIL parts follow the old one."""
     k = pre.k if pre else 0
@@ -206,3 +176,43 @@ def _refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Pr
         covered = whole_tables(pre, [by_index[i] for i in range(k, end)], th.top_k)
         covered.steps, covered.seqs = result.steps, result.seqs
     save(cache_dir, parts, th, seal(covered, end, parts[end - 1].step_min))
+
+
+SEAL_EVERY = 16  # parts between two seals of the streaming merge
+
+
+class Stream:
+    """partials.merge of every part's partial, merged as they arrive in part order (the engine's
+    cold path): rows of steps below the next part's step_min are final and are sealed, merged
+    from the same partials in the same order as a full merge, so the result equals it bit for bit
+    while only the open rows (and the run's sealed merge) stay in memory."""
+
+    def __init__(self, parts: Sequence[PartInfo], top_k: int):
+        self.parts, self.top_k = parts, top_k
+        self.open: list[partials.Partial] = []
+        self.sealed: dict[str, list[keyed.Keyed]] = {t: [] for t in STEP_TABLES}
+        self.whole = partials.Partial()
+        self.added = 0  # the index the next part should have (a gap: an unreadable part was skipped)
+
+    def add(self, i: int, p: partials.Partial) -> None:
+        self.added = i + 1
+        self.open.append(partials.Partial(steps=p.steps, seqs=p.seqs))
+        self.whole = whole_tables(None, [self.whole, p], self.top_k)
+        if len(self.open) >= SEAL_EVERY and i + 1 < len(self.parts):
+            self.seal(self.parts[i + 1].step_min)
+
+    def seal(self, cut: int) -> None:
+        """Merge and keep aside the open rows of steps < cut: no later part has such a step."""
+        for t in STEP_TABLES:
+            low = [rows_where(getattr(p, t), getattr(p, t)["step"] < cut) for p in self.open if getattr(p, t)]
+            self.sealed[t].append(keyed.merge(low))
+        self.open = [at_or_above(p, cut) for p in self.open]
+        self.open = [p for p in self.open if any(keyed.rows(getattr(p, t)) for t in STEP_TABLES if getattr(p, t))]
+
+    def result(self) -> partials.Partial:
+        """The merge of the partials added so far (the stream may go on)."""
+        w = self.whole
+        return partials.Partial(
+            steps=keyed.concat([*self.sealed["steps"], keyed.merge([p.steps for p in self.open])]),
+            seqs=keyed.concat([*self.sealed["seqs"], keyed.merge([p.seqs for p in self.open])]),
+            top=w.top, bad=w.bad, superseded=w.superseded, rows=w.rows)

@@ -1,10 +1,11 @@
 """Runs reducers over a run's parts: each part read at most once, partials cached, merged in part order.
 
-`Pass(run, reducers, cfg)` first reads, in one pass, every part that lacks the cached partial of
-any of the reducers (only those reducers, only the union of their columns), in this process,
-in `cfg.workers` processes or in Ray tasks, saving each partial as it comes back; then
-`partial(i, reducer)` and `merged(reducer)` read from memory or the cache, never from the part.
-`opened` counts the parts read, for tests and benches.
+`Pass(cache_dir, parts, reducers, cfg).run(sinks)` walks the parts in order. A part whose cached
+partial some reducer lacks is read once for all those reducers (only the union of their columns),
+in this process, in `cfg.workers` processes or in Ray tasks; results come back in part order and
+each partial is saved to the cache and handed to its reducer's sink at once, so nothing is held
+until the end: a sink merges as partials arrive (`Accumulator`, or the analysis's sealing merge).
+`opened_parts` counts the parts read, for tests and benches.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -22,7 +23,10 @@ from kldiag.errors import CorruptPartError, RunFormatError
 from kldiag.format import PartInfo, open_run
 
 KERNEL_ROWS = 1 << 19  # rows per batch handed to the reducers
+MERGE_EVERY = 32  # an Accumulator merges this many partials at a time
 opened_parts = 0  # parts read by any Pass in this process (tests: "each part at most once")
+Sink = Callable[[int, Arrays], None]  # (part index, partial), called in part order
+Wanted = Callable[[int, Reducer], bool]  # whether reducer r needs part i's partial at all
 
 
 def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> None:
@@ -34,44 +38,90 @@ def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> 
     skipped.append(str(part.path))
 
 
+class Accumulator:
+    """A sink that merges partials as they arrive, MERGE_EVERY at a time, in part order."""
+
+    def __init__(self, reducer: Reducer, every: int = MERGE_EVERY):
+        self.reducer, self.every = reducer, every
+        self.acc: Arrays | None = None
+        self.buf: list[Arrays] = []
+
+    def __call__(self, i: int, arrays: Arrays) -> None:
+        self.buf.append(arrays)
+        if len(self.buf) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buf:
+            self.acc = self.reducer.merge(([self.acc] if self.acc is not None else []) + self.buf)
+            self.buf = []
+
+    def result(self) -> Arrays:
+        self.flush()
+        return self.acc if self.acc is not None else self.reducer.merge([])
+
+
 class Pass:
-    """The partials of `reducers` for every readable part of `parts`, computed where the cache lacks them."""
+    """One walk over `parts` for `reducers`: cached partials loaded, missing ones computed in one read."""
 
     def __init__(self, cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer], cfg,
-                 skipped: list[str] | None = None):
+                 skipped: list[str] | None = None, wanted: Wanted | None = None):
         self.cache_dir, self.parts, self.reducers, self.cfg = Path(cache_dir), list(parts), list(reducers), cfg
         self.skipped = skipped if skipped is not None else []
-        self.fresh: dict[tuple[int, str], Arrays] = {}
+        self.wanted = wanted or (lambda i, r: True)
         self.failed: set[int] = set()
-        self.computed = self._compute_missing()
+        self.computed = 0
 
-    def _cached(self, i: int, r: Reducer) -> bool:
-        return self.cfg.use_cache and reduce.cache_path(self.cache_dir, r, self.parts[i]).exists()
+    def _path(self, i: int, r: Reducer) -> Path:
+        return reduce.cache_path(self.cache_dir, r, self.parts[i])
 
-    def _compute_missing(self) -> int:
+    def run(self, sinks: dict[str, Sink]) -> None:
+        """Hand every wanted partial to sinks[reducer name], part by part in order."""
         global opened_parts
-        jobs = [(i, [r for r in self.reducers if not self._cached(i, r)]) for i in range(len(self.parts))]
-        jobs = [(i, rs) for i, rs in jobs if rs]
+        need = [[r for r in self.reducers if self.wanted(i, r)] for i in range(len(self.parts))]
+        loaded: dict[tuple[int, str], Arrays] = {}
+        jobs = []
+        for i, rs in enumerate(need):
+            missing = [r for r in rs if not (self.cfg.use_cache and self._load(i, r, loaded))]
+            if missing:
+                jobs.append((i, missing))
+        self.computed = len(jobs)
         opened_parts += len(jobs)
-        for k, result in self._results([(self.parts[i], rs) for i, rs in jobs]):
-            i, rs = jobs[k]
-            if isinstance(result, Exception):
+        results = self._results([(self.parts[i], rs) for i, rs in jobs])
+        if not jobs:
+            list(results)  # nothing to read; the Ray engine still says when Ray is missing
+        pending = dict(jobs)
+        for i, rs in enumerate(need):
+            got = dict(next(results)[1]) if i in pending else {}
+            if isinstance(got.get("error"), Exception):
                 self.failed.add(i)
-                skip(self.parts[i], result, self.cfg.strict, self.skipped)
+                skip(self.parts[i], got["error"], self.cfg.strict, self.skipped)
                 continue
             for r in rs:
-                self.fresh[(i, r.name)] = result[r.name]
-                if self.cfg.use_cache:
-                    reduce.save_arrays(reduce.cache_path(self.cache_dir, r, self.parts[i]), result[r.name])
-        return len(jobs)
+                arrays = got.get(r.name)
+                if arrays is not None and self.cfg.use_cache:
+                    reduce.save_arrays(self._path(i, r), arrays)
+                sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
 
-    def _results(self, jobs: list[reduce.Job]) -> Iterator[tuple[int, dict | Exception]]:
-        """(job index, partials or error), in job order, however the work is spread."""
+    def _load(self, i: int, r: Reducer, loaded: dict) -> bool:
+        got = reduce.load_arrays(self._path(i, r))  # unreadable (another kldiag's, cut short): computed again
+        if got is not None:
+            loaded[(i, r.name)] = got
+        return got is not None
+
+    def _results(self, jobs: list[reduce.Job]) -> Iterator[tuple[int, dict]]:
+        """(job index, {reducer name: partial} or {"error": e}), in job order, however the work is spread."""
+        for k, result in self._raw(jobs):
+            yield k, {"error": result} if isinstance(result, Exception) else result
+
+    def _raw(self, jobs: list[reduce.Job]) -> Iterator[tuple[int, dict | Exception]]:
         size = min(self.cfg.batch_size, KERNEL_ROWS)
-        if self.cfg.engine == "ray":  # Ray tasks run where the parts are (kldiag[ray]; no Ray when all cached)
+        if self.cfg.engine == "ray":  # Ray tasks run where the parts are (kldiag[ray]; no task when all cached)
             from kldiag.analysis import ray_engine  # noqa: PLC0415 - Ray is optional and slow to import
 
             yield from ray_engine.compute(jobs, size, self.cfg.strict, self.cfg.ray_address)
+        elif not jobs:
+            return
         elif self.cfg.workers > 1 and len(jobs) > 1:
             # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
             ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
@@ -81,38 +131,11 @@ class Pass:
             worker.keep_freed_memory()
             yield from reduce.fold_parts(jobs, size, worker.PART_ERRORS)
 
-    def partial(self, i: int, r: Reducer) -> Arrays | None:
-        """Part i's partial of r (None when the part is unreadable or its cache file vanished)."""
-        if i in self.failed:
-            return None
-        got = self.fresh.get((i, r.name))
-        if got is None:
-            got = reduce.load_arrays(reduce.cache_path(self.cache_dir, r, self.parts[i]))
-        if got is None:  # its cache file is unreadable (another kldiag's, cut short): compute it again
-            self.fresh.update(self._recompute(i, r))
-            got = self.fresh.get((i, r.name))
-        return got
-
-    def _recompute(self, i: int, r: Reducer) -> dict[tuple[int, str], Arrays]:
-        global opened_parts
-        opened_parts += 1
-        result = worker.compute(self.parts[i], [r], min(self.cfg.batch_size, KERNEL_ROWS))
-        if isinstance(result, Exception):
-            self.failed.add(i)
-            skip(self.parts[i], result, self.cfg.strict, self.skipped)
-            return {}
-        if self.cfg.use_cache:
-            reduce.save_arrays(reduce.cache_path(self.cache_dir, r, self.parts[i]), result[r.name])
-        return {(i, r.name): result[r.name]}
-
-    def partials(self, r: Reducer, indices: Sequence[int] | None = None) -> list[Arrays]:
-        """The readable parts' partials of r, in part order."""
-        found = (self.partial(i, r) for i in (range(len(self.parts)) if indices is None else indices))
-        return [p for p in found if p is not None]
-
     def merged(self, r: Reducer) -> Arrays:
-        """r.merge of every readable part's partial, in part order."""
-        return r.merge(self.partials(r))
+        """r's merge of every readable part's partial (a pass for this one reducer)."""
+        acc = Accumulator(r)
+        self.run({r.name: acc})
+        return acc.result()
 
 
 def bound(reducer: Reducer, parts: Sequence[PartInfo]) -> Reducer:

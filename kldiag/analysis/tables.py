@@ -122,10 +122,7 @@ def opsm_masked(seqs: keyed.Keyed, delta: float) -> tuple[np.ndarray, np.ndarray
     without an advantage is unknown.
     """
     adv = ratio(seqs["sum_adv"], seqs["n_adv"])
-    mean = seqs["sum_opsm"] / np.maximum(seqs["n_opsm"], 1)
-    known = ~np.isnan(adv)
-    with np.errstate(invalid="ignore"):
-        return (adv < 0) & (mean > delta), known
+    return E.opsm_drop(adv, seqs["sum_opsm"], seqs["n_opsm"], delta), ~np.isnan(adv)
 
 
 def sequence_table(s: keyed.Keyed, cfg: AnalysisConfig) -> pa.Table:

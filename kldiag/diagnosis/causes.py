@@ -82,7 +82,7 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
         return []
     c, cfg = ctx.cols, ctx.config
     w, share = EP.col(c, "weight_k3_abs_max"), EP.col(c, "blame_share")
-    fire, blame = EP._gt(w, cfg.blowup_weight), EP._gt(share, cfg.blame_share)
+    fire, blame = EP.gt(w, cfg.blowup_weight), EP.gt(share, cfg.blame_share)
     onset = _first(c["step"], fire | blame)
     if onset is None:
         return []
@@ -116,7 +116,7 @@ def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
         return []
     c, cfg = ctx.cols, ctx.config
     share = EP.col(c, "clamp_saturated_count") / np.maximum(EP.col(c, "tokens"), 1.0)
-    fire = EP._gt(share, cfg.clamp_frac)
+    fire = EP.gt(share, cfg.clamp_frac)
     onset = _first(c["step"], fire)
     if onset is None:
         return []
@@ -139,7 +139,7 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     fire_ess = np.isfinite(ess) & (np.nan_to_num(ess, nan=1.0) < cfg.ess_low)
     fire_mean = np.isfinite(mean) & ((np.nan_to_num(mean, nan=1.0) < lo) | (np.nan_to_num(mean, nan=1.0) > hi))
     w_is = EP.col(c, "weight_k3_is_abs_max")
-    fire_is = EP._gt(w_is, cfg.blowup_weight) & (ctx.estimator == "k3_is")
+    fire_is = EP.gt(w_is, cfg.blowup_weight) & (ctx.estimator == "k3_is")
     fire = fire_ess | fire_mean | fire_is
     onset = _first(c["step"], fire)
     if onset is None:
@@ -179,8 +179,8 @@ def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
     median_t = float(np.nanmedian(tmpe)) if np.isfinite(tmpe).any() else math.nan
     if not (dominates or median_t > cfg.token_mult_prob_error):
         return []
-    fire_kl, _ = EP._mismatch(c, EP.RuleContext(config=cfg))
-    onset = _first(c["step"], fire_kl | EP._gt(tmpe, cfg.token_mult_prob_error))
+    fire_kl, _ = EP.mismatch_rule(c, EP.RuleContext(config=cfg))
+    onset = _first(c["step"], fire_kl | EP.gt(tmpe, cfg.token_mult_prob_error))
     ev = {"mismatch_kl_mean": mean_kl, "mismatch_kl_max": float(np.nanmax(kl)) if np.isfinite(kl).any() else None,
           "mismatch_kl_threshold": cfg.mismatch_kl, "drift_abs_mean": mean_drift, "dominates_drift": dominates,
           "token_mult_prob_error_median": median_t,
@@ -230,11 +230,11 @@ def entropy_collapse(analysis, ctx: Context) -> list[Cause]:
     start_share = float(np.nanmedian(share[:k])) if np.isfinite(share[:k]).any() else math.nan
     if np.isfinite(ent[:k]).any():
         start_ent = float(np.nanmedian(ent[:k]))
-        low = EP._gt(cfg.collapse_entropy_ratio * start_ent - ent, 0)
+        low = EP.gt(cfg.collapse_entropy_ratio * start_ent - ent, 0)
     else:
         start_ent = math.nan
         low = np.full(len(step), start_share < cfg.collapse_share - 0.2)
-    fire = EP._gt(share, cfg.collapse_share) & low
+    fire = EP.gt(share, cfg.collapse_share) & low
     run = np.convolve(fire.astype(int), np.ones(cfg.quiet_steps, int), "full")[:len(fire)]
     sustained = np.flatnonzero(run >= cfg.quiet_steps)
     if not len(sustained):

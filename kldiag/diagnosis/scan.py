@@ -20,22 +20,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag import estimators as E
 from kldiag.analysis import runner
 
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
 
 
-def _f64(batch: pa.RecordBatch, name: str) -> np.ndarray:
-    return batch.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
-
-
 def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np.ndarray]:
     """{step: SUMS vector} of one record batch (float64 inside)."""
     step = batch.column("step").to_numpy()
     keep = pc.fill_null(batch.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
-    logp, ent = _f64(batch, "logp"), _f64(batch, "entropy")
-    old, smp = _f64(batch, "logp_old"), _f64(batch, "logp_sampler")
+    logp, ent = E.as_f64(batch.column("logp")), E.as_f64(batch.column("entropy"))
+    old, smp = E.as_f64(batch.column("logp_old")), E.as_f64(batch.column("logp_sampler"))
     old = np.where(np.isnan(old), logp, old)  # on-policy: pi_old is pi_theta
     with np.errstate(invalid="ignore", over="ignore"):
         tmpe = np.exp(np.abs(old - smp))

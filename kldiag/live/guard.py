@@ -75,8 +75,7 @@ def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) 
         drift = np.abs(logp - old)
         out.update(n_drift=float(ok.sum()), sum_drift=float(drift[ok].sum()))
         if logp_sampler is not None:
-            z = old - logp_sampler
-            k3 = np.expm1(z) - z
+            k3 = E.k3_of_log_ratio(old - logp_sampler)  # KL(mu || pi_old) per token, K3 of log(pi_old/mu)
             m = ok & np.isfinite(k3)
             out.update(n_mismatch=float(m.sum()), sum_mismatch=float(k3[m].sum()))
     return out

@@ -22,6 +22,7 @@ from kldiag.analysis.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.diagnosis.types import Diagnosis, DiagnosisConfig
+from kldiag.fmt import metric
 from kldiag.format import open_run
 
 
@@ -113,17 +114,7 @@ def fixes(dg: Diagnosis) -> list[str]:
 
 
 def fmt_weight_max(row: dict[str, Any]) -> str:
-    return ("<= " if row.get("weight_bound") else "") + fmt_num(row["weight_max"])
-
-
-def fmt_num(x: float) -> str:
-    """3 significant digits; NaN (a metric the run cannot give) as n/a, infinities as inf."""
-    x = float(x)
-    if math.isnan(x):
-        return "n/a"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.3e}"
+    return ("<= " if row.get("weight_bound") else "") + metric(row["weight_max"])
 
 
 # ---- building the report from an Analysis --------------------------------------------------

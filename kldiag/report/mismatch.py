@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 
 from kldiag.mismatch import whatif as W
+from kldiag.fmt import num
 from kldiag.views import mismatch as VM
 
 
-def _num(x: Any) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
+def _cell(x: Any) -> str:
+    """A table cell; NaN and infinities read "-" (a what-if or crosswalk figure the run cannot give)."""
+    return "-" if isinstance(x, float) and not math.isfinite(x) else num(x)
 
 
 def whatif_rows(view: VM.MismatchView) -> list[list[str]]:
@@ -29,7 +29,7 @@ def whatif_rows(view: VM.MismatchView) -> list[list[str]]:
         for conv in conventions:
             t = VM.whatif_totals(VM.whatif_frame(view, W.WhatIf(method, conv)))
             rows.append([method, "pi_old" if conv == "trainer" else "mu", f"{t['token_frac']:.2%}",
-                         f"{t['seq_frac']:.2%}", _num(t["ess"]), f"{t['mass_removed_pos_share']:.1%}",
+                         f"{t['seq_frac']:.2%}", _cell(t["ess"]), f"{t['mass_removed_pos_share']:.1%}",
                          f"{t['mass_removed_neg_share']:.1%}"])
     return rows
 
@@ -40,8 +40,8 @@ def crosswalk_rows(analysis, manifest) -> tuple[str, list[list[str]], dict[str, 
     rows = []
     for c in frame.columns[1:]:
         v = frame[c].astype(float)
-        rows.append([c, _num(float(np.nanmean(v))) if v.notna().any() else "-",
-                     _num(float(v.dropna().iloc[-1])) if v.notna().any() else "-"])
+        rows.append([c, _cell(float(np.nanmean(v))) if v.notna().any() else "-",
+                     _cell(float(v.dropna().iloc[-1])) if v.notna().any() else "-"])
     return fw, rows, reasons
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kldiag.diagnosis.text import verdict_line
-from kldiag.report.build import Offender, Report, fmt_num, fmt_weight_max, has_reference
+from kldiag.fmt import metric as fmt_num
+from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference
 
 # ---- text -----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from kldiag.analysis import reduce
 from kldiag.analysis.bins import abs_bins
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
-from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, _f64, derive, hist_quantiles, nulls
+from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles, nulls
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
@@ -69,7 +69,7 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
-    cols = {c: _f64(batch.column(c)) for c in LOGP_COLUMNS}
+    cols = {c: E.as_f64(batch.column(c)) for c in LOGP_COLUMNS}
     absent = nulls(batch)
     keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
     part = EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
@@ -134,7 +134,7 @@ def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray])
     mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
     in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
     df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
-                       "advantage": _f64(batch.column("advantage")),
+                       "advantage": E.as_f64(batch.column("advantage")),
                        "gap_sum": np.where(in_loss, mu - s, 0.0), "n": in_loss.astype(np.int64)})
     g = df.groupby(["step", "seq"], sort=False)
     return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
@@ -311,9 +311,7 @@ def clamp_summary(p: EstimatorPartial) -> dict[str, float]:
 def opsm_masked(seqs: pd.DataFrame, delta: float) -> np.ndarray:
     """Which sequences DeepSeek's off-policy sequence mask drops: advantage < 0 and
     mean over the sequence's loss tokens of (log mu - s) > delta."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        gap = seqs["gap_sum"].to_numpy(dtype=np.float64) / seqs["n"].to_numpy(dtype=np.float64)
-        return (seqs["advantage"].to_numpy(dtype=np.float64) < 0) & (gap > delta)
+    return E.opsm_drop(seqs["advantage"].to_numpy(), seqs["gap_sum"].to_numpy(), seqs["n"].to_numpy(), delta)
 
 
 def opsm_curve(seqs: pd.DataFrame, deltas: Sequence[float]) -> pd.DataFrame:

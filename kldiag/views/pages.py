@@ -101,7 +101,6 @@ def columns_present(run_dir: str | os.PathLike) -> dict[str, bool]:
 # ---- per-token quantities ------------------------------------------------------------
 
 
-_f64 = E.as_f64  # views/estimators.py still imports this name; new code calls E.as_f64
 
 
 def nulls(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
