@@ -2,10 +2,9 @@
 mismatch, what corrections would have done, and the run's framework's own metrics."""
 
 import dash_data as D
-import numpy as np
-import plotly.graph_objects as go
 import streamlit as st
 
+from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.mismatch import whatif as W
@@ -27,18 +26,7 @@ def _crosswalk(path: str, keys: tuple[str, ...], framework: str):
     return VM.crosswalk_frame(D.analysis_of(path, keys), framework)
 
 
-def lines(df, x, cols, title, log_x=False, log_y=False, names=None):
-    fig = go.Figure()
-    for c in cols:
-        fig.add_trace(go.Scatter(x=df[x], y=df[c], mode="lines+markers" if len(df) < 40 else "lines",
-                                 name=(names or {}).get(c, c)))
-    fig.update_layout(title=title, height=340, margin={"t": 40, "b": 30}, legend={"orientation": "h"})
-    fig.update_xaxes(title={"text": {"p": "mu's token probability"}.get(x, x)})
-    if log_x:
-        fig.update_xaxes(type="log")
-    if log_y:
-        fig.update_yaxes(type="log")
-    return fig
+lines = VC.binned_lines
 
 
 run = D.page("Mismatch")
@@ -62,13 +50,9 @@ else:
 
     st.subheader("Policy drift against engine mismatch")
     st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step.")
-    st.plotly_chart(lines(view.by_step, "step", ["drift_abs", "mismatch_abs"], "Per step (nats)",
-                          names={"drift_abs": "|log pi_theta/pi_old| (drift)",
-                                 "mismatch_abs": "|log pi_old/mu| (mismatch)"}))
+    st.plotly_chart(VC.drift_vs_mismatch(view.by_step))
     left, right = st.columns(2)
-    prob = view.by_prob.assign(p=np.sqrt(view.by_prob["lo"] * view.by_prob["hi"]))
-    left.plotly_chart(lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
-                            "Mismatch against the sampler's token probability", log_x=True, log_y=True))
+    left.plotly_chart(VC.mismatch_by_prob(view.by_prob))
     left.caption("The low-probability-token pitfall (\"When Speed Kills Stability\"): tokens mu found unlikely "
                  "carry the largest mismatch.")
     pos = view.by_pos.assign(position=view.by_pos["lo"])

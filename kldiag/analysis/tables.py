@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag import estimators as E
-from kldiag.analysis import bins, keyed, slime_kl
+from kldiag.analysis import bins, keyed, slime_kl, verl_kl
 from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
@@ -212,8 +212,6 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa
     if config.get("kl_semantics") == "slime" and run is not None:
         return slime_kl.trainer_kl(run, config)
     if config.get("kl_semantics") == "verl" and run is not None:  # runs of kldiag.integrations.verl
-        from kldiag.analysis import verl_kl
-
         return verl_kl.trainer_kl(run, config)
     if not seqs:
         return empty

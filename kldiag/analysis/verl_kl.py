@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.format import open_run
 from kldiag.frameworks.verl import MICRO_SLOTS, agg_loss, dead_zone, kl_penalty
 
 COLUMNS = ["step", "micro", "iteration", "rank", "seq", "pos", "logp", "logp_ref", "mask"]
@@ -50,8 +51,6 @@ def _micro_batches(t: dict[str, np.ndarray]) -> list[dict[str, Any]]:
 
 
 def _read(run: Any) -> tuple[dict[str, np.ndarray], Any]:
-    from kldiag.format import open_run
-
     r = open_run(run) if isinstance(run, (str, bytes)) or hasattr(run, "__fspath__") else run
     table = r.read(columns=COLUMNS)
     t = {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}

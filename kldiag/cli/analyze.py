@@ -18,6 +18,7 @@ from kldiag.analysis import coverage, engines
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
 from kldiag.report.build import reducers as report_reducers
 
@@ -147,8 +148,6 @@ def render(a: Analysis, diagnosis=None) -> str:
     lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
     if diagnosis is not None:
-        from kldiag.diagnosis.text import verdict_line
-
         lines.append(verdict_line(diagnosis))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
@@ -160,8 +159,6 @@ def render(a: Analysis, diagnosis=None) -> str:
     lines.append(f"alerts ({a.alerts.num_rows} episodes):" if a.alerts.num_rows else "alerts: none")
     lines += [f"  [{r['severity']}] {r['kind']}: {r['message']}" for r in a.alerts.to_pylist()]
     if diagnosis is not None:
-        from kldiag.diagnosis.text import format_diagnosis
-
         lines += ["", format_diagnosis(diagnosis)]
     if a.skipped:
         lines.append(f"skipped {len(a.skipped)} unreadable part(s): " + ", ".join(a.skipped))

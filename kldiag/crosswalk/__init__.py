@@ -23,6 +23,7 @@ import pyarrow as pa
 from kldiag.crosswalk import nemo_rl, openrlhf, slime, trl, verl
 from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.errors import KldiagError
+from kldiag.format import open_run
 from kldiag.frameworks import family
 from kldiag.mismatch import tokenset as TS
 
@@ -108,8 +109,6 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
     """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data).
 
     `sample`: a token sample already read (a face's shared one); else the run is read here."""
-    from kldiag.format import open_run
-
     r = open_run(run) if not hasattr(run, "iter_batches") else run
     mod = module(framework)
     s = parse_settings(framework, settings, r.manifest)

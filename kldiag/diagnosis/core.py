@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
+from kldiag.analysis.alerts import rule_context
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
@@ -30,8 +31,6 @@ def verdict(causes: Sequence[Cause], episodes: Sequence[Episode]) -> str:
 
 def run_episodes(analysis, config: DiagnosisConfig) -> tuple[list[Episode], EP.RuleContext, dict]:
     """The run's episodes with their evidence, the rules' context and the steps as arrays."""
-    from kldiag.analysis.alerts import rule_context
-
     ctx = rule_context(analysis.config, analysis.manifest, config)
     cols = EP.table_cols(analysis.steps)
     eps = evidence.attach(EP.episodes(cols, ctx), analysis.flags, config.evidence_tokens)

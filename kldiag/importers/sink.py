@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import DumpError, NotARunError
+from kldiag.format import read_manifest
 from kldiag.record.recorder import Recorder
 
 TOKEN_FIELDS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "advantage", "token_ids")
@@ -86,8 +87,6 @@ def previous_import(run: str | os.PathLike) -> dict[str, Any]:
     DumpError for a run that kldiag import did not make: imported rows never mix with a
     recorded run's.
     """
-    from kldiag.format import read_manifest
-
     try:
         manifest = read_manifest(run)
     except NotARunError:

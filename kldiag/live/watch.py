@@ -13,6 +13,7 @@ from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
+from kldiag.diagnosis.text import verdict_line
 from kldiag.diagnosis.types import Diagnosis, Episode
 from kldiag.errors import EmptyRunError, NotARunError
 from kldiag.format import open_run
@@ -91,8 +92,6 @@ def episode_line(e: Episode, what: str) -> str:
 
 def render(up: Update, last_verdict: str | None) -> list[str]:
     """The lines one Update prints."""
-    from kldiag.diagnosis.text import verdict_line
-
     if up.diagnosis is None:
         return []
     lines = [f"{time.strftime('%H:%M:%S')} {step_line(up.analysis)}  ({up.parts_new} new part(s))"]

@@ -28,6 +28,7 @@ from kldiag import format as F
 from kldiag.errors import RecorderError
 from kldiag.record import writer as W
 from kldiag.record.config import RecorderConfig
+from kldiag.version import __version__
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -405,6 +406,4 @@ def _check_shapes(args: dict[str, Any]) -> tuple[int, int]:
 
 
 def _version() -> str:
-    from kldiag.version import __version__
-
     return __version__

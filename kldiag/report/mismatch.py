@@ -13,6 +13,7 @@ import numpy as np
 
 from kldiag.mismatch import whatif as W
 from kldiag.fmt import num
+from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
 
 
@@ -59,19 +60,8 @@ def text_lines(analysis) -> list[str]:
 
 
 def _figures(view: VM.MismatchView) -> list[Any]:
-    import plotly.graph_objects as go
-
-    f1 = go.Figure([go.Scatter(x=view.by_step["step"], y=view.by_step[c], name=n, mode="lines")
-                    for c, n in (("drift_abs", "|log pi_theta/pi_old| (drift)"),
-                                 ("mismatch_abs", "|log pi_old/mu| (engine mismatch)"))])
-    f1.update_layout(title="Policy drift against engine mismatch per step", xaxis_title="step",
-                     yaxis_title="nats", height=340)
-    p = np.sqrt(view.by_prob["lo"] * view.by_prob["hi"])
-    f2 = go.Figure([go.Scatter(x=p, y=view.by_prob[c], name=c, mode="lines+markers")
-                    for c in ("mismatch_abs", "mismatch_k3", "drift_abs")])
-    f2.update_layout(title="Mismatch against mu's token probability (the low-probability-token pitfall)",
-                     xaxis_title="mu's token probability", xaxis_type="log", yaxis_type="log", height=340)
-    return [f1, f2]
+    """The dashboard's Mismatch charts (kldiag.views.charts), drawn once for both."""
+    return [VC.drift_vs_mismatch(view.by_step), VC.mismatch_by_prob(view.by_prob)]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -139,3 +139,36 @@ def step_trends(steps: pd.DataFrame, onsets: Sequence[tuple[int, str]] = (), smo
     if blowup_weight is not None:
         limit_line(figs[WEIGHT_CHART], steps["step"].to_numpy(), blowup_weight)
     return figs
+
+
+# ---- the Mismatch page's charts (the dashboard's page and the report's Mismatch section) ----------
+
+MISMATCH_NAMES = {"drift_abs": "|log pi_theta/pi_old| (drift)", "mismatch_abs": "|log pi_old/mu| (mismatch)"}
+
+
+def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_x: bool = False,
+                 log_y: bool = False, names: dict[str, str] | None = None) -> go.Figure:
+    """One line per column against x (a step, or a bin's centre): markers while there are few points."""
+    fig = go.Figure()
+    for c in cols:
+        fig.add_trace(go.Scatter(x=df[x], y=df[c], mode="lines+markers" if len(df) < 40 else "lines",
+                                 name=(names or {}).get(c, c)))
+    fig.update_layout(title=title, height=340, margin={"t": 40, "b": 30}, legend={"orientation": "h"})
+    fig.update_xaxes(title={"text": {"p": "mu's token probability"}.get(x, x)})
+    if log_x:
+        fig.update_xaxes(type="log")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def drift_vs_mismatch(by_step: pd.DataFrame) -> go.Figure:
+    """Per step: mean |log pi_theta/pi_old| against mean |log pi_old/mu| (kldiag.mismatch.decompose)."""
+    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"], "Per step (nats)", names=MISMATCH_NAMES)
+
+
+def mismatch_by_prob(by_prob: pd.DataFrame) -> go.Figure:
+    """Mismatch by mu's token probability (bins, at their geometric centre): the low-probability pitfall."""
+    prob = by_prob.assign(p=np.sqrt(by_prob["lo"] * by_prob["hi"]))
+    return binned_lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
+                        "Mismatch against the sampler's token probability", log_x=True, log_y=True)
