@@ -164,11 +164,13 @@ def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_
 
 def drift_vs_mismatch(by_step: pd.DataFrame) -> go.Figure:
     """Per step: mean |log pi_theta/pi_old| against mean |log pi_old/mu| (kldiag.mismatch.decompose)."""
-    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"], "Per step (nats)", names=MISMATCH_NAMES)
+    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"],
+                        "Policy drift against engine mismatch per step (nats)", names=MISMATCH_NAMES)
 
 
 def mismatch_by_prob(by_prob: pd.DataFrame) -> go.Figure:
     """Mismatch by mu's token probability (bins, at their geometric centre): the low-probability pitfall."""
     prob = by_prob.assign(p=np.sqrt(by_prob["lo"] * by_prob["hi"]))
     return binned_lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
-                        "Mismatch against the sampler's token probability", log_x=True, log_y=True)
+                        "Mismatch against the sampler's token probability (the low-probability-token pitfall)",
+                        log_x=True, log_y=True)
