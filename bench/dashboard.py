@@ -2,6 +2,29 @@
 page switch costs once the run is analysed, as ratios to the cold analysis measured in the same run.
 
     .venv/bin/python bench/dashboard.py [--steps 2000] [--run /tmp/kldiag_bench_dash]
+    .venv/bin/python bench/dashboard.py --scale                                   # 30M rows, the figures below
+    .venv/bin/python bench/dashboard.py --scale --seqs-per-step 600 --run /tmp/kldiag_bench_dash_300m  # 300M
+
+The run (2,000 steps of --seqs-per-step sequences of 150-349 tokens: 30M rows at 60, 300M at 600;
+kldiag.tools.synth, so the recorder's Parquet settings, about 17.6 bytes a row) is written once
+and kept: later invocations reuse it.
+
+Default mode: a cold `kldiag.analyze` and `diagnose` in a fresh process (the baseline), then, in
+this process, the Overview's cold first render (AppTest of app/main.py, KLDIAG_RUNS set) and page
+switches.
+
+--scale, every figure in a fresh process, --repeat times, the cold ones interleaved:
+- cold `analyze` alone (no reducers, use_cache=False), and cold `analyze` with the dashboard's
+  reducers (kldiag.views.dashboard.reducers()) followed by `diagnose`: the ratio is the dashboard's
+  first open against the bare analysis (the issue's target <= 1.3x). Both also with a fresh cache
+  (RUN/.kldiag deleted, use_cache=True: what `kldiag dashboard` does on a run never opened);
+- with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
+  Estimators, Mismatch), that page its first render (target <= 2 s each); then one process that
+  renders Overview and switches through every page, publishes one more part (one more step), and
+  reruns the Overview (the refresh, target <= 1 s); the part is removed afterwards;
+- peak RSS (ru_maxrss) of each process (target: the same at 30M and 300M rows).
+--profile PAGE also writes a cProfile of that page's warm first render (and of the refresh with
+--profile refresh) to /tmp/kldiag_dash_<page>.prof and prints its top functions.
 
 The browser-side figures (what a user waits for, rendering included) come from the browser
 test: KLDIAG_BENCH_DASHBOARD=1 pytest -s tests/test_browser_dash.py -k speed.
@@ -13,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -28,8 +52,79 @@ t0 = time.perf_counter(); a = kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(
 t1 = time.perf_counter(); diagnose(a); t2 = time.perf_counter()
 print(json.dumps([a.steps.num_rows, a.info.get("rows", 0), t1 - t0, t2 - t1]))
 """
+# One cold measurement in a fresh process: argv run, "alone"|"dashboard", "nocache"|"freshcache".
+COLD = """
+import json, os, resource, shutil, sys, time
+import kldiag
+from kldiag.diagnosis import diagnose
+from kldiag.views import dashboard
+run, mode, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "freshcache"
+if cache:
+    shutil.rmtree(os.path.join(run, ".kldiag"), ignore_errors=True)
+cfg = kldiag.AnalysisConfig(use_cache=cache)
+t0 = time.perf_counter()
+a = kldiag.analyze(run, cfg, dashboard.reducers() if mode == "dashboard" else ())
+t1 = time.perf_counter()
+if mode == "dashboard":
+    diagnose(a)
+t2 = time.perf_counter()
+print(json.dumps({"analyze_s": t1 - t0, "diagnose_s": t2 - t1, "total_s": t2 - t0, "rows": a.info["rows"],
+                  "steps": a.steps.num_rows, "sequences": a.sequences.num_rows,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+# The app in a fresh process: argv main.py, JSON {"first": page, "then": [pages], "refresh": synth
+# config or null, "profile": page or "refresh" or null}. Prints one JSON line of timings.
+APP = """
+import cProfile, json, os, resource, sys, time
+from pathlib import Path
+from streamlit.testing.v1 import AppTest
+main, spec = sys.argv[1], json.loads(sys.argv[2])
+
+def page_of(at):
+    titles = [t.value for t in at.title]
+    return titles[0] if titles else "?"
+
+def timed_run(at, label):
+    prof = cProfile.Profile() if spec.get("profile") == label else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    at.run()
+    if prof:
+        prof.disable()
+        prof.dump_stats(f"/tmp/kldiag_dash_{label}.prof")
+    return time.perf_counter() - t
+
+at = AppTest.from_file(main, default_timeout=3600)
+out = {"renders": []}
+first = spec["first"]
+if first != "overview":  # before the first run a page is found by its file name (= its url_path here)
+    at.switch_page(f"app_pages/{first}.py")
+s = timed_run(at, first)
+out["renders"].append([first, s, page_of(at), [str(e.value)[:200] for e in at.exception]])
+for page in spec.get("then", []):
+    at.switch_page(f"app_pages/{page}.py")
+    s = timed_run(at, page)
+    out["renders"].append([page, s, page_of(at), [str(e.value)[:200] for e in at.exception]])
+if spec.get("refresh"):
+    from kldiag.tools.synth import SynthConfig, make_run
+    cfg = spec["refresh"]
+    cfg["seq_len"] = tuple(cfg["seq_len"])
+    n = cfg["steps"]
+    new = make_run(os.environ["KLDIAG_RUNS"], SynthConfig(**{**cfg, "steps": n + 1}), steps=range(n, n + 1),
+                   manifest=False)
+    try:
+        s = timed_run(at, "refresh")
+        out["refresh"] = [s, page_of(at), [str(e.value)[:200] for e in at.exception], len(new)]
+    finally:
+        for p in new:
+            Path(p).unlink()
+out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PAGES = ("distributions", "tokens", "sequence", "estimators", "overview", "tokens", "sequence", "estimators")
+SCALE_PAGES = ("overview", "distributions", "tokens", "sequence", "estimators", "mismatch")
 
 
 def timed(fn):
@@ -38,15 +133,24 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--run", default="/tmp/kldiag_bench_dash")
-    args = ap.parse_args()
-    run = Path(args.run)
-    if not run.exists():
-        make_run(run, SynthConfig(steps=args.steps, seqs_per_step=60, seq_len=(150, 350), vocab_size=0,
-                                  blowup_step=args.steps * 3 // 4, blowup_frac=0.001, seed=7))
+def synth_config(args) -> SynthConfig:
+    return SynthConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, seq_len=(150, 350), vocab_size=0,
+                       blowup_step=args.steps * 3 // 4, blowup_frac=0.001, seed=7)
+
+
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
+
+
+def child(code: str, *argv: str, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})})
+    if out.returncode:
+        raise SystemExit(f"child failed ({out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def classic(run: Path) -> None:
     shutil.rmtree(run / ".kldiag", ignore_errors=True)
     # The baseline in a fresh process: the app's process keeps analysis state in memory.
     out = subprocess.run([sys.executable, "-c", BASELINE, str(run)], check=True, capture_output=True, text=True)
@@ -70,6 +174,85 @@ def main() -> None:
         seen.add(page)
         print(f"  switch to {label:18s} {t:6.2f} s = {t / analysis:.3f}x the analysis"
               + ("  (exception)" if at.exception else ""))
+
+
+def stats(xs: list[float]) -> str:
+    return f"min {min(xs):.2f} / median {statistics.median(xs):.2f}"
+
+
+def scale(run: Path, args) -> None:
+    print(f"run {run}: {sum(p.stat().st_size for p in run.glob('tokens/rank-*/*.parquet')) / 1e9:.2f} GB in "
+          f"{len(list(run.glob('tokens/rank-*/*.parquet')))} parts; load average at start {load()}", flush=True)
+    cold: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.repeat):  # interleaved: alone, dashboard, alone, dashboard, ...
+        for cache in ("nocache", "freshcache"):
+            for mode in ("alone", "dashboard"):
+                f = child(COLD, str(run), mode, cache)
+                f["load"] = load()
+                cold.setdefault((mode, cache), []).append(f)
+                print(f"  cold {mode:9s} {cache:10s} #{r + 1}: analyze {f['analyze_s']:.2f} s + diagnose "
+                      f"{f['diagnose_s']:.2f} s = {f['total_s']:.2f} s; peak RSS {f['rss_mb']:.0f} MB; "
+                      f"load {f['load']}", flush=True)
+    f0 = cold[("alone", "nocache")][0]
+    print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
+    for cache in ("nocache", "freshcache"):
+        alone = [f["total_s"] for f in cold[("alone", cache)]]
+        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
+        print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
+              f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
+              f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
+    # warm the cache the way the dashboard leaves it (analysis + every page's reducers)
+    child(COLD, str(run), "dashboard", "freshcache")
+    env = {"KLDIAG_RUNS": str(run)}
+    print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 2 s):")
+    firsts: dict[str, list[float]] = {}
+    for r in range(args.repeat):
+        for page in SCALE_PAGES:
+            f = child(APP, str(MAIN), json.dumps({"first": page, "profile": args.profile}), env=env)
+            name, s, title, exc = f["renders"][0]
+            firsts.setdefault(page, []).append(s)
+            print(f"  {page:14s} #{r + 1}: {s:6.2f} s  ({title}{'; EXCEPTION ' + str(exc) if exc else ''}); "
+                  f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
+    print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
+    cfg = synth_config(args).__dict__
+    for r in range(args.repeat):
+        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(cfg),
+                "profile": args.profile}
+        f = child(APP, str(MAIN), json.dumps(spec), env=env)
+        line = ", ".join(f"{name} {s:.2f}" + (" (EXCEPTION)" if exc else "") for name, s, _, exc in f["renders"])
+        s, title, exc, n = f["refresh"]
+        print(f"  #{r + 1}: {line}; refresh after {n} new part: {s:.2f} s ({title}"
+              f"{'; EXCEPTION ' + str(exc) if exc else ''}); peak RSS {f['rss_mb']:.0f} MB; load {load()}",
+              flush=True)
+    print("\nsummary (s):")
+    for page in SCALE_PAGES:
+        print(f"  {page:14s} first render (fresh process, warm cache): {stats(firsts[page])}")
+    if args.profile:
+        import pstats
+
+        path = f"/tmp/kldiag_dash_{args.profile}.prof"
+        print(f"\nprofile of {args.profile} ({path}), top 25 by cumulative time:")
+        pstats.Stats(path).sort_stats("cumulative").print_stats(25)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--seqs-per-step", type=int, default=60, help="60: 30M rows at 2,000 steps; 600: 300M")
+    ap.add_argument("--run", default="/tmp/kldiag_bench_dash")
+    ap.add_argument("--scale", action="store_true", help="the fresh-process figures above instead of the default")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--profile", choices=[*SCALE_PAGES, "refresh"], help="--scale: cProfile this render")
+    args = ap.parse_args()
+    run = Path(args.run)
+    if not run.exists():
+        t = time.perf_counter()
+        make_run(run, synth_config(args))
+        print(f"wrote {run} in {time.perf_counter() - t:.0f} s")
+    if args.scale:
+        scale(run, args)
+    else:
+        classic(run)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from kldiag.analysis import keyed, partials, reduce
 from kldiag.analysis.kernel import Thresholds
-from kldiag.format import list_parts
+from kldiag.format import list_parts, open_run
 from kldiag.tools.synth import SynthConfig, make_run
 
 TH = Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 25)
@@ -100,3 +100,28 @@ def test_every_path_reduces_a_part_over_the_same_batches(tmp_path, monkeypatch):
         for table in partials.TABLES:
             for col, v in getattr(one, table).items():
                 np.testing.assert_array_equal(getattr(threaded[i], table)[col], v, err_msg=f"{table}.{col}")
+
+
+def test_ranks_merge_on_the_way_in_unless_per_rank(tmp_path):
+    """per_rank off: a part's per-step rows drop their rank, so the merged partial holds one row per
+    step however many ranks record (the driver's memory at 1,024 ranks); the tables are the same."""
+    from kldiag.analysis import analyze, engine
+    from kldiag.analysis.types import AnalysisConfig
+
+    make_run(tmp_path / "r", SynthConfig(steps=4, seqs_per_step=6, ranks=3, vocab_size=0))
+    run = open_run(tmp_path / "r")
+    merged = {}
+    for per_rank in (False, True):
+        th = engine.thresholds(AnalysisConfig(per_rank=per_rank), run.manifest)
+        red = partials.AnalysisReducer(th)
+        parts = [reduce.compute_part(p, [red], 1 << 20)[red.name] for p in run.parts()]
+        merged[per_rank] = partials.from_arrays(red.merge(parts))
+    assert len(merged[False].steps["step"]) == 4 and set(merged[False].steps["rank"]) == {partials.ALL_RANKS}
+    assert len(merged[True].steps["step"]) == 12
+    off = analyze(tmp_path / "r", AnalysisConfig(use_cache=False))
+    on = analyze(tmp_path / "r", AnalysisConfig(use_cache=False, per_rank=True))
+    for name in off.steps.column_names:
+        np.testing.assert_allclose(off.steps.column(name).to_numpy(zero_copy_only=False).astype(float),
+                                   on.steps.column(name).to_numpy(zero_copy_only=False).astype(float),
+                                   rtol=1e-12, err_msg=name)
+    assert on.steps_by_rank is not None and on.steps_by_rank.num_rows == 12

@@ -65,7 +65,7 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
         publish(tmp_path / "run", item)
         loads.clear()
         parts = open_run(tmp_path / "run").parts()
-        pre = prefix.load(open_run(tmp_path / "run").cache_dir(), parts, prefix_th(tmp_path / "run"))
+        pre = prefix.load(open_run(tmp_path / "run").cache_dir(), parts, prefix_th(tmp_path / "run", cfg))
         grown = analyze(tmp_path / "run", cfg)
         assert grown.files == n and grown.files_new == 1
         assert_same_analysis(grown, analyze(tmp_path / "run", AnalysisConfig(use_cache=False, per_rank=True,
@@ -80,10 +80,10 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
     assert len(loads) - len(part_loads) <= 1  # the prefix file: read once after each rewrite, else remembered
 
 
-def prefix_th(run: Path):
+def prefix_th(run: Path, cfg: AnalysisConfig = AnalysisConfig()):
     from kldiag.analysis.engine import thresholds
 
-    return thresholds(AnalysisConfig(), open_run(run).manifest)
+    return thresholds(cfg, open_run(run).manifest)
 
 
 def test_a_part_listed_inside_the_prefix_invalidates_it(source, tmp_path, monkeypatch):

@@ -49,7 +49,8 @@ def thresholds(cfg: AnalysisConfig, manifest: Manifest) -> Thresholds:
         clip = [clip, clip]
     low = cfg.clip_low if cfg.clip_low is not None else float(clip[0])
     high = cfg.clip_high if cfg.clip_high is not None else float(clip[1])
-    return Thresholds(float(cfg.tau), float(cfg.weight_limit), float(cfg.clamp), low, high, int(cfg.top_k))
+    return Thresholds(float(cfg.tau), float(cfg.weight_limit), float(cfg.clamp), low, high, int(cfg.top_k),
+                      bool(cfg.per_rank))
 
 
 def resolved(cfg: AnalysisConfig, manifest: Manifest) -> AnalysisConfig:

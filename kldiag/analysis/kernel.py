@@ -17,7 +17,7 @@ COLUMNS = ("step", "micro", "iteration", "seq", "group", "pos", "token_id", *LOG
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What the kernel needs from AnalysisConfig (clip range resolved from the manifest)."""
+    """What the kernel and its partials need from AnalysisConfig (clip range resolved from the manifest)."""
 
     tau: float
     weight_limit: float
@@ -25,6 +25,7 @@ class Thresholds:
     clip_low: float
     clip_high: float
     top_k: int
+    per_rank: bool = True  # False: a part's per-step rows drop their rank, so ranks merge on the way in
 
 
 # ---- columns ----------------------------------------------------------

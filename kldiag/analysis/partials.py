@@ -25,7 +25,7 @@ from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import PartInfo
 
-PARTIAL_VERSION = 5  # bump when the meaning or layout of a partial changes (5: superseded rows)
+PARTIAL_VERSION = 6  # bump when the meaning or layout of a partial changes (6: ranks merged unless per_rank)
 TABLES = ("steps", "seqs", "top", "bad", "superseded")
 
 
@@ -54,6 +54,7 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
 
 
 KERNEL_ROWS = 1 << 19  # rows per kernel call
+ALL_RANKS = -1  # the rank of a per-step row that holds every rank's tokens (per_rank off)
 
 
 class PartReducer:
@@ -119,7 +120,10 @@ class AnalysisReducer:
         state.add(batch)
 
     def finish(self, state: PartReducer, dropped: int) -> dict[str, np.ndarray]:
-        return to_arrays(state.result(dropped))
+        p = state.result(dropped)
+        if not self.th.per_rank and p.steps:  # one row per step once merged, however many ranks record
+            p.steps = {**p.steps, "rank": np.full(len(p.steps["rank"]), ALL_RANKS, np.int64)}
+        return to_arrays(p)
 
     def merge(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return to_arrays(merge([from_arrays(p) for p in parts], self.th.top_k))
