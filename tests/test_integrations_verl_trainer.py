@@ -21,6 +21,7 @@ v1 = pytest.importorskip("verl.trainer.ppo.v1")
 import kldiag  # noqa: E402
 from kldiag.integrations import verl as hook  # noqa: E402
 from kldiag.integrations import verl_plugin  # noqa: E402
+from kldiag.integrations.verl_trainer import run_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,8 @@ def test_plugin_entry_point_registers_the_modes_in_verls_registry():
 
 def test_attach_installs_the_recording_loss_with_the_runs_settings(config, tmp_path):
     trainer = trainer_of(config, tmp_path)
-    assert hook.run_of(trainer.config) == str(tmp_path / "run")
-    hook.attach(trainer, hook.run_of(trainer.config))
+    assert run_of(trainer.config) == str(tmp_path / "run")
+    hook.attach(trainer, run_of(trainer.config))
     fn = trainer.actor_rollout_wg.loss_fn
     assert isinstance(fn, partial) and fn.func is hook.ppo_loss and fn.keywords["run"] == str(tmp_path / "run")
     cfg = fn.keywords["manifest_config"]

@@ -41,8 +41,8 @@ import numpy as np
 
 from kldiag.errors import IntegrationError
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
+from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
-ENV_RUN = "KLDIAG_RUN"
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
               "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",
               "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "shuffle")
@@ -69,21 +69,6 @@ def check_version(version: str | None = None) -> str:
     return version
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """cfg[key] for a dict, an OmegaConf DictConfig or a verl dataclass config."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    getter = getattr(cfg, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except Exception:  # noqa: BLE001 - a dataclass whose get() differs: fall back to the attribute
-            pass
-    return getattr(cfg, key, default)
-
-
 def _plain(x: Any) -> Any:
     """A JSON-able copy of a config value (DictConfig, dataclass, enum, numpy scalar)."""
     try:
@@ -108,10 +93,10 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     actor: `actor_rollout_ref.actor` (DictConfig or verl's ActorConfig); rollout_correction:
     `algorithm.rollout_correction` (None: the actor's policy_loss.rollout_correction, if any).
     """
-    out: dict[str, Any] = {k: _plain(_get(actor, k)) for k in ACTOR_KEYS if _get(actor, k) is not None}
-    policy_loss = _get(actor, "policy_loss")
-    out["policy_loss.loss_mode"] = _get(policy_loss, "loss_mode", "vanilla")
-    rc = rollout_correction if rollout_correction is not None else _get(policy_loss, "rollout_correction")
+    out: dict[str, Any] = {k: _plain(config_get(actor, k)) for k in ACTOR_KEYS if config_get(actor, k) is not None}
+    policy_loss = config_get(actor, "policy_loss")
+    out["policy_loss.loss_mode"] = config_get(policy_loss, "loss_mode", "vanilla")
+    rc = rollout_correction if rollout_correction is not None else config_get(policy_loss, "rollout_correction")
     if rc is not None:
         out["rollout_correction"] = _plain(rc)
     out.update(kl_semantics="verl", verl_micro_slots=MICRO_SLOTS, verl_version=version)
@@ -189,12 +174,13 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
     from verl.utils.config import omega_conf_to_dataclass
 
     actor_cfg = trainer.config.actor_rollout_ref.actor
-    algorithm = _get(trainer.config, "algorithm")
-    if _get(trainer.config, "distillation") is not None and _get(trainer.config.distillation, "enabled", False):
+    algorithm = config_get(trainer.config, "algorithm")
+    distillation = config_get(trainer.config, "distillation")
+    if distillation is not None and config_get(distillation, "enabled", False):
         raise IntegrationError("verl distillation replaces ppo_loss by distillation_ppo_loss; kldiag records "
                                "ppo_loss only: turn distillation off or record with kldiag.Recorder by hand")
     fn = loss_fn(omega_conf_to_dataclass(actor_cfg), run,
-                 settings(actor_cfg, _get(algorithm, "rollout_correction"), version))
+                 settings(actor_cfg, config_get(algorithm, "rollout_correction"), version))
     wg.set_loss_fn(fn)
     if not getattr(trainer, "kldiag_tags_steps", False):  # a plain verl trainer: the kldiag subclass of its class
         trainer.__class__ = make_trainer(type(trainer))  # adds only the step tag of _update_actor (_setup is done)
@@ -381,31 +367,3 @@ def close() -> None:
     if STATE.recorder is not None:
         STATE.recorder.close()
     STATE.__init__()
-
-
-def run_of(config: Any) -> str:
-    """The kldiag run a verl config records into (see the module doc)."""
-    run = _get(_get(config, "kldiag"), "run") or os.environ.get(ENV_RUN)
-    if not run:
-        run = os.path.join(str(_get(_get(config, "trainer"), "default_local_dir", "checkpoints")), "kldiag")
-    return str(run)
-
-
-
-def make_trainer(base: type) -> type:
-    """A subclass of verl's trainer `base` that records through kldiag."""
-
-    class KldiagTrainer(base):  # type: ignore[misc, valid-type]
-        kldiag_tags_steps = True
-
-        def _setup(self) -> None:
-            super()._setup()
-            attach(self, run_of(self.config))
-
-        def _update_actor(self, batch: Any, metrics: dict) -> Any:
-            batch.extra_info["kldiag_step"] = int(self.global_steps)  # reaches the loss as non-tensor data
-            return super()._update_actor(batch, metrics=metrics)
-
-    KldiagTrainer.__name__ = KldiagTrainer.__qualname__ = f"Kldiag{base.__name__}"
-    return KldiagTrainer
-
