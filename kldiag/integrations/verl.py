@@ -161,7 +161,7 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
 
     Call after `trainer.init()` (it creates `trainer.actor_rollout_wg`). run defaults to $KLDIAG_RUN.
     A trainer of a plain verl mode becomes an instance of its kldiag subclass, so that each actor
-    update carries the trainer's global step (make_trainer below).
+    update carries the trainer's global step (verl_trainer.make_trainer).
     """
     version = check_version()
     run = run if run is not None else os.environ.get(ENV_RUN)
