@@ -39,16 +39,19 @@ def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> 
 
 
 class Accumulator:
-    """A sink that merges partials as they arrive, MERGE_EVERY at a time, in part order."""
+    """A sink that merges partials as they arrive, in part order, `reducer.merge_every` at a time
+    (default MERGE_EVERY; 0: once at the end, for a reducer whose merge is a concatenation, which
+    merging in steps would copy again and again)."""
 
-    def __init__(self, reducer: Reducer, every: int = MERGE_EVERY):
-        self.reducer, self.every = reducer, every
+    def __init__(self, reducer: Reducer, every: int | None = None):
+        self.reducer = reducer
+        self.every = every if every is not None else getattr(reducer, "merge_every", MERGE_EVERY)
         self.acc: Arrays | None = None
         self.buf: list[Arrays] = []
 
     def __call__(self, i: int, arrays: Arrays) -> None:
         self.buf.append(arrays)
-        if len(self.buf) >= self.every:
+        if self.every and len(self.buf) >= self.every:
             self.flush()
 
     def flush(self) -> None:

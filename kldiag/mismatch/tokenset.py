@@ -207,6 +207,7 @@ class SampleReducer:
     name: str = "tokens"
     version: int = 1
     columns: tuple[str, ...] = tuple(COLUMNS)
+    merge_every: int = 0  # a concatenation: merged once, at the end (the sample is bounded)
 
     def bind(self, parts) -> SampleReducer:
         return SampleReducer(self.max_tokens, sample_stride(parts, self.max_tokens))

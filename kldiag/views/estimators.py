@@ -157,6 +157,7 @@ class EstimatorReducer:
     sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
     name: str = "estimators"
     version: int = 1
+    merge_every: int = 256  # its per-sequence table grows with the run: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 
     def settings(self) -> dict:
