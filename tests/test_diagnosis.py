@@ -199,3 +199,43 @@ def test_side_scan_rides_along_is_incremental_and_cached(tmp_path, monkeypatch):
     assert list(t["step"]) == list(range(6)) and np.allclose(t["confident_share"], u["confident_share"])
     assert np.allclose(t["entropy_mean"], u["entropy_mean"])
     assert S.scan_of(first)["step"].tolist() == list(range(3))  # from the analysis, no read
+
+
+def test_scan_kernel_equals_the_numpy_formula():
+    """The side scan's compiled pass equals its definition in numpy (NaN, nulls, masks, split steps)."""
+    import math
+
+    import pyarrow as pa
+
+    from kldiag.diagnosis import scan as S
+
+    rng = np.random.default_rng(3)
+    n = 5000
+    step = np.sort(rng.integers(0, 7, n))
+    step[100:120] = 2  # a step split in two runs
+    cols = {name: -rng.exponential(1.0, n).astype(np.float32) for name in ("logp", "logp_old", "logp_sampler")}
+    cols["entropy"] = rng.exponential(1.0, n).astype(np.float32)
+    for name, frac in (("logp_old", 0.1), ("logp_sampler", 0.2), ("entropy", 0.05)):
+        cols[name][rng.random(n) < frac] = np.nan
+    cols["logp"][:50] = -1e-4  # confident tokens
+    nulls = rng.random(n) < 0.1
+    batch = pa.record_batch({"step": pa.array(step), "mask": pa.array(rng.random(n) < 0.8, mask=nulls),
+                             **{k: pa.array(v, mask=rng.random(n) < 0.05) for k, v in cols.items()}})
+    got = S.batch_sums(batch, 0.99)
+
+    def f64(name):
+        return batch.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+
+    keep = batch.column("mask").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    logp, old, smp, ent = f64("logp"), f64("logp_old"), f64("logp_sampler"), f64("entropy")
+    old = np.where(np.isnan(old), logp, old)
+    with np.errstate(invalid="ignore", over="ignore"):
+        tmpe = np.exp(np.abs(old - smp))
+    has_ent, has_smp = keep & np.isfinite(ent), keep & np.isfinite(tmpe)
+    uniq, inv = np.unique(step, return_inverse=True)  # the previous implementation, in numpy
+    want = np.stack([np.bincount(inv, weights=w, minlength=len(uniq)) for w in (
+        keep, has_ent, np.where(has_ent, ent, 0.0), keep & (logp > math.log(0.99)), has_smp,
+        np.where(has_smp, tmpe, 0.0))], axis=1)
+    assert sorted(got) == uniq.tolist()
+    for k, s in enumerate(uniq.tolist()):
+        np.testing.assert_allclose(got[s], want[k], rtol=1e-12)

@@ -19,31 +19,60 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from numba import njit
 
-from kldiag import estimators as E
 from kldiag.analysis import runner
 
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
 
 
+@njit(nogil=True, cache=True)
+def _run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
+    """SUMS of each run of equal consecutive steps: (run steps [R], sums [R, 6]); float64 inside."""
+    n = len(step)
+    runs = 1 if n else 0
+    for i in range(1, n):
+        if step[i] != step[i - 1]:
+            runs += 1
+    steps = np.empty(runs, np.int64)
+    sums = np.zeros((runs, 6))
+    r = -1
+    for i in range(n):
+        if i == 0 or step[i] != step[i - 1]:
+            r += 1
+            steps[r] = step[i]
+        if not mask[i]:
+            continue
+        s, o = np.float64(logp[i]), np.float64(old[i])  # widened: float32 in, float64 inside
+        m, e = np.float64(smp[i]), np.float64(ent[i])
+        if o != o:  # null logp_old: on-policy, pi_old is pi_theta
+            o = s
+        sums[r, 0] += 1.0
+        if np.isfinite(e):
+            sums[r, 1] += 1.0
+            sums[r, 2] += e
+        if s > log_confident:
+            sums[r, 3] += 1.0
+        tmpe = np.exp(abs(o - m))
+        if np.isfinite(tmpe):
+            sums[r, 4] += 1.0
+            sums[r, 5] += tmpe
+    return steps, sums
+
+
 def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np.ndarray]:
-    """{step: SUMS vector} of one record batch (float64 inside)."""
-    step = batch.column("step").to_numpy()
-    keep = pc.fill_null(batch.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
-    logp, ent = E.as_f64(batch.column("logp")), E.as_f64(batch.column("entropy"))
-    old, smp = E.as_f64(batch.column("logp_old")), E.as_f64(batch.column("logp_sampler"))
-    old = np.where(np.isnan(old), logp, old)  # on-policy: pi_old is pi_theta
-    with np.errstate(invalid="ignore", over="ignore"):
-        tmpe = np.exp(np.abs(old - smp))
-        confident = logp > math.log(confident_p)
-    has_ent, has_smp = keep & np.isfinite(ent), keep & np.isfinite(tmpe)
-    uniq, inv = np.unique(step, return_inverse=True)
-    k = len(uniq)
-    cols = [np.bincount(inv, weights=w, minlength=k) for w in (
-        keep, has_ent, np.where(has_ent, ent, 0.0), keep & confident, has_smp, np.where(has_smp, tmpe, 0.0))]
-    stacked = np.stack(cols, axis=1)
-    return {int(s): stacked[i] for i, s in enumerate(uniq)}
+    """{step: SUMS vector} of one record batch: one compiled pass over the columns as stored."""
+    def col(name: str) -> np.ndarray:
+        return batch.column(name).to_numpy(zero_copy_only=False)  # float32, NaN where null
+
+    mask = pc.fill_null(batch.column("mask"), False).to_numpy(zero_copy_only=False)
+    steps, sums = _run_sums(col("step"), mask, col("logp"), col("logp_old"), col("logp_sampler"), col("entropy"),
+                            math.log(confident_p))
+    out: dict[int, np.ndarray] = {}
+    for s, v in zip(steps.tolist(), sums, strict=True):  # a step split in runs: its runs summed in row order
+        out[s] = out[s] + v if s in out else v
+    return out
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class ParityConfig:
     growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
     drift_growth_max: float = 1.5  # ... while the drift grew less than this
     min_steps_growth: int = 8
-    max_tokens: int = TS.SAMPLE_TOKENS  # the shared sample: about this many tokens (every k-th step beyond)
+    max_tokens: int = 1_000_000  # fit on about this many tokens of the shared sample (every k-th of its steps)
 
 
 @dataclass
@@ -248,12 +248,12 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
     both parity detectors, the report and the dashboard's Mismatch page share one fit."""
     key = ("parity", config)
     if key not in analysis.memo:
-        sample = TS.sample_of(analysis, config.max_tokens)
-        analysis.memo[key] = check(sample.tokens(), config) if sample.has_values("logp_sampler") else None
+        sample = TS.sample_of(analysis)
+        fit = sample.has_values("logp_sampler")
+        analysis.memo[key] = check(TS.thin(sample.tokens(), config.max_tokens), config) if fit else None
     return analysis.memo[key]
 
 
 def check_run(run, config: ParityConfig) -> ParityReport | None:
     """check() on a run path or URI, read here (no analysis at hand: tests, notebooks)."""
-    sample = TS.sample_of(analyze(run, AnalysisConfig(), [TS.SampleReducer(config.max_tokens)]), config.max_tokens)
-    return check(sample.tokens(), config) if sample.has_values("logp_sampler") else None
+    return report_for(analyze(run, AnalysisConfig(), [TS.SampleReducer()]), config)

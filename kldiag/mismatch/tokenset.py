@@ -154,6 +154,17 @@ def sample_stride(parts, max_tokens: int) -> int:
     return 1 if need <= 1 else 1 << int(np.ceil(np.log2(need)))
 
 
+def thin(ts: TokenSet, max_tokens: int) -> TokenSet:
+    """ts cut to about max_tokens by keeping every k-th of its steps (k a power of two: the steps a
+    step % (stride * k) == 0 keeps stay the same as the run grows)."""
+    if len(ts) <= max_tokens:
+        return ts
+    k = 1 << int(np.ceil(np.log2(len(ts) / max(max_tokens, 1))))
+    out = ts.take(np.flatnonzero(ts.step % (ts.step_stride * k) == 0))
+    out.step_stride = ts.step_stride * k
+    return out
+
+
 def has_values(run, column: str) -> bool:
     """Whether the run's first part has a non-null value in `column` (a cheap check before a load)."""
     parts = run.parts()
