@@ -96,6 +96,8 @@ def test_watch_once_for_cron(tmp_path, capsys):
              manifest=False)
     assert main(["watch", str(tmp_path), "--once", "--fail-on", "nonfinite"]) == 1
     assert "failing on nonfinite (step 10)" in capsys.readouterr().err
+    assert main(["watch", str(tmp_path), "--once"]) == 0  # no rule given: look, print, never fail
+    assert "verdict" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["watch", str(tmp_path), "--fail-on", "explode"])
     assert e.value.code == 2
