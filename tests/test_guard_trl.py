@@ -83,3 +83,24 @@ def test_a_recorder_write_error_never_stops_the_run(model_dir, tmp_path, monkeyp
         trainer.train()
     assert int(trainer.state.global_step) == 3 and not guard.should_stop and guard.failed is None
     assert sorted(guard.steps) == [1, 2, 3]  # the guard still saw every step
+
+
+def test_a_sampled_run_gets_its_last_steps_whole_when_the_guard_stops_it(model_dir, tmp_path):
+    """every_n_steps=3 with flight_steps=4: the run keeps a third of its steps, and the guard's blow-up
+    publishes the last 4 steps, every row, as a bundle that analyses like any run."""
+    import json
+
+    trainer = trl_grpo.make_trainer(model_dir, tmp_path / "out", steps=30, bias_correction=False)
+    guard = _guard()
+    attach(trainer, tmp_path / "run", guard=guard, every_n_steps=3, flight_steps=4)
+    trainer.train()
+    stop = int(trainer.state.global_step)
+    assert guard.should_stop and "flight" in guard.actions and len(guard.flights) == 1
+    bundle = kldiag.analyze(guard.flights[0])
+    held = bundle.steps.column("step").to_pylist()
+    assert held == list(range(stop - 3, stop + 1))  # the 4 steps up to the onset, each of them
+    w = bundle.steps.column("weight_k3_abs_max").to_numpy(zero_copy_only=False).astype(float)
+    assert w[-1] > LIMIT
+    summary = json.loads((tmp_path / "run" / "flight" / f"{stop:09d}-blowup" / "flight.json").read_text())
+    assert summary["trigger"]["start"] == stop and summary["worst_tokens"][0]["step"] == stop
+    assert all(s % 3 == 0 for s in kldiag.analyze(tmp_path / "run").steps.column("step").to_pylist())

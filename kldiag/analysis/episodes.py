@@ -21,6 +21,10 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
   latent               info      K3's weight exceeds blowup_weight on a run whose loss is not K3
 
 An onset-rule episode that starts inside a blow-up episode (after its first step) is dropped.
+Persistence: an episode keeps its rule's severity only when it holds a sustained stretch, its rule
+firing on at least persist_steps (3) of persist_window (5) consecutive recorded steps; an isolated
+outlier (one step, or two far apart) is an info note with its evidence. nonfinite and invalid are
+exempt: a single NaN is a fault. The cause detectors use the same rule (`sustained`).
 Pure numpy on float64 arrays.
 """
 
@@ -37,6 +41,9 @@ import numpy as np
 from kldiag import fmt
 
 SEVERITIES = ("info", "warning", "critical")  # ordered: a verdict is driven by the worst
+# Persistence: a signal is sustained when it fires on at least PERSIST_STEPS of PERSIST_WINDOW consecutive
+# recorded steps (both capped at the run's length). An isolated outlier is a note, never a cause.
+PERSIST_STEPS, PERSIST_WINDOW = 3, 5
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,12 @@ class DiagnosisConfig:
     token_mult_prob_error: float = 1.05  # NeMo-RL plots the worst sample above this
     clamp_frac: float = 1e-3  # share of tokens in the K3 clamp's dead zone worth a cause
     confident_p: float = 0.99  # "confident" token: p = exp(logp) above this
-    collapse_share: float = 0.9  # entropy collapse: this share of tokens is confident ...
-    collapse_entropy_ratio: float = 0.2  # ... and the mean entropy fell below this x its start
+    collapse_share: float = 0.9  # entropy collapse without entropies: this share of tokens is confident
+    collapse_entropy_ratio: float = 0.2  # entropy collapse: the mean entropy below this x its early level ...
+    entropy_band: float = 0.05  # ... its onset: where it last left its early level by more than this share
+    # (or 3 robust standard deviations of the early steps, whichever is larger)
+    persist_steps: int = PERSIST_STEPS  # a cause (and a non-info episode) needs its signal on this many ...
+    persist_window: int = PERSIST_WINDOW  # ... of this many consecutive recorded steps
     evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
 
 
@@ -244,15 +255,45 @@ def spans(fire: np.ndarray, quiet: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(firsts, lasts, strict=True)]
 
 
+def sustained(fire: np.ndarray, n: int = PERSIST_STEPS, m: int = PERSIST_WINDOW) -> np.ndarray:
+    """Per row: it fires and lies in a window of m consecutive rows of which at least n fire (both
+    capped at the number of rows: a run shorter than n rows needs every row). The persistence rule of
+    the causes and of the episodes' severity: an isolated outlier step is a note, not a finding."""
+    fire = np.asarray(fire, dtype=bool)
+    k = len(fire)
+    if not k:
+        return fire
+    n = max(1, min(n, k))
+    m = max(n, min(m, k))
+    ok = np.convolve(fire.astype(np.int64), np.ones(m, np.int64), "valid") >= n  # windows starting at 0..k-m
+    covered = np.convolve(ok.astype(np.int64), np.ones(m, np.int64), "full")[:k] > 0
+    return fire & covered
+
+
+def first_sustained(step: np.ndarray, fire: np.ndarray, config: DiagnosisConfig) -> int | None:
+    """The step of the first row of `fire` that is sustained (config.persist_steps of persist_window)."""
+    hit = np.flatnonzero(sustained(fire, config.persist_steps, config.persist_window))
+    return int(step[hit[0]]) if len(hit) else None
+
+
 PERCENT_METRICS = ("blame_share", "flagged_frac")
 K3_ONLY = ("blame_share", "weight_blowup_onset", "flagged_onset")  # info when the loss is not K3
+ALWAYS = ("nonfinite", "invalid")  # one bad log-prob is a fault: no persistence asked
+
+
+def _severity(rule: Rule, ctx: RuleContext, sustained_inside: bool) -> str:
+    if rule.kind in K3_ONLY and ctx.estimator != "k3":
+        return "info"
+    return rule.severity if sustained_inside or rule.kind in ALWAYS else "info"
 
 
 def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
-    """The episodes of one rule; end is None while firing in the last quiet_steps rows."""
+    """The episodes of one rule; end is None while firing in the last quiet_steps rows. An episode
+    without a sustained stretch (persist_steps of persist_window steps) is info: an isolated note."""
     fire, value = rule.fire(cols, ctx)
     step = np.asarray(cols["step"], dtype=np.int64)
     quiet = max(1, ctx.config.quiet_steps, ctx.alert_window if rule.bridge_window else 0)
+    sus = sustained(fire, ctx.config.persist_steps, ctx.config.persist_window)
     out = []
     for a, b in spans(fire, quiet):
         inside = np.flatnonzero(fire[a:b + 1]) + a
@@ -261,11 +302,14 @@ def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
         ongoing = b >= len(step) - quiet
         end = None if ongoing else int(step[b])
         metric = LOSS_WEIGHT_COLUMN.get(ctx.estimator, rule.metric) if rule.kind == "blowup" else rule.metric
-        severity = "info" if rule.kind in K3_ONLY and ctx.estimator != "k3" else rule.severity
+        severity = _severity(rule, ctx, bool(sus[a:b + 1].any()))
         span = (f"from step {step[a]} (ongoing)" if ongoing else f"step {step[a]}" if a == b
                 else f"steps {step[a]}-{end}")
         what = rule.what.format(value=fmt.metric(float(value[peak]), rule.metric in PERCENT_METRICS))
         msg = f"{span}: {what}, peak at step {step[peak]}"
+        if not sus[a:b + 1].any() and rule.kind not in ALWAYS:
+            msg += (f" (isolated: {len(inside)} firing step(s); a finding needs {ctx.config.persist_steps} of "
+                    f"{ctx.config.persist_window} consecutive steps)")
         out.append(Episode(rule.kind, int(step[a]), end, int(step[peak]), float(value[peak]), severity, msg,
                            metric=metric, steps=len(inside)))
     return out

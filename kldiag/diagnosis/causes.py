@@ -74,27 +74,29 @@ def _peak(step: np.ndarray, v: np.ndarray, fire: np.ndarray) -> tuple[int, float
     return int(step[i]), float(v[i])
 
 
-@register
-def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
-    """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1):
-    critical; or only flagged tokens carry over blame_share of the |k3 weight|: warning."""
-    if ctx.estimator != "k3":
-        return []
+def _sustained(ctx: Context, fire: np.ndarray) -> np.ndarray:
+    return EP.sustained(fire, ctx.config.persist_steps, ctx.config.persist_window)
+
+
+def _clamp_fire(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """(share of a step's tokens in the clamp's dead zone, sustained steps over clamp_frac); no steps
+    when the loss is not a clamped K3."""
+    c = ctx.cols
+    share = EP.col(c, "clamp_saturated_count") / np.maximum(EP.col(c, "tokens"), 1.0)
+    if ctx.estimator not in ("k3", CLAMPED_K3) or not clamps(ctx.manifest):
+        return share, np.zeros(len(share), bool)
+    return share, _sustained(ctx, EP.gt(share, ctx.config.clamp_frac))
+
+
+def _k3_fire(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """(sustained steps of a K3 weight past blowup_weight, sustained steps of blame_share past its limit)."""
     c, cfg = ctx.cols, ctx.config
-    w, share = EP.col(c, "weight_k3_abs_max"), EP.col(c, "blame_share")
-    fire, blame = EP.gt(w, cfg.blowup_weight), EP.gt(share, cfg.blame_share)
-    onset = _first(c["step"], fire | blame)
-    if onset is None:
-        return []
-    peak_step, peak = _peak(c["step"], w, fire | blame)
-    at = int(np.flatnonzero(c["step"] == peak_step)[0])
-    is_w = float(EP.col(c, "weight_k3_is_abs_max")[at])
-    ev = {"metric": "weight_k3_abs_max", "threshold": cfg.blowup_weight, "peak": peak, "peak_step": peak_step,
-          "steps_over": int(fire.sum()), "steps_blame": int(blame.sum()),
-          "blame_share_max": float(np.nanmax(share, initial=0.0)),
-          "theta_ll_ref_tokens": int(np.nansum(EP.col(c, "theta_ll_ref_count"))),
-          "weight_k3_is_abs_max_at_peak": is_w,
-          "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
+    fire = EP.gt(EP.col(c, "weight_k3_abs_max"), cfg.blowup_weight)
+    blame = EP.gt(EP.col(c, "blame_share"), cfg.blame_share)
+    return _sustained(ctx, fire), _sustained(ctx, blame)
+
+
+def _k3_summary(c, cfg: DiagnosisConfig, fire, onset: int, peak: float, peak_step: int, ev: dict) -> str:
     if fire.any():
         head = (f"K3's gradient weight 1 - pi_ref/pi_theta reaches {fmt.metric(peak)} at step {peak_step} (above "
                 f"{fmt.metric(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
@@ -103,36 +105,72 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     else:
         head = (f"from step {onset}, flagged tokens carry up to {ev['blame_share_max']:.0%} of the |k3 weight| "
                 f"(max {fmt.metric(peak)}, below the blow-up limit {fmt.metric(cfg.blowup_weight)} so far)")
-    summary = (f"{head}: tokens with pi_theta << pi_ref dominate the KL gradient; the corrected k3_is weight "
-               f"at step {peak_step} is {fmt.metric(is_w)}")
+    return (f"{head}: tokens with pi_theta << pi_ref dominate the KL gradient; the corrected k3_is weight "
+            f"at step {peak_step} is {fmt.metric(ev['weight_k3_is_abs_max_at_peak'])}")
+
+
+@register
+def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
+    """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1):
+    critical; or only flagged tokens carry over blame_share of the |k3 weight|: warning. Both need
+    a sustained signal (persist_steps of persist_window steps). On a clamping trainer whose dead zone
+    is a cause, the blame share is that of the dead-zone tokens, which have no K3 gradient there: it
+    is clamp_dead_zone's evidence, not a second cause."""
+    if ctx.estimator != "k3":
+        return []
+    c, cfg = ctx.cols, ctx.config
+    fire, blame = _k3_fire(ctx)
+    if not fire.any() and _clamp_fire(ctx)[1].any():
+        return []
+    onset = _first(c["step"], fire | blame)
+    if onset is None:
+        return []
+    w, share = EP.col(c, "weight_k3_abs_max"), EP.col(c, "blame_share")
+    peak_step, peak = _peak(c["step"], w, fire | blame)
+    at = int(np.flatnonzero(c["step"] == peak_step)[0])
+    ev = {"metric": "weight_k3_abs_max", "threshold": cfg.blowup_weight, "peak": peak, "peak_step": peak_step,
+          "steps_over": int(fire.sum()), "steps_blame": int(blame.sum()),
+          "blame_share_max": float(np.nanmax(np.where(blame, share, np.nan), initial=0.0)),
+          "theta_ll_ref_tokens": int(np.nansum(EP.col(c, "theta_ll_ref_count"))),
+          "weight_k3_is_abs_max_at_peak": float(EP.col(c, "weight_k3_is_abs_max")[at]),
+          "persistence": [cfg.persist_steps, cfg.persist_window],
+          "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
+    summary = _k3_summary(c, cfg, fire, onset, peak, peak_step, ev)
     severity = "critical" if fire.any() else "warning"
     return [Cause("k3_weight_blowup", onset, severity, ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
 
 
 @register
 def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
-    """A clamping trainer gives tokens with k3 > 10 (pi_ref/pi_theta > 13.6) no KL gradient."""
-    if ctx.estimator not in ("k3", CLAMPED_K3) or not clamps(ctx.manifest):
-        return []
+    """A clamping trainer gives tokens with k3 > 10 (pi_ref/pi_theta > 13.6) no KL gradient: over
+    clamp_frac of a step's tokens there, sustained. The blame share of those tokens (K3's
+    would-be weight) is folded into its evidence."""
     c, cfg = ctx.cols, ctx.config
-    share = EP.col(c, "clamp_saturated_count") / np.maximum(EP.col(c, "tokens"), 1.0)
-    fire = EP.gt(share, cfg.clamp_frac)
+    share, fire = _clamp_fire(ctx)
     onset = _first(c["step"], fire)
     if onset is None:
         return []
     peak_step, peak = _peak(c["step"], share, fire)
+    _, blame = _k3_fire(ctx)
+    blame_share = EP.col(c, "blame_share")
     ev = {"metric": "clamp_saturated_count / tokens", "threshold": cfg.clamp_frac, "peak": peak,
           "peak_step": peak_step, "tokens_in_dead_zone": int(np.nansum(EP.col(c, "clamp_saturated_count"))),
+          "steps": int(fire.sum()), "persistence": [cfg.persist_steps, cfg.persist_window],
+          "k3_blame_share_max": float(np.nanmax(blame_share, initial=0.0)) if np.isfinite(blame_share).any() else None,
+          "k3_blame_steps": int(blame.sum()),
           "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens, "clamp_saturated")}
     summary = (f"up to {peak:.2%} of a step's tokens have k3 > 10, where the trainer's clamp zeroes their KL gradient "
                f"(pi_theta < pi_ref/13.6), from step {onset}")
+    if blame.any():
+        summary += (f"; K3 would put up to {ev['k3_blame_share_max']:.0%} of its |weight| on these flagged tokens "
+                    "(blame share), which the clamp drops")
     return [Cause("clamp_dead_zone", onset, "warning", ev, fix_for("clamp_dead_zone", ctx.manifest), summary)]
 
 
 @register
 def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     """rho = pi_theta/pi_old: ESS below ess_low or mean outside rho_mean_range (verl rollout_corr.md
-    troubleshooting), or the k3_is loss's weight blowing up through rho."""
+    troubleshooting), or the k3_is loss's weight blowing up through rho; each sustained."""
     c, cfg = ctx.cols, ctx.config
     ess, mean = EP.col(c, "rho_ess"), EP.col(c, "rho_mean")
     lo, hi = cfg.rho_mean_range
@@ -140,6 +178,7 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     fire_mean = np.isfinite(mean) & ((np.nan_to_num(mean, nan=1.0) < lo) | (np.nan_to_num(mean, nan=1.0) > hi))
     w_is = EP.col(c, "weight_k3_is_abs_max")
     fire_is = EP.gt(w_is, cfg.blowup_weight) & (ctx.estimator == "k3_is")
+    fire_ess, fire_mean, fire_is = (_sustained(ctx, f) for f in (fire_ess, fire_mean, fire_is))
     fire = fire_ess | fire_mean | fire_is
     onset = _first(c["step"], fire)
     if onset is None:
@@ -169,7 +208,8 @@ def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
     """Sampler vs trainer. Warning when the mismatch dominates the off-policy gap (kldiag report's
     rule: mean KL(mu||pi_old) above mismatch_kl and sqrt(2 KL) above the mean policy drift
     |log pi_theta/pi_old|); info when it is present but smaller, i.e. the median token_mult_prob_error
-    exceeds NeMo-RL's 1.05. Onset: the first step where either holds. parity.py may replace it."""
+    exceeds NeMo-RL's 1.05. Onset: the first step where either holds, sustained (no cause when neither
+    persists on any stretch). parity.py may replace it."""
     c, cfg = ctx.cols, ctx.config
     kl, drift = EP.col(c, "mismatch_kl"), EP.col(c, "drift_abs_mean")
     tmpe = ctx.side_at(c["step"], "token_mult_prob_error")
@@ -180,7 +220,9 @@ def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
     if not (dominates or median_t > cfg.token_mult_prob_error):
         return []
     fire_kl, _ = EP.mismatch_rule(c, EP.RuleContext(config=cfg))
-    onset = _first(c["step"], fire_kl | EP.gt(tmpe, cfg.token_mult_prob_error))
+    onset = EP.first_sustained(c["step"], fire_kl | EP.gt(tmpe, cfg.token_mult_prob_error), cfg)
+    if onset is None:  # the run's means come from isolated steps: a note, left to the episodes
+        return []
     ev = {"mismatch_kl_mean": mean_kl, "mismatch_kl_max": float(np.nanmax(kl)) if np.isfinite(kl).any() else None,
           "mismatch_kl_threshold": cfg.mismatch_kl, "drift_abs_mean": mean_drift, "dominates_drift": dominates,
           "token_mult_prob_error_median": median_t,
@@ -217,33 +259,63 @@ def numerical_fault(analysis, ctx: Context) -> list[Cause]:
     return [Cause("numerical_fault", onset, "critical", ev, fix_for("numerical_fault", ctx.manifest), summary)]
 
 
+def _runs_of(fire: np.ndarray, length: int) -> np.ndarray:
+    """Indices of the last row of each stretch of `length` consecutive firing rows."""
+    run = np.convolve(fire.astype(int), np.ones(length, int), "full")[:len(fire)]
+    return np.flatnonzero(run >= length)
+
+
+def _early(v: np.ndarray, k: int) -> tuple[float, float]:
+    """(median, robust standard deviation 1.4826 * MAD) of the first k finite values."""
+    x = v[:k][np.isfinite(v[:k])]
+    if not len(x):
+        return math.nan, math.nan
+    med = float(np.median(x))
+    return med, float(1.4826 * np.median(np.abs(x - med)))
+
+
+def _entropy_onset(ent: np.ndarray, confirmed: int, level: float, spread: float, cfg: DiagnosisConfig) -> int:
+    """Row where the fall began: the one after the last row, before `confirmed`, whose entropy was still
+    within the early band (entropy_band of the early level, or 3 robust sd, whichever is larger)."""
+    band = max(cfg.entropy_band * level, 3.0 * spread)
+    inside = np.flatnonzero(ent[:confirmed] >= level - band)
+    return int(inside[-1]) + 1 if len(inside) else 0
+
+
 @register
 def entropy_collapse(analysis, ctx: Context) -> list[Cause]:
-    """Over collapse_share of the tokens have p > confident_p and the mean entropy fell below
-    collapse_entropy_ratio x its start (without entropies: the confident share rose by 0.2 or more),
-    for quiet_steps steps in a row. kldiag's own thresholds (no framework documents one)."""
+    """The mean entropy falls below collapse_entropy_ratio x the run's own early level (the median of
+    its first max(quiet_steps, steps/10) steps) for quiet_steps steps in a row; the onset is where it
+    left its early band. Without recorded entropies: over collapse_share of the tokens have
+    p > confident_p, from a start below collapse_share - 0.2, for quiet_steps steps in a row.
+    kldiag's own thresholds (no framework documents one)."""
     s, cfg = ctx.side, ctx.config
     step, share, ent = s["step"], s["confident_share"], s["entropy_mean"]
-    if len(step) < 2 * max(cfg.quiet_steps, 1):
+    q = max(cfg.quiet_steps, 1)
+    if len(step) < 2 * q:
         return []
-    k = max(cfg.quiet_steps, len(step) // 10)
+    k = max(q, len(step) // 10)
     start_share = float(np.nanmedian(share[:k])) if np.isfinite(share[:k]).any() else math.nan
-    if np.isfinite(ent[:k]).any():
-        start_ent = float(np.nanmedian(ent[:k]))
-        low = EP.gt(cfg.collapse_entropy_ratio * start_ent - ent, 0)
+    level, spread = _early(ent, k)
+    if math.isfinite(level):
+        done = _runs_of(EP.gt(cfg.collapse_entropy_ratio * level - ent, 0), q)
+        first = _entropy_onset(ent, int(done[0]) - q + 1, level, spread, cfg) if len(done) else None
     else:
-        start_ent = math.nan
-        low = np.full(len(step), start_share < cfg.collapse_share - 0.2)
-    fire = EP.gt(share, cfg.collapse_share) & low
-    run = np.convolve(fire.astype(int), np.ones(cfg.quiet_steps, int), "full")[:len(fire)]
-    sustained = np.flatnonzero(run >= cfg.quiet_steps)
-    if not len(sustained):
+        done = _runs_of(EP.gt(share, cfg.collapse_share) & (start_share < cfg.collapse_share - 0.2), q)
+        first = int(done[0]) - q + 1 if len(done) else None
+    if first is None:
         return []
-    onset = int(step[sustained[0] - cfg.quiet_steps + 1])
+    onset = int(step[first])
     ev = {"confident_p": cfg.confident_p, "confident_share_start": start_share,
-          "confident_share_last": float(share[-1]), "entropy_mean_start": start_ent,
-          "entropy_mean_last": float(ent[-1]), "collapse_share": cfg.collapse_share,
-          "collapse_entropy_ratio": cfg.collapse_entropy_ratio}
-    summary = (f"entropy collapse from step {onset}: {share[-1]:.0%} of the tokens now have p > {cfg.confident_p} "
-               f"(at the start {start_share:.0%})")
+          "confident_share_last": float(share[-1]), "entropy_mean_start": level, "entropy_early_sd": spread,
+          "entropy_mean_last": float(ent[-1]), "entropy_mean_min": float(np.nanmin(ent, initial=np.inf)),
+          "collapse_entropy_ratio": cfg.collapse_entropy_ratio, "collapse_share": cfg.collapse_share,
+          "confirmed_step": int(step[done[0]]), "early_steps": k}
+    if math.isfinite(level):
+        summary = (f"entropy collapse from step {onset}: the mean entropy falls from {level:.3g} nats (the run's "
+                   f"first {k} steps) to {ev['entropy_mean_last']:.3g}, below {cfg.collapse_entropy_ratio:g}x its "
+                   f"early level for {q} steps in a row by step {ev['confirmed_step']}")
+    else:
+        summary = (f"entropy collapse from step {onset}: {share[-1]:.0%} of the tokens now have p > "
+                   f"{cfg.confident_p} (at the start {start_share:.0%}; no entropies recorded)")
     return [Cause("entropy_collapse", onset, "warning", ev, fix_for("entropy_collapse", ctx.manifest), summary)]

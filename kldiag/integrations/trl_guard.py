@@ -22,6 +22,10 @@ def install_guard(trainer: Any, hook: Any, guard: Any, config: dict[str, Any]) -
     """Wire `guard` to `trainer`: fed by `hook`, judged at each step end; returns the callback."""
     if guard.estimator is None:
         guard.estimator = config.get("estimator")  # k3_is when use_bias_correction_kl, else k3
+    if guard.recorder is None:
+        guard.recorder = hook.rec
+    if hook.rec.flight_on and "flight" not in guard.actions:
+        guard.actions += ("flight",)  # a sampled recording with a flight ring: publish it when an episode starts
     hook.guard = guard
     cb = guard_callback(guard, hook)
     trainer.add_callback(cb)

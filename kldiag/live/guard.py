@@ -16,7 +16,10 @@ analysis' definitions). end_step() waits (at most wait_s) for that step's figure
 the episode rules of kldiag.analysis.episodes on the steps so far, and acts on each episode
 of a kind in `on` that started: "log" (a warning on the `kldiag.live.guard` logger and stderr),
 "save" and "stop" (flags the trainer integration turns into a checkpoint and a clean stop;
-a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`).
+a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`),
+"flight" (the `recorder=`'s flight recorder publishes its last steps, whole, as an evidence bundle
+at RUN/flight/<step>-<kind>/; the TRL hook turns it on when its recorder samples with
+flight_steps > 0; paths in guard.flights).
 A failure inside the guard disables it with one warning: it never stops a run on an error of
 its own, and a recorder's write error does not concern it (it keeps its own copies).
 """
@@ -38,7 +41,7 @@ from kldiag.analysis import episodes as EP
 from kldiag.diagnosis.types import DiagnosisConfig, Episode
 
 log = logging.getLogger("kldiag.live.guard")
-ACTIONS = ("log", "save", "stop", "call")
+ACTIONS = ("log", "save", "stop", "call", "flight")
 _SUMS = ("tokens", "sum_w", "sum_w_flagged", "flagged", "nonfinite", "invalid", "n_mismatch", "sum_mismatch",
          "n_drift", "sum_drift")
 _MAXES = ("weight_k3_abs_max", "weight_k3_is_abs_max")
@@ -94,7 +97,7 @@ class Guard:
     def __init__(self, on: str | tuple[str, ...] = "blowup,nonfinite", action: str | tuple[str, ...] = "log,save,stop",
                  callback: Callable[[Episode], Any] | None = None, estimator: str | None = None,
                  config: DiagnosisConfig = DiagnosisConfig(), weight_limit: float = E.WEIGHT_LIMIT,
-                 alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0):
+                 alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0, recorder: Any = None):
         self.on = EP.parse_kinds(on)
         actions = tuple(a.strip() for a in (action.split(",") if isinstance(action, str) else action) if a.strip())
         unknown = sorted(set(actions) - set(ACTIONS))
@@ -103,7 +106,12 @@ class Guard:
         if "call" in actions and callback is None:
             raise ValueError("action 'call' needs callback=f (f(episode) is called when an episode starts)")
         self.actions = actions + (("call",) if callback is not None and "call" not in actions else ())
+        if "flight" in actions and recorder is None:
+            raise ValueError("action 'flight' needs recorder=rec (a kldiag.Recorder with flight_steps > 0); the TRL "
+                             "hook passes its own")
         self.callback, self.estimator, self.wait_s = callback, estimator, wait_s
+        self.recorder = recorder  # "flight": its flight recorder publishes the last steps when an episode starts
+        self.flights: list[str] = []  # the evidence bundles published
         self.context = dict(weight_limit=weight_limit, alert_window=alert_window, alert_factor=alert_factor,
                             config=config)
         self.steps: dict[int, dict[str, float]] = {}
@@ -213,6 +221,13 @@ class Guard:
         self.should_stop |= "stop" in self.actions
         if "call" in self.actions and self.callback is not None:
             self.callback(e)
+        if "flight" in self.actions and self.recorder is not None:
+            trigger = {"kind": e.kind, "start": e.start, "severity": e.severity, "message": e.message,
+                       "peak_step": e.peak_step, "peak_value": e.peak_value, "source": "guard"}
+            path = self.recorder.dump_flight(trigger, self.table(last=self.recorder.options.flight_steps or None))
+            if path is not None:
+                self.flights.append(path)
+                log.warning("kldiag guard: the last steps at full fidelity are in %s", path)
 
     def _fail(self, e: BaseException) -> None:
         if self.failed is None:

@@ -32,6 +32,9 @@ class RecorderConfig:
     # Sampling, to record less of a long run.
     every_n_steps: int = 1  # record the steps divisible by this
     seq_fraction: float = 1.0  # share of sequences kept, by a hash of the sequence id (the same on every rank)
+    # The flight recorder, while sampling: the last steps whole, published when a guard fires.
+    flight_steps: int = 0  # steps kept at full fidelity on the host (0: off); only when sampling
+    flight_bytes: int = 256 << 20  # the ring's bound in bytes (the oldest steps go first)
     # Failures and priority.
     strict: bool = False  # raise RecorderError on a write error instead of warning and counting it
     writer_nice: int | None = 10  # niceness of the writer threads (None: leave it)
@@ -44,6 +47,9 @@ class RecorderConfig:
                              "pass every_n_steps >= 1 and 0 < seq_fraction <= 1")
         if self.rotate_rows < 1 or self.queue_batches < 1:
             raise ValueError("rotate_rows and queue_batches must be >= 1")
+        if self.flight_steps < 0 or self.flight_bytes < 1:
+            raise ValueError(f"flight_steps={self.flight_steps}, flight_bytes={self.flight_bytes}; "
+                             "pass flight_steps >= 0 (0: off) and flight_bytes >= 1")
 
     @classmethod
     def build(cls, options: RecorderConfig | None = None, **changes: Any) -> RecorderConfig:

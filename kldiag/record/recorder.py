@@ -26,8 +26,10 @@ import numpy as np
 
 from kldiag import format as F
 from kldiag.errors import RecorderError
+from kldiag.record import flight as FL
 from kldiag.record import writer as W
 from kldiag.record.config import RecorderConfig
+from kldiag.record.inputs import check_shapes, detect_rank, seq_unit, shape_of
 from kldiag.version import __version__
 
 if TYPE_CHECKING:
@@ -35,38 +37,8 @@ if TYPE_CHECKING:
 
 SEQ_LOCAL_BITS = 20  # default seq id: ((((step * world_size + rank) << 12) + attempt % 4096) << 20) + k
 SEQ_ATTEMPT_BITS = 12
-TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids")
-ROW_ARGS = ("seq_ids", "group_ids")
 COLUMN_OF = {"completion_mask": "completion", "token_ids": "token_id", "seq_ids": "seq", "group_ids": "group",
              "advantages": "advantage"}
-
-
-def seq_unit(seq: np.ndarray) -> np.ndarray:
-    """splitmix64(seq) / 2**64 in [0, 1): the deterministic draw behind `seq_fraction`."""
-    with np.errstate(over="ignore"):
-        z = seq.astype(np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53
-
-
-def detect_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """(rank, world_size): arguments, else torch.distributed when initialised, else RANK/WORLD_SIZE."""
-    r, w = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    torch = sys.modules.get("torch")  # never imported here: only asked when the trainer has it
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        r, w = dist.get_rank(), dist.get_world_size()
-    r = r if rank is None else int(rank)
-    w = w if world_size is None else int(world_size)
-    if not 0 <= r < w:
-        raise ValueError(f"rank {r} is outside world_size {w}; pass rank= and world_size= with 0 <= rank < world_size")
-    return r, w
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
@@ -139,6 +111,8 @@ class Recorder:
         self.attempt, first_index = F.next_attempt(self.store, self.rank)
         self.backpressure, self.strict = backpressure, strict
         self.every_n_steps, self.seq_fraction = int(o.every_n_steps), float(o.seq_fraction)
+        sampling = self.every_n_steps > 1 or self.seq_fraction < 1.0
+        self._flight = FL.Ring(o.flight_steps, o.flight_bytes) if o.flight_steps and sampling else None
         self._stats = dict.fromkeys(W.STATS_KEYS, 0)
         self._error: BaseException | None = None
         self._warned: set[str] = set()
@@ -185,12 +159,16 @@ class Recorder:
                  "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids}
         args = {k: v for k, v in given.items() if v is not None}
         step, micro, iteration = int(step), int(micro), int(iteration)
-        batch, _ = _check_shapes(args)
+        batch, _ = check_shapes(args)
         with self._lock:
             self._raise_if_failed()
             if self._closed:
                 raise RecorderError(f"record() after close() on the recorder of {self.run_dir}; "
                                     "open a new kldiag.Recorder for more rows")
+            if self._flight is not None:  # the whole batch, before sampling: the flight recorder's ring
+                if "seq_ids" not in args:
+                    args["seq_ids"] = self._default_seq_ids(step, iteration, batch)
+                self._flight.add(step, micro, iteration, args)
             if step % self.every_n_steps:
                 self._stats["skipped_steps"] += 1
                 return
@@ -253,13 +231,26 @@ class Recorder:
         comp = args.get("completion_mask", args.get("mask"))
         if comp is not None and W.torch_of(comp) is not None:
             comp = comp.numpy() if comp.device.type == "cpu" else None  # no device sync to count
-        rows = int(np.count_nonzero(comp)) if comp is not None else int(np.prod(_shape(args["logp"])))
+        rows = int(np.count_nonzero(comp)) if comp is not None else int(np.prod(shape_of(args["logp"])))
         self._stats["dropped_rows"] += rows
         self._warn_once("drop", f"kldiag: the writer of {self.run_dir} is behind; dropping micro-batches "
                         "(backpressure='drop'); stats['dropped_rows'] counts them. Raise queue_batches, "
                         "sample with every_n_steps/seq_fraction, or use backpressure='block'")
 
     # ---- control ------------------------------------------------------------------------
+
+    @property
+    def flight_on(self) -> bool:
+        """Whether this recorder keeps a flight ring (it samples, and flight_steps > 0)."""
+        return self._flight is not None
+
+    def dump_flight(self, trigger: dict[str, Any] | None = None, figures: dict[str, Any] | None = None) -> str | None:
+        """Publish the flight recorder's ring as an evidence bundle (a run at RUN/flight/<step>-<kind>/
+        with flight.json); returns its path or URI, None when the recorder keeps no ring (it records
+        every row, or flight_steps is 0). `trigger`: what fired ({"kind", "start", "message", ...})."""
+        if self._flight is None:
+            return None
+        return FL.publish(self, type(self), self._flight.snapshot(), trigger, figures)
 
     def update_config(self, **kv: Any) -> None:
         """Merge `kv` into manifest["config"] (facts learned after the recorder started)."""
@@ -385,24 +376,6 @@ class Recorder:
             except Exception as e:  # noqa: BLE001 - counted, never raised into training
                 self._stats["write_errors"] += 1
                 self._on_error(e)
-
-
-def _check_shapes(args: dict[str, Any]) -> tuple[int, int]:
-    """ValueError naming the argument and both shapes unless every array fits logp's [B, T]."""
-    shape = _shape(args["logp"])
-    if len(shape) != 2:
-        raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
-    for name, x in args.items():
-        got = _shape(x)
-        if name in TOKEN_ARGS:
-            want, ok = f"{shape}", got == shape
-        elif name in ROW_ARGS:
-            want, ok = f"({shape[0]},)", got == shape[:1]
-        else:  # advantages
-            want, ok = f"({shape[0]},) or {shape}", got in (shape[:1], shape)
-        if not ok:
-            raise ValueError(f"{name} has shape {got}, but logp has shape {shape}; pass {name} with shape {want}")
-    return shape
 
 
 def _version() -> str:

@@ -1,0 +1,59 @@
+"""What record() takes: its shapes checked, this process's rank, and the draw behind seq_fraction."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids")
+ROW_ARGS = ("seq_ids", "group_ids")
+
+
+def seq_unit(seq: np.ndarray) -> np.ndarray:
+    """splitmix64(seq) / 2**64 in [0, 1): the deterministic draw behind `seq_fraction`."""
+    with np.errstate(over="ignore"):
+        z = seq.astype(np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53
+
+
+def detect_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): arguments, else torch.distributed when initialised, else RANK/WORLD_SIZE."""
+    r, w = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    torch = sys.modules.get("torch")  # never imported here: only asked when the trainer has it
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        r, w = dist.get_rank(), dist.get_world_size()
+    r = r if rank is None else int(rank)
+    w = w if world_size is None else int(world_size)
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} is outside world_size {w}; pass rank= and world_size= with 0 <= rank < world_size")
+    return r, w
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
+    """ValueError naming the argument and both shapes unless every array fits logp's [B, T]."""
+    shape = shape_of(args["logp"])
+    if len(shape) != 2:
+        raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
+    for name, x in args.items():
+        got = shape_of(x)
+        if name in TOKEN_ARGS:
+            want, ok = f"{shape}", got == shape
+        elif name in ROW_ARGS:
+            want, ok = f"({shape[0]},)", got == shape[:1]
+        else:  # advantages
+            want, ok = f"({shape[0]},) or {shape}", got in (shape[:1], shape)
+        if not ok:
+            raise ValueError(f"{name} has shape {got}, but logp has shape {shape}; pass {name} with shape {want}")
+    return shape
+
