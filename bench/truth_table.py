@@ -3,8 +3,9 @@
     python bench/truth_table.py                       # every scenario at full size, tables on stdout
     python bench/truth_table.py --markdown            # ... and into docs/metrics.md, between the truth-table markers
     python bench/truth_table.py --only k3_blowup --small
-    # another checkout of kldiag (a "before" table); the generator is loaded by its file path:
-    PYTHONPATH=/tmp/kl_before python bench/truth_table.py --generator kldiag/tools/truth.py --label 9cb43d0
+    # another checkout of kldiag (a "before" table, kept beside the current one in its own markers); the
+    # generator is loaded by its file path:
+    PYTHONPATH=/tmp/kl_before python bench/truth_table.py --generator kldiag/tools/truth.py --label 9cb43d0 --before
 
 Per cause: true positives (named on a scenario that has it), false negatives, false positives (named
 on a scenario that does not have it), onsets within the scenario's tolerance, mean and max onset
@@ -25,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- truth-table:begin -->", "<!-- truth-table:end -->"
+BEFORE_BEGIN, BEFORE_END = "<!-- truth-table-before:begin -->", "<!-- truth-table-before:end -->"
 
 
 def load_generator(path: str | None):
@@ -138,21 +140,33 @@ engine), and the entropy is pi_theta's exact entropy. Each scenario declares the
 with their onset and a tolerance (5 steps; 10 for a mismatch that ramps up over 20 steps; 25 for an
 entropy collapse, a quarter of its 100-step fall), and any other cause counts as a false positive.
 `tests/test_truth_suite.py` runs them all at a reduced size (8 sequences of 24-48 tokens a step) and
-marks with `xfail(strict=True)` the ones today's detectors get wrong, with the defect.
+marks with `xfail(strict=True)` the ones today's detectors get wrong, with the defect (none since issue 24's
+fixes: persistence, the temperature/noise fit, the entropy trend, one cause per root cause; the table from
+before them follows this one).
 
 TP: the cause is named on a scenario that has it (onset aside); FN: not named there; FP: named on
 a scenario that does not have it. Onset error: |onset named - onset expected| over the TPs.
+
+### After: the detectors of this checkout
+
+{body}
+"""
+BEFORE_SECTION = """### Before: the detectors before issue 24's fixes, kept for comparison (`--before`)
 
 {body}
 """
 
 
-def write_markdown(doc: Path, text: str) -> None:
+def write_markdown(doc: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the block between `begin` and `end` (a new block goes after the main one, else at the end)."""
     old = doc.read_text() if doc.exists() else ""
-    block = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1]
+    elif begin != BEGIN and END in old:
+        head, rest = old.split(END, 1)
+        new = head + END + "\n\n" + block + rest
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
     doc.write_text(new)
@@ -166,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", action="store_true", help="the tests' reduced sizes instead of full size")
     ap.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "metrics.md"),
                     help="write the section between the truth-table markers of this file (default docs/metrics.md)")
-    ap.add_argument("--label", help="what checkout this is, for the table's heading (default: kldiag's path)")
+    ap.add_argument("--label", help="what checkout this is, for the table's heading (default: this checkout, or "
+                    "kldiag's path)")
+    ap.add_argument("--before", action="store_true", help="with --markdown: write the table as the kept \"before\" "
+                    "table (its own markers), leaving the current one")
     ap.add_argument("--keep", help="write the runs under this directory and keep them")
     args = ap.parse_args(argv)
     T = load_generator(args.generator)
@@ -175,15 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     names = args.only or list(T.SCENARIOS)
     t0 = time.perf_counter()
     rows = run_all(T, names, args.small, args.keep)
-    label = args.label or f"kldiag from `{Path(kldiag.__file__).parent}`"
     command = shlex.join(["python", "bench/truth_table.py", *(argv if argv is not None else sys.argv[1:])])
     other = Path(kldiag.__file__).resolve().parents[1]
+    label = args.label or ("this checkout" if other == ROOT else f"kldiag from `{Path(kldiag.__file__).parent}`")
     if other != ROOT:  # another checkout of kldiag, on PYTHONPATH
         command = f"PYTHONPATH={other} {command}"
     text = render(T, rows, label, command)
     print(text)
     print(f"\n{len(rows)} scenarios in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    if args.markdown:
+    if args.markdown and args.before:
+        write_markdown(Path(args.markdown), BEFORE_SECTION.format(body=text), BEFORE_BEGIN, BEFORE_END)
+    elif args.markdown:
         write_markdown(Path(args.markdown), SECTION.format(body=text))
 
 

@@ -67,6 +67,39 @@ def test_recovery_and_relapse_are_two_episodes(tmp_path):
     assert dg.causes[0].cause == "k3_weight_blowup" and dg.causes[0].onset == 10
 
 
+def test_persistence_rule():
+    one = np.zeros(2000, bool)
+    one[700] = True
+    assert not EP.sustained(one).any()  # an isolated outlier
+    burst = one.copy()
+    burst[[701, 703]] = True  # 3 of 5 consecutive steps
+    assert EP.sustained(burst)[[700, 701, 703]].all()
+    sparse = np.zeros(300, bool)
+    sparse[[150, 151, 165, 180, 197, 201]] = True  # a rare event that keeps coming back: 6 of 100 steps
+    assert EP.sustained(sparse)[150] and not EP.sustained(sparse[:166])[150]  # 3 in 16 steps of 166: 2%
+    assert EP.sustained(np.array([True, True])).all() and not EP.sustained(np.array([False, True])).any()
+
+
+def test_an_isolated_outlier_step_is_a_note(tmp_path):
+    healthy = SynthConfig(steps=60, **SMALL)
+    blown = SynthConfig(steps=60, blowup_step=0, blowup_frac=0.1, **SMALL)
+    make_run(tmp_path, healthy, steps=range(0, 30))
+    make_run(tmp_path, blown, steps=range(30, 31), manifest=False)  # one step: weights far past 100
+    make_run(tmp_path, healthy, steps=range(31, 60), manifest=False)
+    dg = diagnose(_analyze(tmp_path))
+    (blow,) = [e for e in dg.episodes if e.kind == "blowup"]
+    assert (blow.start, blow.end, blow.severity) == (30, 30, "info") and "isolated" in blow.message
+    assert blow.peak_value > 100 and blow.evidence["tokens"]  # the note keeps its evidence
+    assert dg.verdict == "healthy" and dg.causes == []
+    assert all(e.severity == "info" for e in dg.episodes)
+    make_run(tmp_path, blown, steps=range(40, 43), manifest=False)  # three steps in a row: sustained
+    dg = diagnose(_analyze(tmp_path))
+    blow = [(e.start, e.end, e.severity) for e in dg.episodes if e.kind == "blowup"]
+    assert dg.verdict == "unstable" and blow == [(30, 42, "critical")]  # a 9-step pause is no recovery
+    # 4 blow-up steps of this 60-step run recur (over 5% of its steps): step 30 is no longer isolated
+    assert [(c.cause, c.onset) for c in dg.causes] == [("k3_weight_blowup", 30)]
+
+
 def test_numerical_fault_names_where(tmp_path):
     make_run(tmp_path, SynthConfig(steps=20, nonfinite=((5, "logp_ref"),), positive=(9,), **SMALL))
     dg = diagnose(_analyze(tmp_path))

@@ -89,6 +89,26 @@ def test_mismatch_growing_while_drift_does_not():
     assert "grows" in DP.mismatch_cause(rep, None, "fix").summary
 
 
+def test_engine_noise_is_not_a_temperature(tmp_path):
+    """i.i.d. engine logit noise, tokens drawn from mu: the slope falls below 1 as a temperature's would, but
+    its residual is many times the slope's effect, so no temperature; a real one explains KL(mu||pi_old)."""
+    from dataclasses import replace
+
+    from kldiag.tools import truth as T
+
+    cfg = P.ParityConfig()
+    noisy = replace(T.small(T.SCENARIOS["engine_mismatch_jump"]), steps=60, mismatch_from=0)
+    rep = P.check_run(T.make_run(tmp_path / "noise", noisy), cfg)
+    assert rep.fit.slope < 1 - cfg.slope_tol and rep.fit.method == "shared-context"  # looks like T ~ 1.03
+    assert rep.fit.explained < 0.5 and not rep.temperature and not rep.explains_mismatch
+    assert DP.temperature_cause(rep, "fix") is None
+    hot = replace(T.small(T.SCENARIOS["engine_temperature_0.7"]), steps=60)
+    rep = P.check_run(T.make_run(tmp_path / "hot", hot), cfg)
+    assert rep.temperature and rep.explains_mismatch and rep.fit.explained > 5 and rep.temperature_steps.all()
+    assert rep.fit.implied_temperature == pytest.approx(0.7, rel=0.01)
+    assert DP.mismatch_cause(rep, None, "fix") is None and DP.temperature_cause(rep, "fix").onset == 0
+
+
 def test_pooled_fallback_without_groups_says_so():
     rep = P.check(TS.from_table(engine_table(1.3, with_group=False)))
     assert rep.fit.method == "pooled" and rep.fit.contexts == 0
@@ -119,7 +139,9 @@ def test_demo_pair_implied_temperature_is_the_engines():
     assert len(temp) == 1
     assert isinstance(temp[0]["implied_temperature"], float)
     assert temp[0]["implied_temperature"] == pytest.approx(truth, abs=1e-4)
-    assert [c["cause"] for c in out["causes"]].count("engine_mismatch") == 1  # parity's replaces the built-in
+    # the temperature explains the KL(mu||pi_old) the built-in rule sees: its evidence, not a second cause
+    assert [c["cause"] for c in out["causes"]].count("engine_mismatch") == 0
+    assert temp[0]["evidence"]["explained_mismatch"]["mismatch_kl_mean"] > 0.01
 
 
 def test_parity_causes_dicts_and_runs_without_sampler():

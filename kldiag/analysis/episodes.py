@@ -21,10 +21,10 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
   latent               info      K3's weight exceeds blowup_weight on a run whose loss is not K3
 
 An onset-rule episode that starts inside a blow-up episode (after its first step) is dropped.
-Persistence: an episode keeps its rule's severity only when it holds a sustained stretch, its rule
-firing on at least persist_steps (3) of persist_window (5) consecutive recorded steps; an isolated
-outlier (one step, or two far apart) is an info note with its evidence. nonfinite and invalid are
-exempt: a single NaN is a fault. The cause detectors use the same rule (`sustained`).
+Persistence (`Persistence`, `sustained`): an episode keeps its rule's severity only when its rule
+fires on at least 3 of 5 consecutive recorded steps in it, or on 5% of 100 (at least 3); an isolated
+outlier (one step, or a few far apart) is an info note with its evidence. nonfinite and invalid are
+exempt: a single NaN is a fault. The cause detectors use the same rule.
 Pure numpy on float64 arrays.
 """
 
@@ -41,9 +41,24 @@ import numpy as np
 from kldiag import fmt
 
 SEVERITIES = ("info", "warning", "critical")  # ordered: a verdict is driven by the worst
-# Persistence: a signal is sustained when it fires on at least PERSIST_STEPS of PERSIST_WINDOW consecutive
-# recorded steps (both capped at the run's length). An isolated outlier is a note, never a cause.
-PERSIST_STEPS, PERSIST_WINDOW = 3, 5
+
+
+@dataclass(frozen=True)
+class Persistence:
+    """When a per-step signal is sustained (`sustained`): on a step that fires and lies in a burst, at
+    least `steps` of `window` consecutive recorded steps firing, or in a recurrence, at least `share` of
+    `span` consecutive recorded steps (and `steps` of them) firing: a rare event that keeps coming back,
+    as K3 blow-ups from rarely sampled tokens do. Windows are capped at the run's length. An isolated
+    outlier (one step, or a few far apart) is a note, never a cause. kldiag's own numbers."""
+
+    steps: int = 3
+    window: int = 5
+    share: float = 0.05
+    span: int = 100
+
+    def describe(self) -> str:
+        return (f"{self.steps} of {self.window} consecutive steps, or {self.share:.0%} of {self.span} "
+                f"(at least {self.steps})")
 
 
 @dataclass(frozen=True)
@@ -63,8 +78,7 @@ class DiagnosisConfig:
     collapse_entropy_ratio: float = 0.2  # entropy collapse: the mean entropy below this x its early level ...
     entropy_band: float = 0.05  # ... its onset: where it last left its early level by more than this share
     # (or 3 robust standard deviations of the early steps, whichever is larger)
-    persist_steps: int = PERSIST_STEPS  # a cause (and a non-info episode) needs its signal on this many ...
-    persist_window: int = PERSIST_WINDOW  # ... of this many consecutive recorded steps
+    persistence: Persistence = Persistence()  # a cause (and a non-info episode) needs a sustained signal
     evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
 
 
@@ -255,24 +269,28 @@ def spans(fire: np.ndarray, quiet: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(firsts, lasts, strict=True)]
 
 
-def sustained(fire: np.ndarray, n: int = PERSIST_STEPS, m: int = PERSIST_WINDOW) -> np.ndarray:
-    """Per row: it fires and lies in a window of m consecutive rows of which at least n fire (both
-    capped at the number of rows: a run shorter than n rows needs every row). The persistence rule of
+def _windows(fire: np.ndarray, n: int, m: int) -> np.ndarray:
+    """Per row: inside a window of m consecutive rows (m capped at the rows) where at least n fire."""
+    k = len(fire)
+    m = max(1, min(m, k))
+    ok = np.convolve(fire.astype(np.int64), np.ones(m, np.int64), "valid") >= min(n, m)  # windows at 0..k-m
+    return np.convolve(ok.astype(np.int64), np.ones(m, np.int64), "full")[:k] > 0
+
+
+def sustained(fire: np.ndarray, rule: Persistence = Persistence()) -> np.ndarray:
+    """Per row: it fires and lies in a burst or a recurrence (`Persistence`). The persistence rule of
     the causes and of the episodes' severity: an isolated outlier step is a note, not a finding."""
     fire = np.asarray(fire, dtype=bool)
-    k = len(fire)
-    if not k:
+    if not len(fire):
         return fire
-    n = max(1, min(n, k))
-    m = max(n, min(m, k))
-    ok = np.convolve(fire.astype(np.int64), np.ones(m, np.int64), "valid") >= n  # windows starting at 0..k-m
-    covered = np.convolve(ok.astype(np.int64), np.ones(m, np.int64), "full")[:k] > 0
-    return fire & covered
+    span = min(rule.span, len(fire))
+    recur = max(rule.steps, math.ceil(rule.share * span))
+    return fire & (_windows(fire, rule.steps, rule.window) | _windows(fire, recur, span))
 
 
 def first_sustained(step: np.ndarray, fire: np.ndarray, config: DiagnosisConfig) -> int | None:
-    """The step of the first row of `fire` that is sustained (config.persist_steps of persist_window)."""
-    hit = np.flatnonzero(sustained(fire, config.persist_steps, config.persist_window))
+    """The step of the first row of `fire` that is sustained (config.persistence)."""
+    hit = np.flatnonzero(sustained(fire, config.persistence))
     return int(step[hit[0]]) if len(hit) else None
 
 
@@ -289,11 +307,11 @@ def _severity(rule: Rule, ctx: RuleContext, sustained_inside: bool) -> str:
 
 def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
     """The episodes of one rule; end is None while firing in the last quiet_steps rows. An episode
-    without a sustained stretch (persist_steps of persist_window steps) is info: an isolated note."""
+    without a sustained step (config.persistence) is info: an isolated note."""
     fire, value = rule.fire(cols, ctx)
     step = np.asarray(cols["step"], dtype=np.int64)
     quiet = max(1, ctx.config.quiet_steps, ctx.alert_window if rule.bridge_window else 0)
-    sus = sustained(fire, ctx.config.persist_steps, ctx.config.persist_window)
+    sus = sustained(fire, ctx.config.persistence)
     out = []
     for a, b in spans(fire, quiet):
         inside = np.flatnonzero(fire[a:b + 1]) + a
@@ -308,8 +326,7 @@ def rule_episodes(rule: Rule, cols: Cols, ctx: RuleContext) -> list[Episode]:
         what = rule.what.format(value=fmt.metric(float(value[peak]), rule.metric in PERCENT_METRICS))
         msg = f"{span}: {what}, peak at step {step[peak]}"
         if not sus[a:b + 1].any() and rule.kind not in ALWAYS:
-            msg += (f" (isolated: {len(inside)} firing step(s); a finding needs {ctx.config.persist_steps} of "
-                    f"{ctx.config.persist_window} consecutive steps)")
+            msg += f" (isolated: {len(inside)} firing step(s); a finding needs {ctx.config.persistence.describe()})"
         out.append(Episode(rule.kind, int(step[a]), end, int(step[peak]), float(value[peak]), severity, msg,
                            metric=metric, steps=len(inside)))
     return out

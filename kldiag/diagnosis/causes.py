@@ -75,7 +75,7 @@ def _peak(step: np.ndarray, v: np.ndarray, fire: np.ndarray) -> tuple[int, float
 
 
 def _sustained(ctx: Context, fire: np.ndarray) -> np.ndarray:
-    return EP.sustained(fire, ctx.config.persist_steps, ctx.config.persist_window)
+    return EP.sustained(fire, ctx.config.persistence)
 
 
 def _clamp_fire(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ def _k3_summary(c, cfg: DiagnosisConfig, fire, onset: int, peak: float, peak_ste
 def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1):
     critical; or only flagged tokens carry over blame_share of the |k3 weight|: warning. Both need
-    a sustained signal (persist_steps of persist_window steps). On a clamping trainer whose dead zone
+    a sustained signal (DiagnosisConfig.persistence). On a clamping trainer whose dead zone
     is a cause, the blame share is that of the dead-zone tokens, which have no K3 gradient there: it
     is clamp_dead_zone's evidence, not a second cause."""
     if ctx.estimator != "k3":
@@ -133,7 +133,7 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
           "blame_share_max": float(np.nanmax(np.where(blame, share, np.nan), initial=0.0)),
           "theta_ll_ref_tokens": int(np.nansum(EP.col(c, "theta_ll_ref_count"))),
           "weight_k3_is_abs_max_at_peak": float(EP.col(c, "weight_k3_is_abs_max")[at]),
-          "persistence": [cfg.persist_steps, cfg.persist_window],
+          "persistence": cfg.persistence.describe(),
           "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens)}
     summary = _k3_summary(c, cfg, fire, onset, peak, peak_step, ev)
     severity = "critical" if fire.any() else "warning"
@@ -155,7 +155,7 @@ def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
     blame_share = EP.col(c, "blame_share")
     ev = {"metric": "clamp_saturated_count / tokens", "threshold": cfg.clamp_frac, "peak": peak,
           "peak_step": peak_step, "tokens_in_dead_zone": int(np.nansum(EP.col(c, "clamp_saturated_count"))),
-          "steps": int(fire.sum()), "persistence": [cfg.persist_steps, cfg.persist_window],
+          "steps": int(fire.sum()), "persistence": cfg.persistence.describe(),
           "k3_blame_share_max": float(np.nanmax(blame_share, initial=0.0)) if np.isfinite(blame_share).any() else None,
           "k3_blame_steps": int(blame.sum()),
           "tokens": evidence.worst_tokens(analysis.flags, onset, None, cfg.evidence_tokens, "clamp_saturated")}

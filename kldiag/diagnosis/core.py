@@ -63,21 +63,24 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
 
     Reads no part when `analysis` was made with `reducers()` (else the side scan and the parity
     sample read the parts whose partials are not cached yet); `detectors` defaults to
-    causes.detectors() (the built-ins, then those registered by other modules).
+    causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
+    dropped when another detector named the same cause, or ran and lists its name in its `replaces`.
     """
     eps, rctx, cols = run_episodes(analysis, config)
     side = side_scan(analysis, config) if config is not None else {}
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
     found: list[tuple[bool, Cause]] = []
+    replaced: set[str] = set()
     for det in C.detectors() if detectors is None else detectors:
         try:
             builtin = getattr(det, "__module__", "") == C.__name__
             found += [(builtin, c) for c in _call(det, analysis, ctx)]
+            replaced |= set(() if builtin else getattr(det, "replaces", ()))
         except Exception as e:
             warnings.warn(f"kldiag: cause detector {getattr(det, '__name__', det)} failed ({type(e).__name__}: "
                           f"{e}); its cause is left out", stacklevel=2)
-    external = {c.cause for b, c in found if not b}
-    causes = [c for b, c in found if not (b and c.cause in external)]  # a parity detector replaces ours
+    replaced |= {c.cause for b, c in found if not b}  # a parity detector replaces ours, even with no cause
+    causes = [c for b, c in found if not (b and c.cause in replaced)]
     rank = {s: i for i, s in enumerate(SEVERITIES)}
     causes.sort(key=lambda c: (-rank.get(c.severity, 0), c.onset if c.onset is not None else 1 << 62))
     return Diagnosis(verdict(causes, eps), causes, eps)

@@ -1,6 +1,8 @@
 """NeMo-RL: the options kldiag names in its fixes.
 
-Checked in NeMo-RL `nemo_rl/algorithms/loss/loss_functions.py` (loss_fn.* keys).
+Checked in NeMo-RL `nemo_rl/algorithms/loss/loss_functions.py` (`ClippedPGLossConfig`: loss_fn.* keys,
+`use_importance_sampling_correction`, `truncated_importance_sampling_ratio`, `ratio_clip_max`) and its
+configs (`policy.generation.temperature`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,23 @@ FIXES = {
     "offpolicy_drift": (
         'Fewer policy updates per generation batch; enable the seq-mask-tis / icepop correction.'),
     "engine_mismatch": (
-        "NeMo-RL flags token_mult_prob_error > 1.05: check the generation backend's dtype and temperature; enable "
-        'its TIS correction.'),
+        'Set `loss_fn.use_importance_sampling_correction=true` (optionally '
+        '`loss_fn.truncated_importance_sampling_ratio`, e.g. 2.0); NeMo-RL flags token_mult_prob_error > 1.05: check '
+        'the generation backend\'s dtype and temperature.'),
     "numerical_fault": (
         'Check fp16 overflow, -inf masking of sampled tokens, and the generation temperature.'),
     "entropy_collapse": (
-        'Raise the upper clip ratio or the generation temperature.'),
+        "Raise the upper clip `loss_fn.ratio_clip_max` (DAPO's clip-higher, e.g. 0.28) or "
+        '`policy.generation.temperature`.'),
+}
+
+# When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
+IF_SET = {
+    "entropy_collapse": ("clip_higher", (
+        "The upper clip is already `loss_fn.ratio_clip_max={clip_high:g}` (DAPO's clip-higher): raise "
+        '`policy.generation.temperature`, or add an entropy bonus to the loss.')),
+    "engine_mismatch": ("engine_is", (
+        '`loss_fn.use_importance_sampling_correction` is already on: set '
+        '`loss_fn.truncated_importance_sampling_ratio` (e.g. 2.0) and remove the mismatch at its source: the '
+        'generation backend\'s dtype and `policy.generation.temperature`.')),
 }

@@ -19,9 +19,20 @@ FIXES = {
         'Look for fp16 overflow, -inf masking of sampled tokens, and log-softmax applied twice or to '
         'temperature-scaled logits.'),
     "entropy_collapse": (
-        'Clip-higher (an asymmetric PPO clip, DAPO), an entropy bonus, or a higher sampling temperature.'),
+        "Clip-higher (an asymmetric PPO clip, DAPO's upper epsilon 0.28), an entropy bonus, or a higher sampling "
+        'temperature.'),
     "engine_temperature_mismatch": (
         "The engine samples at temperature {t:.3g} while the trainer scores at 1: divide the trainer's logits by the "
         "sampling temperature (or sample at 1), and record the engine's processed (post-temperature) log-probs, not "
         'the raw ones.'),
+}
+
+# When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
+IF_SET = {
+    "entropy_collapse": ("clip_higher", (
+        "The upper clip is already {clip_high:g} (DAPO's clip-higher): add an entropy bonus (a small coefficient "
+        'times the mean token entropy) or sample at a higher temperature.')),
+    "engine_mismatch": ("engine_is", (
+        "The run already corrects the mismatch with importance sampling: remove it at its source (match temperature, "
+        'top-p, dtype and kernels between the engine and the trainer), and mask rather than truncate outliers.')),
 }

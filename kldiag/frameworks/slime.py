@@ -38,3 +38,16 @@ FIXES = {
         'Score with the sampling temperature: the trainer must divide the logits by `--rollout-temperature` as '
         'SGLang does, and the rollout log-probs must be post-temperature.'),
 }
+
+# When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
+IF_SET = {
+    "entropy_collapse": ("clip_higher", (
+        "The upper clip is already {clip_high:g} (`--eps-clip-high`, DAPO's clip-higher): add `--entropy-coef` "
+        '(e.g. 0.001) or raise the rollout temperature.')),
+    "engine_mismatch": ("engine_is", (
+        '`--use-tis` is already on: try a `--custom-tis-function-path` that masks (icepop), add '
+        '`--get-mismatch-metrics`, and check the SGLang dtype and temperature.')),
+    "offpolicy_drift": ("opsm", (
+        'The off-policy sequence mask is already on: lower `--opsm-delta`, add `--use-tis`, and update fewer times '
+        'per rollout.')),
+}

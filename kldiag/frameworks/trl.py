@@ -1,7 +1,9 @@
 """TRL (GRPOTrainer): the options kldiag names in its fixes, the versions its hook supports.
 
 Checked in trl 1.16.0 `trl/trainer/grpo_config.py` (use_bias_correction_kl, off_policy_mask_threshold,
-vllm_importance_sampling_correction, num_iterations, steps_per_generation, epsilon_high, temperature, beta).
+vllm_importance_sampling_correction (default True), vllm_importance_sampling_mode / _clip_max, num_iterations,
+steps_per_generation, epsilon_high, temperature, beta, entropy_coef, use_adaptive_entropy, entropy_target,
+cast_lm_head_to_fp32, bf16); tests/test_frameworks.py checks every backticked name against `trl.GRPOConfig`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ FIXES = {
         'Reuse each generation less: lower `num_iterations` / `steps_per_generation`, and set '
         '`off_policy_mask_threshold` (DeepSeek-V3.2 off-policy sequence mask).'),
     "engine_mismatch": (
-        'Set `GRPOConfig(vllm_importance_sampling_correction=True)` (truncated IS on pi_old/mu) and check vLLM '
-        "samples with the trainer's `temperature`, top-p and dtype (`cast_lm_head_to_fp32`)."),
+        'Set `GRPOConfig(vllm_importance_sampling_correction=True)` (TRL\'s default: IS on pi_old/mu) and check vLLM '
+        "samples with the trainer's `temperature`, top-p and dtype (`cast_lm_head_to_fp32=True`)."),
     "numerical_fault": (
         'Train in bf16 (`bf16=True`, not fp16), keep `cast_lm_head_to_fp32=True`, and check that no sampled token is '
         'masked to -inf by the logits processing.'),
@@ -32,4 +34,20 @@ FIXES = {
         "TRL divides the trainer's logits by `GRPOConfig.temperature` (grpo_trainer.py "
         '_get_per_token_logps_and_entropies) and passes the same value to vLLM: make sure no other temperature or '
         'logits processor reaches the engine, and that the engine returns processed log-probs.'),
+}
+
+# When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
+IF_SET = {
+    "entropy_collapse": ("clip_higher", (
+        "The upper clip is already `epsilon_high={clip_high:g}` (DAPO's clip-higher): add an entropy bonus, "
+        '`entropy_coef` > 0, or `use_adaptive_entropy=True` with an `entropy_target` near the entropy the run '
+        'started with; or raise the sampling `temperature`.')),
+    "engine_mismatch": ("engine_is", (
+        'The importance-sampling correction is already on (`vllm_importance_sampling_correction=True`): mask '
+        'rather than truncate (`vllm_importance_sampling_mode="token_mask"`) or lower '
+        "`vllm_importance_sampling_clip_max`, and remove the mismatch at its source: vLLM's `temperature`, top-p "
+        'and dtype against the trainer\'s, `cast_lm_head_to_fp32=True`.')),
+    "offpolicy_drift": ("opsm", (
+        'Reuse each generation less: lower `num_iterations` / `steps_per_generation`; the off-policy sequence mask '
+        'is already on: lower `off_policy_mask_threshold` to drop more stale negative-advantage sequences.')),
 }

@@ -4,7 +4,8 @@ Checked in verl 0.9.1 (PyPI wheel): `verl/trainer/ppo/core_algos.py` (`kl_penalt
 `verl/workers/utils/losses.py` (`ppo_loss`); option names in verl-project/verl@1dda039b
 (`actor_rollout_ref.actor.kl_loss_type` incl. `k3+`, `algorithm.rollout_correction.*` in
 docs/algo/rollout_corr.md, `actor.ppo_epochs`, `actor.clip_ratio_high`, `actor.entropy_coeff`,
-`rollout.calculate_log_probs`, `rollout.logprobs_mode`).
+`rollout.calculate_log_probs`, `rollout.logprobs_mode`); tests/test_frameworks.py checks every dotted key
+of FIXES and IF_SET against verl 0.9.1's `verl/trainer/config/_generated_ppo_trainer.yaml`.
 """
 
 from __future__ import annotations
@@ -65,27 +66,42 @@ def kl_penalty(logp: np.ndarray, ref: np.ndarray, kl_type: str) -> np.ndarray:
     raise ValueError(f"kl_loss_type={kl_type!r}: use kl/k1, abs, mse/k2, low_var_kl/k3 (with an optional '+')")
 
 
+ACTOR = "actor_rollout_ref.actor."  # verl config prefixes (keys checked against verl 0.9.1's trainer config)
+ROLLOUT = "actor_rollout_ref.rollout."
+CORR = "algorithm.rollout_correction."
 FIXES = {
     "k3_weight_blowup": (
-        "verl has no unbiased KL: set `actor_rollout_ref.actor.kl_loss_type=k3+` (K3 value, K2's bounded gradient; "
-        'verl PR #2953) or `kl_loss_type=k2`.'),
+        f"verl has no unbiased KL: set `{ACTOR}kl_loss_type=k3+` (K3 value, K2's bounded gradient; verl PR #2953) "
+        f"or `{ACTOR}kl_loss_type=k2`."),
     "clamp_dead_zone": (
-        "The K3 clamp at 10 zeroes these tokens' KL gradient: use `actor_rollout_ref.actor.kl_loss_type=k3+` or `k2` "
-        '(no clamp on the gradient).'),
+        f"The K3 clamp at 10 zeroes these tokens' KL gradient: use `{ACTOR}kl_loss_type=k3+` or "
+        f"`{ACTOR}kl_loss_type=k2` (no clamp on the gradient)."),
     "offpolicy_drift": (
-        'Lower `actor_rollout_ref.actor.ppo_epochs` (or the mini-batch count), and turn on '
-        '`algorithm.rollout_correction.rollout_is=token` with `rollout_rs` (verl docs: rollout_corr.md).'),
+        f"Lower `{ACTOR}ppo_epochs` (or the mini-batch count: raise `{ACTOR}ppo_mini_batch_size`), and turn on "
+        f"`{CORR}rollout_is=token` with `{CORR}rollout_rs` (verl docs: rollout_corr.md)."),
     "engine_mismatch": (
-        'Keep `actor_rollout_ref.rollout.calculate_log_probs=True` and set '
-        '`algorithm.rollout_correction.rollout_is=token` (`rollout_is_threshold=2.0`); check `rollout.logprobs_mode` '
-        'and the rollout dtype.'),
+        f"Keep `{ROLLOUT}calculate_log_probs=True` and set `{CORR}rollout_is=token` "
+        f"(`{CORR}rollout_is_threshold=2.0`); check `{ROLLOUT}logprobs_mode` and the rollout dtype "
+        f"(`{ROLLOUT}dtype`)."),
     "numerical_fault": (
-        'Check `actor_rollout_ref.rollout.logprobs_mode`, fp16 overflow in the actor, and -inf masking of sampled '
-        'tokens (verl issues #751, #891: NaN in low_var_kl).'),
+        f"Check `{ROLLOUT}logprobs_mode`, fp16 overflow in the actor, and -inf masking of sampled tokens "
+        "(verl issues #751, #891: NaN in low_var_kl)."),
     "entropy_collapse": (
-        'Raise `actor_rollout_ref.actor.clip_ratio_high` (e.g. 0.28), add `actor.entropy_coeff`, or use '
-        '`actor.policy_loss.loss_mode=clip_cov`/`kl_cov`.'),
+        f"Raise `{ACTOR}clip_ratio_high` (e.g. 0.28), add `{ACTOR}entropy_coeff`, or use "
+        f"`{ACTOR}policy_loss.loss_mode=clip_cov` or `kl_cov`."),
     "engine_temperature_mismatch": (
-        "Set the same `actor_rollout_ref.rollout.temperature` for sampling and for the actor's log-prob recompute, "
-        'and `actor_rollout_ref.rollout.logprobs_mode=processed_logprobs` (raw_logprobs are pre-temperature).'),
+        f"Set the same `{ROLLOUT}temperature` for sampling and for the actor's log-prob recompute, and keep "
+        f"`{ROLLOUT}logprobs_mode=processed_logprobs` (the default; raw_logprobs are pre-temperature)."),
+}
+
+# When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
+IF_SET = {
+    "entropy_collapse": ("clip_higher", (
+        f"The upper clip is already `{ACTOR}clip_ratio_high={{clip_high:g}}` (DAPO's clip-higher): add "
+        f"`{ACTOR}entropy_coeff` (e.g. 0.001), use `{ACTOR}policy_loss.loss_mode=clip_cov` or `kl_cov`, or raise "
+        f"`{ROLLOUT}temperature`.")),
+    "engine_mismatch": ("engine_is", (
+        f"`{CORR}rollout_is` is already on: lower `{CORR}rollout_is_threshold` or add `{CORR}rollout_rs` "
+        f"(rejection), and remove the mismatch at its source: `{ROLLOUT}logprobs_mode`, the rollout dtype "
+        f"(`{ROLLOUT}dtype`).")),
 }

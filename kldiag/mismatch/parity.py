@@ -10,22 +10,28 @@ The fits behind two causes (kldiag.diagnosis.parity turns them into causes):
   `fit_temperature` regresses log mu on log pi_old within such contexts (fixed effects;
   completions of a GRPO group share the prompt, so their first tokens share a context) and
   reports implied_temperature = 1/slope. Without shared contexts it falls back to a pooled fit
-  (biased: c varies with the context's entropy), and says so in `method`.
+  (biased: c varies with the context's entropy), and says so in `method`. i.i.d. noise in the
+  engine's logits also pulls the slope below 1 (tokens are drawn from mu), so a temperature also
+  needs the slope's effect |slope - 1| * x_std to be at least `explain_ratio` x the residual, and
+  per-step slopes off the same way on sustained steps (kldiag.analysis.episodes.sustained).
 - `engine_mismatch`: a constant offset (log mu - log pi_old has a mean far from 0 at slope 1),
   a first step where pi_old and mu already disagree beyond float noise (before any update the
   two are the same weights), and mismatch that grows with the steps while the policy drift
   |log pi_theta - log pi_old| does not (the "vicious cycle" of "When Speed Kills Stability").
-  The built-in engine_mismatch (KL(mu||pi_old) rule) is merged in: this detector replaces it.
+  The built-in engine_mismatch (KL(mu||pi_old) rule) is merged in: this detector replaces it. A
+  temperature that leaves no residual beyond float noise explains that rule (`explains_mismatch`);
+  a residual beyond it, sustained, is a mismatch of its own.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.episodes import Persistence, sustained
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import tokenset as TS
 
@@ -37,7 +43,10 @@ class ParityConfig:
     """Thresholds of the parity detectors (kldiag's own; docs/metrics.md)."""
 
     slope_tol: float = 0.02  # |1/T - 1| above this (T outside ~[0.98, 1.02]) ...
-    slope_se_k: float = 5.0  # ... and above this many standard errors of the slope
+    slope_se_k: float = 5.0  # ... and above this many standard errors of the slope ...
+    explain_ratio: float = 1.0  # ... and the slope's effect |slope - 1| * x_std above this x the residual
+    # (a temperature moves log mu exactly; i.i.d. engine noise biases the slope a little, residual large) ...
+    persistence: Persistence = Persistence()  # ... and per-step slopes off the same way, sustained
     float_noise: float = 0.05  # mean |log mu - log pi_old| bf16-vs-fp32 kernels stay below (NeMo-RL flags
     # token_mult_prob_error = mean exp|delta| > 1.05, about 0.05 nats)
     offset_min: float = 0.01  # |mean(log mu - log pi_old)| in nats worth a cause, at slope ~1
@@ -61,6 +70,8 @@ class TemperatureFit:
     tokens: int
     contexts: int  # contexts with two or more distinct tokens (0 for the pooled fit)
     method: str  # "shared-context" or "pooled"
+    x_std: float = math.nan  # rms of log pi_old about its context means: the spread the slope acts on
+    explained: float = math.nan  # |slope - 1| * x_std / residual_std: the slope's effect over what it leaves
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
@@ -159,7 +170,9 @@ def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndar
     res_std = float(math.sqrt(float(np.dot(resid, resid)) / dof))
     se = res_std / math.sqrt(sxx)
     temp = 1.0 / slope if slope > 0 else math.inf
-    return TemperatureFit(slope, temp, se, res_std, offset, offset_se, n, contexts, method)
+    x_std = math.sqrt(sxx / len(x))
+    explained = abs(slope - 1.0) * x_std / res_std if res_std > 0 else math.inf
+    return TemperatureFit(slope, temp, se, res_std, offset, offset_se, n, contexts, method, x_std, explained)
 
 
 @dataclass
@@ -172,13 +185,26 @@ class StepParity:
     mismatch_abs: np.ndarray
     drift_abs: np.ndarray
     tokens: np.ndarray
+    resid_rms: np.ndarray | None = None  # rms of log mu about `slope_fit * log pi_old + c(context)`, NaN: no fit
 
 
-def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None) -> StepParity:
+def _resid_rms(sidx: np.ndarray, c: np.ndarray, do: np.ndarray, dm: np.ndarray, slope: float, k: int) -> np.ndarray:
+    """Per step: rms residual of the demeaned log mu after `slope` x the demeaned log pi_old, one degree of
+    freedom taken per context (NaN where a step has no shared context)."""
+    ss = np.bincount(sidx, weights=(dm - slope * do) ** 2, minlength=k)
+    n = np.bincount(sidx, minlength=k)
+    _, first = np.unique(c, return_index=True)
+    dof = n - np.bincount(sidx[first], minlength=k)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(dof > 0, np.sqrt(ss / np.maximum(dof, 1)), np.nan)
+
+
+def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None, slope_fit: float = math.nan) -> StepParity:
     """Per-step parity figures over the tokens with both log pi_old and log mu (mask ignored).
 
     The slope per step is the within-context one (contexts never span steps); NaN for a step
-    without two tokens of one context that differ."""
+    without two tokens of one context that differ. With the run's slope `slope_fit`, also the
+    per-step residual after it (`resid_rms`)."""
     ctx = context_ids(ts) if ctx is None else ctx
     o, m, s = ts.logp_old, ts.logp_sampler, ts.logp
     ok = np.isfinite(o) & np.isfinite(m)
@@ -192,14 +218,18 @@ def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None) -> StepParity:
 
     sxx = np.zeros(k)
     sxy = np.zeros(k)
+    resid = np.full(k, np.nan)
     sel = shared_rows(c)
     if len(sel):
         do, dm = _demean(c[sel], o[sel], m[sel])
         sxx = np.bincount(sidx[sel], weights=do * do, minlength=k)
         sxy = np.bincount(sidx[sel], weights=do * dm, minlength=k)
+        if math.isfinite(slope_fit):
+            resid = _resid_rms(sidx[sel], c[sel], do, dm, slope_fit, k)
     with np.errstate(invalid="ignore", divide="ignore"):
         slope = np.where(sxx > 1e-18, sxy / sxx, np.nan)
-    return StepParity(steps, slope, mean(m - o), mean(np.abs(m - o)), mean(np.abs(s - o)), n.astype(np.int64))
+    return StepParity(steps, slope, mean(m - o), mean(np.abs(m - o)), mean(np.abs(s - o)), n.astype(np.int64),
+                      resid)
 
 
 @dataclass
@@ -214,6 +244,9 @@ class ParityReport:
     growing: bool  # mismatch grows while the policy drift does not
     growth: dict
     config: ParityConfig
+    temperature_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # sustained, per step
+    residual_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # sustained resid > float_noise
+    explains_mismatch: bool = False  # a temperature, and nothing left over: it explains KL(mu||pi_old)
 
 
 def _quarter_growth(v: np.ndarray) -> float:
@@ -222,25 +255,48 @@ def _quarter_growth(v: np.ndarray) -> float:
     return float(b / a) if a > 0 else (math.inf if b > 0 else 1.0)
 
 
+def _temperature(fit: TemperatureFit, steps: StepParity, config: ParityConfig) -> tuple[bool, np.ndarray]:
+    """(a temperature mismatch, its sustained steps). The run's slope is off 1 beyond slope_tol and
+    slope_se_k standard errors, its effect |slope - 1| * x_std is at least explain_ratio x the residual
+    (i.i.d. engine noise also pulls the slope below 1, since tokens are drawn from mu, but leaves a
+    residual many times the shift), and per-step slopes are off the same way on sustained steps. The
+    pooled fit (no shared contexts) has neither a clean residual nor per-step slopes: slope test only."""
+    k = len(steps.step)
+    off = abs(fit.slope - 1.0) if math.isfinite(fit.slope) else 0.0
+    if not (off > config.slope_tol and off > config.slope_se_k * (fit.slope_se or 0.0)):
+        return False, np.zeros(k, bool)
+    if fit.method == "pooled":
+        return True, np.ones(k, bool)
+    with np.errstate(invalid="ignore"):
+        away = (np.abs(steps.slope - 1.0) > config.slope_tol) & (np.sign(steps.slope - 1.0) == np.sign(fit.slope - 1.0))
+    held = sustained(away, config.persistence)
+    return bool(fit.explained >= config.explain_ratio and held.any()), held
+
+
+def _growth(steps: StepParity, config: ParityConfig) -> tuple[bool, dict]:
+    if len(steps.step) < config.min_steps_growth:
+        return False, {"mismatch_growth": None, "drift_growth": None}
+    g_m, g_d = _quarter_growth(steps.mismatch_abs), _quarter_growth(steps.drift_abs)
+    return g_m > config.growth_ratio and g_d < config.drift_growth_max, {"mismatch_growth": g_m, "drift_growth": g_d}
+
+
 def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityReport | None:
     """Run every parity check on a TokenSet; None when the run has no sampler log-probs."""
     if not ts.has_sampler:
         return None
     ctx = context_ids(ts)
     fit = fit_temperature(ts.logp_old, ts.logp_sampler, ctx)
-    steps = step_parity(ts, ctx)
-    off_slope = abs(fit.slope - 1.0) if math.isfinite(fit.slope) else 0.0
-    temperature = off_slope > config.slope_tol and off_slope > config.slope_se_k * (fit.slope_se or 0.0)
+    steps = step_parity(ts, ctx, fit.slope)
+    temperature, held = _temperature(fit, steps, config)
     offset = (not temperature and math.isfinite(fit.offset) and abs(fit.offset) > config.offset_min
               and abs(fit.offset) > config.offset_se_k * (fit.offset_se or 0.0))
     first = bool(len(steps.step)) and steps.mismatch_abs[0] > config.float_noise
-    growth = {"mismatch_growth": None, "drift_growth": None}
-    growing = False
-    if len(steps.step) >= config.min_steps_growth:
-        g_m, g_d = _quarter_growth(steps.mismatch_abs), _quarter_growth(steps.drift_abs)
-        growth = {"mismatch_growth": g_m, "drift_growth": g_d}
-        growing = g_m > config.growth_ratio and g_d < config.drift_growth_max
-    return ParityReport(fit, steps, temperature, offset, first, growing, growth, config)
+    growing, growth = _growth(steps, config)
+    with np.errstate(invalid="ignore"):
+        left = sustained(np.nan_to_num(steps.resid_rms, nan=0.0) > config.float_noise, config.persistence)
+    explains = temperature and fit.method != "pooled" and not left.any() and not growing
+    return ParityReport(fit, steps, temperature, offset, first, growing, growth, config,
+                        held if temperature else np.zeros(len(steps.step), bool), left, explains)
 
 
 def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
