@@ -84,7 +84,7 @@ def test_openrlhf_vllm_kl_is_verls_rollout_corr_kl():
     a = X.crosswalk(DEMO, "openrlhf").column("vllm_kl").to_pylist()
     b = X.crosswalk(DEMO, "verl").column("rollout_corr/kl").to_pylist()
     np.testing.assert_allclose(a, b, rtol=1e-6)
-    band = X.crosswalk(DEMO, "openrlhf", is_correction_low=0.9, is_correction_high=1.1)
+    band = X.crosswalk(DEMO, "openrlhf", is_correction_threshold="0.9 1.1")
     assert max(band.column("is_filter_ratio").to_pylist()) > 0
 
 

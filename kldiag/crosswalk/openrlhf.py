@@ -4,13 +4,17 @@ From openrlhf 0.11.2 (PyPI wheel) `openrlhf/models/loss.py` `PolicyLoss.forward`
 `openrlhf/trainer/ray/ppo_actor.py` (experience.info): with --algo.advantage.is_correction_* on and the
 ppo loss, vllm_kl = masked_mean(rollout_log_probs - old_log_probs) (K1 of KL(mu || pi_old)), and
 is_filter_ratio = the share of tokens (or sequences, level "seq") outside the [low, high] band of the
-gated statistic (ratio exp(old - rollout), its geometric mean per sequence, or a binary KL / TV).
+gated statistic (ratio exp(old - rollout), its geometric mean per sequence, or a binary KL / TV): in mask
+mode every unit not kept by (stat >= low) & (stat <= high), so a NaN statistic (a sequence without a
+trained token) counts as filtered; in clip mode (stat < low) | (stat > high).
 Computed over the step's batch (OpenRLHF: per micro-batch, averaged).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,13 +25,47 @@ NAMES = ["vllm_kl", "is_filter_ratio"]
 NO_SAMPLER = "the run has no logp_sampler (OpenRLHF's rollout_log_probs, kept with is_correction enabled)"
 
 
+OFF = "is_correction_level=off: OpenRLHF computes vllm_kl and is_filter_ratio only with token or seq correction"
+
+
 @dataclass(frozen=True)
 class Settings:
-    is_correction_level: str = "token"  # token | seq
+    """OpenRLHF's `--algo.advantage.is_correction_*` keys (defaults: `PolicyLoss`, but level token: with
+    OpenRLHF's own default, off, it logs neither metric). Refused as `PolicyLoss.__init__` refuses them."""
+
+    is_correction_level: str = "token"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
-    is_correction_low: float = 0.5
-    is_correction_high: float = 5.0
+    is_correction_threshold: Any = (0.5, 5.0)  # "LOW HIGH", or "HIGH" alone for [0, HIGH] (train_ppo_ray.py)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_correction_threshold", band(self.is_correction_threshold))
+        checks = [(self.is_correction_level in ("off", "token", "seq"), "is_correction_level must be off/token/seq"),
+                  (self.is_correction_mode in ("mask", "clip"), "is_correction_mode must be mask/clip"),
+                  (self.is_correction_gating in ("ratio", "binary_kl", "tv"),
+                   "is_correction_gating must be ratio/binary_kl/tv"),
+                  (self.is_correction_mode != "clip" or (self.is_correction_level != "seq"
+                                                         and self.is_correction_gating == "ratio"),
+                   "is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio"),
+                  (self.is_correction_gating == "ratio" or self.is_correction_level == "off"
+                   or self.is_correction_threshold[0] <= 0,
+                   f"is_correction_gating={self.is_correction_gating} takes an upper bound only (a single delta): "
+                   "set is_correction_threshold=HIGH")]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"OpenRLHF refuses this configuration (PolicyLoss): {why}")
+
+
+def band(threshold: Any) -> tuple[float, float]:
+    """(low, high) from OpenRLHF's is_correction_threshold: LOW HIGH, or HIGH alone meaning [0, HIGH]."""
+    if isinstance(threshold, str):
+        threshold = [x for x in re.split(r"[\s,_]+", threshold.strip()) if x]
+    values = [float(x) for x in (threshold if isinstance(threshold, (list, tuple)) else [threshold])]
+    if len(values) == 1:
+        values.insert(0, 0.0)
+    if len(values) != 2:
+        raise ValueError(f"is_correction_threshold={threshold!r}: OpenRLHF takes HIGH or LOW HIGH")
+    return values[0], values[1]
 
 
 def _stat(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray, s: Settings) -> np.ndarray:
@@ -47,11 +85,18 @@ def _stat(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray, s: Settings) -
 
 
 def step_metrics(b: StepBatch, s: Settings):
+    if s.is_correction_level == "off":
+        return {}, {n: OFF for n in NAMES}
     if not b.has_sampler:
         return {}, {n: NO_SAMPLER for n in NAMES}
     rollout = np.where(b.mask, b.logp_sampler, 0.0)
     stat = _stat(b.logp_old, rollout, b.mask, s)
-    filtered = (stat < s.is_correction_low) | (stat > s.is_correction_high)
+    low, high = s.is_correction_threshold
+    with np.errstate(invalid="ignore"):  # a NaN statistic (a sequence with no token in the loss):
+        if s.is_correction_mode == "clip":  # clip counts it as kept, mask as filtered (~keep), as OpenRLHF does
+            filtered = (stat < low) | (stat > high)
+        else:
+            filtered = ~((stat >= low) & (stat <= high))
     ratio = float(filtered.astype(float).mean()) if s.is_correction_level == "seq" else float(
         masked_mean(filtered.astype(float), b.mask))
     return {"vllm_kl": float(masked_mean(rollout - b.logp_old, b.mask)), "is_filter_ratio": ratio}, {}
