@@ -94,3 +94,34 @@ def test_every_framework_on_a_run_without_sampler(fw):
     assert t.num_rows > 0
     reasons = X.null_reasons(t)
     assert reasons and all("logp_sampler" in v or "logp_ref" in v or "not computed" in v for v in reasons.values())
+
+
+def test_trl_sampling_metrics_skip_a_nan_sampler_token_not_the_step():
+    """TRL (grpo_trainer.py, _generate_and_score_completions) drops tokens whose vLLM log-prob is NaN from
+    sampling_logp_difference and gives them a ratio of exactly 1 (nan_to_num of the difference): one NaN
+    leaves the step's metrics defined, equal to those with that token's sampler log-prob at pi_old."""
+    from kldiag.crosswalk import trl as TX
+    from kldiag.crosswalk.batch import StepBatch
+
+    rng = np.random.default_rng(0)
+    mask = np.ones((3, 5), bool)
+    old = -rng.exponential(1.0, (3, 5))
+    smp = old + rng.normal(0, 0.3, (3, 5))
+    nan = smp.copy()
+    nan[1, 2] = np.nan
+    at_old = smp.copy()
+    at_old[1, 2] = old[1, 2]
+
+    def batch(sampler):
+        return StepBatch(0, np.arange(3), mask, old, old, np.full((3, 5), np.nan), sampler, np.ones(3),
+                         np.zeros(3, np.int64), np.zeros(3, np.int64))
+
+    s = TX.Settings(vllm_importance_sampling_mode="token_truncate")
+    got, why = TX.step_metrics(batch(nan), s)
+    want, _ = TX.step_metrics(batch(at_old), s)
+    assert "sampling/importance_sampling_ratio/mean" not in why
+    for k in ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+              "sampling/importance_sampling_ratio/max"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12)
+    delta = np.abs(old - smp)[mask & ~np.isnan(nan)]
+    assert got["sampling/sampling_logp_difference/mean"] == pytest.approx(delta.mean(), rel=1e-12)

@@ -101,7 +101,7 @@ def step_metrics(b: StepBatch, s: Settings, calls: list[StepBatch] | None = None
         out["kl"] = kl_of_calls([c for c in calls if c.has_ref], s)
     else:
         why["kl"] = NO_REF
-    if b.has_sampler:
+    if b.mask.any() and np.isfinite(b.logp_sampler[b.mask]).any():  # TRL skips a token vLLM left NaN, not the step
         out.update(sampling_metrics(b, s))
     else:
         why.update({n: NO_SAMPLER for n in NAMES[1:]})
