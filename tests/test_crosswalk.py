@@ -125,3 +125,15 @@ def test_trl_sampling_metrics_skip_a_nan_sampler_token_not_the_step():
         assert got[k] == pytest.approx(want[k], rel=1e-12)
     delta = np.abs(old - smp)[mask & ~np.isnan(nan)]
     assert got["sampling/sampling_logp_difference/mean"] == pytest.approx(delta.mean(), rel=1e-12)
+
+
+def test_slime_tis_with_rollout_logprobs_is_null_with_its_reason_not_a_wrong_number():
+    """slime@624b824a loss.py: TIS reads the trainer's recomputed log-probs (batch["log_probs"]); a run
+    recorded with --use-rollout-logprobs holds the rollout as logp_old, so tis would read exp(0) = 1."""
+    on = X.crosswalk(DEMO, "slime", use_rollout_logprobs=True)
+    off = X.crosswalk(DEMO, "slime")
+    reasons = X.null_reasons(on)
+    for name in ("tis", "tis_abs", "tis_clipfrac"):
+        assert set(on.column(name).to_pylist()) == {None} and "recomputed" in reasons[name]
+        assert None not in off.column(name).to_pylist()
+    assert None not in on.column("ois").to_pylist()

@@ -5,9 +5,10 @@ From THUDM/slime@624b824a `slime/backends/megatron_utils/loss.py` (`policy_loss_
 every metric is `sum_of_sample_mean`: per sample the masked mean, then the mean over the step's samples.
 - `train_rollout_logprob_abs_diff`: |log_probs - rollout| with --use-rollout-logprobs, else |old - rollout|.
 - `ois` = exp(-ppo_kl) = exp(log_probs - old_log_probs), old = rollout with --use-rollout-logprobs.
-- `tis`, `tis_abs`, `tis_clipfrac`: tis = exp(old - rollout) (old: the trainer's recompute), clipped to
-  [tis_clip_low, tis_clip] (vanilla) or zeroed outside it (icepop); logged with --use-tis or
-  --get-mismatch-metrics.
+- `tis`, `tis_abs`, `tis_clipfrac`: tis = exp(old - rollout) (old: the trainer's recompute, batch
+  ["log_probs"]), clipped to [tis_clip_low, tis_clip] (vanilla) or zeroed outside it (icepop); logged with
+  --use-tis or --get-mismatch-metrics. With --use-rollout-logprobs (which slime forbids with --use-tis) the
+  recompute exists only for --get-mismatch-metrics and the run holds the rollout as logp_old: null, with why.
 - `kl_loss`: compute_approx_kl(log_probs, ref, kl_loss_type), times rho = exp(log_probs - old) with
   --use-unbiased-kl; low_var_kl clamped to +-10 after (kldiag.analysis.slime_kl.approx_kl).
 log_probs is pi_theta at the step's first update (kldiag's logp).
@@ -26,6 +27,9 @@ NAME = "slime"
 NAMES = ["train_rollout_logprob_abs_diff", "ois", "tis", "tis_abs", "tis_clipfrac", "kl_loss"]
 NO_SAMPLER = "the run has no logp_sampler (slime's rollout_log_probs from SGLang)"
 NO_REF = "the run has no logp_ref (slime logs kl_loss only with --use-kl-loss)"
+TIS_NAMES = ("tis", "tis_abs", "tis_clipfrac")
+NO_RECOMPUTE = ("with --use-rollout-logprobs slime computes TIS from the trainer's recomputed log-probs (made only "
+                "for --get-mismatch-metrics), which the run does not hold: its logp_old is the rollout's log-probs")
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,12 @@ def step_metrics(b: StepBatch, s: Settings):
             else:
                 raise ValueError(f"tis_function={s.tis_function!r}: use vanilla or icepop")
             out.update({"train_rollout_logprob_abs_diff": sample_mean(np.abs(compare - rollout), b.mask),
-                        "ois": sample_mean(np.exp(b.logp - old), b.mask), "tis": sample_mean(tis, b.mask),
-                        "tis_abs": sample_mean(np.abs(tis - 1), b.mask),
-                        "tis_clipfrac": sample_mean((w != tis).astype(float), b.mask)})
+                        "ois": sample_mean(np.exp(b.logp - old), b.mask)})
+            if s.use_rollout_logprobs:  # loss.py l. 1008: TIS reads batch["log_probs"], not the rollout
+                why.update(dict.fromkeys(TIS_NAMES, NO_RECOMPUTE))
+            else:
+                out.update({"tis": sample_mean(tis, b.mask), "tis_abs": sample_mean(np.abs(tis - 1), b.mask),
+                            "tis_clipfrac": sample_mean((w != tis).astype(float), b.mask)})
     else:
         why.update({n: NO_SAMPLER for n in NAMES[:-1]})
     if b.has_ref:
