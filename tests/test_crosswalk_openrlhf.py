@@ -82,8 +82,9 @@ def test_is_filter_ratio_and_vllm_kl_equal_openrlhfs(policy_loss, level, mode, g
     t = {k: torch.from_numpy(v) for k, v in (("old", old), ("rollout", rollout))}
     m = torch.from_numpy(mask).to(t["old"].dtype)
     _, _, _, vllm_kl, ratio = loss(t["old"], t["old"], torch.ones_like(t["old"]), m, rollout_log_probs=t["rollout"])
-    b = StepBatch(0, np.arange(len(mask)), mask, old.astype(float), old.astype(float), np.full(old.shape, np.nan),
-                  rollout.astype(float), np.ones(len(mask)), np.zeros(len(mask), np.int64), np.zeros(len(mask), np.int64))
+    n = len(mask)
+    b = StepBatch(0, np.arange(n), mask, old.astype(float), old.astype(float), np.full(old.shape, np.nan),
+                  rollout.astype(float), np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
     mine, why = OX.step_metrics(b, OX.Settings(level, mode, gating, threshold))
     tol = 1e-12 if dtype == np.float64 else 2e-6
     assert mine["vllm_kl"] == pytest.approx(float(vllm_kl), rel=tol, abs=tol)

@@ -68,7 +68,8 @@ def test_what_the_report_takes_from_a_diagnosis():
     ("nonfinite", ("nonfinite", "invalid", "numerical_fault")),
     ("blame", ("blame_share",)),
     ("latent", ("latent",)),
-    ("mismatch", ("mismatch", "engine_mismatch", "engine_temperature_mismatch")),
+    ("mismatch", ("mismatch", "engine_mismatch", "engine_temperature_mismatch", "engine_raw_logprobs",
+                  "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag")),
     ("numerical_fault, flagged_onset", ("numerical_fault", "flagged_onset")),
     ("blowup,k3_weight_blowup", ("blowup", "k3_weight_blowup")),
 ])

@@ -17,8 +17,8 @@ episode kind, every cause name (docs/metrics.md), and these, each standing for
   blame      a `blame_share` episode (flagged tokens carry over half of the |k3 weight|)
   latent     a `latent` episode (K3's weight past --blowup-weight on a run whose loss is not K3)
   mismatch   a `mismatch` episode (mean KL(mu||pi_old) per token past --mismatch-kl, default
-             0.01, and its typical |log ratio| above the policy drift), or an `engine_mismatch`
-             or `engine_temperature_mismatch` cause
+             0.01, and its typical |log ratio| above the policy drift), or any `engine_*` cause
+             (engine_mismatch, engine_temperature_mismatch and the mismatch root causes)
   jump       a `weight_blowup_onset` or `flagged_onset` episode
   all        every episode kind and every cause
 
@@ -46,7 +46,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nonfinite": ("nonfinite", "invalid", "numerical_fault"),
     "blame": ("blame_share",),
     "latent": ("latent",),
-    "mismatch": ("mismatch", "engine_mismatch", "engine_temperature_mismatch"),
+    "mismatch": ("mismatch", *(c for c in CAUSE_NAMES if c.startswith("engine_"))),
     "jump": EP.ALIASES["jump"],
     "all": (*EP.KINDS, *CAUSE_NAMES),
 }

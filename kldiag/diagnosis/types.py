@@ -19,6 +19,8 @@ VERDICTS = ("healthy", "warning", "unstable")
 CAUSE_NAMES = (
     "k3_weight_blowup", "clamp_dead_zone", "offpolicy_drift", "engine_mismatch",
     "engine_temperature_mismatch", "numerical_fault", "entropy_collapse",
+    # the mismatch's root causes (kldiag/mismatch/signatures.py), each named instead of engine_mismatch
+    "engine_raw_logprobs", "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag",
 )
 
 

@@ -24,6 +24,22 @@ FIXES = {
     "entropy_collapse": (
         "Raise the upper clip `loss_fn.ratio_clip_max` (DAPO's clip-higher, e.g. 0.28) or "
         '`policy.generation.temperature`.'),
+    "engine_raw_logprobs": (
+        'The generation backend returns pre-temperature log-probs while sampling at '
+        '`policy.generation.temperature`: make it return processed log-probs; until then leave '
+        '`loss_fn.use_importance_sampling_correction` off.'),
+    "engine_wrong_token": (
+        'The generation log-probs are off by one position against the response tokens: align them; until then '
+        'leave `loss_fn.use_importance_sampling_correction` off (token_mult_prob_error is meaningless meanwhile).'),
+    "engine_precision": (
+        'The generation backend and the policy differ in precision: match their dtypes and set '
+        '`loss_fn.use_importance_sampling_correction=true` with `loss_fn.truncated_importance_sampling_ratio`.'),
+    "engine_stale_weights": (
+        'The generation workers do not get the new weights at every step (the refit): check it runs after each '
+        'step, and set `loss_fn.use_importance_sampling_correction=true` meanwhile.'),
+    "engine_async_lag": (
+        'With asynchronous GRPO (grpo.async_grpo.enabled) trajectories come from older policies: lower '
+        'grpo.async_grpo.max_trajectory_age_steps, and keep `loss_fn.use_importance_sampling_correction=true`.'),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

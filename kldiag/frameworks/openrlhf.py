@@ -33,6 +33,21 @@ FIXES = {
     "engine_temperature_mismatch": (
         'OpenRLHF divides the actor\'s logits by `--rollout.temperature` and samples with it: make sure no other '
         'temperature or logits processor reaches vLLM, and that its log-probs are the processed ones.'),
+    "engine_raw_logprobs": (
+        'The actor divides its logits by `--rollout.temperature`, but the vLLM log-probs are pre-temperature: make '
+        'vLLM return processed log-probs; until then leave `--algo.advantage.is_correction_level off`.'),
+    "engine_wrong_token": (
+        'The vLLM log-probs are off by one position against the response tokens: align them; until then leave '
+        '`--algo.advantage.is_correction_level off`.'),
+    "engine_precision": (
+        'vLLM and the actor differ in precision (`--ds.param_dtype`): match them where you can and keep '
+        '`--algo.advantage.is_correction_level token` with `--algo.advantage.is_correction_mode mask`.'),
+    "engine_stale_weights": (
+        'vLLM does not get the new weights at every step: check the weight broadcast (`--vllm.sync_backend`, '
+        '`--vllm.sync_with_ray`), and keep `--algo.advantage.is_correction_level token` meanwhile.'),
+    "engine_async_lag": (
+        'With `--train.async_enable` rollouts come from an older policy: lower `--train.async_queue_size`, and keep '
+        '`--algo.advantage.is_correction_level token`.'),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

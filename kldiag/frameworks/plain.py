@@ -25,6 +25,26 @@ FIXES = {
         "The engine samples at temperature {t:.3g} while the trainer scores at 1: divide the trainer's logits by the "
         "sampling temperature (or sample at 1), and record the engine's processed (post-temperature) log-probs, not "
         'the raw ones.'),
+    "engine_raw_logprobs": (
+        "The engine samples at temperature {t:.3g} but returns pre-temperature (raw) log-probs: return the log-probs "
+        "of the distribution it samples from, log_softmax(logits / T), and score at T in the trainer; until then "
+        'importance weights against them are biased.'),
+    "engine_wrong_token": (
+        "The engine's log-probs are off by one position against the completion's token ids (logits and ids "
+        "gathered with a shift, or a prompt/completion boundary off by one): align them before any importance "
+        'correction, which otherwise weights each token by its neighbour\'s probability.'),
+    "engine_precision": (
+        "The engine computes in another precision than the trainer (bf16 logits against fp32): compute the "
+        "engine's last layer and log-softmax in fp32, or sample and train in the same dtype (fp16 in both removes "
+        'most of bf16\'s rounding); correct what is left with truncated importance sampling.'),
+    "engine_stale_weights": (
+        "The engine gets the trainer's weights only every few steps (a weight sync that is skipped or fails in "
+        "between): sync after every optimizer step and check that the engine's weights change, and correct "
+        'with importance sampling on pi_old/mu until it does.'),
+    "engine_async_lag": (
+        "Rollouts come from the policy of several steps back (asynchronous generation): bound the staleness (a "
+        "smaller rollout queue or maximum age), and correct it with truncated or masked importance sampling on "
+        'pi_old/mu.'),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

@@ -37,6 +37,21 @@ FIXES = {
     "engine_temperature_mismatch": (
         'Score with the sampling temperature: the trainer must divide the logits by `--rollout-temperature` as '
         'SGLang does, and the rollout log-probs must be post-temperature.'),
+    "engine_raw_logprobs": (
+        'SGLang returns pre-temperature log-probs while sampling at `--rollout-temperature`: the rollout log-probs '
+        'must be those of the distribution it samples from; until then do not use `--use-tis` on them.'),
+    "engine_wrong_token": (
+        'The rollout log-probs are off by one position against the response tokens (a custom rollout function '
+        'slicing them): align them; `--get-mismatch-metrics` shows the effect, and do not use `--use-tis` until then.'),
+    "engine_precision": (
+        'SGLang and Megatron differ in precision: compute the rollout\'s last layer in fp32 or use the same dtype '
+        'in both, and keep `--use-tis`; watch `--get-mismatch-metrics`.'),
+    "engine_stale_weights": (
+        'SGLang does not get the new weights at every step: check the weight update to the rollout engines after '
+        'each train step, and add `--use-tis` meanwhile.'),
+    "engine_async_lag": (
+        'Rollouts come from an older policy (asynchronous training): bound how far the rollout may run ahead, and '
+        'add `--use-tis` (or a masking `--custom-tis-function-path`).'),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

@@ -34,6 +34,26 @@ FIXES = {
         "TRL divides the trainer's logits by `GRPOConfig.temperature` (grpo_trainer.py "
         '_get_per_token_logps_and_entropies) and passes the same value to vLLM: make sure no other temperature or '
         'logits processor reaches the engine, and that the engine returns processed log-probs.'),
+    "engine_raw_logprobs": (
+        "TRL scores with the sampling `temperature`, but the vLLM log-probs are pre-temperature (raw): make vLLM "
+        "return processed log-probs (vLLM's logprobs_mode processed_logprobs), and until then do not weight by "
+        'them: `vllm_importance_sampling_correction=False`.'),
+    "engine_wrong_token": (
+        "The vLLM log-probs are off by one position against the completion ids (a custom rollout function or "
+        "`vllm_mode` server returning them shifted): align them; until then set "
+        '`vllm_importance_sampling_correction=False`, which otherwise weights each token by its neighbour\'s.'),
+    "engine_precision": (
+        "vLLM's numerics differ from the trainer's: keep `cast_lm_head_to_fp32=True`, sample with the dtype the "
+        "trainer uses (`bf16`), and keep `vllm_importance_sampling_correction=True` "
+        '(`vllm_importance_sampling_mode="token_mask"` masks the outliers).'),
+    "engine_stale_weights": (
+        "vLLM does not get the new weights at every step: with `vllm_mode=\"server\"` check that the weight-sync "
+        "group on `vllm_group_port` reaches the server (a failed sync leaves it on old weights), and keep "
+        '`vllm_importance_sampling_correction=True` meanwhile.'),
+    "engine_async_lag": (
+        "The completions come from an older policy than the trainer's: lower `steps_per_generation` (one "
+        "generation serves that many optimizer steps), check the weight sync to the `vllm_mode` server, and keep "
+        '`vllm_importance_sampling_correction=True`.'),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

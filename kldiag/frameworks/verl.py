@@ -92,6 +92,24 @@ FIXES = {
     "engine_temperature_mismatch": (
         f"Set the same `{ROLLOUT}temperature` for sampling and for the actor's log-prob recompute, and keep "
         f"`{ROLLOUT}logprobs_mode=processed_logprobs` (the default; raw_logprobs are pre-temperature)."),
+    "engine_raw_logprobs": (
+        f"Set `{ROLLOUT}logprobs_mode=processed_logprobs` (raw_logprobs are pre-temperature) and keep the actor's "
+        f"recompute at the same `{ROLLOUT}temperature`; until then keep `{CORR}rollout_is=null`."),
+    "engine_wrong_token": (
+        f"The rollout log-probs are off by one position against the response ids (a custom server or agent loop, "
+        f"`{ROLLOUT}agent.custom_async_server`): align them; until then set `{ROLLOUT}calculate_log_probs=False` "
+        f"and `{CORR}rollout_is=null`."),
+    "engine_precision": (
+        f"The rollout computes in `{ROLLOUT}dtype` (bfloat16) against the actor's "
+        f"`{ACTOR}fsdp_config.model_dtype`: match them where you can, and correct the rest with "
+        f"`{CORR}rollout_is=token` (`{CORR}rollout_is_threshold=2.0`)."),
+    "engine_stale_weights": (
+        f"The rollout gets the actor's weights only every few steps: check the weight sync "
+        f"(`{ROLLOUT}checkpoint_engine.backend`; with `{ROLLOUT}load_format=dummy` a failed sync leaves dummy or old "
+        f"weights), and correct with `{CORR}rollout_is=token` meanwhile."),
+    "engine_async_lag": (
+        f"Rollouts come from an older policy (asynchronous rollouts): bound the staleness and correct it with "
+        f"`{CORR}rollout_is=token` and `{CORR}rollout_rs` (verl docs: rollout_corr.md)."),
 }
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

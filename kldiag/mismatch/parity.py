@@ -96,7 +96,7 @@ def prefix_hash(seq: np.ndarray, pos: np.ndarray, token_id: np.ndarray) -> np.nd
         return csum - base - term
 
 
-def _mix(h: np.ndarray, x: np.ndarray) -> np.ndarray:
+def mix(h: np.ndarray, x: np.ndarray) -> np.ndarray:
     """One splitmix64-style round folding x into the hash h (uint64, wrapping)."""
     with np.errstate(over="ignore"):
         z = (h ^ x.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
@@ -111,8 +111,10 @@ def context_ids(ts: TS.TokenSet) -> np.ndarray:
     probability ~ n**2 / 2**64), then numbered with a 1-D np.unique.
     """
     h = prefix_hash(ts.seq, ts.pos, np.where(ts.token_id < 0, 0, ts.token_id))
+    h = mix(h, np.zeros(len(h), np.uint64))  # scrambled first: a short prefix's small hash XOR a small key
+    # collides ((id + 1) ^ step), which merged the position-1 contexts of different steps sharing a group id
     for key in (ts.step, ts.group, ts.pos):
-        h = _mix(h, key)
+        h = mix(h, key)
     _, ids = np.unique(h, return_inverse=True)
     ids = ids.reshape(-1).astype(np.int64)
     bad = (ts.group < 0) | (ts.token_id < 0)
@@ -304,9 +306,19 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
     both parity detectors, the report and the dashboard's Mismatch page share one fit."""
     key = ("parity", config)
     if key not in analysis.memo:
+        ts = tokens_for(analysis, config)
+        analysis.memo[key] = check(ts, config) if ts is not None else None
+    return analysis.memo[key]
+
+
+def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet | None:
+    """The tokens the parity fits read: the shared sample thinned to config.max_tokens (kept in
+    `analysis.memo`; kldiag.mismatch.signatures reads the same); None without sampler log-probs."""
+    key = ("parity-tokens", config.max_tokens)
+    if key not in analysis.memo:
         sample = TS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
-        analysis.memo[key] = check(TS.thin(sample.tokens(), config.max_tokens), config) if fit else None
+        analysis.memo[key] = TS.thin(sample.tokens(), config.max_tokens) if fit else None
     return analysis.memo[key]
 
 
