@@ -28,9 +28,12 @@ def rule_context(cfg: AnalysisConfig, manifest=None, diag: DiagnosisConfig | Non
 
 
 def baseline(kind: str, ctx: EP.RuleContext) -> float:
-    c = ctx.config
+    """The rule's threshold (its absolute floor for the early warnings; 0 where it is relative only)."""
+    c, ew = ctx.config, ctx.config.early
     return {"blowup": c.blowup_weight, "latent": c.blowup_weight, "blame_share": c.blame_share,
-            "mismatch": c.mismatch_kl, "weight_blowup_onset": ctx.weight_limit}.get(kind, 0.0)
+            "mismatch": c.mismatch_kl, "weight_blowup_onset": ctx.weight_limit,
+            "early_weight_trend": ew.weight_floor * ctx.weight_limit, "early_blame_trend": ew.blame_floor,
+            "early_entropy_drop": ew.entropy_drop}.get(kind, 0.0)
 
 
 def episode_table(eps: list[Episode], ctx: EP.RuleContext) -> pa.Table:

@@ -19,8 +19,13 @@ blow-up is one episode, and a run that recovers and relapses gives two. Rules (k
                                  and exceeds the flag limit (weight_limit, docs/metrics.md)
   flagged_onset        warning   the flagged fraction jumps alert_factor x over its trailing median
   latent               info      K3's weight exceeds blowup_weight on a run whose loss is not K3
+  early_weight_trend,  warning   early warnings (kldiag/analysis/warning.py): an indicator's recent
+  early_blame_trend,             median climbs over its trailing baseline (the entropy's falls);
+  early_flagged_trend,           the three K3 ones are info when the loss is not K3; the entropy
+  early_entropy_drop             one needs the side scan's entropy_mean (the diagnosis adds it)
 
-An onset-rule episode that starts inside a blow-up episode (after its first step) is dropped.
+An onset-rule episode that starts inside a blow-up episode (after its first step) is dropped, and a
+K3 early warning that starts inside one (its first step included).
 Persistence (`Persistence`, `sustained`): an episode keeps its rule's severity only when its rule
 fires on at least 3 of 5 consecutive recorded steps in it, or on 5% of 100 (at least 3); an isolated
 outlier (one step, or a few far apart) is an info note with its evidence. nonfinite and invalid are
@@ -39,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from kldiag import fmt
+from kldiag.analysis.warning import EARLY, EARLY_K3, EARLY_KINDS, EarlyWarning
 
 SEVERITIES = ("info", "warning", "critical")  # ordered: a verdict is driven by the worst
 
@@ -79,6 +85,7 @@ class DiagnosisConfig:
     entropy_band: float = 0.05  # ... its onset: where it last left its early level by more than this share
     # (or 3 robust standard deviations of the early steps, whichever is larger)
     persistence: Persistence = Persistence()  # a cause (and a non-info episode) needs a sustained signal
+    early: EarlyWarning = EarlyWarning()  # the early-warning rules' thresholds (kldiag/analysis/warning.py)
     evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
 
 
@@ -232,12 +239,13 @@ RULES: tuple[Rule, ...] = (
          "the flagged-token fraction leaves its recent range (up to {value})", True),
     Rule("latent", "weight_k3_abs_max", "info", _latent,
          "K3's weight on this run's tokens reaches {value} (not this run's loss: K3 values logged here look huge)"),
+    *(Rule(kind, metric, "warning", fire, what) for kind, metric, fire, what in EARLY),
 )
 KINDS = tuple(r.kind for r in RULES)
 # Names `--fail-on` and Guard(on=...) accept besides the kinds (the rules of `kldiag report`).
 ALIASES: dict[str, tuple[str, ...]] = {
     "blame": ("blame_share",), "nonfinite": ("nonfinite", "invalid"), "jump": ("weight_blowup_onset", "flagged_onset"),
-    "all": KINDS,
+    "early": EARLY_KINDS, "all": KINDS,
 }
 
 
@@ -294,8 +302,8 @@ def first_sustained(step: np.ndarray, fire: np.ndarray, config: DiagnosisConfig)
     return int(step[hit[0]]) if len(hit) else None
 
 
-PERCENT_METRICS = ("blame_share", "flagged_frac")
-K3_ONLY = ("blame_share", "weight_blowup_onset", "flagged_onset")  # info when the loss is not K3
+PERCENT_METRICS = ("blame_share", "flagged_frac", "entropy_drop")
+K3_ONLY = ("blame_share", "weight_blowup_onset", "flagged_onset", *EARLY_K3)  # info when the loss is not K3
 ALWAYS = ("nonfinite", "invalid")  # one bad log-prob is a fault: no persistence asked
 
 
@@ -345,13 +353,15 @@ ONSET_KINDS = ("weight_blowup_onset", "flagged_onset")
 
 def subsume(eps: list[Episode]) -> list[Episode]:
     """Drop the onset rules' episodes that start inside a blow-up episode after its first step:
-    while the loss weight is past the blow-up limit, a new jump says nothing new."""
+    while the loss weight is past the blow-up limit, a new jump says nothing new; and the K3 early
+    warnings that start inside one, its first step included: they would warn of what is there."""
     blow = [(e.start, e.end) for e in eps if e.kind == "blowup"]
 
-    def inside(s: int) -> bool:
-        return any(a < s and (b is None or s <= b) for a, b in blow)
+    def inside(s: int, first: bool) -> bool:
+        return any((a <= s if first else a < s) and (b is None or s <= b) for a, b in blow)
 
-    return [e for e in eps if not (e.kind in ONSET_KINDS and inside(e.start))]
+    return [e for e in eps if not (e.kind in ONSET_KINDS and inside(e.start, False))
+            and not (e.kind in EARLY_K3 and inside(e.start, True))]
 
 
 def table_cols(table) -> dict[str, np.ndarray]:

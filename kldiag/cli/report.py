@@ -20,6 +20,8 @@ episode kind, every cause name (docs/metrics.md), and these, each standing for
              0.01, and its typical |log ratio| above the policy drift), or any `engine_*` cause
              (engine_mismatch, engine_temperature_mismatch and the mismatch root causes)
   jump       a `weight_blowup_onset` or `flagged_onset` episode
+  early      an early-warning episode (early_weight_trend, early_blame_trend, early_flagged_trend,
+             early_entropy_drop: a leading indicator climbs before a blow-up or a collapse)
   all        every episode kind and every cause
 
 Verdict (the diagnosis's): "unstable" when a cause or an episode is critical, "warning" when a
@@ -48,6 +50,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "latent": ("latent",),
     "mismatch": ("mismatch", *(c for c in CAUSE_NAMES if c.startswith("engine_"))),
     "jump": EP.ALIASES["jump"],
+    "early": EP.ALIASES["early"],
     "all": (*EP.KINDS, *CAUSE_NAMES),
 }
 NAMES = tuple(dict.fromkeys((*ALIASES, *EP.KINDS, *CAUSE_NAMES)))  # what --fail-on accepts

@@ -29,11 +29,16 @@ def verdict(causes: Sequence[Cause], episodes: Sequence[Episode]) -> str:
     return "unstable" if "critical" in worst else "warning" if "warning" in worst else "healthy"
 
 
-def run_episodes(analysis, config: DiagnosisConfig) -> tuple[list[Episode], EP.RuleContext, dict]:
-    """The run's episodes with their evidence, the rules' context and the steps as arrays."""
+def run_episodes(analysis, config: DiagnosisConfig,
+                 side: dict | None = None) -> tuple[list[Episode], EP.RuleContext, dict]:
+    """The run's episodes with their evidence, the rules' context and the steps as arrays. The rules
+    also see the side scan's entropy_mean (the early_entropy_drop rule), aligned on the steps."""
     ctx = rule_context(analysis.config, analysis.manifest, config)
     cols = EP.table_cols(analysis.steps)
-    eps = evidence.attach(EP.episodes(cols, ctx), analysis.flags, config.evidence_tokens)
+    seen = dict(cols)
+    if side and "entropy_mean" in side:
+        seen["entropy_mean"] = C.Context(cols, None, ctx.estimator, side=side).side_at(cols["step"], "entropy_mean")
+    eps = evidence.attach(EP.episodes(seen, ctx), analysis.flags, config.evidence_tokens)
     return eps, ctx, cols
 
 
@@ -66,8 +71,8 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
     dropped when another detector named the same cause, or ran and lists its name in its `replaces`.
     """
-    eps, rctx, cols = run_episodes(analysis, config)
     side = side_scan(analysis, config) if config is not None else {}
+    eps, rctx, cols = run_episodes(analysis, config, side)
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
     found: list[tuple[bool, Cause]] = []
     replaced: set[str] = set()

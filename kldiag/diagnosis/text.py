@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from kldiag.analysis.warning import EARLY_KINDS
 from kldiag.diagnosis.types import Diagnosis
 
 MARK = {"healthy": "HEALTHY", "warning": "WARNING", "unstable": "UNSTABLE"}
@@ -21,7 +22,17 @@ def verdict_line(dg: Diagnosis) -> str:
         line += f" (notes: {named(notes)})"
     if not main and dg.episodes:
         line += f" ({len(dg.episodes)} alert episode(s), no cause of instability)"
-    return line
+    return line + early_note(dg)
+
+
+def early_note(dg: Diagnosis) -> str:
+    """'; early warning: early_weight_trend from step 124 (ongoing)': the early-warning episodes (warning
+    severity) of a run that is not unstable yet; '' when there is none (docs/metrics.md, "Early warning")."""
+    early = [e for e in dg.episodes if e.kind in EARLY_KINDS and e.severity == "warning"]
+    if dg.verdict == "unstable" or not early:
+        return ""
+    return "; early warning: " + ", ".join(f"{e.kind} from step {e.start}" + (" (ongoing)" if e.end is None else "")
+                                           for e in early)
 
 
 def format_diagnosis(dg: Diagnosis, width: int = 100) -> str:

@@ -67,7 +67,8 @@ class Scenario:
     hard_frac: float = 0.0  # share of steps with a harder batch: prompts on which training already
     hard_shift: float = 3.0  # pushed the filler ids down by this many nats (pi_theta and pi_old alike)
     collapse_from: int | None = None  # from this step pi_theta pushes the filler ids down ...
-    collapse_shift: float = 7.0  # ... by this many nats (pi_old follows `stale` steps later)
+    collapse_shift: float = 7.0  # ... by this many nats (pi_old follows `stale` steps later) ...
+    collapse_ramp: int = 0  # ... reached linearly over this many steps (0: at once; a ramp gives a blow-up a lead-up)
     drift_from: int | None = None  # from this step pi_old is `drift_stale` updates behind
     drift_stale: int = 32
     mismatch_from: int | None = None  # from this step the engine's noise is mismatch_noise ...
@@ -145,6 +146,17 @@ SCENARIO_LIST: tuple[Scenario, ...] = (
        **{**CLAMP, "collapse_from": 180}, mismatch_from=60),
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in SCENARIO_LIST}
+# Blow-ups with a lead-up, for the early-warning lead times (bench/early_warning.py); not in the suite above. The
+# filler ids sink by 0 -> collapse_shift nats over collapse_ramp steps from step 100, so K3's weight on them climbs
+# for a while before it passes the blow-up limit; the cause must be named inside the ramp.
+RAMP_LIST: tuple[Scenario, ...] = (
+    _s("k3_blowup_ramp30", "unstable", (Expect("k3_weight_blowup", 115, 15),), collapse_from=100, collapse_ramp=30),
+    _s("k3_blowup_ramp100", "unstable", (Expect("k3_weight_blowup", 150, 50),), collapse_from=100, collapse_ramp=100),
+    _s("temperature_1.2+blowup_ramp60", "unstable",
+       (Expect("engine_temperature_mismatch", 0), Expect("k3_weight_blowup", 130, 30)), temperature=1.2,
+       collapse_from=100, collapse_ramp=60),
+)
+RAMP_SCENARIOS: dict[str, Scenario] = {s.name: s for s in RAMP_LIST}
 TEST_SIZE = dict(seqs=8, group=4, min_len=24, max_len=48)  # what tests/test_truth_suite.py shrinks runs to
 
 
@@ -171,6 +183,11 @@ def _sharpness(sc: Scenario, rng: np.random.Generator) -> np.ndarray:
     return np.interp(-target, -h, grid)
 
 
+def _ramp(t: np.ndarray, start: int | None, steps: int) -> np.ndarray:
+    """0 before `start`, then up linearly to 1 over `steps` steps (1 from `start` on when steps <= 1)."""
+    return np.clip((t - (start or 0) + 1) / max(steps, 1), 0.0, 1.0)
+
+
 def schedule(sc: Scenario, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Per-step arrays [steps]: gap, hard, stale, shift, sharp, noise, temp, nan (the truth of the run)."""
     t = np.arange(sc.steps)
@@ -186,7 +203,8 @@ def schedule(sc: Scenario, rng: np.random.Generator) -> dict[str, np.ndarray]:
         noise = np.where(after(sc.mismatch_from), sc.engine_noise + ramp * (sc.mismatch_noise - sc.engine_noise), noise)
     return {"gap": gap, "hard": np.where(hard, sc.hard_shift, 0.0),
             "stale": np.where(after(sc.drift_from), sc.drift_stale, sc.stale).astype(np.int64),
-            "shift": np.where(after(sc.collapse_from), sc.collapse_shift, 0.0),
+            "shift": np.where(after(sc.collapse_from), sc.collapse_shift * _ramp(t, sc.collapse_from, sc.collapse_ramp),
+                              0.0),
             "sharp": _sharpness(sc, rng), "noise": noise,
             "temp": np.where(t >= sc.temperature_from, sc.temperature, 1.0),
             "nan": np.where(after(sc.nan_from), sc.nan_per_step, 0)}
