@@ -42,7 +42,7 @@ def test_a_sampled_run_publishes_its_last_steps_whole_when_the_guard_fires(tmp_p
     rec = kldiag.Recorder(run, beta=0.04, estimator="k3", every_n_steps=4, seq_fraction=0.5, flight_steps=3,
                           rotate_seconds=None)
     guard = Guard(on="blowup", action="log,flight", recorder=rec, estimator="k3")
-    assert rec.flight_on
+    assert rec.flight_on and rec.flight_nbytes == 0
     fired = []
     for step in range(12):
         data = batch(rng, step, blow=step >= 9)

@@ -244,6 +244,11 @@ class Recorder:
         """Whether this recorder keeps a flight ring (it samples, and flight_steps > 0)."""
         return self._flight is not None
 
+    @property
+    def flight_nbytes(self) -> int:
+        """Host bytes the flight ring holds now (at most flight_bytes; 0 without a ring)."""
+        return self._flight.nbytes if self._flight is not None else 0
+
     def dump_flight(self, trigger: dict[str, Any] | None = None, figures: dict[str, Any] | None = None) -> str | None:
         """Publish the flight recorder's ring as an evidence bundle (a run at RUN/flight/<step>-<kind>/
         with flight.json); returns its path or URI, None when the recorder keeps no ring (it records
