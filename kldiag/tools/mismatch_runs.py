@@ -32,6 +32,19 @@ from pathlib import Path
 from typing import Any
 
 from kldiag.record.recorder import Recorder
+from kldiag.tools.demo_train import (
+    N_OUT,
+    N_PROMPT,
+    DemoConfig,
+    all_logits,
+    group_advantages,
+    init_params,
+    kl_loss,
+    logits_at,
+    ppo_surrogate,
+    token_logp,
+    token_scores,
+)
 
 DEFECTS = ("none", "temperature", "raw_logprobs", "shifted_gather", "bf16", "stale_sync", "async_lag")
 
@@ -75,7 +88,6 @@ RUNS: dict[str, MismatchRun] = {r.name: r for r in RUN_LIST}
 
 
 def _demo_config(run: MismatchRun):
-    from kldiag.tools.demo_train import DemoConfig
 
     return DemoConfig(steps=run.steps, prompts_per_step=run.prompts_per_step, group_size=run.group_size,
                       length=run.length, hidden=run.hidden, lr=run.lr, beta=run.beta, lag=0,
@@ -91,7 +103,6 @@ def engine_sample(params: dict[str, Any], prompts, run: MismatchRun, gen):
     in bf16); returns the tokens [B, L] and the log-probs it reports [B, L] (raw: of softmax(z))."""
     import torch
 
-    from kldiag.tools.demo_train import N_OUT, logits_at
 
     temp = run.temperature if run.defect in ("temperature", "raw_logprobs") else 1.0
     prev = torch.full((prompts.shape[0],), N_OUT, dtype=torch.long)
@@ -160,7 +171,6 @@ def _update(run, params, opt, batch, rows, ref_scale: float):
     """One mini-batch: the policy's log-probs before its Adam step (recorded), then the step."""
     import torch
 
-    from kldiag.tools.demo_train import all_logits, kl_loss, ppo_surrogate, token_logp
 
     prompts, tokens = batch["prompts"][rows], batch["tokens"][rows]
     logits = all_logits(params, prompts, tokens) / ref_scale
@@ -178,7 +188,6 @@ def _rollout(run, step, params, ref, engine, gen, scores):
     """The step's batch: prompts, the engine's tokens and log-probs, the trainer's logp_old and logp_ref."""
     import torch
 
-    from kldiag.tools.demo_train import N_PROMPT, all_logits, group_advantages, token_logp
 
     prompts = torch.randint(N_PROMPT, (run.prompts_per_step,), generator=gen).repeat_interleave(run.group_size)
     tokens, logp_sampler = engine_sample(engine.weights(step, params), prompts, run, gen)
@@ -195,7 +204,6 @@ def train(run: MismatchRun, record) -> None:
     """Train `run.steps` GRPO steps; `record(**kw)` gets each mini-batch with kldiag.Recorder's keywords."""
     import torch
 
-    from kldiag.tools.demo_train import N_PROMPT, init_params, token_scores
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
