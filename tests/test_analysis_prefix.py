@@ -150,3 +150,30 @@ def test_restart_invalidates_the_prefix(tmp_path, monkeypatch):
     again = analyze(tmp_path / "run")
     assert again.info["superseded_rows"] > 0
     assert_same_analysis(again, analyze(tmp_path / "run", NOCACHE))
+
+
+@pytest.mark.parametrize("seal_every", [1, 2, 5])
+def test_the_streaming_merge_equals_one_merge_bit_for_bit(source, tmp_path, monkeypatch, seal_every):
+    """prefix.Stream (the cold path: partials merged as they arrive, rows below the next part's first
+    step sealed) gives exactly partials.merge of every part's partial, with two ranks' parts interleaved."""
+    from kldiag.analysis.engine import thresholds
+
+    monkeypatch.setattr(prefix, "SEAL_EVERY", seal_every)
+    for item in split_run(source, tmp_path / "run", rows=70):
+        publish(tmp_path / "run", item)
+    run = open_run(tmp_path / "run")
+    parts = run.parts()
+    th = thresholds(AnalysisConfig(per_rank=True), run.manifest)
+    red = partials.AnalysisReducer(th)
+    each = [partials.from_arrays(reduce.compute_part(p, [red], 1 << 20)[red.name]) for p in parts]
+    stream = prefix.Stream(parts, th.top_k)
+    for i, p in enumerate(each):
+        stream.add(i, p)
+    got, want = stream.result(), partials.merge(each, th.top_k)
+    assert len(parts) > 8 and stream.cut > -(1 << 62)  # it did seal
+    for table in partials.TABLES:
+        g, w = getattr(got, table), getattr(want, table)
+        assert sorted(g) == sorted(w), table
+        for col in w:
+            np.testing.assert_array_equal(g[col], w[col], err_msg=f"{table}.{col}")
+    assert got.rows == want.rows

@@ -193,16 +193,20 @@ class Stream:
         self.sealed: dict[str, list[keyed.Keyed]] = {t: [] for t in STEP_TABLES}
         self.whole = partials.Partial()
         self.added = 0  # the index the next part should have (a gap: an unreadable part was skipped)
+        self.cut = -(1 << 62)  # the last seal's cut: rows of steps below it are sealed
 
     def add(self, i: int, p: partials.Partial) -> None:
         self.added = i + 1
         self.open.append(partials.Partial(steps=p.steps, seqs=p.seqs))
         self.whole = whole_tables(None, [self.whole, p], self.top_k)
-        if len(self.open) >= SEAL_EVERY and i + 1 < len(self.parts):
+        # seal once enough parts wait and the cut has moved: with many ranks the next part's first
+        # step often stays put, and sealing at every arrival would copy every open partial each time
+        if len(self.open) >= SEAL_EVERY and i + 1 < len(self.parts) and self.parts[i + 1].step_min > self.cut:
             self.seal(self.parts[i + 1].step_min)
 
     def seal(self, cut: int) -> None:
         """Merge and keep aside the open rows of steps < cut: no later part has such a step."""
+        self.cut = cut
         for t in STEP_TABLES:
             low = [rows_where(getattr(p, t), getattr(p, t)["step"] < cut) for p in self.open if getattr(p, t)]
             self.sealed[t].append(keyed.merge(low))

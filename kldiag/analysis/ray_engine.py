@@ -88,18 +88,19 @@ def compute(jobs: Sequence[reduce.Job], batch_size: int, strict: bool = False,
         return
     ray = connect(address)
     remote = task(ray)
-    refs = [remote.remote(part, reducers, batch_size) for part, reducers in jobs]
-    index = {ref: i for i, ref in enumerate(refs)}
+    pending = [remote.remote(part, reducers, batch_size) for part, reducers in jobs]
+    index = {ref: i for i, ref in enumerate(pending)}
     ahead: dict[int, dict | Exception] = {}
-    pending, nxt = list(refs), 0
+    nxt = 0
     try:
-        while nxt < len(refs):
+        while nxt < len(jobs):
             done, pending = ray.wait(pending, num_returns=1) if pending else ([], pending)
             for ref in done:
-                i = index[ref]
+                i = index.pop(ref)  # no reference left: Ray frees the partial from its object store
                 ahead[i] = _get(ray, jobs[i][0], ref)
                 if strict and isinstance(ahead[i], EngineError):
                     raise ahead[i]
+            del done
             while nxt in ahead:
                 yield nxt, ahead.pop(nxt)
                 nxt += 1
