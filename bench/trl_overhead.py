@@ -2,11 +2,12 @@
 
     python bench/trl_overhead.py                       # 4 runs of 402 steps: 198 block pairs (~80 s)
     python bench/trl_overhead.py --mode runs --repeats 24 --steps 30   # whole-run pairs (the older bench)
+    python bench/trl_overhead.py --every-n-steps 4 --flight-steps 4   # a sampled run with the flight ring
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 
 Same tiny model, seed and data (examples/trl_grpo.py) in every run. The tiny model makes
 this a worst case: kldiag's per-token cost is set against a forward pass of a 2-layer,
-32-wide model. Target: attached / plain within 1.05 (DESIGN.md section 5).
+32-wide model. Target: attached / plain within 1.05 (docs/recorder.md, "Measured").
 
 Two ways to pair "with" and "without", both reporting the min, median and max pair ratio:
 - `blocks` (default): kldiag is attached to one long run and switched on and off
@@ -134,6 +135,7 @@ def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, fi
     trainer.add_callback(Toggle())
     trainer.train()
     starts.append(time.perf_counter())  # the last block ends with train(): its close is timed on its own
+    flight_bytes = getattr(rec, "flight_nbytes", 0)
     blocks = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     pairs = []
     for p in range(1, len(blocks) // 2):  # pair 0 holds first-call costs
@@ -142,7 +144,7 @@ def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, fi
         pairs.append((on, off))
     on_blocks = sum(_on(b, first_on) for b in range(len(blocks)))
     return {"pairs": pairs, "on_blocks": on_blocks, "block_steps": size, "writer_cpu": writer_cpu(rec),
-            "rows": rec.stats["rows"]}
+            "rows": rec.stats["rows"], "flight_bytes": flight_bytes}
 
 
 def _on(index: int, first_on: bool) -> bool:
@@ -170,7 +172,8 @@ def main_blocks(args, model_dir: Path, tmp: Path, spent: dict[str, float], optio
         size = out["block_steps"]
         writer += out["writer_cpu"]
         rows += out["rows"]
-        print(f"run {r}: {len(out['pairs'])} block pairs, on/off {spread([a / b for a, b in out['pairs']])}",
+        ring = f", flight ring {out['flight_bytes'] / 1e6:.2f} MB" if out.get("flight_bytes") else ""
+        print(f"run {r}: {len(out['pairs'])} block pairs, on/off {spread([a / b for a, b in out['pairs']])}{ring}",
               flush=True)
     ratios = couple_ratios(runs)
     on, off = (sum(p[k] for pairs in runs for p in pairs) for k in (0, 1))
@@ -250,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--writer-nice", type=int, default=None,
                         help="Recorder(writer_nice=...): the publishing thread's nice increment (0: none)")
+    parser.add_argument("--every-n-steps", type=int, default=None, help="Recorder(every_n_steps=...): sample steps")
+    parser.add_argument("--flight-steps", type=int, default=None,
+                        help="Recorder(flight_steps=...): the flight recorder's ring (with --every-n-steps)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (402 if args.mode == "blocks" else 30)
 
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not hasattr(kldiag.Recorder, "writer_cpu_s"):
         writer_cpu_clock()
-    options = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
+    options = {k: v for k, v in (("writer_nice", args.writer_nice), ("every_n_steps", args.every_n_steps),
+                                 ("flight_steps", args.flight_steps)) if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = trl_grpo.build_tiny_model(tmp / "model", seed=args.seed)
