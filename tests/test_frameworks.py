@@ -170,3 +170,29 @@ def test_manifest_keys_with_a_prefix_or_nested_count():
     assert "is already on" in fix_for("engine_mismatch", hook)
     off = Manifest(trainer={"name": "verl"}, config={"rollout_correction": {"rollout_is": None}})
     assert fix_for("engine_mismatch", off) == verl_fw.FIXES["engine_mismatch"]
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def _golden(name: str) -> set[str]:
+    return {line.strip() for line in (GOLDEN / name).read_text().splitlines() if line.strip() and line[0] != "#"}
+
+
+def test_slime_fixes_name_flags_slime_has():
+    """slime is not on PyPI: its flags at THUDM/slime@624b824a (slime/utils/arguments.py) are a golden file."""
+    from kldiag.frameworks import slime
+
+    flags = _golden("slime_arguments_624b824a.txt")
+    named = {f for text in slime.FIXES.values() for f in re.findall(r"`(--[a-z0-9-]+)", text)}
+    assert named and named <= flags, named - flags
+
+
+def test_nemo_rl_fixes_name_keys_of_its_grpo_config():
+    """NeMo-RL is not on PyPI: the keys of NVIDIA-NeMo/RL@7ea279ab examples/configs/grpo_math_1B.yaml are a
+    golden file; every dotted key a fix names is one of them."""
+    from kldiag.frameworks import nemo_rl
+
+    keys = _golden("nemo_rl_grpo_math_1B_keys_7ea279ab.txt")
+    named = {k for text in nemo_rl.FIXES.values() for k in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)", text)}
+    assert named and named <= keys, named - keys
