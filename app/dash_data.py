@@ -19,7 +19,7 @@ from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
-from kldiag.analysis import engines
+from kldiag.analysis import engines, runner
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
 RUNS_ENV = "KLDIAG_RUNS"
@@ -71,10 +71,11 @@ def diagnosis(run: Loaded):
     return _diagnosis(run.path, run.keys)
 
 
-@st.cache_resource(max_entries=16)
+@st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
 def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
-    """What each estimator does on the run's own tokens (read along with the analysis)."""
-    return VE.from_arrays(_analysis(path, keys).reduced[VE.EstimatorReducer.name])
+    """What each estimator does on the run's own tokens: one pass on the page's first visit, cached on
+    disk per part (a later visit, or another session, reads no part)."""
+    return VE.from_arrays(runner.reduced(_analysis(path, keys), VD.estimator_reducer()))
 
 
 @st.cache_resource(max_entries=8)

@@ -10,7 +10,14 @@ DEFAULT_CONFIG = AnalysisConfig()
 
 
 def reducers(config: AnalysisConfig = DEFAULT_CONFIG) -> list:
-    """Everything the dashboard's pages read besides the analysis tables, as reducers for
-    `analyze(run, config, reducers)`: one read of each part serves every page (the Sequence page
-    alone reads the one part that holds its sequence)."""
-    return [*diagnosis_reducers(), EstimatorReducer(config.tau, config.weight_limit, config.clamp)]
+    """What the dashboard's pages read besides the analysis tables, as reducers for
+    `analyze(run, config, reducers)`: one read of each part serves the Overview, Distributions, Tokens,
+    Mismatch and Compare pages. The Sequence page reads the one part that holds its sequence, and the
+    Estimators page its own reducer (`estimator_reducer`) on its first visit, once: it costs about 20x
+    the analysis per token (numpy), too much to make every first render wait for it."""
+    return diagnosis_reducers()
+
+
+def estimator_reducer(config: AnalysisConfig = DEFAULT_CONFIG) -> EstimatorReducer:
+    """The Estimators page's reducer (cached per part like every reducer: read once, then never)."""
+    return EstimatorReducer(config.tau, config.weight_limit, config.clamp)
