@@ -1,4 +1,4 @@
-"""Analysis throughput against baselines measured in the same run (DESIGN.md section 5).
+"""Analysis throughput against baselines measured in the same run (docs/metrics.md, "Performance").
 
     python bench/analyze.py                 # 50M synthetic tokens (about 1 GB in a temp dir)
     python bench/analyze.py --tokens 10e6   # smaller and faster
@@ -130,9 +130,11 @@ def time_duckdb_subset(run: Path) -> tuple[float, float]:
 
 
 def peak_rss_mb(run: Path) -> float:
-    code = ("import resource, sys; from kldiag.analysis import analyze, AnalysisConfig; "
+    """Peak RSS of an analysis in a fresh process: its VmHWM. (Its ru_maxrss would report at least this
+    process's RSS at fork, which Linux keeps across exec: the figure would be this bench's own size.)"""
+    code = ("import re, sys; from kldiag.analysis import analyze, AnalysisConfig; "
             "analyze(sys.argv[1], AnalysisConfig(use_cache=False)); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+            "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) / 1024)")
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 

@@ -18,13 +18,18 @@ switches.
   reducers (kldiag.views.dashboard.reducers()) followed by `diagnose`: the ratio is the dashboard's
   first open against the bare analysis (the issue's target <= 1.3x). Both also with a fresh cache
   (RUN/.kldiag deleted, use_cache=True: what `kldiag dashboard` does on a run never opened);
+- the Estimators page's first visit ever (its own reducer reads every part once, then it is cached);
 - with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
   Estimators, Mismatch), that page its first render (target <= 2 s each); then one process that
   renders Overview and switches through every page, publishes one more part (one more step), and
   reruns the Overview (the refresh, target <= 1 s); the part is removed afterwards;
-- peak RSS (ru_maxrss) of each process (target: the same at 30M and 300M rows).
---profile PAGE also writes a cProfile of that page's warm first render (and of the refresh with
---profile refresh) to /tmp/kldiag_dash_<page>.prof and prints its top functions.
+- peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
+--breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
+first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
+alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
+in ns per row.
+--profile PAGE (or refresh), instead: a cProfile of that page's warm first render in a fresh process
+(or of the refresh), written to /tmp/kldiag_dash_<PAGE>.prof, its top functions printed.
 
 The browser-side figures (what a user waits for, rendering included) come from the browser
 test: KLDIAG_BENCH_DASHBOARD=1 pytest -s tests/test_browser_dash.py -k speed.
@@ -54,8 +59,12 @@ print(json.dumps([a.steps.num_rows, a.info.get("rows", 0), t1 - t0, t2 - t1]))
 """
 # One cold measurement in a fresh process: argv run, "alone"|"dashboard", "nocache"|"freshcache".
 COLD = """
-import json, os, resource, shutil, sys, time
+import json, os, re, shutil, sys, time
 import kldiag
+
+def peak_mb():  # VmHWM: ru_maxrss would include the parent's RSS at fork (kept across exec)
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
+
 from kldiag.diagnosis import diagnose
 from kldiag.views import dashboard
 run, mode, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "freshcache"
@@ -70,13 +79,17 @@ if mode == "dashboard":
 t2 = time.perf_counter()
 print(json.dumps({"analyze_s": t1 - t0, "diagnose_s": t2 - t1, "total_s": t2 - t0, "rows": a.info["rows"],
                   "steps": a.steps.num_rows, "sequences": a.sequences.num_rows,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "rss_mb": peak_mb()}))
 """
 # The app in a fresh process: argv main.py, JSON {"first": page, "then": [pages], "refresh": synth
 # config or null, "profile": page or "refresh" or null}. Prints one JSON line of timings.
 APP = """
-import cProfile, json, os, resource, sys, time
+import cProfile, json, os, re, sys, time
 from pathlib import Path
+
+def peak_mb():  # VmHWM: ru_maxrss would include the parent's RSS at fork (kept across exec)
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
+
 from streamlit.testing.v1 import AppTest
 main, spec = sys.argv[1], json.loads(sys.argv[2])
 
@@ -84,19 +97,43 @@ def page_of(at):
     titles = [t.value for t in at.title]
     return titles[0] if titles else "?"
 
-def timed_run(at, label):
-    prof = cProfile.Profile() if spec.get("profile") == label else None
-    t = time.perf_counter()
-    if prof:
+PROF = {}
+if spec.get("profile"):  # the script runs in AppTest's script thread: profile inside it
+    from streamlit.runtime.scriptrunner import script_runner as SR
+    real = SR.ScriptRunner._run_script_thread
+    def profiled(self):
+        prof = PROF.get("active")
+        if prof is None:
+            return real(self)
         prof.enable()
+        try:
+            return real(self)
+        finally:
+            prof.disable()
+    SR.ScriptRunner._run_script_thread = profiled
+
+def timed_run(at, label):
+    if spec.get("profile") == label:
+        PROF["active"] = cProfile.Profile()
+    t = time.perf_counter()
     at.run()
-    if prof:
-        prof.disable()
-        prof.dump_stats(f"/tmp/kldiag_dash_{label}.prof")
-    return time.perf_counter() - t
+    s = time.perf_counter() - t
+    if PROF.get("active"):
+        PROF.pop("active").dump_stats(f"/tmp/kldiag_dash_{label}.prof")
+    return s
 
 at = AppTest.from_file(main, default_timeout=3600)
 out = {"renders": []}
+# AppTest scans every installed package for Streamlit components on its first run (about 0.5 s here);
+# a server does that once when it starts, so it is done before the clock starts.
+try:
+    from streamlit.components.v2.component_manager import BidiComponentManager
+    t = time.perf_counter()
+    at._bidi_component_manager = BidiComponentManager()
+    at._bidi_component_manager.discover_and_register_components(start_file_watching=False)
+    out["component_scan_s"] = time.perf_counter() - t
+except Exception:  # another Streamlit: the scan stays inside the first render
+    out["component_scan_s"] = None
 first = spec["first"]
 if first != "overview":  # before the first run a page is found by its file name (= its url_path here)
     at.switch_page(f"app_pages/{first}.py")
@@ -119,7 +156,7 @@ if spec.get("refresh"):
     finally:
         for p in new:
             Path(p).unlink()
-out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out["rss_mb"] = peak_mb()
 print(json.dumps(out))
 """
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
@@ -176,11 +213,93 @@ def classic(run: Path) -> None:
               + ("  (exception)" if at.exception else ""))
 
 
+def tree() -> str:
+    """This checkout's commit, and whether its kldiag/ or app/ has uncommitted changes (read-only git)."""
+    root = MAIN.parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kldiag", "app"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + (" + uncommitted kldiag/ or app/ changes" if dirty else "")
+
+
+def breakdown(run: Path, args) -> None:
+    """One thread, part by part: each reducer's read + reduce alone, and all in one read, per row."""
+    from kldiag.analysis import AnalysisConfig, partials, reduce, runner
+    from kldiag.analysis.engine import thresholds
+    from kldiag.format import open_run
+    from kldiag.views import dashboard
+
+    r = open_run(run)
+    parts = r.parts()[:args.parts] if args.parts else r.parts()
+    th = thresholds(AnalysisConfig(), r.manifest)
+    first = [partials.AnalysisReducer(th)] + [runner.bound(x, r.parts()) for x in dashboard.reducers()]
+    estimators = getattr(dashboard, "estimator_reducer", None)  # its own pass since cfbbec2
+    extra = [estimators()] if estimators else []
+    reds = first + [x for x in extra if x.name not in {y.name for y in first}]
+    print(f"{run}: {len(parts)} parts; one thread; kldiag {tree()}; load {load()}")
+
+    def read(columns) -> float:
+        t = time.perf_counter()
+        for p in parts:
+            for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
+                pass
+        return time.perf_counter() - t
+
+    n = sum(open_part_rows(p) for p in parts)
+    read(reduce.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
+    reduce.compute_part(parts[0], reds, runner.KERNEL_ROWS)
+    base = None
+    for label, columns in (("read the analysis's columns", reduce.union_columns(reds[:1])),
+                           ("read the first pass's columns", reduce.union_columns(first))):
+        s = read(columns)
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  ({len(columns)} columns)")
+    groups = [(f"{red.name} alone (read + reduce)", [red]) for red in reds]
+    groups += [("the dashboard's first pass, one read", first),
+               ("the same and the Estimators reducer, one read", reds)]
+    for label, group in groups:
+        t = time.perf_counter()
+        for p in parts:
+            reduce.compute_part(p, group, runner.KERNEL_ROWS)
+        s = time.perf_counter() - t
+        base = base or s
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  {s / base:5.2f}x the analysis")
+
+
+def open_part_rows(part) -> int:
+    from kldiag.format import open_part
+
+    return open_part(part, ["step"]).metadata.num_rows
+
+
 def stats(xs: list[float]) -> str:
     return f"min {min(xs):.2f} / median {statistics.median(xs):.2f}"
 
 
+def profile(run: Path, args) -> None:
+    """One fresh app process on a warm cache: cProfile of `args.profile`'s first render (or of the refresh)."""
+    import pstats
+
+    env = {"KLDIAG_RUNS": str(run)}
+    if not list(run.glob(".kldiag/prefix/*.json")):
+        child(COLD, str(run), "dashboard", "freshcache")
+    if args.profile == "refresh":
+        spec = {"first": "overview", "refresh": dict(synth_config(args).__dict__), "profile": "refresh"}
+    else:
+        spec = {"first": args.profile, "profile": args.profile}
+    f = child(APP, str(MAIN), json.dumps(spec), env=env)
+    s = f["refresh"][0] if args.profile == "refresh" else f["renders"][0][1]
+    path = f"/tmp/kldiag_dash_{args.profile}.prof"
+    print(f"{args.profile}: {s:.2f} s (profiled); load {load()}; {path}; by cumulative time, the functions of "
+          "kldiag and app/ (imports: importlib's _find_and_load):")
+    pstats.Stats(path).sort_stats("cumulative").print_stats(r"kldiag/|/app/|_find_and_load\b", 45)
+
+
 def scale(run: Path, args) -> None:
+    print(f"kldiag {tree()}")
     print(f"run {run}: {sum(p.stat().st_size for p in run.glob('tokens/rank-*/*.parquet')) / 1e9:.2f} GB in "
           f"{len(list(run.glob('tokens/rank-*/*.parquet')))} parts; load average at start {load()}", flush=True)
     cold: dict[tuple[str, str], list[dict]] = {}
@@ -201,14 +320,19 @@ def scale(run: Path, args) -> None:
         print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
               f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
               f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
-    # warm the cache the way the dashboard leaves it (analysis + every page's reducers)
+    # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
+    # the Estimators page, which reads its own reducer on its first visit (timed: every part is read)
     child(COLD, str(run), "dashboard", "freshcache")
     env = {"KLDIAG_RUNS": str(run)}
+    f = child(APP, str(MAIN), json.dumps({"first": "overview", "then": ["estimators"]}), env=env)
+    print(f"\nafter a cold first pass: Overview {f['renders'][0][1]:.2f} s, then the Estimators page's first visit "
+          f"ever {f['renders'][1][1]:.2f} s (its reducer reads every part once, then it is cached); "
+          f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
     print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 2 s):")
     firsts: dict[str, list[float]] = {}
     for r in range(args.repeat):
         for page in SCALE_PAGES:
-            f = child(APP, str(MAIN), json.dumps({"first": page, "profile": args.profile}), env=env)
+            f = child(APP, str(MAIN), json.dumps({"first": page}), env=env)
             name, s, title, exc = f["renders"][0]
             firsts.setdefault(page, []).append(s)
             print(f"  {page:14s} #{r + 1}: {s:6.2f} s  ({title}{'; EXCEPTION ' + str(exc) if exc else ''}); "
@@ -216,8 +340,7 @@ def scale(run: Path, args) -> None:
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
-        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(cfg),
-                "profile": args.profile}
+        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(cfg)}
         f = child(APP, str(MAIN), json.dumps(spec), env=env)
         line = ", ".join(f"{name} {s:.2f}" + (" (EXCEPTION)" if exc else "") for name, s, _, exc in f["renders"])
         s, title, exc, n = f["refresh"]
@@ -227,12 +350,6 @@ def scale(run: Path, args) -> None:
     print("\nsummary (s):")
     for page in SCALE_PAGES:
         print(f"  {page:14s} first render (fresh process, warm cache): {stats(firsts[page])}")
-    if args.profile:
-        import pstats
-
-        path = f"/tmp/kldiag_dash_{args.profile}.prof"
-        print(f"\nprofile of {args.profile} ({path}), top 25 by cumulative time:")
-        pstats.Stats(path).sort_stats("cumulative").print_stats(25)
 
 
 def main() -> None:
@@ -242,14 +359,22 @@ def main() -> None:
     ap.add_argument("--run", default="/tmp/kldiag_bench_dash")
     ap.add_argument("--scale", action="store_true", help="the fresh-process figures above instead of the default")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--profile", choices=[*SCALE_PAGES, "refresh"], help="--scale: cProfile this render")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only: each reducer's read + reduce time per row, one thread (--parts N: the first N)")
+    ap.add_argument("--parts", type=int, default=0)
+    ap.add_argument("--profile", choices=[*SCALE_PAGES, "refresh"],
+                    help="only a cProfile of this page's warm first render in a fresh process (or of the refresh)")
     args = ap.parse_args()
     run = Path(args.run)
     if not run.exists():
         t = time.perf_counter()
         make_run(run, synth_config(args))
         print(f"wrote {run} in {time.perf_counter() - t:.0f} s")
-    if args.scale:
+    if args.breakdown:
+        breakdown(run, args)
+    elif args.profile:
+        profile(run, args)
+    elif args.scale:
         scale(run, args)
     else:
         classic(run)

@@ -67,6 +67,18 @@ def row(label: str, n_parts: int, opens: Counter, cache: Counter, seconds: float
             f"| {seconds:.1f} |")
 
 
+def commit(checkout: Path) -> str:
+    """The checkout's commit, and whether its kldiag/ has uncommitted changes (read-only git)."""
+    try:
+        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "kldiag"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "commit unknown"
+    return head + (" + uncommitted kldiag/ changes" if dirty else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", type=Path, default=[ROOT / "sample_logs" / "demo_k3"],
@@ -81,9 +93,10 @@ def main() -> None:
         where = checkout_kldiag(checkout)
         if not where.startswith(str(checkout) + "/"):
             raise SystemExit(f"{name}: PYTHONPATH={checkout} imports {where}, not that checkout")
-        print(f"{name}: kldiag from {where}")
+        print(f"{name}: kldiag from {where} ({commit(checkout)})")
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print("\n| run / checkout / cache | part files | opens | min per part | max per part | cache-file opens | s |")
+    print("\n| run / checkout / cache | part files | opens | min per part | max per part | opens under RUN/.kldiag "
+          "(reads and writes) | s |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kldiag-opens-") as tmp:
         tmp = Path(tmp)

@@ -4,6 +4,7 @@ driver-memory projection of docs/scale.md.
     .venv/bin/python bench/ray_memory.py                              # this tree
     .venv/bin/python bench/ray_memory.py --before /tmp/kl_before      # and another checkout, interleaved
     .venv/bin/python bench/ray_memory.py --parts 16,64 --ranks 8 --big /tmp/kldiag_bench_dash_300m
+    .venv/bin/python bench/ray_memory.py --stream      # only: the streaming merge's time with R ranks
 
 Runs (kldiag.tools.synth, written once under --root and reused):
 - `p<N>`: one rank, N parts of one step each (64 sequences of 100-299 tokens a step, about 12.8k
@@ -17,7 +18,9 @@ Runs (kldiag.tools.synth, written once under --root and reused):
 Each analysis runs in a fresh driver process (`kldiag.analyze(RUN, AnalysisConfig(engine="ray",
 use_cache=...))` on a local Ray of --cpus CPUs started before the measurement; the workers' kldiag is
 checked to be the checkout's). Printed per run: the driver's RSS after ray.init and a warm-up task,
-its peak during the analysis (psutil, sampled every 5 ms; ru_maxrss too) and the growth between them.
+its peak during the analysis (VmHWM of /proc/self/status: ru_maxrss would include the parent's RSS at
+fork, which Linux keeps across exec) and the growth between them; sampled every 5 ms, how much of it
+was anonymous memory and how much shared memory (Ray's object store, mapped by ray.get).
 Partial sizes come from this tree (kldiag.analysis.partials), by table.
 """
 
@@ -36,20 +39,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 DRIVER = """
-import json, os, resource, shutil, sys, threading, time
-import psutil
+import json, os, re, shutil, sys, threading, time
 run, spec = sys.argv[1], json.loads(sys.argv[2])
 import kldiag, ray
+
+def status():
+    # VmHWM: this process's own peak (ru_maxrss would include the parent's RSS at fork: Linux keeps it across exec)
+    text = open("/proc/self/status").read()
+    return {k: int(re.search(k + r":\\s+(\\d+) kB", text).group(1)) / 1024
+            for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
+
 ray.init(num_cpus=spec["cpus"], include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 worker_kldiag = ray.get(ray.remote(lambda: __import__("kldiag").__file__).remote())
+# warm-up on a tiny run: imports, Ray workers started, the task function shipped
+kldiag.analyze(spec["warmup"], kldiag.AnalysisConfig(engine="ray", use_cache=False, per_rank=spec["per_rank"]))
 if spec["cache"]:
     shutil.rmtree(os.path.join(run, ".kldiag"), ignore_errors=True)
-proc = psutil.Process()
-base = proc.memory_info().rss
-peak, stop = [base], threading.Event()
+base = status()
+peak, stop = dict(base), threading.Event()
 def sample():
     while not stop.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
+        for k, v in status().items():
+            peak[k] = max(peak[k], v)
         time.sleep(0.005)
 th = threading.Thread(target=sample, daemon=True)
 th.start()
@@ -57,9 +68,10 @@ t = time.perf_counter()
 a = kldiag.analyze(run, kldiag.AnalysisConfig(engine="ray", use_cache=spec["cache"], per_rank=spec["per_rank"]))
 seconds = time.perf_counter() - t
 stop.set(); th.join()
-peak[0] = max(peak[0], proc.memory_info().rss)
-print(json.dumps({"kldiag": kldiag.__file__, "worker_kldiag": worker_kldiag, "base_mb": base / 2**20,
-                  "peak_mb": peak[0] / 2**20, "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+end = status()
+print(json.dumps({"kldiag": kldiag.__file__, "worker_kldiag": worker_kldiag, "base_mb": base["VmRSS"],
+                  "base_anon": base["RssAnon"], "base_shmem": base["RssShmem"],
+                  "base_hwm_mb": base["VmHWM"], "peak_mb": end["VmHWM"], "sampled": peak, "end": end,
                   "seconds": seconds, "rows": a.info["rows"], "steps": a.steps.num_rows,
                   "sequences": a.sequences.num_rows, "files": a.files}))
 ray.shutdown()
@@ -82,21 +94,21 @@ def make_runs(root: Path, parts: list[int], ranks: list[int]) -> dict[str, tuple
         cfg = SynthConfig(steps=64, ranks=r, seqs_per_step=16, seq_len=(100, 300), vocab_size=0, blowup_step=32,
                           blowup_frac=0.001, rows_per_file=16 * 16 * 200, seed=3)
         runs[f"r{r}"] = (root / f"r{r}", cfg)
-    for name, (path, cfg) in runs.items():
+    for path, cfg in runs.values():
         if not (path / "run.json").exists():
             shutil.rmtree(path, ignore_errors=True)
             make_run(path, cfg)
     return runs
 
 
-def sizes(run: Path) -> dict:
+def sizes(run: Path, per_rank: bool) -> dict:
     """Per-part and merged partial sizes (bytes by table) of this tree's analysis reducer."""
     from kldiag.analysis import AnalysisConfig, partials
     from kldiag.analysis.engine import thresholds
     from kldiag.format import open_run
 
     r = open_run(run)
-    th = thresholds(AnalysisConfig(), r.manifest)
+    th = thresholds(AnalysisConfig(per_rank=per_rank), r.manifest)
     ps = [partials.compute_part(p, th, 1 << 20) for p in r.parts()]
     merged = partials.merge(ps, th.top_k)
 
@@ -117,9 +129,9 @@ def sizes(run: Path) -> dict:
     return out
 
 
-def drive(checkout: Path, run: Path, cpus: int, cache: bool, per_rank: bool) -> dict:
+def drive(checkout: Path, run: Path, cpus: int, cache: bool, per_rank: bool, warmup: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    spec = json.dumps({"cpus": cpus, "cache": cache, "per_rank": per_rank})
+    spec = json.dumps({"cpus": cpus, "cache": cache, "per_rank": per_rank, "warmup": str(warmup)})
     out = subprocess.run([sys.executable, "-c", DRIVER, str(run), spec], env=env, cwd="/", capture_output=True,
                          text=True)
     if out.returncode:
@@ -132,57 +144,139 @@ def drive(checkout: Path, run: Path, cpus: int, cache: bool, per_rank: bool) -> 
     return f
 
 
+def stream_test(root: Path, cases: str) -> None:
+    """prefix.Stream against one merge of the same partials when R ranks' parts cover the same steps.
+
+    Partials are copies of one real one-step partial (p16's first part) moved to other steps, ranks
+    merged (per_rank off); each part holds 4 steps of one rank, parts listed by first step as a run's
+    listing has them, so about R partials are open at any time."""
+    import time
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    from kldiag.analysis import AnalysisConfig, partials, prefix
+    from kldiag.analysis.engine import thresholds
+    from kldiag.format import open_run
+
+    r = open_run(root / "p16")
+    th = thresholds(AnalysisConfig(), r.manifest)
+    proto = partials.compute_part(r.parts()[0], th, 1 << 20)
+
+    @dataclass
+    class Listed:  # what Stream reads of a part
+        step_min: int
+        step_max: int
+
+    def moved(step: int, seq0: int) -> partials.Partial:
+        steps = {**proto.steps, "step": np.full_like(proto.steps["step"], step)}
+        seqs = {**proto.seqs, "step": np.full_like(proto.seqs["step"], step),
+                "seq": proto.seqs["seq"] - proto.seqs["seq"].min() + seq0}
+        return partials.Partial(steps, seqs, proto.top, proto.bad, {}, proto.rows)
+
+    print(f"prefix.Stream, SEAL_EVERY={prefix.SEAL_EVERY}; load {load()}")
+    for case in cases.split(","):
+        ranks, n = (int(x) for x in case.split("x"))
+        listed, ps = [], []
+        for block in range(n // ranks):
+            for rank in range(ranks):
+                s0 = block * 4
+                listed.append(Listed(s0, s0 + 3))
+                ps.append(partials.merge([moved(s0 + k, ((s0 + k) * ranks + rank) * 64) for k in range(4)], th.top_k))
+        t = time.perf_counter()
+        stream = prefix.Stream(listed, th.top_k)
+        for i, p in enumerate(ps):
+            stream.add(i, p)
+        got = stream.result()
+        stream_s = time.perf_counter() - t
+        t = time.perf_counter()
+        want = partials.merge(ps, th.top_k)
+        merge_s = time.perf_counter() - t
+        equal = all(np.array_equal(got.seqs[c], want.seqs[c], equal_nan=True) for c in want.seqs)
+        print(f"  R = {ranks:5d}, {len(ps):5d} parts of 4 steps: Stream {stream_s:7.2f} s, one merge {merge_s:5.2f} s, "
+              f"equal {equal}; {len(stream.open)} partials open at the end; load {load()}", flush=True)
+
+
+def tree(checkout: Path) -> str:
+    """The checkout's commit, and whether its kldiag/ has uncommitted changes (read-only git)."""
+    try:
+        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "kldiag"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + (" + uncommitted kldiag/ changes" if dirty else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path("/tmp/kldiag_bench_raymem"))
     ap.add_argument("--parts", default="16,64,256,1024")
     ap.add_argument("--ranks", default="8,64", help="R of the multi-rank runs (per_rank off and on)")
-    ap.add_argument("--big", type=Path, action="append", default=[], help="also this run (no per_rank variant)")
+    ap.add_argument("--big", type=Path, action="append", default=[], help="also this run (per_rank off)")
     ap.add_argument("--before", type=Path, help="another checkout, measured interleaved with this one")
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--cache", action="store_true", help="use_cache=True on a fresh cache (default: no cache)")
+    ap.add_argument("--cache", choices=["off", "on", "both"], default="off",
+                    help="use_cache=False (off), True on a fresh cache (on), or both")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--stream", metavar="RxN,...", nargs="?", const="1x1024,16x1024,64x1024,256x1024,1024x2048",
+                    help="only: prefix.Stream against one merge, R ranks and N parts per case")
     args = ap.parse_args()
+    if args.stream:
+        make_runs(args.root, [16], [])
+        stream_test(args.root, args.stream)
+        return
     parts = [int(x) for x in args.parts.split(",") if x]
     ranks = [int(x) for x in args.ranks.split(",") if x]
-    runs = make_runs(args.root, parts, ranks)
-    todo = [(name, path, False) for name, (path, _) in runs.items()]
-    todo += [(f"r{r}", runs[f"r{r}"][0], True) for r in ranks]
-    todo += [(p.name, p, False) for p in args.big]
+    runs = make_runs(args.root, sorted({16, *parts}), ranks)
+    warmup = runs["p16"][0]
+    caches = {"off": [False], "on": [True], "both": [False, True]}[args.cache]
+    todo = [(f"p{n}", runs[f"p{n}"][0], False) for n in parts]
+    todo += [(f"r{r}", runs[f"r{r}"][0], pr) for r in ranks for pr in (False, True)]
+    todo += [(p.name, p.resolve(), False) for p in args.big]
     checkouts = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
-    print(f"load average at start {load()}; local Ray with {args.cpus} CPUs; use_cache={args.cache}", flush=True)
+    for label, checkout in checkouts:
+        print(f"{label}: {checkout} at {tree(checkout)}")
+    print(f"load average at start {load()}; local Ray with {args.cpus} CPUs; warm-up run {warmup}", flush=True)
     results = []
     for name, path, per_rank in todo:
-        size = sizes(path)
-        print(f"\n{name} ({path}): {size['rows'] / 1e6:.2f}M rows in {size['parts']} parts; partial per part "
-              f"{size['part_bytes'] / 1e3:.0f} kB ({size['part_bytes'] / (size['rows'] / size['parts']):.2f} B/row; "
+        size = sizes(path, per_rank)
+        print(f"\n{name} ({path}), per_rank={per_rank}: {size['rows'] / 1e6:.2f}M rows in {size['parts']} parts; "
+              f"partial per part {size['part_bytes'] / 1e3:.0f} kB "
+              f"({size['part_bytes'] / (size['rows'] / size['parts']):.2f} B/row; "
               f"top {size['part_top_bytes'] / 1e3:.0f} kB, steps {size['part_steps_bytes'] / 1e3:.1f} kB, "
               f"seqs {size['part_seqs_bytes'] / 1e3:.1f} kB); merged {size['merged_bytes'] / 1e6:.1f} MB "
-              f"({size['merged_steps_rows']} (step, rank) rows x "
+              f"({size['merged_steps_rows']} per-step rows x "
               f"{size['merged_steps_bytes'] / max(size['merged_steps_rows'], 1):.0f} B, "
               f"{size['merged_seqs_rows']} (step, seq) rows x "
               f"{size['merged_seqs_bytes'] / max(size['merged_seqs_rows'], 1):.0f} B)", flush=True)
-        for rep in range(args.repeat):
-            for label, checkout in (checkouts if rep % 2 == 0 else checkouts[::-1]):
-                f = drive(checkout, path, args.cpus, args.cache, per_rank)
-                f.update(run=name, checkout=label, per_rank=per_rank, repeat=rep, **size)
-                results.append(f)
-                print(f"  {label:6s} per_rank={per_rank!s:5s} #{rep + 1}: driver RSS {f['base_mb']:.0f} MB after "
-                      f"ray.init, peak {f['peak_mb']:.0f} MB (ru_maxrss {f['ru_maxrss_mb']:.0f}): +"
-                      f"{f['peak_mb'] - f['base_mb']:.0f} MB in {f['seconds']:.1f} s; load {f['load']}", flush=True)
-    print("\n| run | parts | rows | per_rank | merged partial MB | " +
-          " | ".join(f"{c} peak growth MB (min / median)" for c, _ in checkouts) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(checkouts))
+        for cache in caches:
+            for rep in range(args.repeat):
+                for label, checkout in (checkouts if rep % 2 == 0 else checkouts[::-1]):
+                    f = drive(checkout, path, args.cpus, cache, per_rank, warmup)
+                    f.update(run=name, checkout=label, per_rank=per_rank, cache=cache, repeat=rep, **size)
+                    results.append(f)
+                    print(f"  {label:6s} cache={cache!s:5s} #{rep + 1}: driver RSS {f['base_mb']:.0f} MB after "
+                          f"ray.init and a warm-up (peak so far {f['base_hwm_mb']:.0f}), peak {f['peak_mb']:.0f} MB: "
+                          f"+{f['peak_mb'] - f['base_mb']:.0f} MB (sampled every 5 ms: anonymous "
+                          f"+{f['sampled']['RssAnon'] - f['base_anon']:.0f}, shared memory (Ray's object store) "
+                          f"+{f['sampled']['RssShmem'] - f['base_shmem']:.0f}) in {f['seconds']:.1f} s; "
+                          f"load {f['load']}", flush=True)
+    print("\n| run | parts | rows | per_rank | use_cache | merged partial MB (this tree) | " +
+          " | ".join(f"{c}: driver peak growth MB (min / median)" for c, _ in checkouts) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(checkouts))
     for name, _, per_rank in todo:
-        rs = [r for r in results if r["run"] == name and r["per_rank"] == per_rank]
-        cells = []
-        for c, _ in checkouts:
-            growth = [r["peak_mb"] - r["base_mb"] for r in rs if r["checkout"] == c]
-            cells.append(f"{min(growth):.0f} / {statistics.median(growth):.0f}")
-        r0 = rs[0]
-        print(f"| {name} | {r0['parts']} | {r0['rows'] / 1e6:.2f}M | {per_rank} | {r0['merged_bytes'] / 1e6:.1f} | "
-              + " | ".join(cells) + " |")
+        for cache in caches:
+            rs = [r for r in results if r["run"] == name and r["per_rank"] == per_rank and r["cache"] == cache]
+            cells = []
+            for c, _ in checkouts:
+                growth = [r["peak_mb"] - r["base_mb"] for r in rs if r["checkout"] == c]
+                cells.append(f"{min(growth):.0f} / {statistics.median(growth):.0f}")
+            r0 = rs[0]
+            print(f"| {name} | {r0['parts']} | {r0['rows'] / 1e6:.2f}M | {per_rank} | {cache} | "
+                  f"{r0['merged_bytes'] / 1e6:.1f} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=float))
 

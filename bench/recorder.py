@@ -11,7 +11,7 @@ Every figure is a ratio to a baseline measured in the same run:
   other load: Recorder.writer_cpu_s, or the writer thread's own clock for an older kldiag)
   / pq.write_table's CPU seconds per million tokens;
 - bytes/token on disk with logp, logp_old, logp_ref, advantages, mask, token_ids
-  (DESIGN.md bar: at most 14), and for each Parquet encoding option.
+  (docs/recorder.md, "Measured": at most 14), and for each Parquet encoding option.
 Data: log-probs of sampled tokens (most near 0, a heavy tail), old/ref policies nearby,
 Zipf token ids over a 151,936-token vocabulary, completion lengths uniform in [T/2, T].
 """
