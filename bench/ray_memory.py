@@ -35,6 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from part_opens import commit  # a sibling script: the checkout's commit, and whether kldiag/ is dirty
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,18 +199,6 @@ def stream_test(root: Path, cases: str) -> None:
               f"equal {equal}; {len(stream.open)} partials open at the end; load {load()}", flush=True)
 
 
-def tree(checkout: Path) -> str:
-    """The checkout's commit, and whether its kldiag/ has uncommitted changes (read-only git)."""
-    try:
-        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "kldiag"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-    return head + (" + uncommitted kldiag/ changes" if dirty else "")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path("/tmp/kldiag_bench_raymem"))
@@ -238,7 +228,7 @@ def main() -> None:
     todo += [(p.name, p.resolve(), False) for p in args.big]
     checkouts = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
     for label, checkout in checkouts:
-        print(f"{label}: {checkout} at {tree(checkout)}")
+        print(f"{label}: {checkout} at {commit(checkout)}")
     print(f"load average at start {load()}; local Ray with {args.cpus} CPUs; warm-up run {warmup}", flush=True)
     results = []
     for name, path, per_rank in todo:
