@@ -1,5 +1,5 @@
 """How many times `kldiag report RUN` opens each part file, cold (no RUN/.kldiag) and warm (run again),
-counted by the kernel: `strace -f -e trace=openat` around the CLI, only successful opens of the run's
+counted by the kernel: `strace -ff -e trace=openat` around the CLI, only successful opens of the run's
 part files (tokens/rank-*/part-*.parquet) counted.
 
     .venv/bin/python bench/part_opens.py                         # sample_logs/demo_k3 (copied without .kldiag)
@@ -7,7 +7,8 @@ part files (tokens/rank-*/part-*.parquet) counted.
     .venv/bin/python bench/part_opens.py --before /tmp/kl_before # also the checkout at that path
 
 Each checkout runs as `PYTHONPATH=CHECKOUT python -m kldiag report RUN -o OUT` from a neutral working
-directory (the import is checked: kldiag.__file__ must lie in CHECKOUT). Without strace (Debian:
+directory (the import is checked: kldiag.__file__ must lie in CHECKOUT). strace runs with -ff (one
+log per thread), so no call is split over two lines by another thread. Without strace (Debian:
 apt-get install strace) it says so and counts nothing. tests/test_part_opens.py checks the same rule
 in-process (PartInfo.open); strace also sees opens that bypass it (pyarrow, a metadata read, ...).
 """
@@ -39,7 +40,12 @@ def checkout_kldiag(checkout: Path) -> str:
 def traced_report(checkout: Path, run: Path, out_html: Path, log: Path) -> tuple[Counter, Counter, float]:
     """(opens per part file, opens of cache files under RUN/.kldiag, seconds) of one `kldiag report`."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    cmd = ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(log),
+    # -ff: one output file per thread (LOG.<tid>). With -f alone, a call that another thread interrupts
+    # is printed as "openat(... <unfinished ...>" then "<... openat resumed>) = fd": the path and the
+    # result on two lines, which a line-by-line count misses.
+    for old in log.parent.glob(f"{log.name}.*"):
+        old.unlink()
+    cmd = ["strace", "-ff", "-qq", "-e", "trace=openat", "-o", str(log),
            sys.executable, "-m", "kldiag", "report", str(run), "-o", str(out_html)]
     t = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True)
@@ -49,7 +55,8 @@ def traced_report(checkout: Path, run: Path, out_html: Path, log: Path) -> tuple
     out_html.unlink()
     parts, cache = Counter(), Counter()
     tokens, kldiag_dir = f"{run}/tokens/", f"{run}/.kldiag/"
-    for line in log.read_text(errors="replace").splitlines():
+    logs = sorted(log.parent.glob(f"{log.name}.*"))
+    for line in (line for f in logs for line in f.read_text(errors="replace").splitlines()):
         m = OPEN_RE.search(line)
         if not m or int(m.group(2)) < 0:
             continue
