@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 import kldiag
-from kldiag.analysis import AnalysisConfig, partials, prefix
+from kldiag.analysis import AnalysisConfig, partials, prefix, reduce
 from kldiag.analysis.engine import build, resolved, thresholds
 from kldiag.format import open_run
 
@@ -169,7 +169,7 @@ def cost_model(run: Path, repeat: int, copies: list[int]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cached = []
         for i, p in enumerate(ps):
-            partials.save(Path(d) / f"{i}.part", p)
+            reduce.save_arrays(Path(d) / f"{i}.part", partials.to_arrays(p))  # the engine's cache format
             cached.append((Path(d) / f"{i}.part").stat().st_size)
     steps = len(np.unique(np.concatenate([p.steps["step"] for p in ps])))
     seqs = sum(len(p.seqs["seq"]) for p in ps)
