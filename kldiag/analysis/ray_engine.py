@@ -1,10 +1,10 @@
 """The Ray engine: `AnalysisConfig(engine="ray")`, `kldiag analyze RUN --engine ray`.
 
-One plain Ray task per part runs the local engine's own per-part function
-(worker.compute -> partials.compute_part) where the part lives (a shared filesystem or
-object storage), and returns the part's small `Partial`: token rows never enter the object
-store, only partials travel to the driver, which merges them in part order exactly as the
-local engine does (engine.part_partials), so the result is the same bit for bit whatever
+One plain Ray task per part runs the local engine's own per-part function (worker.compute ->
+reduce.compute_part: every reducer lacking the part's partial) where the part lives (a shared
+filesystem or object storage), and returns the part's small partials: token rows never enter the
+object store, only partials travel to the driver, which merges them in part order as they arrive,
+exactly as the local engine does (runner.Pass), so the result is the same bit for bit whatever
 the number of workers. Plain tasks rather than Ray Data: Ray Data's read_parquet cuts its
 own blocks, so a part's partial would be summed over other batch boundaries (not bit-equal
 to the local engine), and it was slower here (bench/ray_analyze.py, docs/scale.md).

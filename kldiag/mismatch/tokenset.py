@@ -165,15 +165,6 @@ def thin(ts: TokenSet, max_tokens: int) -> TokenSet:
     return out
 
 
-def has_values(run, column: str) -> bool:
-    """Whether the run's first part has a non-null value in `column` (a cheap check before a load)."""
-    parts = run.parts()
-    for b in run.iter_batches([column], parts=parts[:1]):
-        if b.column(0).null_count < b.num_rows:
-            return True
-    return False
-
-
 def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
          steps: tuple[int, int] | None = None, columns: tuple[str, ...] | None = None) -> TokenSet:
     """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range;
