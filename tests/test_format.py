@@ -76,6 +76,32 @@ def test_reader_never_reads_dot_temp_or_foreign_files(run_dir):
     assert F.open_run(run_dir).read().num_rows == 24
 
 
+def test_listing_skips_a_file_renamed_between_scan_and_stat(run_dir, monkeypatch):
+    """A live writer renames its temp file while a reader lists the directory: skipped, no crash."""
+    import os
+
+    real_scandir = os.scandir
+
+    class Vanished:
+        name = ".part-000000009-000000009-000009.parquet.123.tmp"
+        path = "gone"
+
+        def is_file(self):
+            return True
+
+        def is_dir(self):
+            return False
+
+        def stat(self):
+            raise FileNotFoundError(self.path)
+
+    def scandir(path):
+        return [*real_scandir(path), Vanished()]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert [p.step_min for p in F.list_parts(run_dir)] == [0, 1, 2]
+
+
 def test_truncated_part_is_reported_by_name(run_dir):
     d = F.rank_dir(run_dir, 0)
     good = d / F.part_name(1, 1, 1)

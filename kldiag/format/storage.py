@@ -225,7 +225,10 @@ def _list_local(path: Path, rel_dir: str, recursive: bool) -> list[Entry]:
     for e in entries:
         rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
         if e.is_file():
-            st = e.stat()
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue  # a writer renamed or removed it between the listing and the stat
             out.append(Entry(rel, st.st_size, st.st_mtime_ns))
         elif recursive and e.is_dir():
             out.extend(_list_local(Path(e.path), rel, True))
