@@ -24,10 +24,11 @@ _LAZY = {
     "AnalysisConfig": "kldiag.analysis",
     "Guard": "kldiag.live.guard",
     "crosswalk": "kldiag.crosswalk",
+    "audit": "kldiag.crosswalk.audit",
 }
 
 __all__ = ["Analysis", "AnalysisConfig", "Guard", "KldiagError", "Manifest", "Recorder", "RecorderConfig",
-           "__version__", "analyze", "crosswalk", "open_run"]
+           "__version__", "analyze", "audit", "crosswalk", "open_run"]
 
 _compat.install()  # old module paths (kldiag.recorder, kldiag.guard, ...) keep working
 

@@ -6,6 +6,7 @@ import streamlit as st
 
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
+from kldiag.views import audit as VA
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.mismatch import whatif as W
 from kldiag.format import read_manifest
@@ -106,3 +107,18 @@ table, reasons = _crosswalk(run.path, run.keys, fw)
 st.dataframe(table, hide_index=True, width="stretch")
 for name, why in reasons.items():
     st.caption(f"`{name}` is null: {why}")
+
+
+@st.cache_data(max_entries=8, show_spinner="Auditing the trainer's logs ...")
+def _audit(path: str, keys: tuple[str, ...], logs: str, framework: str) -> VA.AuditView:
+    return VA.audit_view(path, logs, framework)
+
+
+if (logs := VA.logs_for(run.path)) is not None:  # `kldiag dashboard RUN --logs SRC`
+    st.subheader("Logged vs recomputed (audit)")
+    audited = _audit(run.path, run.keys, logs, fw)
+    if audited.error:
+        st.warning(f"Cannot audit {logs}: {audited.error}")
+    st.dataframe(audited.summary, hide_index=True, width="stretch")
+    for name in audited.summary["metric"]:
+        st.plotly_chart(VA.overlay(audited.series, name))

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "kldiag.cli.importers",
     "kldiag.cli.export",
     "kldiag.cli.crosswalk",
+    "kldiag.cli.audit",
 )
 
 

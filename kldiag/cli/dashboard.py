@@ -3,12 +3,15 @@
 The app lives in app/ beside the package (a source checkout ships it there). It binds to
 127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
 `--` on its command line. Runs are checked before launching, so a typo fails here with a
-clear message instead of in the browser.
+clear message instead of in the browser. `--logs SRC` (once per run, in the runs' order) pairs a
+run with what its trainer logged: the Mismatch page then overlays the logged and the recomputed
+values of each audited metric (`kldiag audit`, docs/audit.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +48,7 @@ def _env(args: argparse.Namespace | None = None) -> dict[str, str]:
     root = str(PACKAGE_ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("KLDIAG_RUNS", None)  # the runs on this command line win
+    env.pop("KLDIAG_LOGS", None)
     return engines.to_env(args, env) if args is not None else env
 
 
@@ -52,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from kldiag.views.pages import check_run_dirs  # pandas: only when launching
 
     runs = check_run_dirs(args.runs)
+    logs = logs_by_run(runs, getattr(args, "logs", None) or [])
     cmd = streamlit_command(runs, args.port, args.host)
     print(f"kldiag: dashboard on http://{args.host}:{args.port} for {len(runs)} run(s); Ctrl-C stops it",
           file=sys.stderr, flush=True)
@@ -59,8 +64,26 @@ def run(args: argparse.Namespace) -> int:
     if os.name == "posix":
         # Streamlit takes over this process: Ctrl-C, `kill` and process managers reach the
         # server itself. As a child, it outlived a parent killed by SIGTERM, holding the port.
-        os.execve(cmd[0], cmd, _env(args))
-    return subprocess.call(cmd, env=_env(args))
+        os.execve(cmd[0], cmd, _with_logs(_env(args), logs))
+    return subprocess.call(cmd, env=_with_logs(_env(args), logs))
+
+
+def logs_by_run(runs: list[Path], logs: list[str]) -> dict[str, str]:
+    """{run path as the app gets it: the metric log given for it}; checks each log's format here."""
+    from kldiag.crosswalk.logs import detect
+
+    if len(logs) > len(runs):
+        raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN_DIR, "
+                          "in the runs' order")
+    for src in logs:
+        detect(src)  # an unknown format fails here, not in the browser
+    return {str(r): str(Path(src).resolve()) for r, src in zip(runs, logs, strict=False)}
+
+
+def _with_logs(env: dict[str, str], logs: dict[str, str]) -> dict[str, str]:
+    if logs:
+        env["KLDIAG_LOGS"] = json.dumps(logs)  # kldiag.views.audit.LOGS_ENV
+    return env
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -70,5 +93,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the app to your network)")
+    p.add_argument("--logs", action="append", default=[], metavar="SRC",
+                   help="what the trainer logged for the run in the same place (TensorBoard dir, "
+                        "trainer_state.json, W&B .csv, .jsonl): the Mismatch page audits it")
     engines.add_arguments(p)
     p.set_defaults(func=run)
