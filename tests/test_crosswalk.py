@@ -65,7 +65,7 @@ def test_nemo_token_mult_prob_error_equals_the_diagnosis_scan():
 
     ref = scan_of(kldiag.analyze(DEMO))["token_mult_prob_error"]
     mine = np.array(X.crosswalk(DEMO, "nemo-rl").column("token_mult_prob_error").to_pylist())
-    np.testing.assert_allclose(mine, ref, rtol=1e-12)
+    np.testing.assert_allclose(mine, ref, rtol=1e-9)  # NeMo-RL's masked_mean adds 1e-8 to the token count
 
 
 def test_slime_kl_loss_equals_slime_semantics_module(tmp_path):

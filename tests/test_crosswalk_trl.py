@@ -29,7 +29,7 @@ def reward(completions, **kwargs):
     return [float(c.split().count("cat")) - 0.1 * len(c.split()) for c in completions]
 
 
-def train(model_dir, tmp, **overrides):
+def train(model_dir, tmp, setup=None, **overrides):
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
 
@@ -44,6 +44,8 @@ def train(model_dir, tmp, **overrides):
                               args=trl.GRPOConfig(output_dir=str(tmp / "out"), **options),
                               train_dataset=Dataset.from_dict({"prompt": prompts}),
                               processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir))
+    if setup is not None:
+        setup(trainer)
     kt.attach(trainer, tmp / "run")
     trainer.train()
     return trainer, tmp / "run"
@@ -80,3 +82,68 @@ def test_sampling_metrics_follow_the_mode_on_the_demo_sampler():
     assert (hi <= 3.0).all() and (lo >= 0).all()
     d = np.array(trunc.column("sampling/sampling_logp_difference/mean").to_pylist())
     assert (d > 0.05).all()  # a temperature mismatch is never float noise
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({"vllm_importance_sampling_clip_min": 3.0, "vllm_importance_sampling_clip_max": 2.0}, "must be less than"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": None,
+      "vllm_importance_sampling_clip_max": None}, "_truncate"),
+])
+def test_configurations_trl_refuses_are_refused_at_set(tmp_path, kw, reason):
+    """TRL's own GRPOConfig raises on each; `--set` refuses it with the reason."""
+    from trl import GRPOConfig
+
+    with pytest.raises(ValueError):
+        GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_correction=True, **kw)
+    with pytest.raises(X.CrosswalkError, match=reason):
+        X.parse_settings("trl", kw)
+
+
+def engine_logps(trainer, seed: int = 0):
+    """Make `trainer` run TRL's vLLM importance-sampling path on CPU: its own `_generate` produces the
+    completions (transformers generation), and the engine's per-token log-probs it would return are
+    stand-ins: pi_old-like values, a few far off, one None (vLLM's NaN) in the first batch. Everything
+    downstream (the ratio, its truncation or masking, the sampling/* metrics) is TRL's code."""
+    rng = np.random.default_rng(seed)
+    generate = trainer._generate
+    calls = {"n": 0}
+
+    def _generate(prompts):
+        trainer.use_vllm = False  # TRL's transformers generation, not a vLLM server
+        try:
+            out = list(generate(prompts))
+        finally:
+            trainer.use_vllm = True
+        logps = [list(-rng.exponential(1.5, len(ids)) - rng.exponential(0.5) * (rng.random() < 0.3))
+                 for ids in out[1]]
+        if calls["n"] == 0 and len(logps[0]) > 1:
+            logps[0][1] = None
+        calls["n"] += 1
+        out[4] = logps
+        return tuple(out)
+
+    trainer._generate = _generate
+    trainer.use_vllm = True
+    trainer.vllm_importance_sampling_correction = True
+
+
+SAMPLING = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max"]
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", 0.5, 2.0), ("token_mask", 0.5, 2.0),
+                                                      ("sequence_truncate", None, 3.0), ("sequence_mask", None, 3.0)])
+def test_sampling_metrics_equal_what_trl_logs(model_dir, tmp_path, mode, clip_min, clip_max):
+    """One generation batch a step (num_iterations 1): TRL's logged sampling/* per step against kldiag's."""
+    overrides = {"num_iterations": 1, "max_steps": 3, "beta": 0.0, "vllm_importance_sampling_mode": mode,
+                 "vllm_importance_sampling_clip_min": clip_min, "vllm_importance_sampling_clip_max": clip_max}
+    trainer, run = train(model_dir, tmp_path, setup=engine_logps, **overrides)
+    logged = {h["step"]: h for h in trainer.state.log_history if SAMPLING[0] in h}
+    assert sorted(logged) == [1, 2, 3]
+    table = X.crosswalk(run, "trl", vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+                        vllm_importance_sampling_clip_max=clip_max)
+    rows = {r["step"]: r for r in table.to_pylist()}  # the hook numbers steps as TRL logs them
+    for step, h in logged.items():
+        for name in SAMPLING:
+            assert rows[step][name] == pytest.approx(h[name], rel=2e-6, abs=1e-7), (step, name)

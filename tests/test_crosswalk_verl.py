@@ -97,3 +97,85 @@ def test_actor_kl_loss_equals_verls(batches, kl_loss_type, loss_agg_mode):
         kld = core.kl_penalty(t64(b.logp), t64(np.where(b.mask, b.logp_ref, 0.0)), kl_loss_type)
         loss = core.agg_loss(kld, t64(b.mask), loss_agg_mode)
         close(rows[step]["actor/kl_loss"], float(loss), "actor/kl_loss", step)
+
+
+REFUSED = [
+    {"rollout_is": "tokens"},
+    {"rollout_is": "token", "rollout_is_threshold": "2_0.5"},
+    {"rollout_is": "token", "rollout_is_threshold": -1.0},
+    {"rollout_is": "sequence", "rollout_is_threshold": "a_b"},
+    {"rollout_rs": "token_k9", "rollout_rs_threshold": 1.0},
+    {"rollout_rs": "token_k2"},
+    {"rollout_rs": "token_k2", "rollout_rs_threshold": "0.5_2.0"},
+    {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2.0,0.1,0.2"},
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": "2.0_0.5"},
+    {"rollout_rs": "seq_max_k3", "rollout_rs_threshold": 0.0},
+]
+
+
+@pytest.mark.parametrize("settings", REFUSED)
+def test_configurations_verl_refuses_are_refused_at_set_with_a_fix(settings):
+    """verl's own rollout_corr_helper raises on each; `--set` refuses it before reading the run."""
+    lr = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    with pytest.raises((ValueError, TypeError)):
+        if "rollout_is" in settings:
+            helper.compute_rollout_correction_weights(lr, mask, rollout_is=settings["rollout_is"],
+                                                      rollout_is_threshold=settings.get("rollout_is_threshold", 2.0))
+        else:
+            helper.compute_rollout_rejection_mask(lr, mask, rollout_rs=settings["rollout_rs"],
+                                                  rollout_rs_threshold=settings.get("rollout_rs_threshold"))
+    with pytest.raises(X.CrosswalkError, match="verl refuses this configuration"):
+        X.parse_settings("verl", {k: str(v) for k, v in settings.items()})
+
+
+def test_a_band_given_as_text_stays_a_band():
+    """--set rollout_is_threshold=0.5_2 is verl's IcePop band, not the number 0.52."""
+    assert X.parse_settings("verl", ["rollout_is=token", "rollout_is_threshold=0.5_2"]).rollout_is_threshold == "0.5_2"
+
+
+def edge_batch(dtype, seed: int = 0):
+    """A padded [B, T] step with a sequence with no response token, right padding, tokens where rollout ==
+    old (ratio exactly 1.0: the upper edge of a "0.5_1.0" band), one far-off token, as `dtype` log-probs."""
+    from kldiag.crosswalk.batch import StepBatch
+
+    rng = np.random.default_rng(seed)
+    b, t = 6, 8
+    mask = np.arange(t)[None, :] < rng.integers(2, t + 1, b)[:, None]
+    mask[2] = False
+    old = -rng.exponential(1.0, (b, t))
+    rollout = np.minimum(old + rng.normal(0, 0.5, (b, t)), -1e-6)
+    rollout[0, :] = old[0, :]
+    rollout[1, 1] = old[1, 1] - 6.0
+    old, rollout = (np.where(mask, x, 0.0).astype(dtype).astype(np.float64) for x in (old, rollout))
+    ref = np.where(mask, old + rng.normal(0, 0.3, (b, t)), 0.0).astype(dtype).astype(np.float64)
+    n = len(mask)
+    return StepBatch(0, np.arange(n), mask, old, old, ref, np.where(mask, rollout, np.nan), np.ones(n),
+                     np.zeros(n, np.int64), np.zeros(n, np.int64))
+
+
+EDGE_SETTINGS = [{"rollout_is": "token", "rollout_is_threshold": "0.5_1.0"},
+                 {"rollout_is": "sequence", "rollout_is_threshold": "0.5_1.0"},
+                 {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1,seq_mean_k3",
+                  "rollout_rs_threshold": "0.5_1.0,0.05"}]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("settings", EDGE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_rollout_corr_on_masked_padded_and_edge_tokens_equals_verls(dtype, settings):
+    """verl's functions run on the batch in `dtype` (as a float32 trainer hands them); kldiag's float64 figure
+    agrees to float32 rounding, and tokens on the band's edge count on the same side."""
+    from kldiag.crosswalk import verl as VX
+
+    b = edge_batch(dtype)
+    tt = {np.float64: torch.float64, np.float32: torch.float32}[dtype]
+    rollout = np.where(b.mask, b.logp_sampler, 0.0)
+    _, _, metrics = helper.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=torch.tensor(b.logp_old, dtype=tt), rollout_log_prob=torch.tensor(rollout, dtype=tt),
+        response_mask=torch.tensor(b.mask, dtype=tt), rollout_is=settings.get("rollout_is"),
+        rollout_is_threshold=settings.get("rollout_is_threshold", 2.0),
+        rollout_rs=settings.get("rollout_rs"), rollout_rs_threshold=settings.get("rollout_rs_threshold"))
+    mine, _ = VX.step_metrics(b, VX.Settings(**settings))
+    tol = 2e-7 if dtype == np.float64 else 2e-6  # verl takes some fractions with .float() (float32)
+    for name, value in metrics.items():
+        assert mine[name] == pytest.approx(float(value), rel=tol, abs=tol), name

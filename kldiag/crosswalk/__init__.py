@@ -58,6 +58,8 @@ def _coerce(text: Any) -> Any:
         return None
     if low in ("true", "false"):
         return low == "true"
+    if "_" in low:  # a band such as verl's "0.5_2": float() would read it as 0.52
+        return text.strip()
     try:
         return float(text) if any(c in low for c in ".e") or not low.lstrip("-").isdigit() else int(text)
     except ValueError:
@@ -87,14 +89,15 @@ def parse_settings(framework: str, pairs: dict[str, Any] | list[str] | None = No
             given[key] = config[key]
     try:
         return mod.Settings(**given)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # ValueError: a configuration the framework itself refuses
         raise CrosswalkError(f"{mod.NAME} settings: {e}") from e
 
 
 def _calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
-    """The step's loss calls: one padded batch per (micro, iteration) group of all-iteration rows."""
-    micro, it = ts_all.micro[sl], ts_all.iteration[sl]
-    key = it * 1_000_000 + micro
+    """The step's loss calls: one padded batch per (iteration, rank, micro) group of all-iteration rows
+    (each rank makes its own call on its own micro-batch)."""
+    micro, it, rank = ts_all.micro[sl], ts_all.iteration[sl], ts_all.rank[sl]
+    key = (it.astype(np.int64) * 1_000_000 + rank) * 1_000_000 + micro
     out = []
     for k in np.unique(key):
         idx = np.flatnonzero(key == k) + sl.start

@@ -34,6 +34,12 @@ class StepBatch:
         return bool(np.isfinite(self.logp_sampler[self.mask]).all()) and bool(self.mask.any())
 
     @property
+    def nan_sampler(self) -> bool:
+        """Some but not all of the trained tokens' sampler log-probs are NaN (the engine gave NaN)."""
+        fin = np.isfinite(self.logp_sampler[self.mask])
+        return bool(fin.any()) and not bool(fin.all())
+
+    @property
     def has_ref(self) -> bool:
         return bool(np.isfinite(self.logp_ref[self.mask]).all()) and bool(self.mask.any())
 

@@ -7,7 +7,12 @@ is_filter_ratio = the share of tokens (or sequences, level "seq") outside the [l
 gated statistic (ratio exp(old - rollout), its geometric mean per sequence, or a binary KL / TV): in mask
 mode every unit not kept by (stat >= low) & (stat <= high), so a NaN statistic (a sequence without a
 trained token) counts as filtered; in clip mode (stat < low) | (stat > high).
-Computed over the step's batch (OpenRLHF: per micro-batch, averaged).
+The step's figure (`openrlhf/trainer/ray/ppo_actor.py` `ppo_train`): both are 0-d per micro-batch
+(`training_step`), so token-weighted: sum over the step's micro-batches (every epoch, every DP rank) of
+value * its action tokens, over their total tokens. vllm_kl and the token-level ratio are then the step's
+token means whatever the micro-batches; the seq-level ratio (a share of each micro-batch's sequences) needs
+them: kldiag's recorded (iteration, rank, micro) groups. A micro-batch with no action token makes OpenRLHF's
+weighted mean NaN (its masked_mean is 0/0): null, with why.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from kldiag.crosswalk.batch import StepBatch, masked_mean
 NAME = "openrlhf"
 NAMES = ["vllm_kl", "is_filter_ratio"]
 NO_SAMPLER = "the run has no logp_sampler (OpenRLHF's rollout_log_probs, kept with is_correction enabled)"
+EMPTY_MICRO = ("a micro-batch of this step has no action token: OpenRLHF's masked_mean there is 0/0, so the "
+               "token-weighted step mean it logs is NaN")
+NAN_ROLLOUT = "a rollout log-prob of this step is NaN: OpenRLHF's vllm_kl (a masked mean over it) is NaN"
+NEEDS_ALL_ITERATIONS = True  # ppo_train weights every micro-batch of every epoch by its action tokens
 
 
 OFF = "is_correction_level=off: OpenRLHF computes vllm_kl and is_filter_ratio only with token or seq correction"
@@ -84,11 +93,8 @@ def _stat(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray, s: Settings) -
     return masked_mean(stat, mask, axis=-1)[:, None] if seq else stat
 
 
-def step_metrics(b: StepBatch, s: Settings):
-    if s.is_correction_level == "off":
-        return {}, {n: OFF for n in NAMES}
-    if not b.has_sampler:
-        return {}, {n: NO_SAMPLER for n in NAMES}
+def micro_metrics(b: StepBatch, s: Settings) -> tuple[float, float]:
+    """(vllm_kl, is_filter_ratio) of one micro-batch, as PolicyLoss.forward returns them."""
     rollout = np.where(b.mask, b.logp_sampler, 0.0)
     stat = _stat(b.logp_old, rollout, b.mask, s)
     low, high = s.is_correction_threshold
@@ -97,9 +103,28 @@ def step_metrics(b: StepBatch, s: Settings):
             filtered = (stat < low) | (stat > high)
         else:
             filtered = ~((stat >= low) & (stat <= high))
-    ratio = float(filtered.astype(float).mean()) if s.is_correction_level == "seq" else float(
-        masked_mean(filtered.astype(float), b.mask))
-    return {"vllm_kl": float(masked_mean(rollout - b.logp_old, b.mask)), "is_filter_ratio": ratio}, {}
+        ratio = float(filtered.astype(float).mean()) if s.is_correction_level == "seq" else float(
+            masked_mean(filtered.astype(float), b.mask))
+        return float(masked_mean(rollout - b.logp_old, b.mask)), ratio
+
+
+def step_metrics(b: StepBatch, s: Settings, calls: list[StepBatch] | None = None):
+    """`calls`: the step's micro-batches (every epoch and rank); None: the step's batch as one."""
+    if s.is_correction_level == "off":
+        return {}, {n: OFF for n in NAMES}
+    calls = [c for c in (calls or [b]) if len(c.seq)]
+    if not any(np.isfinite(c.logp_sampler[c.mask]).any() for c in calls):
+        return {}, {n: NO_SAMPLER for n in NAMES}
+    tokens = np.array([c.mask.sum() for c in calls], np.float64)
+    if (tokens == 0).any():
+        return {}, {n: EMPTY_MICRO for n in NAMES}
+    values = np.array([micro_metrics(c, s) for c in calls])  # [calls, 2]
+    kl, ratio = (values * tokens[:, None]).sum(0) / tokens.sum()
+    # a NaN rollout log-prob (the engine's) makes OpenRLHF's vllm_kl NaN; its statistic fails the band
+    # check, so is_filter_ratio stays a number (mask mode: filtered; clip mode: kept)
+    if not np.isfinite(kl):
+        return {"is_filter_ratio": float(ratio)}, {"vllm_kl": NAN_ROLLOUT}
+    return {"vllm_kl": float(kl), "is_filter_ratio": float(ratio)}, {}
 
 
 def metric_names(s: Settings) -> list[str]:

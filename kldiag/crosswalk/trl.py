@@ -43,6 +43,21 @@ class Settings:
     use_bias_correction_kl: bool | None = None
     importance_sampling_level: str | None = None
 
+    def __post_init__(self) -> None:
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        checks = [(self.vllm_importance_sampling_mode in MODES,
+                   f"vllm_importance_sampling_mode must be one of {', '.join(MODES)}"),
+                  (lo is None or hi is None or lo < hi,
+                   f"vllm_importance_sampling_clip_min ({lo}) must be less than "
+                   f"vllm_importance_sampling_clip_max ({hi})"),
+                  (not str(self.vllm_importance_sampling_mode).endswith("truncate") or lo is not None or hi is not None,
+                   "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max"),
+                  (self.importance_sampling_level in (None, "token", "sequence"),
+                   "importance_sampling_level must be token or sequence")]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"TRL refuses this configuration (GRPOConfig.__post_init__, GRPOTrainer): {why}")
+
 
 def per_token_kl(s: np.ndarray, r: np.ndarray, o: np.ndarray, mask: np.ndarray, corrected: bool,
                  level: str) -> np.ndarray:

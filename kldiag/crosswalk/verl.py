@@ -49,6 +49,44 @@ class Settings:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm; None: the batch's padded length
 
+    def __post_init__(self) -> None:
+        why = refusal(self)
+        if why:
+            raise ValueError(f"verl refuses this configuration (rollout_corr_helper.py): {why}")
+
+
+def refusal(s: Settings) -> str | None:
+    """Why verl 0.9.1 would raise on these settings (`compute_rollout_correction_weights`,
+    `_parse_rollout_is_threshold`, `compute_rollout_rejection_mask`, `_parse_rollout_rs_thresholds`), or None."""
+    if s.rollout_is is not None:
+        if s.rollout_is not in ("token", "sequence"):
+            return f"rollout_is={s.rollout_is!r}: use token, sequence or null"
+        try:
+            upper, lower = parse_is_threshold(s.rollout_is_threshold)
+        except ValueError:
+            return f"rollout_is_threshold={s.rollout_is_threshold!r}: write UPPER or LOWER_UPPER, e.g. 2.0 or 0.5_2.0"
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            return f"rollout_is_threshold={s.rollout_is_threshold!r}: bounds must be positive with lower <= upper"
+    if s.rollout_rs is None:
+        return None
+    opts = list(dict.fromkeys(o.strip() for o in str(s.rollout_rs).split(",") if o.strip()))
+    bad = [o for o in opts if o not in RS_OPTIONS]
+    if bad or not opts:
+        return f"rollout_rs={s.rollout_rs!r}: each option must be one of {', '.join(RS_OPTIONS)}"
+    if s.rollout_rs_threshold is None:
+        return "rollout_rs needs rollout_rs_threshold (set e.g. rollout_rs_threshold=0.01)"
+    specs = [str(s.rollout_rs_threshold)] if isinstance(s.rollout_rs_threshold, (int, float)) else [
+        p.strip() for p in str(s.rollout_rs_threshold).split(",") if p.strip()]
+    if any("_" in spec for o, spec in zip(opts, specs * len(opts), strict=False) if not o.endswith("k1")):
+        return "rollout_rs_threshold: only k1 options take LOWER_UPPER; give the others one upper bound"
+    try:
+        bounds = parse_rs_thresholds(opts, s.rollout_rs_threshold)
+    except (ValueError, ZeroDivisionError) as e:
+        return f"rollout_rs_threshold={s.rollout_rs_threshold!r}: {e}"
+    if any(hi <= 0 or (lo is not None and not 0 < lo <= hi) for lo, hi in bounds.values()):
+        return f"rollout_rs_threshold={s.rollout_rs_threshold!r}: bounds must be positive with lower <= upper"
+    return None
+
 
 def mm(x, mask, axis=None):
     """verl_F.masked_mean: sum(x*mask) / (mask.sum() + 1e-8)."""
