@@ -3,6 +3,7 @@
     python bench/trl_overhead.py                       # 4 runs of 402 steps: 198 block pairs (~80 s)
     python bench/trl_overhead.py --mode runs --repeats 24 --steps 30   # whole-run pairs (the older bench)
     python bench/trl_overhead.py --every-n-steps 4 --flight-steps 4   # a sampled run with the flight ring
+    python bench/trl_overhead.py --topk 20             # attach(topk=20): its blocks toggle top-k, not kldiag
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/bench/trl_overhead.py  # another kldiag
 
 Same tiny model, seed and data (examples/trl_grpo.py) in every run. The tiny model makes
@@ -123,6 +124,7 @@ def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, fi
     trainer = trainer_for(model_dir, work / "out", steps, seed)
     rec = attach(trainer, work / "run", **options)
     hook = trainer._kldiag_hook
+    topk = options.get("topk")
     size = block * cycle_steps(trainer)
     starts: list[float] = []
 
@@ -130,7 +132,11 @@ def block_run(model_dir: Path, work: Path, steps: int, block: int, seed: int, fi
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step % size == 0:  # a block begins: its state decided by its pair's order
                 starts.append(time.perf_counter())
-                hook.active = _on(state.global_step // size, first_on)
+                on = _on(state.global_step // size, first_on)
+                if topk:  # --topk: both blocks record; only the top-k capture is switched
+                    hook.topk = topk if on else None
+                else:
+                    hook.active = on
 
     trainer.add_callback(Toggle())
     trainer.train()
@@ -178,7 +184,8 @@ def main_blocks(args, model_dir: Path, tmp: Path, spent: dict[str, float], optio
     ratios = couple_ratios(runs)
     on, off = (sum(p[k] for pairs in runs for p in pairs) for k in (0, 1))
     report(args, spent, on_blocks * size, writer, rows, off / (sum(map(len, runs)) * size) * 1e3)
-    print(f"on / off, {len(ratios)} pairs of {args.block} cycle(s) ({size} steps) over complementary runs: "
+    what = f"top-k {args.topk} on / off (both recording)" if args.topk else "on / off"
+    print(f"{what}, {len(ratios)} pairs of {args.block} cycle(s) ({size} steps) over complementary runs: "
           f"{spread(ratios)}  (target: median <= 1.05)")
     print(f"total on / total off: {on / off:.3f}; with the recorder's one-off close amortised over the "
           f"recorded blocks: {(on + closes * sum(map(len, runs)) / on_blocks) / off:.3f}")
@@ -256,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-n-steps", type=int, default=None, help="Recorder(every_n_steps=...): sample steps")
     parser.add_argument("--flight-steps", type=int, default=None,
                         help="Recorder(flight_steps=...): the flight recorder's ring (with --every-n-steps)")
+    parser.add_argument("--topk", type=int, default=None,
+                        help="attach(topk=K); blocks mode then pairs top-k on / top-k off, both recording")
     args = parser.parse_args(argv)
     args.steps = args.steps or (402 if args.mode == "blocks" else 30)
 
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(kldiag.Recorder, "writer_cpu_s"):
         writer_cpu_clock()
     options = {k: v for k, v in (("writer_nice", args.writer_nice), ("every_n_steps", args.every_n_steps),
-                                 ("flight_steps", args.flight_steps)) if v is not None}
+                                 ("flight_steps", args.flight_steps), ("topk", args.topk)) if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = trl_grpo.build_tiny_model(tmp / "model", seed=args.seed)

@@ -242,3 +242,46 @@ def test_import_into_an_s3_run_equals_local(s3, tmp_path, monkeypatch):
     assert kldiag.analyze(uri).steps.equals(kldiag.analyze(tmp_path / "local").steps)
     again = import_dumps("prime-rl", tmp_path / "out", uri)
     assert again.imported == [] and len(again.already) == 4
+
+
+NEMO_CONFIG = """\
+grpo:
+  num_prompts_per_step: 3
+  num_generations_per_prompt: 2
+loss_fn:
+  reference_policy_kl_type: k2
+  force_on_policy_ratio: false
+policy:
+  train_global_batch_size: 2
+  generation:
+    temperature: 0.9
+    top_p: 1.0
+    top_k: null
+    val_temperature: ${.temperature}
+"""
+
+
+def test_nemo_rl_run_config_reaches_the_manifest_and_the_crosswalk(tmp_path):
+    """--config: the run's YAML gives the group size, the KL type and the global batches per step
+    (3 per step here: 6 samples, 2 per global batch), which the crosswalk's NeMo-RL reduction reads."""
+    from kldiag.crosswalk import parse_settings
+
+    fx.write_nemo(tmp_path / "logs", [1, 2], n_prompts=3, group=2)
+    (tmp_path / "grpo.yaml").write_text(NEMO_CONFIG)
+    run = tmp_path / "run"
+    assert main(["import", "nemo-rl", str(tmp_path / "logs"), str(run), "--config", str(tmp_path / "grpo.yaml")]) == 0
+    cfg = kldiag.open_run(run).manifest.config
+    assert cfg["group_size"] == 2 and cfg["train_global_batch_size"] == 2 and cfg["num_prompts_per_step"] == 3
+    assert cfg["engine_sampling"]["temperature"] == 0.9
+    s = parse_settings("nemo-rl", None, kldiag.open_run(run).manifest)
+    assert (s.train_global_batch_size, s.num_generations_per_prompt, s.reference_policy_kl_type) == (2, 2, "k2")
+    table = kldiag.crosswalk(run, "nemo-rl")
+    assert table.num_rows == 2 and table.column("token_mult_prob_error").null_count == 0
+
+
+def test_import_config_is_refused_for_other_frameworks(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text(NEMO_CONFIG)
+    fx.write_slime(tmp_path / "dump", [0])
+    assert main(["import", "slime", str(tmp_path / "dump"), str(tmp_path / "run"), "--config",
+                 str(tmp_path / "c.yaml")]) == 2
+    assert "nemo-rl imports only" in capsys.readouterr().err

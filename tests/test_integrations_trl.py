@@ -144,6 +144,8 @@ def test_manifest_config_and_vocab(runs):
         assert c["clip_range"] == [pytest.approx(0.2), pytest.approx(0.2)]
         import transformers
         assert c["transformers_version"] == transformers.__version__
+        assert c["engine_sampling"]["temperature"] == trainer.args.temperature and c["engine_sampling"]["top_k"] is None
+        assert c["engine_sampling"]["source"]["top_p"] == "GRPOConfig.top_p"  # kldiag.frameworks.sampling
         vocab = kldiag.open_run(run).vocab()
         assert vocab[trainer.processing_class.convert_tokens_to_ids("cat")] == "cat"
         assert rec.stats["rows"] > 0 and rec.stats["write_errors"] == 0

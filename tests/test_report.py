@@ -69,7 +69,8 @@ def test_what_the_report_takes_from_a_diagnosis():
     ("blame", ("blame_share",)),
     ("latent", ("latent",)),
     ("mismatch", ("mismatch", "engine_mismatch", "engine_temperature_mismatch", "engine_raw_logprobs",
-                  "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag")),
+                  "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag",
+                  "engine_retokenization", "engine_truncated_sampling")),
     ("numerical_fault, flagged_onset", ("numerical_fault", "flagged_onset")),
     ("blowup,k3_weight_blowup", ("blowup", "k3_weight_blowup")),
 ])

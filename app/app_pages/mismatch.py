@@ -6,6 +6,7 @@ import streamlit as st
 
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
+from kldiag.views import turns as VT
 from kldiag.views import audit as VA
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.mismatch import whatif as W
@@ -43,7 +44,7 @@ else:
     cols = st.columns(4)
     for c, (label, value, hint) in zip(cols, VM.parity_rows(view), strict=False):
         c.metric(label, value, help=hint)
-    findings = VM.parity_findings(view)
+    findings = VM.parity_findings(D.diagnosis(run))  # the verdict's engine causes
     for line in findings:
         st.warning(line)
     if not findings:
@@ -62,6 +63,13 @@ else:
     if view.by_entropy is not None:
         ent = view.by_entropy.assign(entropy=(view.by_entropy["lo"] + view.by_entropy["hi"]) / 2)
         st.plotly_chart(lines(ent, "entropy", ["mismatch_abs", "drift_abs"], "By token entropy (nats)"))
+    turns = VT.view_of(D.analysis_of(run.path, run.keys))  # per-turn figures, read with the analysis
+    if turns.multi_turn:  # agentic runs: in which turn, and where in it, the engine and trainer disagree
+        st.subheader("Engine mismatch by turn")
+        left, right = st.columns(2)
+        left.plotly_chart(VT.mismatch_by_step(turns))
+        right.plotly_chart(VT.start_vs_body(turns))
+        st.dataframe(VT.table(turns), hide_index=True, width="stretch")
 
 st.subheader("What if: corrections replayed on these tokens")
 c1, c2 = st.columns(2)

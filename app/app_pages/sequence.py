@@ -8,6 +8,7 @@ import dash_groups
 import streamlit as st
 
 from kldiag.views import pages as V
+from kldiag.views import turns as VT
 
 WINDOW = 2000  # tokens rendered as text at once
 
@@ -43,19 +44,20 @@ df = D.sequence(run.path, int(step), int(seq), run.keys)
 if df.empty:
     st.info(f"Sequence {seq} has no tokens at step {step} in the published parts.")
     st.stop()
+df = VT.annotate(df)  # turn and pos_in_turn: a multi-turn sequence is shown turn by turn, tool spans greyed
 row = in_step[in_step["seq"] == seq].iloc[0]
 focus = st.session_state.get("seq_focus")
 focus_pos = focus[2] if focus and focus[:2] == (int(step), int(seq)) else None
 K.copy_link(K.publish(K.run_label(), step=int(step), seq=int(seq), pos=focus_pos))
 st.caption(f"{len(df)} tokens · advantage {row['advantage']:.3g} · mean k3 {row['k3_mean']:.3g} · "
            f"mean k3_is {row['k3_is_mean']:.3g} · flagged tokens {int(row['flagged_count'])} · "
-           "hover a token for its values; underlined tokens carry a flag")
+           "hover a token for its values; underlined tokens carry a flag" + VT.sequence_caption(df))
 shown, start = df, st.session_state.pop("seq_start", 0)
 if len(df) > WINDOW:  # bounded HTML: a long completion is shown a window at a time
     start = st.slider("First token shown", 0, len(df) - WINDOW, min(start, len(df) - WINDOW),
                       key="seq_window")
     shown = df.iloc[start:start + WINDOW]
-st.html(V.sequence_html(shown, quantity, focus_pos))
+st.html(VT.sequence_html(shown, quantity, focus_pos))
 dash_groups.show(run, int(step), int(seq), quantity)
 
 plot = df.reset_index(names="token")

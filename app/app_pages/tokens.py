@@ -1,19 +1,80 @@
-"""Tokens: the flagged tokens table; selecting a row opens its sequence."""
+"""Tokens: the flagged tokens table; selecting a row opens its sequence. A run with top-k lists
+(format v1.2) also shows the engine's and the trainer's distributions at a chosen token."""
 
 import dash_controls as K
 import dash_data as D
 import streamlit as st
 
+from kldiag import format as F
 from kldiag.views import pages as V
+from kldiag.views import topk as VT
 
 SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", "d", "rho",
          "k3", "k3_is", "weight_k3", "weight_k3_is", "weight_k3_abs", *V.FLAG_NAMES]
 SORTS = ["weight_k3_abs", "weight_k3", "weight_k3_is", "d", "rho", "k3", "k3_is", "step", "seq"]
 
+
+
+@st.cache_data(max_entries=16)
+def _has_topk(path: str, keys: tuple[str, ...]) -> bool:
+    return VT.has_topk(path)
+
+
+@st.cache_resource(max_entries=16, show_spinner="Reading the top-k lists ...")
+def _topk(path: str, keys: tuple[str, ...]):
+    return VT.summary(D.analysis_of(path, keys)), VT.first_listed(path)
+
+
+@st.cache_data(max_entries=64)
+def _lists(path: str, step: int, seq: int, pos: int, keys: tuple[str, ...]):
+    return VT.token_lists(path, step, seq, pos, vocab=F.open_run(path).vocab())
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def topk_section(run) -> None:
+    """Both sides' top-k distributions at a chosen token; nothing for a run without top-k lists."""
+    if not _has_topk(run.path, run.keys):
+        return
+    result, first = _topk(run.path, run.keys)
+    st.subheader("Top-k distributions: engine vs trainer")
+    if result is None or first is None:
+        st.info("The run has top-k columns, but no token in the loss has a list.")
+        return
+    c = st.columns(4)
+    c[0].metric("Tokens with both lists", f"{result['tokens_both']:,}")
+    c[1].metric("KL(engine || trainer), mean", _fmt(result["kl_mean"]),
+                help=f"bounds [{_fmt(result['lower_mean'])}, {_fmt(result['upper_mean'])}] (upper: no unlisted "
+                     f"trainer log-prob below {result['logp_floor']})")
+    c[2].metric("Top-1 agreement", _fmt(result["top1_agree"]))
+    c[3].metric("Rank disagreement", _fmt(result["rank_disagree"]))
+    offenders = VT.offenders_frame(result)
+    other = "another token ..."
+    labels = [VT.token_label(o) for o in offenders.to_dict("records")]
+    pick = st.selectbox("Token (largest KL estimate first)", [*labels, other], key="topk_pick")
+    if pick == other:
+        cols = st.columns(3)
+        at = {k: int(cols[i].number_input(k, value=first[k], step=1, key=f"topk_{k}"))
+              for i, k in enumerate(("step", "seq", "pos"))}
+    else:
+        at = {k: int(offenders.iloc[labels.index(pick)][k]) for k in ("step", "seq", "pos")}
+    lists = _lists(run.path, at["step"], at["seq"], at["pos"], run.keys)
+    if lists.empty:
+        st.info(f"No top-k list at step {at['step']}, seq {at['seq']}, pos {at['pos']}.")
+        return
+    st.plotly_chart(VT.distribution_figure(lists, f"step {at['step']}, seq {at['seq']}, pos {at['pos']}"),
+                    key="topk_chart")
+    st.caption("Bars: each side's listed probabilities; a dotted line: that side's smallest listed one, the "
+               "most an id it did not list can have. KL figures and bounds: docs/metrics.md, \"topk\".")
+
+
 run = D.page("Tokens: worst and flagged")
 flags = run.flags
 if flags.empty:
     st.success("No token was flagged in this run.")
+    topk_section(run)
     st.stop()
 
 lo, hi = int(flags["step"].min()), int(flags["step"].max())
@@ -38,3 +99,5 @@ if rows:
     st.session_state["seq_pick"] = {"path": run.path, "step": int(picked["step"]), "seq": int(picked["seq"]),
                                     "pos": int(picked["pos"]), "focus": True}
     st.switch_page("app_pages/sequence.py")
+
+topk_section(run)

@@ -149,4 +149,5 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
         trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config, run) if cfg.trainer_compatible else None,
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
         info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
-              "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0})
+              "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0,
+              "placeholders": int(merged.steps["n_placeholder"].sum()) if "n_placeholder" in merged.steps else 0})

@@ -10,7 +10,9 @@ and x = logp - logp_old, each float32 input converted to float64 as it is read:
 tests/test_analysis_kernel.py checks it against estimators.py (within 2 ulp). A token is
 *valid for d* when d is finite and *valid for x* when x is finite (a null logp_old means
 on-policy: x = 0). Invalid tokens hold 0 in every sum and are not binned; sums keep
-finite summands only and count them (docs/metrics.md).
+finite summands only and count them (docs/metrics.md). logp_old and logp_sampler are read
+only on tokens in the loss (mask true): elsewhere (tool output, prompt echo inside a completion)
+a dump may hold a placeholder (0.0, NaN) that is neither a mismatch nor a numerical fault.
 
 Rows are grouped by (step, seq) as runs of equal consecutive keys (scans.seq_starts):
 recorder files are step-ordered. Sums run per sequence, then add into their step. Within
@@ -41,7 +43,7 @@ SEQ_I = ("n_tokens", "n_k3", "n_k3_is", "n_flagged", "n_nonfinite", "n_adv")
 STEP_F = ("sum_k1", "sum_k2", "sum_w", "sum_w_is", "sum_w_flagged", "sum_rho", "sum_rho2", "sum_drift",
           "max_rho", "min_rho", "sum_mismatch", "sum_k3", "sum_k3_is", "max_w", "max_w_is")
 STEP_I = ("n_d", "n_x", "n_w", "n_w_is", "n_rho", "n_clip", "n_mismatch", "n_theta", "n_blowup", "n_clamp",
-          "n_nonfinite", "n_invalid", "n_flagged", "n_tokens", "n_k3", "n_k3_is")
+          "n_nonfinite", "n_invalid", "n_flagged", "n_tokens", "n_k3", "n_k3_is", "n_placeholder")
 BAD_NONFINITE, BAD_INVALID = 1, 2  # bits of the per-row code of bad log-probs
 MANT = (1 << 52) - 1
 NONE_BITS = -1  # int64 bits of "no value yet" for maxima of values >= +0.0
@@ -97,11 +99,17 @@ def token(sv, ov, rv):
 
 
 @njit(inline="always", **JIT)
-def bad_code(sv, ov, rv, mv):
-    """BAD_NONFINITE | BAD_INVALID bits of one row's raw log-probs (absent columns repeat s)."""
-    ok = finite(sv) & finite(ov) & finite(rv) & finite(mv)
-    invalid = (sv > 0.0) | (ov > 0.0) | (rv > 0.0) | (mv > 0.0)
-    return np.int64(not ok) * BAD_NONFINITE + np.int64(invalid) * BAD_INVALID
+def bad_code(sv, ov, rv, mv, mk):
+    """(BAD_NONFINITE | BAD_INVALID bits of one row's raw log-probs, whether its logp_old, whether its
+    logp_sampler is a placeholder). Absent columns repeat s. logp_old and logp_sampler are read only
+    in the loss (mk); outside it a value of 0.0 or NaN/inf is a dump's placeholder (counted only).
+    One set of finiteness tests serves both: no select, no branch."""
+    fo, fm = finite(ov), finite(mv)
+    ok = finite(sv) & finite(rv) & (fo | (not mk)) & (fm | (not mk))
+    invalid = (sv > 0.0) | (rv > 0.0) | (mk & ((ov > 0.0) | (mv > 0.0)))
+    out = not mk
+    return (np.int64(not ok) * BAD_NONFINITE + np.int64(invalid) * BAD_INVALID,
+            out & ((ov == 0.0) | (not fo)), out & ((mv == 0.0) | (not fm)))
 
 
 @njit(inline="always", **JIT)
@@ -126,7 +134,7 @@ def from_bits(b, none):
     return np.nan if b == none else np.int64(b).view(np.float64)
 
 
-# Accumulators of chunk_sums, in this order. The first 16 counts are STEP_I's.
+# Accumulators of chunk_sums, in this order. The first 17 counts are STEP_I's.
 ACC_F = ("sum_d", "sum_d2", "sum_w", "sum_w_is", "sum_wf", "sum_rho", "sum_rho2", "sum_drift", "sum_mm",
          "sum_k3", "sum_k3_is", "sum_adv", "sum_opsm", "sum_x")
 ACC_I = (*STEP_I, "n_bad", "n_adv")
@@ -149,7 +157,7 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
     rounded differently at some array addresses (tests/test_analysis_kernel.py checks that
     they no longer do). The loop is long on purpose: it is the unit LLVM vectorises.
     """
-    has_m, has_adv = has[2] != 0, has[3] != 0
+    has_o, has_m, has_adv = has[0] != 0, has[2] != 0, has[3] != 0
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID  # has_bad: take bad[], else compute
     r_nan = 0.0 if has[1] != 0 else np.nan  # d = NaN for every token without a reference
     log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
@@ -164,11 +172,12 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
     min_r = MIN_NONE_BITS
     for i in range(len(s)):
         sv, ov, rv, mv = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(m[i])
-        code = np.int64(bad[i]) | (bad_code(sv, ov, rv, mv) & auto)  # no branch: bad[] is 0 unless has_bad
+        mk = mask[i]
+        own, ph_o, ph_m = bad_code(sv, ov, rv, mv, mk)
+        code = np.int64(bad[i]) | (own & auto)  # no branch: bad[] is 0 unless has_bad
         av = np.float64(adv[i])
         aok = has_adv & finite(av)
         sum_adv += av if aok else 0.0
-        mk = mask[i]
         d, vd, x, vx, rho, k3, w, k3_is, w_is = token(sv, ov, rv + r_nan)
         vd, vx = vd & mk, vx & mk
         both = vd & vx
@@ -204,7 +213,7 @@ def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed
         # one add per word instead of 18: fewer live registers, so the loop vectorises well
         cnt0 += pack7(vd, vx, wok, wiok, rok, clip, zok)
         cnt1 += pack7(theta, blow, clamped, code & BAD_NONFINITE != 0, code >> 1 != 0, flag, mk)
-        cnt2 += pack7(kok, kiok, code != 0, aok, False, False, False)
+        cnt2 += pack7(kok, kiok, (has_o & ph_o) | (has_m & ph_m), code != 0, aok, False, False)
         b_d = d_bin(d, inv_step, d_offset, n_d) if vd else n_dbin
         b_w = abs_bin(w, m1, k0, n_abs) if vd else n_abs + 1
         b_wi = abs_bin(w_is, m1, k0, n_abs) if both else n_abs + 1
@@ -228,20 +237,20 @@ def unpack_counts(words, out):
     low = (1 << COUNT_BITS) - 1
     w0, w1, w2 = words
     # w0: n_d, n_x, n_w, n_w_is, n_rho, n_clip, n_mm; w1: n_theta, n_blowup, n_clamp, n_nonfinite,
-    # n_invalid, n_flagged, n_tokens; w2: n_k3, n_k3_is, n_bad, n_adv (ACC_I's order, by design)
+    # n_invalid, n_flagged, n_tokens; w2: n_k3, n_k3_is, n_placeholder, n_bad, n_adv (ACC_I's order, by design)
     for q in range(7):
         out[q] += (w0 >> (q * COUNT_BITS)) & low
         out[7 + q] += (w1 >> (q * COUNT_BITS)) & low
-    for q in range(4):
+    for q in range(5):
         out[14 + q] += (w2 >> (q * COUNT_BITS)) & low
 
 
 @njit(inline="always", **JIT)
-def bad_rows_of(c0, c1, s, o, r, m, bad, auto, out, n_out):
+def bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, out, n_out):
     """Append rows c0..c1 with a bad code to out[n_out:]; the new n_out."""
     for i in range(c0, c1):
         code = np.int64(bad[i]) | (bad_code(np.float64(s[i]), np.float64(o[i]), np.float64(r[i]),
-                                            np.float64(m[i])) & auto)
+                                            np.float64(m[i]), mask[i])[0] & auto)
         if code:
             out[n_out] = i
             n_out += 1
@@ -319,8 +328,8 @@ def fused_pass(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, a
             acc_b[0], acc_b[1] = max(acc_b[0], cb[0]), min(acc_b[1], cb[1])
             acc_b[2], acc_b[3] = max(acc_b[2], cb[2]), max(acc_b[3], cb[3])
             count_bins(packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k])
-            if (ci[2] >> (2 * COUNT_BITS)) & ((1 << COUNT_BITS) - 1):  # n_bad: note the rows
-                n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, bad, auto, bad_rows, n_bad_rows)
+            if (ci[2] >> (3 * COUNT_BITS)) & ((1 << COUNT_BITS) - 1):  # n_bad: note the rows
+                n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, bad_rows, n_bad_rows)
         add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
     for k in range(n_steps):
         step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
@@ -335,7 +344,7 @@ def add_sequence(acc_f, acc_i, acc_b, seq_f, seq_i, step_f, step_i, step_b):
     seq_f[0], seq_f[1] = acc_f[9], acc_f[10]  # sum_k3, sum_k3_is
     seq_f[2], seq_f[3] = from_bits(acc_b[2], NONE_BITS), from_bits(acc_b[3], NONE_BITS)
     seq_f[4], seq_f[5], seq_f[6] = acc_f[11], acc_f[12], acc_f[13]  # sum_adv, sum_opsm, sum_x
-    for c, q in enumerate((13, 14, 15, 12, 16, 17)):  # n_tokens, n_k3, n_k3_is, n_flagged, n_bad, n_adv
+    for c, q in enumerate((13, 14, 15, 12, 17, 18)):  # n_tokens, n_k3, n_k3_is, n_flagged, n_bad, n_adv
         seq_i[c] = acc_i[q]
     step_f[0] -= acc_f[0]  # sum_k1 = -sum_d
     step_f[1] += 0.5 * acc_f[1]  # sum_k2

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 LOGPS = ("logp", "logp_old", "logp_ref", "logp_sampler")
+LOSS_ONLY = ("logp_old", "logp_sampler")  # read only where mask is true: elsewhere a dump may hold placeholders
 COLUMNS = ("step", "micro", "iteration", "seq", "group", "pos", "token_id", *LOGPS, "advantage", "mask")
 
 
@@ -91,7 +92,8 @@ class Batch:
         return col.to_numpy(zero_copy_only=False).astype(np.int64)
 
     def bad_codes(self) -> np.ndarray:
-        """fused.BAD_* bits per row, from present values only (nulls are absence, not findings)."""
+        """fused.BAD_* bits per row, from present values only (nulls are absence, not findings);
+        logp_old and logp_sampler only on tokens in the loss (elsewhere: placeholders)."""
         code = np.zeros(self.n, np.uint8)
         for name in LOGPS:
             v = self.raw[name]
@@ -101,6 +103,25 @@ class Batch:
                 nf, inv = ~np.isfinite(v), v > 0
             if self.null[name] is not None:
                 nf &= ~self.null[name]
+            if name in LOSS_ONLY:
+                nf &= self.mask
+                inv &= self.mask
             code[nf] |= 1
             code[inv] |= 2
         return code
+
+    def placeholders(self) -> np.ndarray:
+        """Rows (int64, ascending) of tokens outside the loss (mask false) whose recorded logp_old
+        or logp_sampler is 0.0 or non-finite: what dumps put where the engine generated nothing
+        (tool output, prompt echo). No figure reads them (fused.bad_code, the masked sums)."""
+        rows = np.flatnonzero(~self.mask)  # usually few: the cost follows them
+        hit = np.zeros(len(rows), bool)
+        for name in LOSS_ONLY:
+            v, null = self.raw[name], self.null[name]
+            if v is None or not len(rows):
+                continue
+            x = v[rows]
+            with np.errstate(invalid="ignore"):
+                h = (x == 0) | ~np.isfinite(x)
+            hit |= h & ~null[rows] if null is not None else h
+        return rows[hit]

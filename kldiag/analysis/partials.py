@@ -25,7 +25,8 @@ from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import PartInfo
 
-PARTIAL_VERSION = 6  # bump when the meaning or layout of a partial changes (6: ranks merged unless per_rank)
+# bump when the meaning or layout of a partial changes (7: n_placeholder; o, m read in the loss only)
+PARTIAL_VERSION = 7
 TABLES = ("steps", "seqs", "top", "bad", "superseded")
 
 

@@ -69,7 +69,8 @@ def trl_pass(starts, s, r, o, o_null, mask):
 
     TRL's formula with IEEE semantics (GRPOTrainer: kl = exp(r - s) - (r - s) - 1, x = s - o,
     0 where logp_old is null, r NaN where logp_ref is absent): a non-finite kl outside the
-    mask still makes the sum NaN (0 * inf), as it does in the trainer.
+    mask still makes the sum NaN (0 * inf), as it does in the trainer. x is 0 outside the mask:
+    logp_old there may be a dump's placeholder (NaN), not the trainer's value.
     """
     n, n_seq = len(s), len(starts) - 1
     has_r, has_o, has_onull = len(r) == n, len(o) == n, len(o_null) == n
@@ -80,7 +81,7 @@ def trl_pass(starts, s, r, o, o_null, mask):
             sv = np.float64(s[i])
             dd = (np.float64(r[i]) if has_r else np.nan) - sv
             x = 0.0
-            if has_o and not (has_onull and o_null[i]):
+            if has_o and mask[i] and not (has_onull and o_null[i]):
                 x = sv - np.float64(o[i])
             mf = 1.0 if mask[i] else 0.0
             kl = math.exp(dd) - dd - 1.0
@@ -89,3 +90,4 @@ def trl_pass(starts, s, r, o, o_null, mask):
             c += x * mf
         out[j, 0], out[j, 1], out[j, 2] = a, b, c
     return out
+

@@ -64,6 +64,7 @@ def batch_sums(batch: pa.RecordBatch, kl_loss_type: str, unbiased: bool) -> keye
     o = np.where(col["logp_old"].is_null().to_numpy(zero_copy_only=False), s,
                  col["logp_old"].fill_null(0.0).to_numpy(zero_copy_only=False))
     mask = col["mask"].to_numpy(zero_copy_only=False).astype(bool)
+    o = np.where(mask, o, s)  # outside the loss a dump's logp_old may be a placeholder (0.0, NaN): rho = 1 there
     kl = approx_kl(s, r, kl_loss_type, unbiased_rho(s, o) if unbiased else None)
     with np.errstate(invalid="ignore"):
         contrib = np.where(mask, kl, 0.0)  # slime multiplies by the mask: 0 * inf would be NaN there too

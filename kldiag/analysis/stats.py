@@ -78,8 +78,17 @@ def step_keyed(b: Batch, rank: int, starts: np.ndarray, sidx: np.ndarray, res: t
                   "n_rows": np.diff(np.append(step_begin, b.n))}
     out.update({name: step_f[:, c] for c, name in enumerate(fused.STEP_F)})
     out.update({name: step_i[:, c] for c, name in enumerate(fused.STEP_I)})
+    if b.partial_nulls:  # the kernel's count reads a null logp_sampler's NaN as a placeholder: recount
+        out["n_placeholder"] = placeholders(b, step_begin)
     out.update(h_d=h_d, h_weight_k3_abs=h_w, h_weight_k3_is_abs=h_w_is, h_rho=h_rho)
     return out
+
+
+def placeholders(b: Batch, step_begin: np.ndarray) -> np.ndarray:
+    """Per step run: tokens outside the loss whose present logp_old or logp_sampler is a placeholder
+    (0.0 or non-finite; Batch.placeholders), int64 [len(step_begin)]."""
+    rows = np.searchsorted(step_begin, b.placeholders(), side="right") - 1
+    return np.bincount(rows, minlength=len(step_begin)).astype(np.int64)
 
 
 def ro(a: np.ndarray | None, dtype, placeholder: np.ndarray | None = None) -> np.ndarray:

@@ -14,8 +14,9 @@ from typing import Any
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from kldiag.analysis import coverage, engines
+from kldiag.analysis import coverage, engines, runner, topk
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         # what the diagnosis and `kldiag report` read, in the same one read of each part: a report after
         # an analyze reads no part
-        a = analyze(args.run_dir, config_from_args(args), report_reducers())
+        # (and the top-k figures of --json, "topk": nothing to read in a run without top-k lists)
+        a = analyze(args.run_dir, config_from_args(args), [*report_reducers(), topk.TopkReducer()])
     for w in caught:
         print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.out:
@@ -112,9 +114,19 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _clean_nested(v: Any) -> Any:
+    """_clean through dicts and lists (the top-k figures: bounds may be infinite)."""
+    if isinstance(v, dict):
+        return {k: _clean_nested(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean_nested(x) for x in v]
+    return _clean(v)
+
+
 def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
     """What --json prints: run facts, the per-step table, alerts (episodes), worst tokens (first 20),
-    and the diagnosis (verdict and causes); docs/metrics.md, "kldiag analyze RUN --json", lists the keys."""
+    the diagnosis (verdict and causes) and the per-turn figures; docs/metrics.md, "kldiag analyze RUN --json",
+    lists the keys."""
     if diagnosis is None:
         diagnosis = diagnose(a)
     return {
@@ -127,6 +139,9 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
         "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
         "cannot_compute": coverage.cannot_compute(a),
+        "placeholders": int(a.info.get("placeholders", 0)),
+        "topk": _clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
+        "turns": turns_of(a),
     }
 
 
@@ -151,6 +166,9 @@ def render(a: Analysis, diagnosis=None) -> str:
         lines.append(verdict_line(diagnosis))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
+    if a.info.get("placeholders"):
+        lines.append(f"placeholders: {a.info['placeholders']:,} tokens outside the loss hold 0.0 or NaN as "
+                     "logp_sampler/logp_old (tool output, prompt echo); no figure reads them")
     lines.append("  ".join(c.rjust(w) for c, w in zip(SUMMARY_COLUMNS, widths, strict=True)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     if len(rows) > MAX_ROWS:

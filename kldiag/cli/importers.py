@@ -11,6 +11,7 @@ import sys
 import warnings
 from typing import Any
 
+from kldiag.errors import KldiagError
 from kldiag.importers import FRAMEWORKS, import_dumps
 
 
@@ -32,6 +33,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--use-unbiased-kl", action="store_true", default=None,
                    help="slime: the run used --use-unbiased-kl")
     p.add_argument("--kl-loss-coef", type=float, default=None, help="slime: the run's --kl-loss-coef (beta)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="nemo-rl: the run's config (YAML or JSON): global batches per step for the crosswalk, "
+                        "the KL type, group size and sampling settings")
     p.set_defaults(func=run)
 
 
@@ -39,6 +43,12 @@ def run(args: argparse.Namespace) -> int:
     options = {"trust_pickle": args.trust_pickle, "group_size": args.group_size,
                "kl_loss_type": args.kl_loss_type, "use_unbiased_kl": args.use_unbiased_kl,
                "kl_loss_coef": args.kl_loss_coef}
+    if args.config is not None:
+        if args.framework != "nemo-rl":
+            raise KldiagError(f"--config is read for nemo-rl imports only, not {args.framework}; drop it")
+        from kldiag.importers.nemo_rl import read_run_config
+
+        options = {**read_run_config(args.config), **{k: v for k, v in options.items() if v is not None}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = import_dumps(args.framework, args.src, args.run, strict=args.strict, **options)

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.alerts import rule_context
+from kldiag.analysis.turns import TurnReducer
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
+from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers engine_truncated_sampling
+from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
@@ -45,7 +48,7 @@ def run_episodes(analysis, config: DiagnosisConfig,
 def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
-    return [ScanReducer(config.confident_p), SampleReducer()]
+    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:
@@ -69,23 +72,26 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     Reads no part when `analysis` was made with `reducers()` (else the side scan and the parity
     sample read the parts whose partials are not cached yet); `detectors` defaults to
     causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
-    dropped when another detector named the same cause, or ran and lists its name in its `replaces`.
+    dropped when another detector named the same cause, or ran and lists its name in its `replaces`; any cause is
+    dropped when a detector that found a cause lists its name in its `absorbs` (a root cause that explains it).
     """
     side = side_scan(analysis, config) if config is not None else {}
     eps, rctx, cols = run_episodes(analysis, config, side)
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
     found: list[tuple[bool, Cause]] = []
-    replaced: set[str] = set()
+    replaced, absorbed = set(), set()
     for det in C.detectors() if detectors is None else detectors:
         try:
             builtin = getattr(det, "__module__", "") == C.__name__
-            found += [(builtin, c) for c in _call(det, analysis, ctx)]
+            got = _call(det, analysis, ctx)
+            found += [(builtin, c) for c in got]
             replaced |= set(() if builtin else getattr(det, "replaces", ()))
+            absorbed |= set(getattr(det, "absorbs", ()) if got else ())
         except Exception as e:
             warnings.warn(f"kldiag: cause detector {getattr(det, '__name__', det)} failed ({type(e).__name__}: "
                           f"{e}); its cause is left out", stacklevel=2)
     replaced |= {c.cause for b, c in found if not b}  # a parity detector replaces ours, even with no cause
-    causes = [c for b, c in found if not (b and c.cause in replaced)]
+    causes = [c for b, c in found if not (b and c.cause in replaced) and c.cause not in absorbed]
     rank = {s: i for i, s in enumerate(SEVERITIES)}
     causes.sort(key=lambda c: (-rank.get(c.severity, 0), c.onset if c.onset is not None else 1 << 62))
     return Diagnosis(verdict(causes, eps), causes, eps)

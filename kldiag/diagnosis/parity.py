@@ -5,7 +5,8 @@ themselves are kldiag.mismatch.parity's, the root-cause signatures kldiag.mismat
 `engine_mismatch` replaces the built-in one and keeps its evidence. One root cause, one cause: a root cause
 (`engine_wrong_token`, `engine_raw_logprobs`, `engine_stale_weights`, `engine_async_lag`,
 `engine_precision`) that explains the mismatch is named instead of `engine_mismatch`, with the generic
-figures as its `explained_mismatch` evidence; raw log-probs are named instead of the temperature.
+figures as its `explained_mismatch` evidence; raw log-probs are named instead of the temperature. Truncated
+sampling (`engine_truncated_sampling`, kldiag.diagnosis.truncation) is named instead of any of them it explains.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import numpy as np
 
 from kldiag.diagnosis import causes as C
+from kldiag.diagnosis import truncation as TR
 from kldiag.diagnosis.types import Cause
 from kldiag.format import open_run
 from kldiag.frameworks import fix_for
@@ -241,6 +243,8 @@ def engine_temperature_mismatch(analysis, ctx) -> list[Cause]:
     rep = P.report_for(analysis)
     if rep is None or _root(analysis) in ("engine_wrong_token", "engine_raw_logprobs"):
         return []
+    if TR.explains(analysis, "engine_temperature_mismatch"):  # a pooled slope bent by truncation
+        return []
     builtin = C.engine_mismatch(analysis, ctx) if rep.explains_mismatch else []
     cause = temperature_cause(rep, _fix(analysis.manifest, "engine_temperature_mismatch", rep.fit.implied_temperature),
                               builtin[0] if builtin else None)
@@ -255,6 +259,8 @@ def engine_mismatch(analysis, ctx) -> list[Cause]:
     rep = P.report_for(analysis)
     if rep is None:
         return builtin
+    if TR.explains(analysis, "engine_mismatch"):
+        return []  # engine_truncated_sampling names it
     if _root(analysis) is not None and _generic(rep, builtin[0] if builtin else None):
         return []  # engine_root_cause names it, with these figures as its evidence
     cause = mismatch_cause(rep, builtin[0] if builtin else None, _fix(analysis.manifest, "engine_mismatch"))
@@ -265,7 +271,7 @@ def engine_root_cause(analysis, ctx) -> list[Cause]:
     """The mismatch's root cause (kldiag.mismatch.signatures) in place of engine_mismatch: a shifted gather,
     raw log-probs, stale weights, an asynchronous lag, or precision."""
     rep, sig = P.report_for(analysis), S.report_for(analysis)
-    if rep is None or sig is None or sig.root is None:
+    if rep is None or sig is None or sig.root is None or TR.explains(analysis, sig.root):
         return []
     builtin = C.engine_mismatch(analysis, ctx)
     cause = root_cause(rep, sig, builtin[0] if builtin else None, analysis.manifest)

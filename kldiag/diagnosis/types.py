@@ -21,6 +21,8 @@ CAUSE_NAMES = (
     "engine_temperature_mismatch", "numerical_fault", "entropy_collapse",
     # the mismatch's root causes (kldiag/mismatch/signatures.py), each named instead of engine_mismatch
     "engine_raw_logprobs", "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag",
+    "engine_retokenization",  # multi-turn: the trainer scores re-tokenised turns (kldiag/diagnosis/retokenize.py)
+    "engine_truncated_sampling",  # top-k/top-p log-probs against a full-vocabulary trainer (diagnosis/truncation.py)
 )
 
 

@@ -1,4 +1,4 @@
-"""Run format v1.1: the public contract between recorders, importers and every reader.
+"""Run format v1.2: the public contract between recorders, importers and every reader.
 
 Layout (docs/format.md is the contract; a run may be a local directory or a URI)::
 
@@ -36,6 +36,7 @@ from kldiag.format.parts import (
 from kldiag.format.run import (
     WRITER_STATS,
     Run,
+    absent_column,
     open_run,
     part_batches,
     read_manifest,
@@ -57,19 +58,25 @@ from kldiag.format.schema import (
     INT_ID_COLUMNS,
     MANIFEST,
     OPTIONAL_ON_READ,
+    OPTIONAL_SCHEMA,
     PARQUET_WRITE_OPTIONS,
     PART_RE,
     RANK_RE,
     RANK_RE_V1,
     READABLE_VERSIONS,
+    RUN_SCHEMA,
     TOKEN_SCHEMA,
+    TOPK_COLUMNS,
     TOKENS_DIR,
     VOCAB,
     VOCAB_SCHEMA,
     WRITERS_DIR,
     Manifest,
     check_schema,
+    column_field,
+    columns_schema,
     part_name,
+    part_schema,
     rank_dir_name,
 )
 from kldiag.format.storage import Store, is_uri, resolve
@@ -81,12 +88,13 @@ def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 
 
 __all__ = [
-    "CACHE_DIR", "FLOAT_COLUMNS", "FORMAT_NAME", "FORMAT_VERSION", "INT_ID_COLUMNS", "MANIFEST",
-    "OPTIONAL_ON_READ", "PARQUET_WRITE_OPTIONS", "PART_RE", "RANK_RE", "RANK_RE_V1", "READABLE_VERSIONS",
-    "TOKENS_DIR", "TOKEN_SCHEMA", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest", "PartInfo",
-    "Run", "Store", "attempt_hulls", "check_schema", "clean_stale_temps", "is_uri", "list_parts", "next_attempt",
-    "next_index", "open_part", "open_run", "part_batches", "part_name", "publish", "publish_part", "rank_dir",
-    "rank_dir_name", "rank_rel", "read_manifest", "read_rank_stats", "resolve", "resume_manifest", "run_path",
-    "superseded_intervals", "superseded_mask", "upgrade_v1", "vocab_pieces", "vocab_stamp", "write_manifest",
-    "write_rank_stats", "write_vocab",
+    "CACHE_DIR", "FLOAT_COLUMNS", "FORMAT_NAME", "FORMAT_VERSION", "INT_ID_COLUMNS", "MANIFEST", "OPTIONAL_ON_READ",
+    "OPTIONAL_SCHEMA", "PARQUET_WRITE_OPTIONS", "PART_RE", "RANK_RE", "RANK_RE_V1", "READABLE_VERSIONS", "RUN_SCHEMA",
+    "TOKENS_DIR", "TOKEN_SCHEMA", "TOPK_COLUMNS", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest",
+    "PartInfo", "Run", "Store", "absent_column", "attempt_hulls", "check_schema", "column_field", "columns_schema",
+    "clean_stale_temps", "is_uri", "list_parts", "next_attempt", "next_index", "open_part", "open_run",
+    "part_batches", "part_name", "part_schema", "publish", "publish_part", "rank_dir", "rank_dir_name", "rank_rel",
+    "read_manifest", "read_rank_stats", "resolve", "resume_manifest", "run_path", "superseded_intervals",
+    "superseded_mask", "upgrade_v1", "vocab_pieces", "vocab_stamp", "write_manifest", "write_rank_stats",
+    "write_vocab",
 ]

@@ -1,6 +1,6 @@
 """Part files: listing (with attempts and superseded steps), atomic publishing, opening.
 
-Layout (v1.1)::
+Layout (v1.1; unchanged in v1.2, whose optional columns live inside the parts)::
 
     RUN/tokens/rank-R/part-S0-S1-aA-N.parquet     rank R, steps S0..S1, attempt A, N-th file of R
     RUN/tokens/rank=R/part-S0-S1-N.parquet        v1 (read only): attempt 0

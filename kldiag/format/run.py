@@ -27,6 +27,8 @@ from kldiag.format.schema import (
     VOCAB_SCHEMA,
     WRITERS_DIR,
     Manifest,
+    column_field,
+    columns_schema,
     part_name,
 )
 from kldiag.format.storage import Store, resolve
@@ -115,7 +117,8 @@ class Run:
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 1 << 20,
                      strict: bool = False, parts: Sequence[PartInfo] | None = None,
                      include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
-        """Record batches of every published part, only `columns` (default: all of format v1.1).
+        """Record batches of every published part, only `columns` (default: TOKEN_SCHEMA, the columns
+        every part has; name v1.2's optional ones, or pass RUN_SCHEMA.names, to get them too).
 
         Rows superseded by a later attempt are left out unless include_superseded. A corrupt
         part is skipped with a warning that names it, or raises in strict mode.
@@ -140,7 +143,7 @@ class Run:
         """The rows of `parts` (None: every published part) as one table, corrupt parts skipped."""
         columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
         batches = list(self.iter_batches(columns, strict=strict, parts=parts, include_superseded=include_superseded))
-        schema = pa.schema([TOKEN_SCHEMA.field(c) for c in columns])
+        schema = columns_schema(columns)
         return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
 
     def vocab(self) -> dict[int, str] | None:
@@ -157,24 +160,32 @@ class Run:
 
 def part_batches(part: PartInfo, columns: list[str], batch_size: int,
                  include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
-    """One part's batches of `columns`: v1 parts get their attempt column from the name,
-    and rows superseded by a later attempt are dropped unless include_superseded."""
+    """One part's batches of `columns`: v1 parts get their attempt column from the name, a part
+    without one of v1.2's optional columns (every v1.1 part) reads as null there, and rows
+    superseded by a later attempt are dropped unless include_superseded."""
     pf = open_part(part, columns)
     present = set(pf.schema_arrow.names)
     drop = bool(part.exclude) and not include_superseded
     read = [c for c in columns if c in present]
     if drop and "step" not in read:
         read.append("step")
-    schema = pa.schema([TOKEN_SCHEMA.field(c) for c in columns])
+    schema = columns_schema(columns)
     # A part whose footer reads is whole (parts are published atomically), so errors after
     # this point mean a disk or network fault, not a half-written file.
     for batch in pf.iter_batches(batch_size=batch_size, columns=read):
         if drop:
             step = batch.column("step").to_numpy()
             batch = batch.filter(pa.array(~superseded_mask(step, part.exclude)))
-        arrays = [batch.column(c) if c in present else pa.array(np.full(batch.num_rows, part.attempt, np.int16))
+        arrays = [batch.column(c) if c in present else absent_column(c, batch.num_rows, part.attempt)
                   for c in columns]
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def absent_column(name: str, n: int, attempt: int) -> pa.Array:
+    """What a part without column `name` reads as: v1's attempt from the part's name, else nulls."""
+    if name == "attempt":
+        return pa.array(np.full(n, attempt, np.int16))
+    return pa.nulls(n, column_field(name).type)
 
 
 def open_run(path: str | os.PathLike | Store) -> Run:

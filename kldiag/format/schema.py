@@ -1,4 +1,4 @@
-"""Run format v1.1: names, the token schema, Parquet encoding, and the manifest (run.json).
+"""Run format v1.2: names, the token schema, Parquet encoding, and the manifest (run.json).
 
 docs/format.md is the public contract; this module is its single source in code.
 """
@@ -17,8 +17,8 @@ import pyarrow as pa
 from kldiag.errors import RunFormatError, SchemaError, UnsupportedFormatVersionError
 
 FORMAT_NAME = "kldiag-run"
-FORMAT_VERSION = 1.1
-READABLE_VERSIONS = (1, 1.1)  # v1: tokens/rank=R/ (Hive names), no attempt column
+FORMAT_VERSION = 1.2
+READABLE_VERSIONS = (1, 1.1, 1.2)  # v1: tokens/rank=R/ (Hive names), no attempt column; v1.1: no OPTIONAL_SCHEMA
 MANIFEST = "run.json"
 VOCAB = "vocab.parquet"
 TOKENS_DIR = "tokens"
@@ -49,7 +49,23 @@ TOKEN_SCHEMA = pa.schema(
         pa.field("attempt", pa.int16(), nullable=False),  # v1.1: which attempt wrote the row
     ]
 )
-OPTIONAL_ON_READ = ("attempt",)  # absent from v1 parts: the reader fills it from the part's name
+# v1.2: optional columns. A part holds one only when some of its rows have a value (an all-null
+# column costs ~1.4 kB per part of 1,000 rows, ~12 kB per 1M rows: measured, docs/format.md);
+# a part without it (every v1.1 part) reads as null there. List columns are list<...>, not
+# fixed_size_list: pandas and DuckDB read them as plain lists, and K may differ between sides.
+OPTIONAL_SCHEMA = pa.schema(
+    [
+        pa.field("turn", pa.int16()),  # turn index of the token inside its sequence (0, 1, ...)
+        pa.field("topk_ids", pa.list_(pa.int32())),  # trainer side (pi_theta at record time): top-k ids
+        pa.field("topk_logp", pa.list_(pa.float32())),  # their log-probs, same order
+        pa.field("topk_ids_sampler", pa.list_(pa.int32())),  # engine side (mu): top-k ids
+        pa.field("topk_logp_sampler", pa.list_(pa.float32())),
+    ]
+)
+TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler")
+RUN_SCHEMA = pa.schema([*TOKEN_SCHEMA, *OPTIONAL_SCHEMA])  # every column a reader may ask for, in order
+# absent from older parts: attempt (v1) is filled from the part's name, the v1.2 columns with nulls
+OPTIONAL_ON_READ = ("attempt", *OPTIONAL_SCHEMA.names)
 FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")
 VOCAB_SCHEMA = pa.schema([pa.field("token_id", pa.int32(), nullable=False), pa.field("piece", pa.string())])
 
@@ -62,8 +78,11 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "compression_level": 1,
     "use_dictionary": False,
-    "column_encoding": {**dict.fromkeys(INT_ID_COLUMNS, "DELTA_BINARY_PACKED"),
-                        **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT")},
+    "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn"), "DELTA_BINARY_PACKED"),
+                        **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
+                        # a list column's values are its leaf "<name>.list.element"; absent columns are ignored
+                        **dict.fromkeys(("topk_logp.list.element", "topk_logp_sampler.list.element"),
+                                        "BYTE_STREAM_SPLIT")},
     "row_group_size": 1 << 20,
     "write_statistics": ["step"],
 }
@@ -83,22 +102,42 @@ def rank_dir_name(rank: int) -> str:
     return f"rank-{rank}"
 
 
+def column_field(name: str) -> pa.Field:
+    """The format's field of column `name` (TOKEN_SCHEMA or OPTIONAL_SCHEMA); SchemaError otherwise."""
+    idx = RUN_SCHEMA.get_field_index(name)
+    if idx < 0:
+        raise SchemaError(f"{name!r} is not a column of run format {FORMAT_VERSION}; ask for one of "
+                          f"{', '.join(RUN_SCHEMA.names)}")
+    return RUN_SCHEMA.field(idx)
+
+
+def columns_schema(columns: Sequence[str]) -> pa.Schema:
+    """The schema of `columns`, in the order given (for tables and batches a reader returns)."""
+    return pa.schema([column_field(c) for c in columns])
+
+
+def part_schema(present: Sequence[str]) -> pa.Schema:
+    """Schema of a part that holds the optional columns `present`: TOKEN_SCHEMA, then those of
+    OPTIONAL_SCHEMA in its order. With none present it is TOKEN_SCHEMA, a v1.1 part byte for byte."""
+    return pa.schema([*TOKEN_SCHEMA, *(f for f in OPTIONAL_SCHEMA if f.name in present)])
+
+
 def check_schema(schema: pa.Schema, source: str, columns: Sequence[str] | None = None) -> None:
     """Raise SchemaError when a needed column is missing or has another type.
 
-    Columns of OPTIONAL_ON_READ may be absent (v1 parts); present, their type must match.
+    Columns of OPTIONAL_ON_READ may be absent (v1 and v1.1 parts); present, their type must match.
     """
     for name in columns if columns is not None else TOKEN_SCHEMA.names:
-        want = TOKEN_SCHEMA.field(name).type
+        want = column_field(name).type
         idx = schema.get_field_index(name)
         if idx < 0:
             if name in OPTIONAL_ON_READ:
                 continue
-            raise SchemaError(f"{source}: column {name!r} is missing; format v1 requires it "
+            raise SchemaError(f"{source}: column {name!r} is missing; every run format requires it "
                               f"(see docs/format.md); re-write the part with kldiag.Recorder")
         got = schema.field(idx).type
         if got != want:
-            raise SchemaError(f"{source}: column {name!r} is {got}, format v1 says {want}; "
+            raise SchemaError(f"{source}: column {name!r} is {got}, run format {FORMAT_VERSION} says {want}; "
                               "re-write the part with kldiag.Recorder")
 
 

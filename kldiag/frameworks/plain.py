@@ -45,7 +45,14 @@ FIXES = {
         "Rollouts come from the policy of several steps back (asynchronous generation): bound the staleness (a "
         "smaller rollout queue or maximum age), and correct it with truncated or masked importance sampling on "
         'pi_old/mu.'),
+    "engine_retokenization": (
+        "Feed the trainer the token ids the engine generated and saw (token-in-token-out): build each sequence by "
+        "appending the engine's output ids and the tool reply's ids, never by decoding the conversation to text and "
+        "tokenising it again (a re-tokenisation merges or splits pieces at turn boundaries, e.g. 'Hel'+'lo' -> "
+        "'Hello', and a chat template may re-render or drop earlier turns)."),
 }
+from kldiag.frameworks.sampling import TRUNCATION_FIXES  # noqa: E402 - the truncation fix lives with the sampling keys
+FIXES["engine_truncated_sampling"] = TRUNCATION_FIXES["plain"]
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
 IF_SET = {

@@ -54,7 +54,15 @@ FIXES = {
         "The completions come from an older policy than the trainer's: lower `steps_per_generation` (one "
         "generation serves that many optimizer steps), check the weight sync to the `vllm_mode` server, and keep "
         '`vllm_importance_sampling_correction=True`.'),
+    "engine_retokenization": (
+        "The trainer scores re-tokenised turns: let GRPOTrainer's own tool loop build multi-turn completions (its "
+        "tools or environment_factory argument; trl/trainer/grpo_trainer.py _tool_call_loop, TRL 1.16, appends the "
+        "tool reply's ids to the engine's completion ids and swaps a chat template that is not prefix-preserving "
+        "for a training-safe one), or make a rollout_func return the engine's prompt_ids and completion_ids (with "
+        "env_mask on tool tokens), never ids re-encoded from decoded text."),
 }
+from kldiag.frameworks.sampling import TRUNCATION_FIXES  # noqa: E402 - the truncation fix lives with the sampling keys
+FIXES["engine_truncated_sampling"] = TRUNCATION_FIXES["trl"]
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
 IF_SET = {

@@ -91,6 +91,7 @@ def import_dumps(framework: str, src: str | os.PathLike, run: str | os.PathLike,
              "missing": result.missing, "config": config}
     sink.close(state)
     result.sequences, result.tokens, result.steps = sink.sequences, sink.tokens, sorted(sink.steps)
+    result.placeholders = sink.placeholders
     return result
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import DumpError, UnsupportedDumpVersionError
+from kldiag.frameworks import sampling as sampling_settings
 from kldiag.importers.sink import TOKEN_FIELDS, Sequence
 
 NAME = "nemo-rl"
@@ -52,8 +53,54 @@ def list_files(src: Path) -> tuple[list[Path], list[Path]]:
     return sorted(files, key=lambda p: (int(FILE_RE.match(p.name).group(1)), p.as_posix())), []
 
 
+# The run config's keys the crosswalk's NeMo-RL reduction and the fixes read: (section, key) -> manifest key.
+# A step of several global batches is logged as the mean of their token means (grpo.py's train loop).
+RUN_CONFIG_KEYS = {("policy", "train_global_batch_size"): "train_global_batch_size",
+                   ("grpo", "num_prompts_per_step"): "num_prompts_per_step",
+                   ("grpo", "num_generations_per_prompt"): "num_generations_per_prompt",
+                   ("loss_fn", "reference_policy_kl_type"): "reference_policy_kl_type",
+                   ("loss_fn", "force_on_policy_ratio"): "force_on_policy_ratio",
+                   ("loss_fn", "reference_policy_kl_penalty"): "beta"}
+
+
+def read_run_config(path: str | Path) -> dict[str, Any]:
+    """The run's own NeMo-RL config (the YAML it was launched with, e.g. grpo_math_1B.yaml, or a JSON
+    dump of it) as import options: the RUN_CONFIG_KEYS, `generation` (policy.generation) and group_size
+    (grpo.num_generations_per_prompt). OmegaConf interpolations (${...}) are left out."""
+    text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        cfg = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError as e:
+            raise DumpError(f"{path}: reading a YAML config needs PyYAML: pip install pyyaml "
+                            "(or pass the config as JSON)") from e
+        cfg = yaml.safe_load(text)
+    if not isinstance(cfg, dict):
+        raise DumpError(f"{path}: not a NeMo-RL config (expected a mapping with policy:, grpo:, loss_fn:)")
+    out: dict[str, Any] = {}
+    for (section, key), name in RUN_CONFIG_KEYS.items():
+        value = (cfg.get(section) or {}).get(key)
+        if value is not None and not (isinstance(value, str) and "${" in value):
+            out[name] = value
+    generation = (cfg.get("policy") or {}).get("generation")
+    if isinstance(generation, dict):
+        out["generation"] = {k: v for k, v in generation.items() if not (isinstance(v, str) and "${" in v)}
+    if out.get("num_generations_per_prompt"):
+        out["group_size"] = int(out["num_generations_per_prompt"])
+    return out
+
+
 def config(options: dict[str, Any]) -> dict[str, Any]:
-    return {"group_size": options["group_size"]} if options.get("group_size") else {}
+    """The manifest config from the import options: group_size, the run config's RUN_CONFIG_KEYS
+    (read_run_config), and `generation` (the run's policy.generation dict: temperature, top_p, top_k,
+    backend) as config["engine_sampling"]."""
+    out = {"group_size": options["group_size"]} if options.get("group_size") else {}
+    out.update({k: options[k] for k in RUN_CONFIG_KEYS.values() if options.get(k) is not None})
+    if options.get("generation"):
+        out["engine_sampling"] = sampling_settings.from_nemo_rl(options["generation"])
+    return out
 
 
 def world_size(files: list[Path], options: dict[str, Any]) -> int:

@@ -61,6 +61,7 @@ class ImportResult:
     tokens: int = 0
     steps: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # columns the dumps never had (null in the run)
+    placeholders: int = 0  # tokens outside the loss whose logp_sampler/logp_old the dumps hold as 0.0 or NaN
 
     def lines(self) -> list[str]:
         out = [f"imported {len(self.imported)} {self.framework} file(s) into {self.run}: {self.sequences:,} "
@@ -74,6 +75,10 @@ class ImportResult:
             out.append(f"skipped {name}: {why}")
         if self.missing:
             out.append("null in this run (the dumps do not have them): " + ", ".join(self.missing))
+        if self.placeholders:
+            out.append(f"ignored {self.placeholders:,} placeholder log-probs: tokens outside the loss (tool output, "
+                       "prompt echo) whose logp_sampler/logp_old the dumps hold as 0.0 or NaN; stored as they are, "
+                       "read by no figure (manifest writer.placeholders)")
         return out
 
 
@@ -108,6 +113,7 @@ class Sink:
         self.buffers: dict[int, list[Sequence]] = {}
         self.present: set[str] = set()
         self.sequences = self.tokens = 0
+        self.placeholders = 0  # summed over the recorders when they close
         self.steps: set[int] = set()
         self._recorder(0)  # rank 0 writes the manifest, even when it has no rows in this import
 
@@ -158,6 +164,7 @@ class Sink:
             if rank:
                 rec.close()
         rec0.close()
+        self.placeholders = sum(rec.stats["placeholders"] for rec in self.recorders.values())
 
     def abort(self) -> None:
         """Close without recording what is still buffered (an error interrupted the import)."""

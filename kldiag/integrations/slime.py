@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks import slime as slime_frameworks
 from kldiag.importers import slime as dump
 from kldiag.importers.sink import Sequence, pack
@@ -74,6 +75,7 @@ def recorder(args: Any, mpu: Any) -> Any:
             raise ValueError(f"set {ENV_RUN} to the kldiag run directory (or URI) the slime hooks record into")
         config = {k: getattr(args, k) for k in CONFIG_ARGS if getattr(args, k, None) is not None}
         config["kl_semantics"] = "slime"
+        config["engine_sampling"] = sampling_settings.from_slime(args)  # --rollout-temperature/-top-k/-top-p
         if getattr(args, "use_kl_loss", False):
             config["estimator"] = slime_frameworks.estimator_name(getattr(args, "kl_loss_type", "k1"),
                                                           getattr(args, "use_unbiased_kl", False))

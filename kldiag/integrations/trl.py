@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import IntegrationError
+from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
+from kldiag.integrations.trl_kernel import TOPK_CHECK_NATS, TopkCapture
 from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -86,9 +88,17 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
 
     `histograms=True` (or a directory) also writes live TensorBoard histograms of d, |k3 weight|,
     |k3_is weight| and rho at each log (kldiag/integrations/trl_histograms.py; needs tensorboard).
+
+    `topk=k` also records the trainer's k most likely token ids and their log-probs at every
+    completion token (columns topk_ids/topk_logp; trl_kernel.TopkCapture: one more LM-head
+    projection of the completion tokens, since TRL's fused head never forms the logits). None
+    (the default): nothing changes. The engine's side is the caller's: docs/recorder.md, "Top-k".
     """
     check_supported(trainer)
     histograms = recorder_options.pop("histograms", False)
+    topk = recorder_options.pop("topk", None)
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise IntegrationError(f"attach(topk={topk!r}): give the number of top tokens to record (e.g. 20), or None")
     if getattr(trainer, "_kldiag_hook", None) is not None:
         raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
     from kldiag.record.recorder import Recorder
@@ -99,6 +109,7 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     warm_kernel()  # compiled (or loaded from numba's cache) here, not in the first step, beside the trainer
     rec = Recorder(run_dir, **options)
     hook = _Hook(trainer, rec, strict=bool(options.get("strict", False)))
+    hook.topk = topk
     hook.install()
     if histograms:
         from kldiag.integrations.trl_histograms import LiveHistograms
@@ -180,6 +191,7 @@ def recorder_defaults(trainer: Any) -> dict[str, Any]:
         "max_completion_length": args.max_completion_length,
         "logging_steps": args.logging_steps,
         "use_vllm": bool(args.use_vllm),
+        "engine_sampling": sampling_settings.from_trl(args),  # kldiag.frameworks.sampling: temperature, top-k/p
         "trl_version": trl.__version__,
         "transformers_version": transformers.__version__,
     }
@@ -221,6 +233,8 @@ class _Hook:
         self._pending = False  # a batch was recorded since the last log: every rank logs (a collective)
         self.histograms: Any = None  # trl_histograms.LiveHistograms when attach(histograms=...)
         self.guard: Any = None  # a kldiag.Guard fed the host copies (trl_guard.install_guard)
+        self.topk: int | None = None  # attach(topk=k): the trainer's top-k per completion token
+        self.topk_check: float | None = None  # trl_kernel.TopkCapture's label check, first batch
 
     def install(self) -> None:
         t = self.trainer
@@ -259,10 +273,34 @@ class _Hook:
         return loss
 
     def _on_logps(self, original, *args, **kwargs):
-        out = original(*args, **kwargs)
-        if self._armed and self._captured is None:
-            self._capture(out)
+        first = self._armed and self._captured is None
+        opened: list[TopkCapture] = []
+        if first and self.topk:  # a hook on the backbone for this one call (a failure: counted, warned)
+            self._guarded(lambda: opened.append(TopkCapture.around(self.trainer, self.topk, original, args, kwargs)))
+        if not opened:
+            out = original(*args, **kwargs)
+            if first:
+                self._capture(out)
+            return out
+        capture = opened[0]
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            capture.close()
+        self._capture(out)
+        self._guarded(self._capture_topk, capture, out[0])
         return out
+
+    def _capture_topk(self, capture: TopkCapture, logp: Any) -> None:
+        ids, top, check = capture.result(logp, check=self.topk_check is None)
+        if check is not None:
+            self.topk_check = check
+            if check > TOPK_CHECK_NATS:
+                warnings.warn(f"kldiag: the recorded top-k log-probs differ from TRL's by up to {check:.3g} nats "
+                              "(a logit scaling kldiag does not apply?); the topk columns are not TRL's "
+                              "distribution", stacklevel=3)
+        on_host = not self.off_thread()  # off-thread: device tensors, which record() copies
+        self._captured = (*self._captured[:2], (_host(ids), _host(top)) if on_host else (ids, top))
 
     def _on_log(self, original, logs, *args, **kwargs):
         if self.active and self.trainer.model.training and isinstance(logs, dict):
@@ -294,14 +332,14 @@ class _Hook:
                 rec.observe(self._observe)
         return self._off
 
-    def _capture(self, out: tuple) -> None:
+    def _capture(self, out: tuple) -> None:  # self._captured: (logp, entropy[, (topk ids, topk logp)])
         # Copied now: the loss goes on using these tensors after this call returns.
         if self.off_thread():  # a device copy (no sync); record() stages it to the host
             self._captured = (out[0].detach().clone(), None if out[1] is None else out[1].detach().clone())
             return
         self._captured = (_host(out[0], copy=True), None if out[1] is None else _host(out[1], copy=True))
 
-    def _record(self, inputs: dict, logp: np.ndarray, entropy: np.ndarray | None) -> None:
+    def _record(self, inputs: dict, logp: np.ndarray, entropy: np.ndarray | None, topk: tuple = ()) -> None:
         t = self.trainer
         step = int(t.state.global_step) + 1  # the step TRL logs this micro-batch's metrics at
         if step != self._step:
@@ -311,8 +349,9 @@ class _Hook:
         iteration = (int(t._step) % (per_generation * int(t.num_iterations))) // per_generation
         seq = self._seq_ids(inputs, logp.shape[0])
         self._pending = True
+        top = dict(zip(("topk_ids", "topk_logp"), topk, strict=True)) if topk else {}
         if self.off_thread():
-            return self._record_tensors(inputs, step, micro, iteration, seq, logp, entropy)
+            return self._record_tensors(inputs, step, micro, iteration, seq, logp, entropy, top)
         completion = _host(inputs["completion_mask"]).astype(bool)
         mask = completion & _host(inputs["tool_mask"]).astype(bool) if "tool_mask" in inputs else completion
         logp_old = _host_or_none(inputs.get("old_per_token_logps"))
@@ -328,10 +367,11 @@ class _Hook:
                         logp_sampler=_host_or_none(inputs.get("sampling_per_token_logps")),
                         advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
                         token_ids=_host(inputs["completion_ids"]), seq_ids=seq,
-                        group_ids=seq // int(t.num_generations), entropy=entropy, micro=micro, iteration=iteration)
+                        group_ids=seq // int(t.num_generations), entropy=entropy, micro=micro, iteration=iteration,
+                        **top)
 
     def _record_tensors(self, inputs: dict, step: int, micro: int, iteration: int, seq: np.ndarray, logp: Any,
-                        entropy: Any) -> None:
+                        entropy: Any, top: dict) -> None:
         """Off-thread mode: the tensors go to record() as they are (it copies them); no host work here."""
         completion = inputs["completion_mask"].bool()
         # Without a tool mask the loss mask is the completion mask, which the recorder writes as `mask`
@@ -342,7 +382,7 @@ class _Hook:
                         logp_sampler=inputs.get("sampling_per_token_logps"), advantages=inputs["advantages"],
                         mask=mask, completion_mask=completion, token_ids=inputs["completion_ids"], seq_ids=seq,
                         group_ids=seq // int(self.trainer.num_generations), entropy=entropy, micro=micro,
-                        iteration=iteration)
+                        iteration=iteration, **top)
 
     def _observe(self, columns: dict[str, np.ndarray]) -> None:
         """Writer thread: merge one recorded batch's partials into the window (the same inputs as on-thread)."""

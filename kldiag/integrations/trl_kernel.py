@@ -1,4 +1,5 @@
-"""One compiled pass over a micro-batch for the TRL hook's log metrics (trl_metrics.batch_partials).
+"""The TRL hook's per-batch kernels: one compiled pass for its log metrics (trl_metrics.batch_partials),
+and the trainer's top-k at the loss's own forward (`TopkCapture`, attach(topk=k)).
 
 Per-token maths is that of kldiag.estimators (docs/metrics.md, "Per-token estimators"), in float64:
 
@@ -13,7 +14,9 @@ thread, was the bulk of the writer's CPU. Compiled once and cached on disk; rele
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -83,3 +86,93 @@ def partials_kernel(s, r, o, keep, has_ref):
         if flagged:
             c[1] += 1
     return f, c
+
+
+# ---- the trainer's top-k (attach(..., topk=k)) ------------------------------------------------
+
+TOPK_CHUNK = 1 << 26  # logits per projection chunk (tokens x vocabulary): 256 MB in float32
+TOPK_CHECK_NATS = 0.05  # |our log-prob of the label - TRL's| above this: the top-k is not TRL's distribution
+
+
+class TopkCapture:
+    """While open, a forward hook on the policy's backbone turns the last hidden states of each
+    chunk TRL scores into the top-k token ids and log-probs of the distribution TRL's log-probs
+    come from, at the completion tokens only.
+
+    TRL 1.16 scores completions with a fused LM head (trl/trainer/utils.py `add_fused_lm_head`,
+    trl/kernels/chunked_logprob.py): the `[B, T, V]` logits never exist. So the hook projects the
+    completion tokens' hidden states through the LM head itself (no grad, `TOPK_CHUNK` logits at a
+    time), with the model config's `logit_scale` and `final_logit_softcapping` and TRL's temperature,
+    then torch.topk and a logsumexp: one more LM-head projection of the completion tokens, the cost
+    of attach(topk=k) (bench/topk.py). Completion token t of the chunk is predicted at hidden
+    position -logits_to_keep - 1 + t, as in the fused head (hidden[:, :-1] against labels[:, 1:]).
+    `check` is the largest |our log-prob of each label - TRL's|: a model whose logits are scaled
+    by something else (another config key) shows here rather than in silently wrong lists.
+    """
+
+    def __init__(self, model: Any, k: int, temperature: float, logits_to_keep: int):
+        self.k, self.temperature, self.keep = int(k), float(temperature), int(logits_to_keep)
+        self.head = model.get_output_embeddings()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.scale = getattr(config, "logit_scale", None) or 1.0
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.parts: list[tuple[Any, Any, Any, Any]] = []  # per chunk: ids, logp [b, T, k], label logp, valid
+        self.handle = model.base_model.register_forward_hook(self._hook, with_kwargs=True)
+
+    @classmethod
+    def around(cls, trainer: Any, k: int, method: Any, args: tuple, kwargs: dict) -> TopkCapture:
+        """A capture for one call of trainer._get_per_token_logps_and_entropies(*args, **kwargs)."""
+        bound = inspect.signature(method).bind(*args, **kwargs).arguments
+        model = trainer.accelerator.unwrap_model(bound["model"])
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return cls(model, k, getattr(trainer, "temperature", 1.0), bound["logits_to_keep"])
+
+    def close(self) -> None:
+        self.handle.remove()
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        import torch
+
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        att = kwargs.get("attention_mask")
+        with torch.no_grad():
+            h = hidden[:, -self.keep - 1:-1].to(self.head.weight.device)
+            valid = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if att is None \
+                else att[:, -self.keep:].to(h.device).bool()
+            labels = ids[:, -self.keep:].to(h.device)
+            top_ids = torch.full((*h.shape[:2], self.k), -1, dtype=torch.long, device=h.device)
+            top_logp = torch.full((*h.shape[:2], self.k), -math.inf, dtype=torch.float32, device=h.device)
+            label_logp = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
+            rows = valid.nonzero(as_tuple=True)
+            step = max(1, TOPK_CHUNK // self.head.weight.shape[0])
+            for start in range(0, len(rows[0]), step):
+                at = (rows[0][start:start + step], rows[1][start:start + step])
+                z = self._logits(h[at])
+                log_z = torch.logsumexp(z, dim=-1, keepdim=True)  # top-k of z, then normalise: no [n, V] log_softmax
+                v, i = torch.topk(z, min(self.k, z.shape[-1]), dim=-1)
+                top_ids[at[0], at[1], : v.shape[-1]], top_logp[at[0], at[1], : v.shape[-1]] = i, v - log_z
+                label_logp[at] = (z.gather(-1, labels[at].unsqueeze(-1)) - log_z).squeeze(-1)
+        self.parts.append((top_ids, top_logp, label_logp, valid))
+
+    def _logits(self, h: Any) -> Any:
+        """The tempered logits TRL's log-probs are the log_softmax of, float32 ([n, V])."""
+        import torch
+
+        z = self.head(h).float() * self.scale
+        if self.softcap:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z / self.temperature
+
+    def result(self, logp: Any, check: bool) -> tuple[Any, Any, float | None]:
+        """(ids int32, log-probs float32) [B, T, k] of every chunk, and with `check` (a device sync)
+        the largest |label log-prob - TRL's [B, T] `logp`| at the completion tokens, else None."""
+        import torch
+
+        ids = torch.cat([p[0] for p in self.parts]).to(torch.int32)
+        top = torch.cat([p[1] for p in self.parts])
+        if not check:
+            return ids, top, None
+        label, valid = torch.cat([p[2] for p in self.parts]), torch.cat([p[3] for p in self.parts])
+        gap = (label - logp.detach().to(label.device).float())[valid].abs()
+        return ids, top, float(gap.max()) if gap.numel() else 0.0

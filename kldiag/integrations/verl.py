@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kldiag.errors import IntegrationError
+from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
 from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
@@ -87,11 +88,13 @@ def _plain(x: Any) -> Any:
     return x if isinstance(x, (str, int, float, bool, type(None))) else str(x)
 
 
-def settings(actor: Any, rollout_correction: Any = None, version: str | None = None) -> dict[str, Any]:
+def settings(actor: Any, rollout_correction: Any = None, version: str | None = None,
+             rollout: Any = None) -> dict[str, Any]:
     """The manifest `config` of a verl run: the actor settings that decide the maths.
 
     actor: `actor_rollout_ref.actor` (DictConfig or verl's ActorConfig); rollout_correction:
-    `algorithm.rollout_correction` (None: the actor's policy_loss.rollout_correction, if any).
+    `algorithm.rollout_correction` (None: the actor's policy_loss.rollout_correction, if any); rollout:
+    `actor_rollout_ref.rollout`, whose sampling settings go to config["engine_sampling"] (kldiag.frameworks.sampling).
     """
     out: dict[str, Any] = {k: _plain(config_get(actor, k)) for k in ACTOR_KEYS if config_get(actor, k) is not None}
     policy_loss = config_get(actor, "policy_loss")
@@ -100,6 +103,8 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     if rc is not None:
         out["rollout_correction"] = _plain(rc)
     out.update(kl_semantics="verl", verl_micro_slots=MICRO_SLOTS, verl_version=version)
+    if rollout is not None:
+        out["engine_sampling"] = _plain(sampling_settings.from_verl(rollout))
     return out
 
 
@@ -180,7 +185,8 @@ def attach(trainer: Any, run: str | os.PathLike | None = None) -> partial:
         raise IntegrationError("verl distillation replaces ppo_loss by distillation_ppo_loss; kldiag records "
                                "ppo_loss only: turn distillation off or record with kldiag.Recorder by hand")
     fn = loss_fn(omega_conf_to_dataclass(actor_cfg), run,
-                 settings(actor_cfg, config_get(algorithm, "rollout_correction"), version))
+                 settings(actor_cfg, config_get(algorithm, "rollout_correction"), version,
+                          config_get(trainer.config.actor_rollout_ref, "rollout")))
     wg.set_loss_fn(fn)
     if not getattr(trainer, "kldiag_tags_steps", False):  # a plain verl trainer: the kldiag subclass of its class
         trainer.__class__ = make_trainer(type(trainer))  # adds only the step tag of _update_actor (_setup is done)

@@ -43,7 +43,7 @@ from kldiag.diagnosis.types import DiagnosisConfig, Episode
 log = logging.getLogger("kldiag.live.guard")
 ACTIONS = ("log", "save", "stop", "call", "flight")
 _SUMS = ("tokens", "sum_w", "sum_w_flagged", "flagged", "nonfinite", "invalid", "n_mismatch", "sum_mismatch",
-         "n_drift", "sum_drift")
+         "n_drift", "sum_drift", "placeholders")
 _MAXES = ("weight_k3_abs_max", "weight_k3_is_abs_max")
 
 
@@ -56,10 +56,13 @@ def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) 
     keep = np.ones(np.shape(logp), bool) if mask is None else np.asarray(mask, bool)
     out = dict.fromkeys(_SUMS, 0.0) | dict.fromkeys(_MAXES, np.nan)
     out["tokens"] = float(keep.sum())
-    present = [x for x in (logp, logp_ref, logp_old, logp_sampler) if x is not None]
+    # as the analysis (docs/metrics.md): logp and logp_ref counted over every stored token, logp_old and
+    # logp_sampler only in the loss (outside it, tool output, a hook may hold placeholders); flagged in the loss
+    loss_only = [np.where(keep, x, -1.0) for x in (logp_old, logp_sampler) if x is not None]
+    present = [x for x in (logp, logp_ref) if x is not None] + loss_only
     nonfinite, invalid = E.flag_nonfinite(*present), E.flag_invalid(*present)
-    # as the analysis (docs/metrics.md): counted over every stored token, flagged when in the loss
     out["nonfinite"], out["invalid"] = float(nonfinite.sum()), float(invalid.sum())
+    out["placeholders"] = float(placeholders(keep, logp_old, logp_sampler).sum())
     bad = (nonfinite | invalid) & keep
     old = logp if logp_old is None else np.where(np.isnan(logp_old), logp, logp_old)
     ok = keep & ~nonfinite
@@ -82,6 +85,16 @@ def step_sums(logp, logp_ref=None, logp_old=None, logp_sampler=None, mask=None) 
             m = ok & np.isfinite(k3)
             out.update(n_mismatch=float(m.sum()), sum_mismatch=float(k3[m].sum()))
     return out
+
+
+def placeholders(keep: np.ndarray, logp_old=None, logp_sampler=None) -> np.ndarray:
+    """bool: tokens outside the loss whose logp_old or logp_sampler is 0.0 or non-finite (ignored)."""
+    hit = np.zeros(np.shape(keep), bool)
+    for x in (logp_old, logp_sampler):
+        if x is not None:
+            with np.errstate(invalid="ignore"):
+                hit |= (x == 0) | ~np.isfinite(x)
+    return hit & ~keep
 
 
 def _merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

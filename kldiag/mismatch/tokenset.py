@@ -4,6 +4,8 @@
 left out), keeps each sequence's first reuse iteration (a step's batch is its sequences, each
 counted once) unless `all_iterations`, and sorts by (step, seq, pos).
 Nulls become NaN; `has_old` says where logp_old was recorded (null: on-policy, pi_old = pi_theta).
+logp_sampler is NaN outside the loss (mask false: tool output, prompt echo, which the engine never
+generated): whatever a dump stored there (0.0, NaN) never enters a parity fit or mismatch figure.
 Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (`step_stride`).
 """
 
@@ -39,7 +41,7 @@ class TokenSet:
     logp: np.ndarray
     logp_old: np.ndarray  # logp where null (on-policy)
     logp_ref: np.ndarray
-    logp_sampler: np.ndarray
+    logp_sampler: np.ndarray  # NaN where null and outside the loss (mask false)
     advantage: np.ndarray
     mask: np.ndarray  # bool
     entropy: np.ndarray
@@ -130,6 +132,7 @@ def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step
         ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
         mask, has_old = mask[order], has_old[order]
     floats["logp_old"] = np.where(has_old, floats["logp_old"], floats["logp"])
+    floats["logp_sampler"] = np.where(mask, floats["logp_sampler"], np.nan)  # mu exists only where it sampled
     return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
 
 
@@ -258,9 +261,13 @@ class Sample:
         return self._sets[all_iterations]
 
     def has_values(self, column: str) -> bool:
-        """Whether the sample holds a non-null value of `column` (a log-prob or the entropy)."""
+        """Whether the sample holds a non-null value of `column` (a log-prob or the entropy); for
+        logp_sampler and logp_old, on a token in the loss (elsewhere a dump may hold placeholders)."""
         v = self.cols.get(column)
-        return v is not None and bool(np.isfinite(v).any())
+        if v is None:
+            return False
+        ok = np.isfinite(v)
+        return bool((ok & self.cols["mask"]).any() if column in ("logp_sampler", "logp_old") else ok.any())
 
 
 def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:

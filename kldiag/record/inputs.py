@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 
-TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids")
+TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids",
+              "turn")
 ROW_ARGS = ("seq_ids", "group_ids")
+TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
 
 
 def seq_unit(seq: np.ndarray) -> np.ndarray:
@@ -41,7 +43,8 @@ def shape_of(x: Any) -> tuple[int, ...]:
 
 
 def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
-    """ValueError naming the argument and both shapes unless every array fits logp's [B, T]."""
+    """ValueError naming the argument and both shapes unless every array fits logp's [B, T]
+    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K)."""
     shape = shape_of(args["logp"])
     if len(shape) != 2:
         raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
@@ -51,9 +54,18 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
             want, ok = f"{shape}", got == shape
         elif name in ROW_ARGS:
             want, ok = f"({shape[0]},)", got == shape[:1]
+        elif any(name in pair for pair in TOPK_PAIRS):
+            want, ok = f"({shape[0]}, {shape[1]}, K)", len(got) == 3 and got[:2] == shape and got[2] > 0
         else:  # advantages
             want, ok = f"({shape[0]},) or {shape}", got in (shape[:1], shape)
         if not ok:
             raise ValueError(f"{name} has shape {got}, but logp has shape {shape}; pass {name} with shape {want}")
+    for ids, logps in TOPK_PAIRS:
+        if (ids in args) != (logps in args):
+            have, lack = (ids, logps) if ids in args else (logps, ids)
+            raise ValueError(f"{have} was passed without {lack}; pass both (the top-k token ids and their "
+                             "log-probs, same order) or neither")
+        if ids in args and shape_of(args[ids]) != shape_of(args[logps]):
+            raise ValueError(f"{ids} has shape {shape_of(args[ids])} but {logps} has {shape_of(args[logps])}; "
+                             "pass one log-prob per top-k id (same K)")
     return shape
-

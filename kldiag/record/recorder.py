@@ -1,4 +1,4 @@
-"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.1).
+"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.2).
 
     with kldiag.Recorder("runs/x", beta=0.04, estimator="k3", clip_range=0.2) as rec:
         rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)
@@ -94,8 +94,9 @@ class Recorder:
     """Records per-token log-probs of one training run (one instance per rank).
 
     Every argument of record() is a [batch, time] array (torch tensor on any device and
-    dtype, or numpy), except advantages ([batch] or [batch, time]) and seq_ids/group_ids
-    ([batch]). Writer failures warn once and are counted (strict=True raises RecorderError).
+    dtype, or numpy), except advantages ([batch] or [batch, time]), seq_ids/group_ids
+    ([batch]) and the top-k ones ([batch, time, k]). Writer failures warn once and are
+    counted (strict=True raises RecorderError).
     """
 
     def __init__(self, run_dir: str | os.PathLike, options: RecorderConfig | None = None, **kwargs: Any):
@@ -152,11 +153,20 @@ class Recorder:
     def record(self, *, step: int, logp: Any, logp_old: Any = None, logp_ref: Any = None, logp_sampler: Any = None,
                advantages: Any = None, mask: Any = None, completion_mask: Any = None, token_ids: Any = None,
                seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
-               iteration: int = 0) -> None:
-        """Queue one micro-batch. Shapes are checked before anything is copied or queued."""
+               iteration: int = 0, turn: Any = None, topk_ids: Any = None, topk_logp: Any = None,
+               topk_ids_sampler: Any = None, topk_logp_sampler: Any = None) -> None:
+        """Queue one micro-batch. Shapes are checked before anything is copied or queued.
+
+        Format v1.2, optional: turn [B, T] ints (the token's turn in its sequence: 0, 1, ...);
+        topk_ids/topk_logp [B, T, K] (the trainer's top-k token ids and log-probs at each
+        position) and topk_ids_sampler/topk_logp_sampler [B, T, K'] (the engine's); each
+        side's ids and log-probs come together. Stored only where given (docs/format.md).
+        """
         given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
                  "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,
-                 "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids}
+                 "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids, "turn": turn,
+                 "topk_ids": topk_ids, "topk_logp": topk_logp, "topk_ids_sampler": topk_ids_sampler,
+                 "topk_logp_sampler": topk_logp_sampler}
         args = {k: v for k, v in given.items() if v is not None}
         step, micro, iteration = int(step), int(micro), int(iteration)
         batch, _ = check_shapes(args)
@@ -310,6 +320,7 @@ class Recorder:
             _OPEN.discard(self)
             self._queue.put(W._STOP)
         self._writer.join()
+        self._note_placeholders()
         self._write_stats()
         self._write_manifest(final=True)
         if not _from_exit:
@@ -317,7 +328,8 @@ class Recorder:
 
     @property
     def stats(self) -> dict[str, int]:
-        """rows, files, bytes published; dropped_rows, lost_rows, write_errors, nonfinite, invalid, ..."""
+        """rows, files, bytes published; dropped_rows, lost_rows, write_errors, nonfinite, invalid,
+        placeholders (tokens outside the loss with a 0.0 or NaN logp_sampler/logp_old), ..."""
         return dict(self._stats)
 
     def __enter__(self) -> Self:
@@ -346,12 +358,23 @@ class Recorder:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _note_placeholders(self) -> None:
+        """Say once that placeholders were seen: the hook or dump filled logp_sampler/logp_old where
+        the engine generated nothing; written as they are, read by no figure, counted."""
+        n = self._stats["placeholders"]
+        if n:
+            self._warn_once("placeholders", f"kldiag: {n:,} token(s) outside the loss (mask false) of {self.run_dir} "
+                            "hold a placeholder logp_sampler/logp_old (0.0 or NaN: tool output or a prompt echo the "
+                            "engine never generated); no mismatch, IS or fault figure reads them. Counted in "
+                            "stats['placeholders'] and the manifest's writer.placeholders")
+
     def _raise_if_failed(self) -> None:
         if self.strict and self._error is not None:
             e, self._error = self._error, None
             raise RecorderError(f"kldiag recorder for {self.run_dir} failed: {W.describe_error(e)}") from e
 
     def _on_publish(self) -> None:
+        self._note_placeholders()
         if time.monotonic() - self._last_stats_write > 10.0:
             self._last_stats_write = time.monotonic()
             self._write_stats()

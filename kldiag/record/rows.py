@@ -21,8 +21,13 @@ from kldiag import estimators as E
 from kldiag import format as F
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
+LOSS_ONLY = ("logp_old", "logp_sampler")  # read only in the loss: elsewhere a hook or dump may hold placeholders
 FLOAT_INPUTS = (*LOGP_COLUMNS, "advantage", "entropy")
-GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int32), ("mask", np.bool_))
+GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int32), ("mask", np.bool_),
+            ("turn", np.int16))
+# v1.2 top-k inputs, [B, T, K]: gathered to [n, K], written as list<...> columns (K may differ per side)
+TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_sampler", np.int32),
+                 ("topk_logp_sampler", np.float32))
 
 
 @dataclass
@@ -70,9 +75,9 @@ class Raw:
         return self.keep.size
 
     @property
-    def kind(self) -> tuple[tuple[str, int], ...]:
-        """Its columns and their ranks: batches of one kind are gathered together."""
-        return tuple((name, a.ndim) for name, a in self.columns.items())
+    def kind(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Its columns, their ranks and top-k widths: batches of one kind are gathered together."""
+        return tuple((name, (a.ndim, *a.shape[2:])) for name, a in self.columns.items())
 
     @classmethod
     def of(cls, batch: HostBatch, columns: dict[str, np.ndarray]) -> Raw:
@@ -85,9 +90,9 @@ class Raw:
 class Rows:
     """Completion tokens gathered into 1-D columns of n rows (from one or many host batches).
 
-    `columns` holds FLOAT_INPUTS (float32), token_id (int32) and mask (bool); an absent
-    input is None. The Arrow record batch is built later for many Rows at once
-    (rows_to_record_batch).
+    `columns` holds FLOAT_INPUTS (float32), token_id (int32), mask (bool), turn (int16) and
+    the TOPK_GATHERED columns ([n, K]); an absent input is None. The Arrow record batch is
+    built later for many Rows at once (rows_to_record_batch).
     """
 
     step: np.ndarray  # [n] int64
@@ -125,9 +130,13 @@ def gather(raws: list[Raw]) -> Rows:
     lengths = [r.keep.sum(axis=1) for r in raws]  # completion tokens per row
 
     def column(name: str, dtype: Any) -> np.ndarray:
-        if raws[0].columns[name].ndim == 1:  # per sequence (seq, group, advantages): one value per token
+        ndim = raws[0].columns[name].ndim
+        if ndim == 1:  # per sequence (seq, group, advantages): one value per token
             return _cat([np.repeat(r.columns[name], k) for r, k in zip(raws, lengths, strict=True)]).astype(
                 dtype, copy=False)
+        if ndim == 3:  # top-k [B, T, K] (one K in a kind): [n, K]
+            width = raws[0].columns[name].shape[2]
+            return _cat([r.columns[name].reshape(-1, width) for r in raws])[keep].astype(dtype, copy=False)
         return _cat([r.columns[name].ravel() for r in raws])[keep].astype(dtype, copy=False)
 
     counts = [r.n for r in raws]
@@ -139,7 +148,7 @@ def gather(raws: list[Raw]) -> Rows:
                 np.repeat(np.array([r.micro for r in raws], np.int32), counts),
                 np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
                 column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
-                {name: column(name, dtype) if name in present else None for name, dtype in GATHERED})
+                {name: column(name, dtype) if name in present else None for name, dtype in (*GATHERED, *TOPK_GATHERED)})
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -208,11 +217,28 @@ def _joined(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) -> pa.
     return pa.concat_arrays(pieces)
 
 
-def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
-    """One TOKEN_SCHEMA record batch of several gathered Rows, in order.
+def _joined_lists(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) -> pa.Array:
+    """One list<...> column from per-Rows [n, K] pieces (K may differ between pieces); absent ones null.
 
-    Returns (record batch, nonfinite rows, invalid rows): a row is nonfinite when any of
-    its log-probs is NaN/inf, invalid when any is > 0. Both are written as they are.
+    Zero-copy over the values: offsets are 0, K, 2K, ... (not fixed_size_list, which pandas
+    and DuckDB read less plainly)."""
+    arrow = pa.list_(pa.from_numpy_dtype(np.dtype(dtype)))
+    pieces = []
+    for p, k in zip(parts, sizes, strict=True):
+        if p is None:
+            pieces.append(pa.nulls(k, arrow))
+            continue
+        offsets = pa.array(np.arange(k + 1, dtype=np.int32) * p.shape[1])
+        pieces.append(pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(p).ravel()), type=arrow))
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+
+
+def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int, int]:
+    """One record batch of several gathered Rows, in order: TOKEN_SCHEMA's columns, then the
+    optional v1.2 columns (turn, top-k) some of the rows have (F.part_schema), none otherwise.
+
+    Returns (record batch, nonfinite rows, invalid rows, placeholder rows): see count_flags.
+    Every value is written as it is.
     """
     sizes = [r.n for r in rows]
     n = sum(sizes)
@@ -228,26 +254,60 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
     }
     for name, dtype in GATHERED:
         arrays[name] = _joined([r.columns[name] for r in rows], sizes, dtype)
+    for name, dtype in TOPK_GATHERED:
+        pieces = [r.columns.get(name) for r in rows]
+        if any(p is not None for p in pieces):
+            arrays[name] = _joined_lists(pieces, sizes, dtype)
     if arrays["mask"].null_count == n:
         arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
     elif arrays["mask"].null_count:
         arrays["mask"] = arrays["mask"].fill_null(True)
-    rb = pa.RecordBatch.from_arrays([arrays[f.name] for f in F.TOKEN_SCHEMA], schema=F.TOKEN_SCHEMA)
-    nonfinite, invalid = count_flags([arrays[name] for name in LOGP_COLUMNS])
-    return rb, nonfinite, invalid
+    present = [c for c in F.OPTIONAL_SCHEMA.names if c in arrays and arrays[c].null_count < n]
+    schema = F.part_schema(present)
+    rb = pa.RecordBatch.from_arrays([arrays[f.name] for f in schema], schema=schema)
+    in_loss = np.concatenate([r.columns["mask"] if r.columns["mask"] is not None else np.ones(r.n, bool)
+                              for r in rows]) if rows else np.zeros(0, bool)
+    return (rb, *count_flags({name: arrays[name] for name in LOGP_COLUMNS}, in_loss))
 
 
-def count_flags(logps: list[pa.Array]) -> tuple[int, int]:
-    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0) over the present columns
-    (estimators.flag_nonfinite / flag_invalid)."""
+def conform(batches: list[pa.RecordBatch]) -> pa.Table:
+    """One table of record batches that hold different optional columns: their union
+    (F.part_schema), null where a batch lacks one. Without optional columns: a v1.1 table."""
+    present = {name for b in batches for name in b.schema.names}
+    schema = F.part_schema([c for c in F.OPTIONAL_SCHEMA.names if c in present])
+    out = []
+    for b in batches:
+        if b.schema.equals(schema):
+            out.append(b)
+            continue
+        cols = [b.column(f.name) if f.name in b.schema.names else pa.nulls(b.num_rows, f.type) for f in schema]
+        out.append(pa.RecordBatch.from_arrays(cols, schema=schema))
+    return pa.Table.from_batches(out, schema=schema)
+
+
+def count_flags(logps: dict[str, pa.Array], in_loss: np.ndarray) -> tuple[int, int, int]:
+    """(rows with a NaN/inf log-prob, rows with a finite log-prob > 0, placeholder rows) over the
+    present LOGP_COLUMNS (estimators.flag_nonfinite / flag_invalid), as the analysis counts them:
+    logp_old and logp_sampler only in the loss (in_loss: bool [n], the mask). Outside it a row whose
+    logp_old or logp_sampler is 0.0 or NaN/inf holds a placeholder (tool output the engine never
+    generated). Rows outside the loss are re-read alone: the common all-in-the-loss batch pays nothing."""
     # A null (the column absent from some batches) is no log-prob: read as -1, finite and not > 0.
-    xs = [(col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
-          for col in logps if col.null_count < len(col)]
+    xs = {name: (col.fill_null(-1.0) if col.null_count else col).to_numpy(zero_copy_only=False)
+          for name, col in logps.items() if col.null_count < len(col)}
     if not xs:
-        return 0, 0
-    return int(np.count_nonzero(E.flag_nonfinite(*xs))), int(np.count_nonzero(E.flag_invalid(*xs)))
+        return 0, 0, 0
+    nonfinite, invalid = E.flag_nonfinite(*xs.values()), E.flag_invalid(*xs.values())
+    out = np.flatnonzero(~in_loss)
+    loss_only = [x[out] for name, x in xs.items() if name in LOSS_ONLY]
+    if not len(out) or not loss_only:
+        return int(np.count_nonzero(nonfinite)), int(np.count_nonzero(invalid)), 0
+    with np.errstate(invalid="ignore"):
+        placeholder = np.logical_or.reduce([(x == 0) | ~np.isfinite(x) for x in loss_only])
+    kept = [x[out] for name, x in xs.items() if name not in LOSS_ONLY]  # logp, at least
+    nonfinite[out], invalid[out] = E.flag_nonfinite(*kept), E.flag_invalid(*kept)
+    return int(np.count_nonzero(nonfinite)), int(np.count_nonzero(invalid)), int(np.count_nonzero(placeholder))
 
 
-def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int]:
+def to_record_batch(batch: HostBatch, rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int, int]:
     """The completion tokens of one host batch as a TOKEN_SCHEMA record batch (see rows_to_record_batch)."""
     return rows_to_record_batch([gather_rows(batch)], rank, attempt)

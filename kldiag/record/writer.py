@@ -44,6 +44,7 @@ from kldiag.record.rows import (  # noqa: F401 - HostBatch, to_record_batch and 
     HostBatch,
     Raw,
     Rows,
+    conform,
     gather_pending,
     gather_rows,
     host_columns,
@@ -53,7 +54,7 @@ from kldiag.record.rows import (  # noqa: F401 - HostBatch, to_record_batch and 
 
 CONVERT_ROWS = 1 << 16  # rows (padded, while not gathered) converted to Arrow at once: per-call costs amortised
 STATS_KEYS = ("rows", "files", "bytes", "dropped_rows", "lost_rows", "write_errors",
-              "nonfinite", "invalid", "sampled_out_rows", "skipped_steps")
+              "nonfinite", "invalid", "sampled_out_rows", "skipped_steps", "placeholders")
 
 
 def torch_of(x: Any) -> Any:
@@ -274,14 +275,14 @@ class Writer(threading.Thread):
             self.buffer.append(rb)
 
     def convert(self, pending: list[Raw | Rows]) -> pa.RecordBatch:
-        """Pending rows -> one Arrow record batch, counting nonfinite and invalid rows.
+        """Pending rows -> one Arrow record batch, counting nonfinite, invalid and placeholder rows.
 
         A batch that cannot be converted is dropped alone, counted (write_errors, lost_rows)
         and reported, as a batch that failed on arrival is.
         """
         rows = gather_pending(pending, self._bad_batch)
-        rb, nonfinite, invalid = rows_to_record_batch(rows, self.rank, self.attempt)
-        self.count(nonfinite=nonfinite, invalid=invalid)
+        rb, nonfinite, invalid, placeholders = rows_to_record_batch(rows, self.rank, self.attempt)
+        self.count(nonfinite=nonfinite, invalid=invalid, placeholders=placeholders)
         return rb
 
     def _bad_batch(self, raw: Raw, e: Exception) -> None:
@@ -306,7 +307,7 @@ class Writer(threading.Thread):
                 rb = self.convert(pending)
                 rows -= sum(item.n for item in pending) - rb.num_rows  # bad batches: counted by convert
                 batches = [*batches, rb]
-            table = pa.Table.from_batches(batches, schema=F.TOKEN_SCHEMA)
+            table = conform(batches)
             name = F.part_name(min(steps), max(steps), self.index, self.attempt)
             size = F.publish(self.store, self.directory, name, table)
             self.index += 1

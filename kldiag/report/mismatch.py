@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.diagnosis import diagnose
 from kldiag.mismatch import whatif as W
 from kldiag.fmt import num
 from kldiag.views import charts as VC
@@ -46,8 +47,8 @@ def crosswalk_rows(analysis, manifest) -> tuple[str, list[list[str]], dict[str, 
     return fw, rows, reasons
 
 
-def text_lines(analysis) -> list[str]:
-    """The stdout lines of the Mismatch section."""
+def text_lines(analysis, diagnosis=None) -> list[str]:
+    """The stdout lines of the Mismatch section (`diagnosis`: the run's, else diagnosed here)."""
     view = VM.view_of(analysis)
     if not view.has_sampler:
         return ["mismatch: no sampler log-probs (logp_sampler) recorded: engine parity not checked"]
@@ -55,7 +56,8 @@ def text_lines(analysis) -> list[str]:
     lines = [f"mismatch: |log pi_theta/pi_old| (drift) {s['drift_abs']:.4g}, |log pi_old/mu| (engine) "
              f"{s['mismatch_abs']:.4g} nats per token (engine share {s['mismatch_share']:.0%})"]
     lines += [f"  {label}: {value}" for label, value, _ in VM.parity_rows(view)[:1]]
-    lines += [f"  {f}" for f in VM.parity_findings(view)] or ["  engine and trainer agree up to float noise"]
+    findings = VM.parity_findings(diagnosis or diagnose(analysis))
+    lines += [f"  {f}" for f in findings] or ["  engine and trainer agree up to float noise"]
     return lines
 
 
@@ -70,8 +72,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def section_html(analysis, manifest, include_plotlyjs: bool = False) -> str:
-    """The HTML of the Mismatch sections (escaped; Plotly's JS only when include_plotlyjs)."""
+def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=None) -> str:
+    """The HTML of the Mismatch sections (escaped; Plotly's JS only when include_plotlyjs; `diagnosis`:
+    the run's, else diagnosed here)."""
     import plotly.io as pio
 
     try:
@@ -79,7 +82,7 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False) -> str:
         out = ["<h2>Mismatch: engine against trainer</h2>"]
         if view.has_sampler:
             out.append(_table(["check", "value", "meaning"], VM.parity_rows(view)))
-            out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(view)]
+            out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(diagnosis or diagnose(analysis))]
             out += [pio.to_html(f, full_html=False, include_plotlyjs=include_plotlyjs and i == 0)
                     for i, f in enumerate(_figures(view))]
         else:

@@ -78,7 +78,10 @@ def format_text(rep: Report) -> str:
     if rep.analysis is not None:
         from kldiag.report.mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
 
-        lines += text_lines(rep.analysis)
+        lines += text_lines(rep.analysis, rep.diagnosis)
+        from kldiag.report.turns import text_lines as turn_lines  # issue 27: multi-turn runs only
+
+        lines += turn_lines(rep.analysis)
     return "\n".join(lines)
 
 
@@ -144,7 +147,7 @@ def render_html(rep: Report) -> str:
             f"<h2>What fired</h2>{_fired(rep)}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
-            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}</body></html>")
+            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}{_turns(rep)}</body></html>")
 
 
 def _fired(rep: Report) -> str:
@@ -162,7 +165,14 @@ def _fired(rep: Report) -> str:
 def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
     from kldiag.report.mismatch import section_html  # issue 15: the dashboard's Mismatch page, as HTML
 
-    return section_html(rep.analysis, rep.analysis.manifest, include_plotlyjs) if rep.analysis is not None else ""
+    return (section_html(rep.analysis, rep.analysis.manifest, include_plotlyjs, rep.diagnosis)
+            if rep.analysis is not None else "")
+
+
+def _turns(rep: Report) -> str:
+    from kldiag.report.turns import section_html  # issue 27: the per-turn figures of a multi-turn run
+
+    return section_html(rep.analysis) if rep.analysis is not None else ""
 
 
 def write_html(rep: Report, path: str | Path) -> Path:

@@ -12,9 +12,10 @@ DEFAULT_CONFIG = AnalysisConfig()
 def reducers(config: AnalysisConfig = DEFAULT_CONFIG) -> list:
     """What the dashboard's pages read besides the analysis tables, as reducers for
     `analyze(run, config, reducers)`: one read of each part serves the Overview, Distributions, Tokens,
-    Mismatch and Compare pages. The Sequence page reads the one part that holds its sequence, and the
-    Estimators page its own reducer (`estimator_reducer`) on its first visit, once: it costs about 20x
-    the analysis per token (numpy), too much to make every first render wait for it."""
+    Mismatch (with its per-turn chart: the diagnosis's `turns` reducer) and Compare pages. The Sequence
+    page reads the one part that holds its sequence, and the Estimators page its own reducer
+    (`estimator_reducer`) on its first visit, once: it costs about 20x the analysis per token (numpy),
+    too much to make every first render wait for it."""
     return diagnosis_reducers()
 
 

@@ -18,10 +18,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, decode, derive, nulls
+from kldiag.views.pages import DEFAULT_CONFIG, decode, derive, nulls, token_columns
 
 SPREAD_TOL = 1e-6  # rewards (or advantages) closer than this count as equal
 GROUP_COLUMNS = ("seq", "rank", "length", "advantage", "reward", "k3_mean", "k3_is_mean", "weight_k3_abs_max",
@@ -78,7 +77,7 @@ def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
                    pc.is_in(table.column("seq"), value_set=pa.array([int(s) for s in seqs], pa.int64())))
     table = table.filter(keep).sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
-    for name, values in derive({c: E.as_f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
+    for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values
     df["piece"] = decode(df["token_id"], vocab)
     return {int(s): g.reset_index(drop=True) for s, g in df.groupby("seq", sort=False)}

@@ -15,7 +15,6 @@ from kldiag.mismatch import decompose as DC
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.crosswalk import crosswalk, framework_of, null_reasons
-from kldiag.diagnosis import parity as DP
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import whatif as W
@@ -84,19 +83,11 @@ def parity_rows(view: MismatchView) -> list[tuple[str, str, str]]:
              if rep.growth["drift_growth"] is not None else "too few steps")]
 
 
-def parity_findings(view: MismatchView) -> list[str]:
-    """One line per parity cause found (empty: the engine agrees with the trainer up to noise)."""
-    rep = view.parity
-    if rep is None:
-        return []
-    out = []
-    t = DP.temperature_cause(rep, "")
-    if t is not None:
-        out.append(f"engine_temperature_mismatch: {t.summary}")
-    m = DP.mismatch_cause(rep, None, "")
-    if m is not None:
-        out.append(f"engine_mismatch: {m.summary}")
-    return out
+def parity_findings(diagnosis) -> list[str]:
+    """One line per engine cause of the run's Diagnosis (empty: the engine agrees with the trainer up to
+    noise). The diagnosis arbitrates between the parity fits, the root-cause signatures, truncation and
+    re-tokenisation (one root cause, one cause), so the page and the report say what the verdict says."""
+    return [f"{c.cause}: {c.summary}" for c in diagnosis.causes if c.cause.startswith("engine_")]
 
 
 def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:

@@ -109,6 +109,13 @@ def nulls(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
             for c in LOGP_COLUMNS}
 
 
+def token_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """derive's input from a token table: the log-prob columns (float64) and the loss mask."""
+    cols = {c: E.as_f64(table.column(c)) for c in LOGP_COLUMNS}
+    cols["mask"] = np.asarray(table.column("mask").to_numpy(zero_copy_only=False), bool)
+    return cols
+
+
 def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONFIG,
            absent: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every per-token quantity from the four log-prob columns (float64 [n]).
@@ -133,8 +140,10 @@ def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONF
     flags = E.flags(s, r, tau=config.tau, limit=config.weight_limit, clamp=config.clamp)
     for name in ("theta_ll_ref", "weight_blowup", "clamp_saturated"):
         out[name] = np.asarray(getattr(flags, name))
-    # A null is absent, not non-finite: only present values can be findings.
-    present = [(cols[c], ~absent[c]) for c in LOGP_COLUMNS]
+    # A null is absent, not non-finite: only present values can be findings. Outside the loss (tool
+    # output, prompt echo) logp_old and logp_sampler are placeholders a dump may fill with 0.0 or NaN.
+    loss = np.asarray(cols["mask"], bool) if "mask" in cols else True
+    present = [(cols[c], ~absent[c] & (loss if c in ("logp_old", "logp_sampler") else True)) for c in LOGP_COLUMNS]
     out["nonfinite"] = np.logical_or.reduce([p & ~np.isfinite(x) for x, p in present])
     with np.errstate(invalid="ignore"):
         out["invalid"] = np.logical_or.reduce([p & (x > 0) for x, p in present])
@@ -158,7 +167,7 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     keep = pc.and_(pc.equal(table.column("step"), int(step)), pc.equal(table.column("seq"), int(seq)))
     table = table.filter(keep).sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
-    for name, values in derive({c: E.as_f64(table.column(c)) for c in LOGP_COLUMNS}, config, nulls(table)).items():
+    for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values
     df["piece"] = decode(df["token_id"], vocab)
     return df

@@ -1,0 +1,451 @@
+"""Turns of multi-turn (agentic) completions: a turn index per token and the figures per turn.
+
+An agentic rollout interleaves spans the engine generated (mask True, in the loss) with spans it
+did not (tool output, environment replies, the prompt: mask False). A token's turn is the recorded
+`turn` column where a part has it (format v1.2), otherwise derived from the mask: within one
+(step, iteration, rank, seq), ordered by pos, turn 0 is the first contiguous True span, turn 1 the
+next, ...; tokens outside the loss belong to no turn (-1). `pos_in_turn` counts from 0 at a turn's
+first token.
+
+`TurnReducer` (the reducer protocol, reduce.py) folds every token in the loss into a grid of
+turn bucket (0..MAX_TURN - 1, then MAX_TURN for "MAX_TURN or later") x position-in-turn bin
+(POS_BINS), and per (step, turn bucket) the engine mismatch, plus per part the sequences whose
+later turns start with the largest mismatch (the re-tokenisation cause's examples). Figures, with
+o = logp_old (logp where null: on-policy) and m = logp_sampler:
+
+    mismatch   m - o on tokens where both are finite (|.| mean and max, signed mean)
+    drift      |logp - o| mean, and K3 of pi_theta against pi_old: mean exp(o - logp) - (o - logp) - 1
+    weight     |1 - pi_ref/pi_theta| mean (Schulman 2020's K3 weight, estimators.weight_k3)
+    flagged    share of tokens with any per-token flag (estimators.flags: theta_ll_ref, weight_blowup,
+               clamp_saturated at the reducer's thresholds, and a present log-prob non-finite or > 0)
+
+One compiled pass (`_fold`, numba, float64 inside) gives every sum; tests/test_turns.py checks it against
+turn_index and kldiag.estimators in numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from numba import njit
+
+from kldiag import estimators as E
+from kldiag.analysis.runner import reduced
+from kldiag.format import schema as F
+
+MAX_TURN = 16  # turn buckets 0..15, then one overflow bucket for turn 16 and later
+N_TURN = MAX_TURN + 1
+POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
+POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
+N_POS = len(POS_EDGES)
+KEY = ("step", "iteration", "seq")  # with the part's rank: one sequence of one reuse iteration
+# Sums per (turn bucket, position bin), in this order; the maximum of |m - o| is kept apart.
+SUMS = ("tokens", "n_mismatch", "mismatch_abs", "mismatch", "n_drift", "drift_abs", "drift_k3",
+        "n_weight", "weight_k3_abs", "flagged")
+EXAMPLE_COLS = ("step", "rank", "seq", "iteration", "turn", "start_abs", "body_abs")
+HAS_TURN_COLUMN = "turn" in getattr(F, "RUN_SCHEMA", F.TOKEN_SCHEMA).names  # format v1.2's optional column
+
+
+# ---- the turn index ------------------------------------------------------------------------
+
+
+def turn_index(new_seq: np.ndarray, mask: np.ndarray,
+               recorded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(turn, pos_in_turn), both int64 [N], of tokens sorted by sequence then pos.
+
+    new_seq [N] bool: True at each sequence's first row; mask [N] bool: in the loss. Derived turn:
+    the index of the token's contiguous mask-True span within its sequence (0 = the first span);
+    -1 outside the loss, where pos_in_turn is -1 too. recorded [N] int (optional): the recorded
+    turn, negative where null; where given it replaces the derived index, and a change of recorded
+    turn inside a span starts a new turn. Vectorised: cumulative sums, no loop over sequences.
+    """
+    n = len(mask)
+    mask = np.asarray(mask, bool)
+    new_seq = np.asarray(new_seq, bool).copy()
+    if n:
+        new_seq[0] = True
+    prev_in = np.concatenate([[False], mask[:-1]])
+    start = mask & (new_seq | ~prev_in)
+    if recorded is not None:
+        recorded = np.asarray(recorded, np.int64)
+        prev_rec = np.concatenate([[-1], recorded[:-1]])
+        start |= mask & ~new_seq & prev_in & (recorded != prev_rec)
+    spans = np.cumsum(start)
+    seq_base = np.maximum.accumulate(np.where(new_seq, spans - start, 0))  # spans before this sequence
+    turn = np.where(mask, spans - seq_base - 1, -1)
+    if recorded is not None:
+        turn = np.where(mask & (recorded >= 0), recorded, turn)
+    idx = np.arange(n)
+    first = np.maximum.accumulate(np.where(start, idx, 0))
+    pos_in_turn = np.where(mask, idx - first, -1)
+    return turn.astype(np.int64), pos_in_turn.astype(np.int64)
+
+
+def sequence_starts(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """[N] bool: True where a row's (step, iteration, seq) differs from the previous row's."""
+    n = len(seq)
+    out = np.ones(n, bool)
+    if n > 1:
+        out[1:] = (step[1:] != step[:-1]) | (iteration[1:] != iteration[:-1]) | (seq[1:] != seq[:-1])
+    return out
+
+
+def pos_bin(pos_in_turn: np.ndarray) -> np.ndarray:
+    """Position-in-turn bin (POS_LABELS) of each token; -1 outside a turn."""
+    return np.where(pos_in_turn >= 0, np.searchsorted(POS_EDGES, pos_in_turn, side="right") - 1, -1)
+
+
+def turn_bucket(turn: np.ndarray) -> np.ndarray:
+    return np.minimum(turn, MAX_TURN)
+
+
+# ---- one batch's figures --------------------------------------------------------------------
+
+
+def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    """The batch's columns as numpy, no copy where Arrow allows; nulls filled, with `valid_<name>` masks
+    for the log-probs (a null logp_old means on-policy: the kernel reads logp there)."""
+    n = batch.num_rows
+    t: dict[str, np.ndarray] = {}
+    for name, fill in (("step", 0), ("iteration", 0), ("seq", 0), ("pos", 0), ("mask", False), ("logp", 0.0),
+                       ("logp_old", 0.0), ("logp_ref", 0.0), ("logp_sampler", 0.0), ("turn", -1)):
+        i = batch.schema.get_field_index(name)
+        if i < 0:
+            if name == "turn":
+                continue
+            t[name] = np.zeros(n, np.float32 if name.startswith("logp") else np.int64)
+            t[f"valid_{name}"] = np.zeros(n, bool)
+            continue
+        col = batch.column(i)
+        if name.startswith("logp"):
+            t[f"valid_{name}"] = (col.is_valid().to_numpy(zero_copy_only=False) if col.null_count
+                                  else np.ones(n, bool))
+        t[name] = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
+    return t
+
+
+def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
+    that order (the recorder's) is returned as it is."""
+    heads = np.flatnonzero(new)
+    pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"].astype(np.int64))[~new[1:]] > 0))
+    keys = np.stack([t[k][heads].astype(np.int64) for k in KEY], 1)
+    if pos_up and len(np.unique(keys, axis=0)) == len(heads):
+        return t, new
+    order = np.lexsort([t["pos"], t["seq"], t["iteration"], t["step"]])
+    t = {k: v[order] for k, v in t.items()}
+    return t, sequence_starts(t["step"], t["iteration"], t["seq"])
+
+
+G_TOKENS, G_NM, G_MABS, G_M, G_ND, G_DABS, G_DK3, G_NW, G_W, G_FLAG = range(len(SUMS))  # SUMS' order
+
+
+JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+
+@njit(inline="always", **JIT)
+def _token(sv, ov, mv, m_ok, rv, r_ok, o_ok, log_tau, limit, clamp):  # pragma: no cover - compiled
+    """One token's figures (float64): (m - o or NaN, x = s - o, K3 of pi_theta vs pi_old, |k3 weight| or NaN,
+    flagged); estimators.py's maths, per present column."""
+    mm = mv - ov if m_ok else np.nan
+    x = sv - ov
+    k = np.expm1(-x) + x
+    bad = not np.isfinite(sv) or sv > 0 or (o_ok and (not np.isfinite(ov) or ov > 0)) or (
+        m_ok and (not np.isfinite(mv) or mv > 0))
+    w = np.nan
+    if r_ok:
+        d = rv - sv
+        w = abs(np.expm1(d))
+        bad = bad or not np.isfinite(rv) or rv > 0 or d > log_tau or w > limit or np.expm1(d) - d > clamp
+    return mm, x, k, w, bad
+
+
+@njit(inline="always", **JIT)
+def _add(grid, gmax, b, pb, mm, x, k, w, bad):  # pragma: no cover - compiled
+    """Add one token's figures to its (turn bucket, position bin) cell; non-finite values are left out."""
+    grid[b, pb, G_TOKENS] += 1.0
+    if np.isfinite(mm):
+        grid[b, pb, G_NM] += 1.0
+        grid[b, pb, G_MABS] += abs(mm)
+        grid[b, pb, G_M] += mm
+        gmax[b, pb] = max(gmax[b, pb], abs(mm))
+    if np.isfinite(x) and np.isfinite(k):
+        grid[b, pb, G_ND] += 1.0
+        grid[b, pb, G_DABS] += abs(x)
+        grid[b, pb, G_DK3] += k
+    if np.isfinite(w):
+        grid[b, pb, G_NW] += 1.0
+        grid[b, pb, G_W] += w
+    if bad:
+        grid[b, pb, G_FLAG] += 1.0
+
+
+@njit(**JIT)
+def _fold(new_seq, mask, rec, step_idx, s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp,
+          grid, gmax, steps, seqs, spans):  # pragma: no cover - compiled
+    """One pass over rows sorted by sequence then pos: each token's turn (turn_index's rule), then grid
+    [N_TURN, N_POS, SUMS] and gmax (max |m - o|), steps [n_steps, N_TURN, 4] (|m - o| sum and count, and at
+    turns' first tokens), seqs [4] (single-turn sequences, multi-turn ones, single-turn |m - o| count and
+    sum), spans [:, 5] (row, |m - o| at the first token, body sum and count, turn) of turns >= 1.
+    Returns the number of spans written."""
+    n, n_spans, seen, base, pit, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = (
+        len(mask), 0, 0, 0, -1, False, -1, -1, 0.0, 0.0, -1)
+    for i in range(n + 1):
+        if i == n or i == 0 or new_seq[i]:
+            if seq_max == 0:  # close the sequence before: single-turn ...
+                seqs[0], seqs[2], seqs[3] = seqs[0] + 1.0, seqs[2] + seq_n, seqs[3] + seq_abs
+            elif seq_max > 0:  # ... or multi-turn
+                seqs[1] += 1.0
+            if i == n:
+                break
+            base, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = seen, False, -1, -1, 0.0, 0.0, -1
+        if not mask[i]:
+            prev_in = False
+            continue
+        if not prev_in or rec[i] != prev_rec:  # a turn starts
+            seen, pit = seen + 1, 0
+        else:
+            pit += 1
+        turn = rec[i] if rec[i] >= 0 else seen - base - 1
+        prev_in, prev_rec, seq_max = True, rec[i], max(seq_max, turn)
+        b, pb = min(turn, MAX_TURN), (pit if pit < 3 else (3 if pit < 8 else (4 if pit < 32 else 5)))
+        sv = np.float64(s[i])  # float64 inside (numba's float() of a float32 stays float32)
+        mm, x, k, w, bad = _token(sv, np.float64(o[i]) if o_ok[i] else sv, np.float64(m[i]), m_ok[i],
+                                  np.float64(r[i]), r_ok[i], o_ok[i], log_tau, limit, clamp)
+        _add(grid, gmax, b, pb, mm, x, k, w, bad)
+        a = abs(mm)
+        if np.isfinite(mm):
+            steps[step_idx[i], b, 0] += a
+            steps[step_idx[i], b, 1] += 1.0
+            if pit == 0:
+                steps[step_idx[i], b, 2] += a
+                steps[step_idx[i], b, 3] += 1.0
+            seq_abs, seq_n = seq_abs + a, seq_n + 1.0
+        if turn >= 1 and pit == 0:
+            cur = n_spans if n_spans < spans.shape[0] else -1  # the caller sizes spans: never -1
+            if cur >= 0:
+                spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, a, 0.0, 0.0, turn
+                n_spans += 1
+        elif turn >= 1 and np.isfinite(mm) and cur >= 0:
+            spans[cur, 2], spans[cur, 3] = spans[cur, 2] + a, spans[cur, 3] + 1.0
+    return n_spans
+
+
+def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct steps, each row's index into them): a subtraction when the steps are a short range."""
+    if not len(step):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    lo, hi = int(step.min()), int(step.max())
+    if hi - lo < 1 << 16:
+        return np.arange(lo, hi + 1, dtype=np.int64), (step - lo).astype(np.int64)
+    steps, inv = np.unique(step, return_inverse=True)
+    return steps.astype(np.int64), inv.astype(np.int64)
+
+
+def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, thresholds, keep: int) -> dict[str, np.ndarray]:
+    """The partial of whole sequences (t sorted by sequence and pos, `new` their starts)."""
+    n = len(new)
+    steps, idx = _step_index(t["step"])
+    grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
+    mask = t["mask"].astype(bool)
+    rec = t["turn"].astype(np.int64) if "turn" in t else np.full(n, -1, np.int64)
+    prev_in = np.concatenate([[False], mask[:-1]])
+    starts = int(np.count_nonzero(mask & (~prev_in | new | (rec != np.concatenate([[-1], rec[:-1]])))))
+    per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
+    tau, limit, clamp = thresholds
+    n_spans = _fold(new, mask, rec, idx, t["logp"], t["logp_old"], t["valid_logp_old"],
+                    t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
+                    float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
+    used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
+    out = {k: grid[:, :, j] for j, k in enumerate(SUMS)}
+    out.update(mismatch_abs_max=gmax, step=steps[used], step_abs=per_step[used, :, 0], step_n=per_step[used, :, 1],
+               step_start_abs=per_step[used, :, 2], step_start_n=per_step[used, :, 3],
+               seq_single=np.array([seqs[0]], np.int64), seq_multi=np.array([seqs[1]], np.int64),
+               single_n=seqs[2:3].copy(), single_abs=seqs[3:4].copy(),
+               turn_max=np.array([_turn_max(grid)], np.int64))
+    sp = spans[:n_spans]
+    sp = sp[np.isfinite(sp[:, 1])]
+    rows = sp[:, 0].astype(np.int64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        body = np.where(sp[:, 3] > 0, sp[:, 2] / np.maximum(sp[:, 3], 1.0), np.nan)
+    ex = {"step": t["step"][rows].astype(np.int64), "rank": np.full(len(rows), rank, np.int64),
+          "seq": t["seq"][rows].astype(np.int64), "iteration": t["iteration"][rows].astype(np.int64),
+          "turn": sp[:, 4].astype(np.int64), "start_abs": sp[:, 1].copy(), "body_abs": body}
+    return {**out, **{f"ex_{k}": v for k, v in top_examples(ex, keep).items()}}
+
+
+def _turn_max(grid: np.ndarray) -> int:
+    """The largest turn bucket holding a token (-1: none)."""
+    held = np.flatnonzero(grid[:, :, 0].sum(1) > 0)
+    return int(held[-1]) if len(held) else -1
+
+
+def top_examples(ex: dict[str, np.ndarray], keep: int) -> dict[str, np.ndarray]:
+    """The `keep` largest start_abs; ties by step, rank, seq, iteration, turn (a total order: any split of
+    the rows merges alike)."""
+    a = ex["start_abs"]
+    if len(a) > 4 * keep:  # only rows tied with or above the keep-th largest can be kept
+        sel = a >= np.partition(a, len(a) - keep)[len(a) - keep] if keep else np.zeros(len(a), bool)
+        ex, a = {k: v[sel] for k, v in ex.items()}, a[sel]
+    order = np.lexsort([ex["turn"], ex["iteration"], ex["seq"], ex["rank"], ex["step"], -a])[:keep]
+    return {k: v[order] for k, v in ex.items()}
+
+
+def merge_partials(partials, keep: int) -> dict[str, np.ndarray]:
+    """Sum the grids, union the steps, keep the `keep` largest examples (ties by step, rank, seq, iteration, turn)."""
+    partials = list(partials)
+    if not partials:
+        return empty(keep)
+    out = {k: sum(p[k] for p in partials) for k in (*SUMS, "seq_single", "seq_multi", "single_n", "single_abs")}
+    out["mismatch_abs_max"] = np.maximum.reduce([p["mismatch_abs_max"] for p in partials])
+    out["turn_max"] = np.maximum.reduce([p["turn_max"] for p in partials])
+    steps = np.concatenate([p["step"] for p in partials])
+    uniq, inv = np.unique(steps, return_inverse=True)
+    out["step"] = uniq
+    for k in ("step_abs", "step_n", "step_start_abs", "step_start_n"):
+        acc = np.zeros((len(uniq), N_TURN))
+        np.add.at(acc, inv, np.concatenate([p[k].reshape(-1, N_TURN) for p in partials]))
+        out[k] = acc
+    ex = {k: np.concatenate([p[f"ex_{k}"] for p in partials]) for k in EXAMPLE_COLS}
+    out.update({f"ex_{k}": v for k, v in top_examples(ex, keep).items()})
+    return out
+
+
+def empty(keep: int = 0) -> dict[str, np.ndarray]:
+    """The partial of no token."""
+    t = _columns(pa.RecordBatch.from_pydict({k: pa.array([], pa.int64()) for k in KEY}))
+    return batch_partial(t, np.zeros(0, bool), 0, (E.TAU, E.WEIGHT_LIMIT, E.CLAMP), keep)
+
+
+# ---- the reducer ------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    rank: int
+    carry: dict[str, np.ndarray] | None = None  # the rows of the last sequence seen (it may go on)
+    partials: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TurnReducer:
+    """Per-turn figures of a run (module docstring); flags use the analysis's default thresholds."""
+
+    tau: float = E.TAU
+    weight_limit: float = E.WEIGHT_LIMIT
+    clamp: float = E.CLAMP
+    examples: int = 8  # sequence turns kept, by the |mismatch| of their first token
+    name: str = "turns"
+    version: int = 1
+    columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref",
+                                "logp_sampler", *(("turn",) if HAS_TURN_COLUMN else ()))
+
+    def settings(self) -> dict:
+        return {"tau": self.tau, "weight_limit": self.weight_limit, "clamp": self.clamp,
+                "examples": self.examples, "max_turn": MAX_TURN, "pos_edges": POS_EDGES.tolist()}
+
+    def start(self, part) -> _State:
+        return _State(int(getattr(part, "rank", 0)))
+
+    def add(self, state: _State, batch: pa.RecordBatch) -> None:
+        t = _columns(batch)
+        if state.carry is not None:
+            t = {k: np.concatenate([state.carry[k], t[k]]) for k in t if k in state.carry}
+        if not len(t["seq"]):
+            return
+        new = sequence_starts(t["step"], t["iteration"], t["seq"])
+        cut = int(np.flatnonzero(new)[-1])  # the last sequence may go on in the next batch: carried
+        state.carry = {k: v[cut:] for k, v in t.items()}
+        if cut:
+            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank))
+
+    def finish(self, state: _State, dropped: int) -> dict[str, np.ndarray]:
+        if state.carry is not None and len(state.carry["seq"]):
+            c = state.carry
+            state.partials.append(self._partial(c, sequence_starts(c["step"], c["iteration"], c["seq"]), state.rank))
+            state.carry = None
+        return self.merge(state.partials)
+
+    def merge(self, partials) -> dict[str, np.ndarray]:
+        return merge_partials(partials, self.examples)
+
+    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int) -> dict[str, np.ndarray]:
+        t, new = _sorted(t, new)
+        return batch_partial(t, new, rank, (self.tau, self.weight_limit, self.clamp), self.examples)
+
+
+# ---- what faces read --------------------------------------------------------------------------
+
+
+def ratio(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, a / np.where(n > 0, n, 1), np.nan)
+
+
+def _figures(g: dict[str, np.ndarray], axis: int | None) -> dict[str, np.ndarray]:
+    """The means of a grid summed over `axis` (None: the cells themselves)."""
+    s = {k: (g[k] if axis is None else g[k].sum(axis)) for k in SUMS}
+    mx = g["mismatch_abs_max"] if axis is None else g["mismatch_abs_max"].max(axis)
+    return {"tokens": s["tokens"], "mismatch_abs_mean": ratio(s["mismatch_abs"], s["n_mismatch"]),
+            "mismatch_abs_max": np.where(np.isfinite(mx), mx, np.nan),
+            "mismatch_mean": ratio(s["mismatch"], s["n_mismatch"]),
+            "drift_abs_mean": ratio(s["drift_abs"], s["n_drift"]),
+            "drift_k3_mean": ratio(s["drift_k3"], s["n_drift"]),
+            "weight_k3_abs_mean": ratio(s["weight_k3_abs"], s["n_weight"]),
+            "flagged_frac": ratio(s["flagged"], s["tokens"])}
+
+
+def scalar(v: np.ndarray) -> int:
+    """A one-element count of the partial (stored as shape [1]: the cache format keeps no 0-d array)."""
+    return int(np.asarray(v).reshape(-1)[0])
+
+
+def turn_label(b: int) -> str:
+    return f"{MAX_TURN}+" if b == MAX_TURN else str(b)
+
+
+def _num(v: float) -> float | None:
+    return float(v) if np.isfinite(v) else None
+
+
+def _rows(fig: dict[str, np.ndarray], labels: list, key: str) -> list[dict]:
+    return [{key: lab, **{k: (int(v[i]) if k == "tokens" else _num(v[i])) for k, v in fig.items()}}
+            for i, lab in enumerate(labels) if fig["tokens"][i] > 0]
+
+
+def summary(m: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The per-turn figures as JSON-ready rows (`kldiag analyze --json` "turns"; docs/metrics.md)."""
+    n_b = min(scalar(m["turn_max"]), MAX_TURN) + 1
+    g = {k: np.asarray(m[k], np.float64) for k in (*SUMS, "mismatch_abs_max")}
+    by_turn = _figures(g, 1)
+    start, body = (ratio(g["mismatch_abs"][:, sl].sum(1), g["n_mismatch"][:, sl].sum(1))
+                   for sl in (slice(0, 1), slice(1, None)))
+    turns = _rows({**by_turn, "start_mismatch_abs_mean": start, "body_mismatch_abs_mean": body},
+                  [turn_label(b) for b in range(N_TURN)], "turn")
+    cells = _figures(g, None)
+    grid = [{"turn": turn_label(b), **r} for b in range(n_b)
+            for r in _rows({k: v[b] for k, v in cells.items()}, list(POS_LABELS), "pos")]
+    per_turn = ratio(m["step_abs"][:, :n_b], m["step_n"][:, :n_b])
+    at_start = ratio(m["step_start_abs"][:, :n_b], m["step_start_n"][:, :n_b])
+    steps = [{"step": int(s), "mismatch_abs_mean": [_num(v) for v in per_turn[i]],
+              "start_mismatch_abs_mean": [_num(v) for v in at_start[i]]} for i, s in enumerate(m["step"])]
+    examples = [{"step": int(m["ex_step"][i]), "rank": int(m["ex_rank"][i]), "seq": int(m["ex_seq"][i]),
+                 "iteration": int(m["ex_iteration"][i]), "turn": int(m["ex_turn"][i]),
+                 "start_mismatch_abs": _num(m["ex_start_abs"][i]), "body_mismatch_abs_mean": _num(m["ex_body_abs"][i])}
+                for i in range(len(m["ex_step"]))]
+    return {"turns": n_b if scalar(m["turn_max"]) >= 0 else 0, "multi_turn": scalar(m["seq_multi"]) > 0,
+            "sequences": {"single_turn": scalar(m["seq_single"]), "multi_turn": scalar(m["seq_multi"])},
+            "single_turn_mismatch_abs_mean": _num(ratio(m["single_abs"], m["single_n"])[0]),
+            "position_bins": list(POS_LABELS), "by_turn": turns,
+            "by_position": _rows(_figures(g, 0), list(POS_LABELS), "pos"), "by_turn_position": grid,
+            "steps": steps, "examples": examples}
+
+
+def turns_of(analysis, reducer: TurnReducer | None = None) -> dict[str, Any]:
+    """summary() of an analysed run: from the analysis's own read when it was made with the reducer
+    (diagnosis.core.reducers() lists it), else one more pass over the parts lacking a cached partial."""
+    return summary(reduced(analysis, reducer or TurnReducer()))

@@ -1,0 +1,254 @@
+"""Turn index per token and the per-turn figures (kldiag/analysis/turns.py): the derivation's edge cases, the
+reducer's merge against one pass, `kldiag analyze --json`'s "turns", the recorded turn column, the report's section."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kldiag.analysis import turns as TU
+
+pytestmark = pytest.mark.filterwarnings("ignore:kldiag.*placeholder")
+
+
+def _derive(seqs: list[list[int]]):
+    """turn_index over sequences given as lists of mask bits."""
+    mask = np.concatenate([np.array(s, bool) for s in seqs])
+    new = np.concatenate([np.eye(1, len(s), 0, dtype=bool)[0] for s in seqs])
+    return TU.turn_index(new, mask)
+
+
+def test_turn_index_edge_cases():
+    turn, pit = _derive([
+        [0, 0, 1, 1, 0, 1, 1, 1, 0],  # leading prompt masked, two turns, trailing tool span
+        [1, 1, 1],  # a single span
+        [0, 0, 0],  # all masked
+        [1, 0, 1, 0, 1],  # three one-token turns
+    ])
+    assert turn.tolist() == [-1, -1, 0, 0, -1, 1, 1, 1, -1, 0, 0, 0, -1, -1, -1, 0, -1, 1, -1, 2]
+    assert pit.tolist() == [-1, -1, 0, 1, -1, 0, 1, 2, -1, 0, 1, 2, -1, -1, -1, 0, -1, 0, -1, 0]
+
+
+def test_turn_index_restarts_at_each_sequence_even_when_spans_touch():
+    # a sequence that ends inside a span and the next that starts inside one: two separate turn 0s
+    turn, pit = _derive([[0, 1, 1], [1, 1, 0, 1]])
+    assert turn.tolist() == [-1, 0, 0, 0, 0, -1, 1]
+    assert pit.tolist() == [-1, 0, 1, 0, 1, -1, 0]
+
+
+def test_recorded_turns_win_and_split_spans():
+    new = np.array([1, 0, 0, 0, 0, 0], bool)
+    mask = np.array([0, 1, 1, 1, 1, 0], bool)
+    recorded = np.array([-1, 0, 0, 1, 1, -1])  # one mask span holding two recorded turns
+    turn, pit = TU.turn_index(new, mask, recorded)
+    assert turn.tolist() == [-1, 0, 0, 1, 1, -1]
+    assert pit.tolist() == [-1, 0, 1, 0, 1, -1]
+
+
+def test_pos_bins_and_overflow_bucket():
+    assert TU.pos_bin(np.array([-1, 0, 1, 2, 3, 7, 8, 31, 32, 500])).tolist() == [-1, 0, 1, 2, 3, 3, 4, 4, 5, 5]
+    assert TU.turn_bucket(np.array([0, 15, 16, 40])).tolist() == [0, 15, 16, 16]
+
+
+def _batch(seqs, rng, step=0, mm_turn_start=0.0):
+    """Rows of sequences given as mask lists; logp_sampler off by mm_turn_start at later turns' first token."""
+    cols = {k: [] for k in ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref", "logp_sampler")}
+    for i, m in enumerate(seqs):
+        n = len(m)
+        old = -rng.random(n) * 2
+        t, p = TU.turn_index(np.eye(1, n, 0, dtype=bool)[0], np.array(m, bool))
+        samp = old + np.where((t >= 1) & (p == 0), mm_turn_start, 0.0)
+        samp = np.where(np.array(m, bool), samp, 0.0)  # a dump's placeholder on tool tokens
+        cols["step"] += [step] * n
+        cols["iteration"] += [0] * n
+        cols["seq"] += [i] * n
+        cols["pos"] += list(range(n))
+        cols["mask"] += list(map(bool, m))
+        cols["logp"] += list(old - 0.01)
+        cols["logp_old"] += list(old)
+        cols["logp_ref"] += list(old - 0.1)
+        cols["logp_sampler"] += list(samp)
+    return pa.RecordBatch.from_pydict({k: pa.array(v) for k, v in cols.items()})
+
+
+def _fold(reducer, batches, rank=0):
+    state = reducer.start(SimpleNamespace(rank=rank))
+    for b in batches:
+        reducer.add(state, b)
+    return reducer.finish(state, 0)
+
+
+SEQS = [[0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+def _same(a, b):
+    """Equal up to float rounding (sums taken in another order)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+    else:
+        assert a == b
+
+
+def test_reducer_merge_equals_one_pass_and_batch_cuts_do_not_split_sequences():
+    rng = np.random.default_rng(0)
+    red = TU.TurnReducer()
+    batches = [_batch(SEQS, rng, step=s, mm_turn_start=0.5) for s in range(4)]
+    one = _fold(red, [pa.Table.from_batches(batches).combine_chunks().to_batches()[0]])
+    def pieces(bs):  # record batches of 7 rows: cuts inside sequences
+        t = pa.Table.from_batches(bs).combine_chunks()
+        return [t.slice(o, 7).to_batches()[0] for o in range(0, t.num_rows, 7)]
+
+    by_part = red.merge([_fold(red, pieces(batches[:1])), _fold(red, pieces(batches[1:]))])  # parts hold whole steps
+    _same(TU.summary(by_part), TU.summary(one))
+    _same(TU.summary(_fold(red, pieces(batches))), TU.summary(one))
+    for k in TU.SUMS:
+        np.testing.assert_allclose(by_part[k], one[k])
+
+
+def test_figures_by_turn_and_position():
+    rng = np.random.default_rng(1)
+    m = _fold(TU.TurnReducer(), [_batch(SEQS, rng, step=s, mm_turn_start=0.5) for s in range(3)])
+    s = TU.summary(m)
+    assert s["turns"] == 3 and s["multi_turn"] and s["sequences"] == {"single_turn": 3, "multi_turn": 6}  # per step
+    by = {r["turn"]: r for r in s["by_turn"]}
+    assert by["0"]["mismatch_abs_mean"] == 0.0 and by["0"]["start_mismatch_abs_mean"] == 0.0
+    assert by["1"]["start_mismatch_abs_mean"] == pytest.approx(0.5) and by["1"]["body_mismatch_abs_mean"] == 0.0
+    assert by["1"]["tokens"] == 3 * (3 + 9)  # 3 steps x (turn 1 of seq 0, turn 1 of seq 2)
+    assert sum(r["tokens"] for r in s["by_turn"]) == 3 * sum(sum(x) for x in SEQS)
+    assert by["0"]["drift_abs_mean"] == pytest.approx(0.01, rel=1e-6)
+    assert s["single_turn_mismatch_abs_mean"] == 0.0  # tool tokens' 0.0 placeholders never count
+    pos0 = next(r for r in s["by_position"] if r["pos"] == "0")
+    assert pos0["mismatch_abs_max"] == pytest.approx(0.5)
+    assert [len(r["mismatch_abs_mean"]) for r in s["steps"]] == [3, 3, 3]
+    assert s["examples"][0]["turn"] >= 1 and s["examples"][0]["start_mismatch_abs"] == pytest.approx(0.5)
+    json.dumps(s)  # JSON-ready
+
+
+def test_single_turn_run_has_one_turn():
+    rng = np.random.default_rng(2)
+    s = TU.summary(_fold(TU.TurnReducer(), [_batch([[1] * 6, [0, 1, 1, 1]], rng)]))
+    assert s["turns"] == 1 and not s["multi_turn"] and s["sequences"] == {"single_turn": 2, "multi_turn": 0}
+
+
+def test_empty_partial():
+    s = TU.summary(TU.TurnReducer().merge([]))
+    assert s["turns"] == 0 and s["by_turn"] == [] and s["steps"] == []
+
+
+@pytest.fixture(scope="module")
+def agentic(tmp_path_factory):
+    from kldiag.tools.agentic_runs import AgenticRun, make_run
+
+    root = tmp_path_factory.mktemp("agentic")
+    return {"retok": make_run(root / "retok", AgenticRun(steps=6, retokenize=True)),
+            "recorded": make_run(root / "recorded", AgenticRun(steps=3, record_turns=True, placeholder=None))}
+
+
+def test_analyze_json_has_turns(agentic, capsys):
+    from kldiag.cli import main
+
+    assert main(["analyze", str(agentic["retok"]), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["turns"]
+    assert t["turns"] == 3 and t["multi_turn"]
+    by = {r["turn"]: r for r in t["by_turn"]}
+    assert by["1"]["start_mismatch_abs_mean"] > 5 * max(by["0"]["mismatch_abs_mean"], 1e-3)
+    assert len(t["steps"]) == 6
+
+
+def test_recorded_turn_column_is_read(agentic):
+    from kldiag.analysis.engine import analyze
+    from kldiag.analysis.types import AnalysisConfig
+    from kldiag.format import open_run
+
+    col = open_run(agentic["recorded"]).read(columns=["turn", "mask"]).to_pandas()
+    assert set(col.loc[col["mask"], "turn"]) == {0, 1, 2}  # the generator passed turn= to record()
+    a = analyze(agentic["recorded"], AnalysisConfig(), [TU.TurnReducer()])
+    s = TU.summary(a.reduced["turns"])
+    assert [r["turn"] for r in s["by_turn"]] == ["0", "1", "2"] and s["sequences"]["multi_turn"] == 48
+
+
+def test_report_has_a_turn_section_for_multi_turn_runs(agentic, tmp_path):
+    from kldiag.analysis.engine import analyze
+    from kldiag.analysis.types import AnalysisConfig
+    from kldiag.report import turns as RT
+    from kldiag.report.build import reducers
+
+    a = analyze(agentic["retok"], AnalysisConfig(), reducers())
+    lines = RT.text_lines(a)
+    assert lines[0].startswith("turns: 3 turn(s)") and any("turn 1:" in x and "first token" in x for x in lines)
+    assert "<h2>Turns" in RT.section_html(a)
+    from kldiag.tools.agentic_runs import AgenticRun, make_run
+
+    single = make_run(tmp_path / "single", AgenticRun(steps=2, turns=1))
+    b = analyze(single, AnalysisConfig(), reducers())
+    assert RT.text_lines(b) == [] and RT.section_html(b) == ""
+
+
+def _reference_grid(t):
+    """SUMS and the max |m - o| per (turn bucket, position bin), computed with numpy from turn_index and
+    kldiag.estimators: what the compiled fold must give. t: sorted columns with validity masks."""
+    from kldiag import estimators as E
+
+    new = TU.sequence_starts(t["step"], t["iteration"], t["seq"])
+    turn, pit = TU.turn_index(new, t["mask"], t["turn"])
+    s, r, m = (t[k].astype(np.float64) for k in ("logp", "logp_ref", "logp_sampler"))
+    o = np.where(t["valid_logp_old"], t["logp_old"].astype(np.float64), s)
+    vr, vm, vo = t["valid_logp_ref"], t["valid_logp_sampler"], t["valid_logp_old"]
+    with np.errstate(all="ignore"):
+        mm, x = np.where(vm, m - o, np.nan), s - o
+        k3x, w = np.expm1(-x) + x, np.where(vr, np.abs(E.weight_k3(s, r)), np.nan)
+        bad = lambda v, ok: ok & (~np.isfinite(v) | (v > 0))  # noqa: E731 - present, non-finite or > 0
+        flagged = (bad(s, True) | bad(o, vo) | bad(m, vm) | bad(r, vr)
+                   | (vr & (E.flag_theta_ll_ref(s, r) | E.flag_weight_blowup(s, r) | E.flag_clamp_saturated(s, r))))
+    keep = turn >= 0
+    cell = (TU.turn_bucket(turn) * TU.N_POS + TU.pos_bin(pit))[keep]
+
+    def add(v, ok=None):
+        ok = (np.ones(len(turn), bool) if ok is None else ok)[keep]
+        return np.bincount(cell[ok], np.asarray(v, np.float64)[keep][ok], TU.N_TURN * TU.N_POS).reshape(TU.N_TURN, -1)
+
+    one, ok_m, ok_d = np.ones(len(turn)), np.isfinite(mm), np.isfinite(x) & np.isfinite(k3x)
+    ok_w = np.isfinite(w)
+    return {"tokens": add(one), "n_mismatch": add(one, ok_m), "mismatch_abs": add(np.abs(mm), ok_m),
+            "mismatch": add(mm, ok_m), "n_drift": add(one, ok_d), "drift_abs": add(np.abs(x), ok_d),
+            "drift_k3": add(k3x, ok_d), "n_weight": add(one, ok_w), "weight_k3_abs": add(w, ok_w),
+            "flagged": add(flagged.astype(float))}
+
+
+def test_compiled_fold_matches_numpy_reference():
+    rng = np.random.default_rng(3)
+    n, cols = 4000, {}
+    cols["step"] = np.repeat(np.arange(4), n // 4)
+    cols["iteration"] = np.zeros(n, np.int64)
+    cols["seq"] = np.repeat(np.arange(100), n // 100)
+    cols["pos"] = np.tile(np.arange(n // 100), 100)
+    cols["mask"] = rng.random(n) < 0.7  # many short turns, holes everywhere
+    logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
+    logp["logp_ref"][rng.random(n) < 0.05] -= 8  # some flagged tokens
+    logp["logp_sampler"][::97] = np.nan  # a non-finite sampler value in the loss
+    logp["logp_old"][::89] = 0.5  # an invalid probability
+    nulls = {k: rng.random(n) < 0.1 for k in logp}  # nulls in every log-prob column
+    turn = np.where(rng.random(n) < 0.5, -1, rng.integers(0, 20, n)).astype(np.int16)  # recorded on half the rows
+    arrays = {k: pa.array(v) for k, v in cols.items()}
+    arrays.update({k: pa.array(v, mask=nulls[k]) for k, v in logp.items()})
+    arrays["turn"] = pa.array(turn)
+    batch = pa.RecordBatch.from_pydict(arrays)
+    got = _fold(TU.TurnReducer(), [batch.slice(o, 333) for o in range(0, n, 333)])
+    t = TU._columns(batch)
+    want = _reference_grid(t)
+    for k in TU.SUMS:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    assert got["tokens"][TU.MAX_TURN].sum() > 0  # recorded turns past 15 land in the overflow bucket
