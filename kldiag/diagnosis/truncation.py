@@ -38,6 +38,7 @@ from kldiag.diagnosis.types import Cause
 from kldiag.frameworks import family
 from kldiag.frameworks import sampling as SF
 from kldiag.mismatch import parity as P
+from kldiag.mismatch.signatures import clustered_mean
 from kldiag.mismatch import tokenset as TS
 
 CAUSE = "engine_truncated_sampling"
@@ -83,16 +84,6 @@ class TruncationReport:
     def onset(self) -> int | None:
         hit = np.flatnonzero(self.step_fire)
         return int(self.steps[hit[0]]) if len(hit) else None
-
-
-def _clustered(x: np.ndarray, seq: np.ndarray) -> tuple[float, float]:
-    """Mean of x and its standard error with the sequences as clusters."""
-    if not len(x):
-        return math.nan, math.nan
-    _, inv = np.unique(seq, return_inverse=True)
-    mean = float(x.mean())
-    resid = np.bincount(inv, weights=x - mean)
-    return mean, float(math.sqrt(float(np.dot(resid, resid))) / len(x))
 
 
 def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float, float]:
@@ -145,8 +136,8 @@ def check(ts: TS.TokenSet, config: TruncationConfig = TruncationConfig()) -> Tru
     fin = np.isfinite(x)
     with np.errstate(over="ignore"):
         r = np.exp(-d)
-    offset, offset_se = _clustered(d, seq)
-    kept, kept_se = _clustered(r, seq)
+    offset, offset_se = clustered_mean(d, seq)
+    kept, kept_se = clustered_mean(r, seq)
     slope, intercept, corr = _line(x[fin], d[fin])
     steps, s_off, s_kept, s_fire = _per_step(step, seq, d, config)
     deficit = 1.0 - kept

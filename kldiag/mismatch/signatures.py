@@ -71,7 +71,7 @@ class Signatures:
     onset_fire: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per step of the parity report
 
 
-def _clustered_mean(x: np.ndarray, seq: np.ndarray) -> tuple[float, float]:
+def clustered_mean(x: np.ndarray, seq: np.ndarray) -> tuple[float, float]:
     """Mean of x over tokens and its standard error with the sequences as clusters (tokens of a sequence
     are not independent)."""
     if not len(x):
@@ -87,7 +87,7 @@ def calibration(ts: TS.TokenSet) -> dict:
     pi_old), its clustered SE, and the two importance-ratio means (the one of the true sampler is 1)."""
     ok = np.isfinite(ts.logp_old) & np.isfinite(ts.logp_sampler)
     d = ts.logp_sampler[ok] - ts.logp_old[ok]
-    mean, se = _clustered_mean(d, ts.seq[ok])
+    mean, se = clustered_mean(d, ts.seq[ok])
     with np.errstate(over="ignore"):
         return {"mean_log_mu_over_old": mean, "se": se, "tokens": int(ok.sum()),
                 "mean_old_over_mu": float(np.mean(np.exp(-d))) if len(d) else None,
