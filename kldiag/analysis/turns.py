@@ -35,14 +35,12 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag.analysis.runner import reduced
 from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold
-from kldiag.format import schema as F
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
 N_POS = len(POS_EDGES)
 KEY = ("step", "iteration", "seq")  # with the part's rank: one sequence of one reuse iteration
 EXAMPLE_COLS = ("step", "rank", "seq", "iteration", "turn", "start_abs", "body_abs")
-HAS_TURN_COLUMN = "turn" in getattr(F, "RUN_SCHEMA", F.TOKEN_SCHEMA).names  # format v1.2's optional column
 
 
 # ---- the turn index ------------------------------------------------------------------------
@@ -243,7 +241,7 @@ class TurnReducer:
     name: str = "turns"
     version: int = 1
     columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref",
-                                "logp_sampler", *(("turn",) if HAS_TURN_COLUMN else ()))
+                                "logp_sampler", "turn")
 
     def settings(self) -> dict:
         return {"tau": self.tau, "weight_limit": self.weight_limit, "clamp": self.clamp,

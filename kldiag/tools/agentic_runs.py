@@ -27,7 +27,6 @@ scores prompt and tool tokens).
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -242,16 +241,9 @@ def _update(run: AgenticRun, p, opt, tokens, mask, logp_old, adv):
     return logp.detach()
 
 
-def recorder_takes_turns() -> bool:
-    """Whether this kldiag's Recorder.record accepts turn= (format v1.2)."""
-    return "turn" in inspect.signature(Recorder.record).parameters
-
-
 def _turn_arg(run: AgenticRun, turn_of: np.ndarray, rows: int) -> dict[str, Any]:
     if not run.record_turns:
         return {}
-    if not recorder_takes_turns():
-        raise TypeError("record_turns=True needs a kldiag whose Recorder.record accepts turn= (format v1.2)")
     return {"turn": np.broadcast_to(turn_of, (rows, len(turn_of))).copy()}
 
 
