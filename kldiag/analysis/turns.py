@@ -125,7 +125,7 @@ def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.nda
     """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
     that order (the recorder's) is returned as it is."""
     heads = np.flatnonzero(new)
-    pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"].astype(np.int64))[~new[1:]] > 0))
+    pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"])[~new[1:]] > 0))
     keys = np.stack([t[k][heads].astype(np.int64) for k in KEY], 1)
     if pos_up and len(np.unique(keys, axis=0)) == len(heads):
         return t, new
@@ -152,8 +152,11 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
     mask = t["mask"].astype(bool)
     rec = t["turn"].astype(np.int64) if "turn" in t else np.full(n, -1, np.int64)
-    prev_in = np.concatenate([[False], mask[:-1]])
-    starts = int(np.count_nonzero(mask & (~prev_in | new | (rec != np.concatenate([[-1], rec[:-1]])))))
+    # an upper bound on turn starts (the spans buffer): every sequence start, every rise of the mask,
+    # and with a recorded turn every change of it
+    starts = int(np.count_nonzero(new)) + (int(np.count_nonzero(mask[1:] & ~mask[:-1])) if n > 1 else 0)
+    if "turn" in t and n > 1:
+        starts += int(np.count_nonzero(rec[1:] != rec[:-1]))
     per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
     tau, limit, clamp = thresholds
     n_spans = fold(new, mask, rec, idx, t["logp"], t["logp_old"], t["valid_logp_old"],
@@ -252,11 +255,23 @@ class TurnReducer:
 
     def add(self, state: _State, batch: pa.RecordBatch) -> None:
         t = _columns(batch)
-        if state.carry is not None:
-            t = {k: np.concatenate([state.carry[k], t[k]]) for k in t if k in state.carry}
         if not len(t["seq"]):
             return
         new = sequence_starts(t["step"], t["iteration"], t["seq"])
+        if state.carry is not None:  # the carried sequence's rows go with this batch's first sequence only
+            c = state.carry
+            head = int(np.argmax(new[1:])) + 1 if new[1:].any() else len(new)
+            if any(c[k][-1] != t[k][0] for k in KEY):
+                head = 0  # the batch starts a new sequence: the carried one ends here
+            joined = {k: np.concatenate([c[k], t[k][:head]]) for k in t if k in c}
+            if head == len(new):  # the whole batch goes on with the carried sequence: it may go on further
+                state.carry = joined
+                return
+            state.partials.append(self._partial(joined, sequence_starts(
+                joined["step"], joined["iteration"], joined["seq"]), state.rank))
+            state.carry = None
+            t, new = {k: v[head:] for k, v in t.items()}, new[head:]
+            new[0] = True
         cut = int(np.flatnonzero(new)[-1])  # the last sequence may go on in the next batch: carried
         state.carry = {k: v[cut:] for k, v in t.items()}
         if cut:
