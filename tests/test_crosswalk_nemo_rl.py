@@ -53,20 +53,13 @@ def step_batch(fx, step: int = 3) -> StepBatch:
                      np.where(mask, gen, np.nan), np.ones(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
 
 
-GOLDEN_FIGURES = json.loads(GOLDEN.read_text())  # checked in: a missing file is a failure, not a skip
+FIGURES = json.loads(GOLDEN.read_text())  # checked in: a missing file is a failure, not a skip
+CASES = [(c["dtype"], c["settings"], c["metrics"]) for c in FIGURES["cases"]]
 
 
-def golden() -> dict:
-    return GOLDEN_FIGURES
-
-
-def cases():
-    return [(c["dtype"], c["settings"], c["metrics"]) for c in GOLDEN_FIGURES["cases"]]
-
-
-@pytest.mark.parametrize("dtype, settings, theirs", cases())
+@pytest.mark.parametrize("dtype, settings, theirs", CASES)
 def test_every_metric_equals_nemo_rls_own(dtype, settings, theirs):
-    fx = fixture(golden()["seed"], np.dtype(dtype).type)
+    fx = fixture(FIGURES["seed"], np.dtype(dtype).type)
     mine, why = NX.step_metrics(step_batch(fx), NX.Settings(**settings))
     assert why == {} and set(mine) == set(theirs)
     for name, value in theirs.items():
@@ -74,8 +67,8 @@ def test_every_metric_equals_nemo_rls_own(dtype, settings, theirs):
 
 
 def test_golden_covers_several_global_batches_and_dropped_samples():
-    gbs = {c["settings"].get("train_global_batch_size") for c in golden()["cases"]}
-    assert {None, 4, 2} <= gbs and any(c["settings"].get("num_prompts_per_step") for c in golden()["cases"])
+    gbs = {c["settings"].get("train_global_batch_size") for c in FIGURES["cases"]}
+    assert {None, 4, 2} <= gbs and any(c["settings"].get("num_prompts_per_step") for c in FIGURES["cases"])
 
 
 def test_global_batches_change_the_figures():

@@ -66,20 +66,13 @@ def step_batch(fx) -> StepBatch:
                      np.zeros(b, np.int64))
 
 
-GOLDEN_FIGURES = json.loads(GOLDEN.read_text())  # checked in: a missing file is a failure, not a skip
+FIGURES = json.loads(GOLDEN.read_text())  # checked in: a missing file is a failure, not a skip
+CASES = [(c["dtype"], c["settings"], c["metrics"]) for c in FIGURES["cases"]]
 
 
-def golden() -> dict:
-    return GOLDEN_FIGURES
-
-
-def cases():
-    return [(c["dtype"], c["settings"], c["metrics"]) for c in GOLDEN_FIGURES["cases"]]
-
-
-@pytest.mark.parametrize("dtype, settings, theirs", cases())
+@pytest.mark.parametrize("dtype, settings, theirs", CASES)
 def test_every_metric_equals_slimes_own(dtype, settings, theirs):
-    fx = fixture(golden()["seed"], np.dtype(dtype).type)
+    fx = fixture(FIGURES["seed"], np.dtype(dtype).type)
     s = SX.Settings(**settings)
     if s.use_rollout_logprobs:  # the run holds the rollout's log-probs as logp_old in this mode
         fx = {**fx, "logp_old": fx["logp_sampler"]}
@@ -97,7 +90,7 @@ def test_every_metric_equals_slimes_own(dtype, settings, theirs):
 
 def test_golden_covers_the_configurations_slime_reduces_differently():
     seen = {(c["settings"].get("calculate_per_token_loss", False), c["settings"].get("advantage_estimator", "grpo"))
-            for c in golden()["cases"]}
+            for c in FIGURES["cases"]}
     assert seen >= {(False, "grpo"), (True, "grpo"), (False, "gspo"), (True, "gspo")}
 
 
