@@ -147,3 +147,25 @@ def test_sampling_metrics_equal_what_trl_logs(model_dir, tmp_path, mode, clip_mi
     for step, h in logged.items():
         for name in SAMPLING:
             assert rows[step][name] == pytest.approx(h[name], rel=2e-6, abs=1e-7), (step, name)
+
+
+def test_several_generation_calls_per_step_are_null_with_the_reason():
+    """gradient_accumulation_steps > steps_per_generation x num_iterations: TRL logs the mean of several
+    generation calls' sampling/* values (grpo_trainer.py _prepare_inputs' generate_every); null, with why."""
+    from kldiag.crosswalk import trl as TX
+    from kldiag.crosswalk.batch import StepBatch
+
+    one = TX.Settings(gradient_accumulation_steps=4, steps_per_generation=4, num_iterations=1)
+    two = TX.Settings(gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=1)
+    partial = TX.Settings(gradient_accumulation_steps=3, steps_per_generation=1, num_iterations=2)
+    rare = TX.Settings(gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=4)
+    assert [TX.generation_calls(x) for x in (TX.Settings(), one, two, partial, rare)] == [1, 1, 2, 2, 1]
+    rng = np.random.default_rng(0)
+    lp = -rng.exponential(1.0, (3, 5))
+    b = StepBatch(1, np.arange(3), np.ones((3, 5), bool), lp, lp - 0.01, np.full((3, 5), np.nan), lp + 0.02,
+                  np.ones(3), np.zeros(3, np.int64), np.zeros(3, np.int64))
+    got, why = TX.step_metrics(b, two)
+    assert not any(k.startswith("sampling/") for k in got)
+    assert "steps_per_generation = gradient_accumulation_steps" in why["sampling/importance_sampling_ratio/mean"]
+    got, why = TX.step_metrics(b, one)
+    assert "sampling/importance_sampling_ratio/mean" in got and list(why) == ["kl"]  # no logp_ref here

@@ -30,6 +30,11 @@ NAMES = ["kl", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp
 NO_SAMPLER = ("the run has no logp_sampler (vLLM's sampling log-probs): TRL logs sampling/* only with "
               "use_vllm=True and vllm_importance_sampling_correction=True")
 NO_REF = "the run has no logp_ref: TRL logs kl only when beta > 0"
+SEVERAL_GENERATIONS = (
+    "this run makes up to {n} generation calls per logged step (gradient_accumulation_steps {g} > steps_per_generation "
+    "{s} x num_iterations {i}, grpo_trainer.py _prepare_inputs): TRL logs the mean of each call's sampling/* "
+    "value, which kldiag does not reproduce; train with steps_per_generation = gradient_accumulation_steps / "
+    "num_iterations for one generation call per step")
 NEEDS_ALL_ITERATIONS = True  # `kl` averages every loss call of the step, reuse iterations included
 
 
@@ -42,6 +47,9 @@ class Settings:
     vllm_importance_sampling_clip_min: float | None = None
     use_bias_correction_kl: bool | None = None
     importance_sampling_level: str | None = None
+    gradient_accumulation_steps: int | None = None  # from the manifest (TRL hook): generation calls per step
+    steps_per_generation: int | None = None
+    num_iterations: int | None = None
 
     def __post_init__(self) -> None:
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
@@ -116,11 +124,24 @@ def step_metrics(b: StepBatch, s: Settings, calls: list[StepBatch] | None = None
         out["kl"] = kl_of_calls([c for c in calls if c.has_ref], s)
     else:
         why["kl"] = NO_REF
-    if b.mask.any() and np.isfinite(b.logp_sampler[b.mask]).any():  # TRL skips a token vLLM left NaN, not the step
+    calls_per_step = generation_calls(s)
+    if calls_per_step > 1:
+        why.update(dict.fromkeys(NAMES[1:], SEVERAL_GENERATIONS.format(
+            n=calls_per_step, g=s.gradient_accumulation_steps, s=s.steps_per_generation, i=s.num_iterations or 1)))
+    elif b.mask.any() and np.isfinite(b.logp_sampler[b.mask]).any():  # TRL skips a token vLLM left NaN, not the step
         out.update(sampling_metrics(b, s))
     else:
         why.update({n: NO_SAMPLER for n in NAMES[1:]})
     return out, why
+
+
+def generation_calls(s: Settings) -> int:
+    """Generation calls in one optimizer step (at most): TRL generates every steps_per_generation x num_iterations
+    micro-steps (grpo_trainer.py `_prepare_inputs`, `generate_every`); 1 when the manifest does not say."""
+    if not s.gradient_accumulation_steps or not s.steps_per_generation:
+        return 1
+    every = int(s.steps_per_generation) * int(s.num_iterations or 1)
+    return max(1, -(-int(s.gradient_accumulation_steps) // every))  # a step may hold a partial cycle
 
 
 def metric_names(s: Settings) -> list[str]:
