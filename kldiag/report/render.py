@@ -79,7 +79,7 @@ def format_text(rep: Report) -> str:
         from kldiag.report.mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
 
         lines += text_lines(rep.analysis, rep.diagnosis)
-        from kldiag.report.turns import text_lines as turn_lines  # issue 27: multi-turn runs only
+        from kldiag.report.turns import text_lines as turn_lines  # multi-turn runs only
 
         lines += turn_lines(rep.analysis)
     return "\n".join(lines)
@@ -170,7 +170,7 @@ def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
 
 
 def _turns(rep: Report) -> str:
-    from kldiag.report.turns import section_html  # issue 27: the per-turn figures of a multi-turn run
+    from kldiag.report.turns import section_html  # the per-turn figures of a multi-turn run
 
     return section_html(rep.analysis) if rep.analysis is not None else ""
 
