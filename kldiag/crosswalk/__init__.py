@@ -93,7 +93,7 @@ def parse_settings(framework: str, pairs: dict[str, Any] | list[str] | None = No
         raise CrosswalkError(f"{mod.NAME} settings: {e}") from e
 
 
-def _calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
+def loss_calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
     """The step's loss calls: one padded batch per (iteration, rank, micro) group of all-iteration rows
     (each rank makes its own call on its own micro-batch)."""
     micro, it, rank = ts_all.micro[sl], ts_all.iteration[sl], ts_all.rank[sl]
@@ -119,7 +119,7 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
     calls_by_step: dict[int, list[StepBatch]] = {}
     if getattr(mod, "NEEDS_ALL_ITERATIONS", False):
         ts_all = sample.tokens(True) if sample is not None else TS.load(r, all_iterations=True, max_tokens=max_tokens)
-        calls_by_step = {step: _calls(ts_all, step, sl) for step, sl in ts_all.step_slices()}
+        calls_by_step = {step: loss_calls(ts_all, step, sl) for step, sl in ts_all.step_slices()}
     rows, reasons = [], {}
     first = dict(ts.step_slices())
     for step in sorted(set(first) | set(calls_by_step)):

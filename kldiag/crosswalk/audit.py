@@ -18,9 +18,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 
-from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, module, null_reasons, parse_settings
+from kldiag.crosswalk import (CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons,
+                              parse_settings)
 from kldiag.crosswalk import audit_reasons as R
 from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.crosswalk.logs import Logs, LogsError, match_names, read_logs
@@ -120,14 +120,7 @@ class _Tokens:
         b = pad(self.ts, self.first.get(step, slice(0, 0)), step)
         if self.ts_all is None:
             return b, None
-        sl = self.all.get(step, slice(0, 0))
-        key = self.ts_all.iteration[sl] * 1_000_000 + self.ts_all.micro[sl]
-        calls = []
-        for k in np.unique(key):  # one loss call per (iteration, micro), as kldiag.crosswalk groups them
-            sub = self.ts_all.take(np.flatnonzero(key == k) + sl.start)
-            sub = sub.take(np.lexsort((sub.pos, sub.seq)))
-            calls.append(pad(sub, slice(0, len(sub)), step))
-        return b, calls
+        return b, loss_calls(self.ts_all, step, self.all.get(step, slice(0, 0)))  # as kldiag.crosswalk groups them
 
     def alternatives(self, step: int, metrics_of) -> list[tuple[str, dict[str, float]]]:
         """audit_reasons.alternatives of the step, computed once for all its metrics."""
