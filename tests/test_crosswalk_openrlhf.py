@@ -22,24 +22,33 @@ from kldiag.crosswalk.batch import StepBatch  # noqa: E402
 WHEELS = Path(__file__).resolve().parent.parent / ".venv" / "wheels"
 
 
-@pytest.fixture(scope="module")
-def policy_loss(tmp_path_factory):
+def unpack_wheel(tmp_path_factory, names) -> Path:
+    """The openrlhf 0.11.2 wheel's files `names` (paths inside the package tree), unmodified, under a new
+    folder (skip without the wheel that make setup downloads)."""
     wheels = sorted(WHEELS.glob("openrlhf-0.11.2-*.whl"))
     if not wheels:
         pytest.skip("no openrlhf 0.11.2 wheel: run make setup (pip download openrlhf==0.11.2 --no-deps)")
     root = tmp_path_factory.mktemp("openrlhf")
     with zipfile.ZipFile(wheels[0]) as z:
-        for name in ("openrlhf/models/loss.py", "openrlhf/models/utils.py"):
+        for name in names:
             member = next(n for n in z.namelist() if n.endswith(name))
-            (root / Path(name).name).write_bytes(z.read(member))
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(z.read(member))
+    return root
+
+
+@pytest.fixture(scope="module")
+def policy_loss(tmp_path_factory):
+    root = unpack_wheel(tmp_path_factory, ("openrlhf/models/loss.py", "openrlhf/models/utils.py"))
     saved = {k: sys.modules.get(k) for k in ("deepspeed", "openrlhf", "openrlhf.models")}
     sys.modules["deepspeed"] = types.ModuleType("deepspeed")
     for pkg in ("openrlhf", "openrlhf.models"):
         sys.modules[pkg] = types.ModuleType(pkg)
-        sys.modules[pkg].__path__ = [str(root)]
+        sys.modules[pkg].__path__ = [str(root / pkg.replace(".", "/"))]
     mods = {}
     for name in ("utils", "loss"):
-        spec = importlib.util.spec_from_file_location(f"openrlhf.models.{name}", root / f"{name}.py")
+        path = root / "openrlhf" / "models" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"openrlhf.models.{name}", path)
         mods[name] = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mods[name]
         spec.loader.exec_module(mods[name])
@@ -137,15 +146,7 @@ PPO_STUBS = {"deepspeed": {}, "ray": {"remote": lambda **kw: (lambda cls: cls)},
 @pytest.fixture(scope="module")
 def ppo_actor(tmp_path_factory):
     """openrlhf 0.11.2's `openrlhf/trainer/ray/ppo_actor.py` module, loaded unmodified from the wheel."""
-    wheels = sorted(WHEELS.glob("openrlhf-0.11.2-*.whl"))
-    if not wheels:
-        pytest.skip("no openrlhf 0.11.2 wheel: run make setup (pip download openrlhf==0.11.2 --no-deps)")
-    root = tmp_path_factory.mktemp("openrlhf_ppo")
-    with zipfile.ZipFile(wheels[0]) as z:
-        for name in PPO_TRAIN_FILES:
-            member = next(n for n in z.namelist() if n.endswith(name))
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            (root / name).write_bytes(z.read(member))
+    root = unpack_wheel(tmp_path_factory, PPO_TRAIN_FILES)
     names = [*PPO_STUBS, "openrlhf", "openrlhf.models", "openrlhf.trainer", "openrlhf.trainer.ppo_utils",
              "openrlhf.trainer.ray", "openrlhf.models.utils", "openrlhf.models.loss", "openrlhf.utils.loss_utils",
              "openrlhf.trainer.ppo_utils.experience", "openrlhf.trainer.ray.ppo_actor"]
