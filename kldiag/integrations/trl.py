@@ -276,7 +276,8 @@ class _Hook:
         first = self._armed and self._captured is None
         opened: list[TopkCapture] = []
         if first and self.topk:  # a hook on the backbone for this one call (a failure: counted, warned)
-            self._guarded(lambda: opened.append(TopkCapture.around(self.trainer, self.topk, original, args, kwargs)))
+            self._guarded(lambda: opened.append(TopkCapture.around(
+                self.trainer, self.topk, original, args, kwargs, check=self.topk_check is None)))
         if not opened:
             out = original(*args, **kwargs)
             if first:

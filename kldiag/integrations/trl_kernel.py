@@ -101,17 +101,24 @@ class TopkCapture:
 
     TRL 1.16 scores completions with a fused LM head (trl/trainer/utils.py `add_fused_lm_head`,
     trl/kernels/chunked_logprob.py): the `[B, T, V]` logits never exist. So the hook projects the
-    completion tokens' hidden states through the LM head itself (no grad, `TOPK_CHUNK` logits at a
+    completion positions' hidden states through the LM head itself (no grad, `TOPK_CHUNK` logits at a
     time), with the model config's `logit_scale` and `final_logit_softcapping` and TRL's temperature,
     then torch.topk and a logsumexp: one more LM-head projection of the completion tokens, the cost
     of attach(topk=k) (bench/topk.py). Completion token t of the chunk is predicted at hidden
     position -logits_to_keep - 1 + t, as in the fused head (hidden[:, :-1] against labels[:, 1:]).
-    `check` is the largest |our log-prob of each label - TRL's|: a model whose logits are scaled
-    by something else (another config key) shows here rather than in silently wrong lists.
+
+    The capture never waits for the device: every position is projected (chunks sized from shapes,
+    which the host knows) and the padding positions are masked afterwards with `torch.where`, where
+    selecting the valid rows first (`nonzero`) would sync. The projection and the top-k run in the
+    model's dtype (scale, softcap and temperature are increasing, so they keep the order); only the
+    k chosen logits and the log-sum-exp are taken in float32. With `check` (the first call), the
+    labels' log-probs are kept too and `result` returns the largest |ours - TRL's|: a model whose
+    logits are scaled by something else (another config key) shows there rather than in silently
+    wrong lists.
     """
 
-    def __init__(self, model: Any, k: int, temperature: float, logits_to_keep: int):
-        self.k, self.temperature, self.keep = int(k), float(temperature), int(logits_to_keep)
+    def __init__(self, model: Any, k: int, temperature: float, logits_to_keep: int, check: bool = True):
+        self.k, self.temperature, self.keep, self.check = int(k), float(temperature), int(logits_to_keep), check
         self.head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.scale = getattr(config, "logit_scale", None) or 1.0
@@ -120,12 +127,12 @@ class TopkCapture:
         self.handle = model.base_model.register_forward_hook(self._hook, with_kwargs=True)
 
     @classmethod
-    def around(cls, trainer: Any, k: int, method: Any, args: tuple, kwargs: dict) -> TopkCapture:
+    def around(cls, trainer: Any, k: int, method: Any, args: tuple, kwargs: dict, check: bool = True) -> TopkCapture:
         """A capture for one call of trainer._get_per_token_logps_and_entropies(*args, **kwargs)."""
         bound = inspect.signature(method).bind(*args, **kwargs).arguments
         model = trainer.accelerator.unwrap_model(bound["model"])
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return cls(model, k, getattr(trainer, "temperature", 1.0), bound["logits_to_keep"])
+        return cls(model, k, getattr(trainer, "temperature", 1.0), bound["logits_to_keep"], check)
 
     def close(self) -> None:
         self.handle.remove()
@@ -138,40 +145,52 @@ class TopkCapture:
         att = kwargs.get("attention_mask")
         with torch.no_grad():
             h = hidden[:, -self.keep - 1:-1].to(self.head.weight.device)
-            valid = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if att is None \
+            b, t = h.shape[:2]
+            valid = torch.ones((b, t), dtype=torch.bool, device=h.device) if att is None \
                 else att[:, -self.keep:].to(h.device).bool()
-            labels = ids[:, -self.keep:].to(h.device)
-            top_ids = torch.full((*h.shape[:2], self.k), -1, dtype=torch.long, device=h.device)
-            top_logp = torch.full((*h.shape[:2], self.k), -math.inf, dtype=torch.float32, device=h.device)
-            label_logp = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
-            rows = valid.nonzero(as_tuple=True)
-            step = max(1, TOPK_CHUNK // self.head.weight.shape[0])
-            for start in range(0, len(rows[0]), step):
-                at = (rows[0][start:start + step], rows[1][start:start + step])
-                z = self._logits(h[at])
-                log_z = torch.logsumexp(z, dim=-1, keepdim=True)  # top-k of z, then normalise: no [n, V] log_softmax
-                v, i = torch.topk(z, min(self.k, z.shape[-1]), dim=-1)
-                top_ids[at[0], at[1], : v.shape[-1]], top_logp[at[0], at[1], : v.shape[-1]] = i, v - log_z
-                label_logp[at] = (z.gather(-1, labels[at].unsqueeze(-1)) - log_z).squeeze(-1)
+            labels = ids[:, -self.keep:].to(h.device).reshape(-1) if self.check else None
+            flat = h.reshape(b * t, h.shape[-1])
+            rows = max(1, TOPK_CHUNK // self.head.weight.shape[0])
+            got = [self._chunk(flat[s:s + rows], None if labels is None else labels[s:s + rows])
+                   for s in range(0, b * t, rows)]
+            keep = valid.unsqueeze(-1)
+            top_ids = torch.where(keep, torch.cat([g[0] for g in got]).view(b, t, -1), -1)
+            top_logp = torch.where(keep, torch.cat([g[1] for g in got]).view(b, t, -1), -math.inf)
+            label_logp = torch.cat([g[2] for g in got]).view(b, t) if self.check else None
         self.parts.append((top_ids, top_logp, label_logp, valid))
 
-    def _logits(self, h: Any) -> Any:
-        """The tempered logits TRL's log-probs are the log_softmax of, float32 ([n, V])."""
+    def _chunk(self, h: Any, labels: Any | None) -> tuple[Any, Any, Any | None]:
+        """One chunk of positions [n, H]: top-k ids [n, k] (long), their log-probs [n, k] and, with
+        labels, the labels' log-probs [n] (float32)."""
         import torch
 
-        z = self.head(h).float() * self.scale
+        raw = self.head(h)  # [n, V] in the model's dtype
+        monotone = self.scale > 0
+        v, i = torch.topk(raw if monotone else self._tempered(raw.float()), min(self.k, raw.shape[-1]), dim=-1)
+        z = self._tempered(raw.float())
+        log_z = torch.logsumexp(z, dim=-1, keepdim=True)
+        top = (self._tempered(v.float()) if monotone else v) - log_z
+        label = None if labels is None else (z.gather(-1, labels.unsqueeze(-1)) - log_z).squeeze(-1)
+        return i, top, label
+
+    def _tempered(self, z: Any) -> Any:
+        """Raw LM-head logits -> the tempered logits TRL's log-probs are the log_softmax of (float32)."""
+        import torch
+
+        z = z * self.scale
         if self.softcap:
             z = self.softcap * torch.tanh(z / self.softcap)
         return z / self.temperature
 
     def result(self, logp: Any, check: bool) -> tuple[Any, Any, float | None]:
-        """(ids int32, log-probs float32) [B, T, k] of every chunk, and with `check` (a device sync)
-        the largest |label log-prob - TRL's [B, T] `logp`| at the completion tokens, else None."""
+        """(ids int32, log-probs float32) [B, T, k] of every chunk, and with `check` (a device sync;
+        only when the capture was opened with check) the largest |label log-prob - TRL's [B, T]
+        `logp`| at the completion tokens, else None."""
         import torch
 
         ids = torch.cat([p[0] for p in self.parts]).to(torch.int32)
         top = torch.cat([p[1] for p in self.parts])
-        if not check:
+        if not (check and self.check):
             return ids, top, None
         label, valid = torch.cat([p[2] for p in self.parts]), torch.cat([p[3] for p in self.parts])
         gap = (label - logp.detach().to(label.device).float())[valid].abs()
