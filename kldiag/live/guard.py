@@ -17,8 +17,8 @@ the episode rules of kldiag.analysis.episodes on the steps so far, and acts on e
 of a kind in `on` that started: "log" (a warning on the `kldiag.live.guard` logger and stderr),
 "save" and "stop" (flags the trainer integration turns into a checkpoint and a clean stop;
 a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`),
-"notify" (a Slack-compatible webhook message through kldiag.live.notify, `notify=URL`; from a
-background thread, once per episode, the URL never logged),
+"notify" (a Slack-compatible webhook message through kldiag.live.notify, `notify=URL`, `env:NAME`
+or a Notifier; sent from a background thread, once per episode, the URL never logged),
 "flight" (the `recorder=`'s flight recorder publishes its last steps, whole, as an evidence bundle
 at RUN/flight/<step>-<kind>/; the TRL hook turns it on when its recorder samples with
 flight_steps > 0; paths in guard.flights).
@@ -114,7 +114,7 @@ class Guard:
                  callback: Callable[[Episode], Any] | None = None, estimator: str | None = None,
                  config: DiagnosisConfig = DiagnosisConfig(), weight_limit: float = E.WEIGHT_LIMIT,
                  alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0, recorder: Any = None,
-                 notify: str | None = None):
+                 notify: str | Notifier | None = None):
         self.on = EP.parse_kinds(on)
         actions = tuple(a.strip() for a in (action.split(",") if isinstance(action, str) else action) if a.strip())
         unknown = sorted(set(actions) - set(ACTIONS))
@@ -126,7 +126,7 @@ class Guard:
         if "notify" in actions and notify is None:
             raise ValueError("action 'notify' needs notify=URL (a Slack-compatible webhook, or env:NAME)")
         self.actions += ("notify",) if notify is not None and "notify" not in self.actions else ()
-        self.notifier = None if notify is None else Notifier(notify)
+        self.notifier = notify if isinstance(notify, Notifier) or notify is None else Notifier(notify)
         if "flight" in actions and recorder is None:
             raise ValueError("action 'flight' needs recorder=rec (a kldiag.Recorder with flight_steps > 0); the TRL "
                              "hook passes its own")
