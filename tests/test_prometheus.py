@@ -139,7 +139,8 @@ def wait_for(fn, timeout: float, what: str):
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     """`kldiag serve-metrics` on a blown-up run and a run not started yet, scraped every 0.5 s by a real
-    Prometheus on 127.0.0.1 that loads the shipped rules; yields its query and alerts functions and the runs. Both processes are killed at teardown."""
+    Prometheus on 127.0.0.1 that loads the shipped rules; yields its query and alerts functions and the
+    runs. Both processes are killed at teardown."""
     tmp = tmp_path_factory.mktemp("prom")
     run, later = str(tmp / "blown"), str(tmp / "later")
     make_run(run, BLOWN, steps=range(0, 8))
@@ -150,7 +151,8 @@ def prometheus(tmp_path_factory):
         f"scrape_configs:\n  - job_name: kldiag\n    static_configs: [{{targets: ['127.0.0.1:{exp_port}']}}]\n")
     procs = [subprocess.Popen([sys.executable, "-m", "kldiag", "serve-metrics", run, later, "--port", str(exp_port),
                                "--interval", "0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
-             subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'db'}",
+             subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp / 'db'}",
                                f"--web.listen-address=127.0.0.1:{prom_port}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     api = f"http://127.0.0.1:{prom_port}/api/v1/"
@@ -171,7 +173,8 @@ def prometheus(tmp_path_factory):
 
 def test_real_prometheus_answers_the_verdict(prometheus):
     query, run, later = prometheus.query, prometheus.run, prometheus.later
-    res = wait_for(lambda: query(f'kldiag_verdict{{run="{run}"}}')["data"]["result"], 90, "kldiag_verdict in Prometheus")
+    res = wait_for(lambda: query(f'kldiag_verdict{{run="{run}"}}')["data"]["result"], 90,
+                   "kldiag_verdict in Prometheus")
     assert res[0]["metric"]["job"] == "kldiag" and res[0]["value"][1] == "2"  # unstable: the run blew up
     assert query(f'kldiag_up{{run="{later}"}}')["data"]["result"][0]["value"][1] == "0"  # not started: waiting
     cause = query('kldiag_cause{cause="k3_weight_blowup"}')["data"]["result"]
@@ -219,6 +222,8 @@ def exported_names() -> list[str]:
 def test_rules_pass_promtool_check_and_unit_tests(tmp_path):
     out = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+    description = ("kldiag's diagnosis names the critical cause k3_weight_blowup (the run is unstable). "
+                   "`kldiag analyze a` gives its onset, evidence and the fix for this trainer.")
     (tmp_path / "test.yml").write_text(f"""
 rule_files: ['{RULES}']
 evaluation_interval: 1m
@@ -238,7 +243,7 @@ tests:
           - exp_labels: {{severity: critical, run: a, cause: k3_weight_blowup}}
             exp_annotations:
               summary: "kldiag: k3_weight_blowup in run a"
-              description: "kldiag's diagnosis names the critical cause k3_weight_blowup (the run is unstable). `kldiag analyze a` gives its onset, evidence and the fix for this trainer."
+              description: "{description}"
       - eval_time: 20m
         alertname: KldiagRunStuck
         exp_alerts: []

@@ -10,7 +10,7 @@ published, refreshes the analysis and the diagnosis incrementally (only new part
 the latest step's figures, `kldiag_verdict` (0 healthy, 1 warning, 2 unstable), one
 `kldiag_cause{cause,severity}` per cause, `kldiag_episodes_total{kind}`, `kldiag_last_step`,
 `kldiag_seconds_since_last_part` (docs/metrics.md, "Prometheus metrics"). A Grafana dashboard and
-alerting rules: docs/grafana/kldiag.json, docs/grafana/kldiag-rules.yml (docs/prometheus.md).
+alerting rules: docs/grafana/kldiag.json, docs/grafana/kldiag-rules.yml (docs/monitoring.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, _ = exp.serve(port=args.port, host=args.host)
     except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port") from None
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
+                         "choose another --port") from None
     print(f"kldiag serve-metrics: http://{args.host}:{server.server_port}/metrics ({len(args.run_dirs)} run(s), "
           f"a look every {args.interval:g}s)", file=sys.stderr, flush=True)
     try:

@@ -87,7 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="exit 0 after this many seconds without a new part (default: never)")
     p.add_argument("--notify", default=None, metavar="URL",
                    help="POST a Slack-compatible JSON message to this webhook when a cause or a critical episode "
-                        "starts (once each; env:NAME reads the URL from that variable; docs/alerts.md)")
+                        "starts (once each; env:NAME reads the URL from that variable; docs/monitoring.md)")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 
