@@ -43,7 +43,7 @@ def webhook(mode: str = "ok"):
                 self.send_response(500)
                 self.end_headers()
                 return
-            received.append(json.loads(body))
+            received.append(json.loads(body) | {"_at": time.monotonic()})
             self.send_response(200)
             self.end_headers()
             self.wfile.write(b"ok")
@@ -83,15 +83,16 @@ def test_watch_notify_posts_each_cause_and_critical_episode_once(tmp_path, capsy
         assert n.diagnosis(w.poll().diagnosis) == 0  # the same episode goes on: no second message
         assert n.flush(10)
         n.close()
+        for m in received:
+            m.pop("_at")
         assert sorted((m["kind"], m["cause"]) for m in received) == [("cause", "k3_weight_blowup"),
                                                                      ("episode", "blowup")]
         cause = next(m for m in received if m["kind"] == "cause")
         assert cause["text"].startswith("kldiag [critical] k3_weight_blowup in ") and "from step 10" in cause["text"]
         assert cause["run"] == str(run) and cause["onset"] == 10 and cause["severity"] == "critical"
         assert cause["fix"] and cause["evidence"] and cause["fix"] in cause["text"]
-        print(json.dumps(cause, indent=1))  # the message as the server received it (shown with -s)
         assert main(["watch", str(run), "--once", "--notify", url]) == 0  # the CLI: a fresh watcher, one look
-        assert sorted(m["cause"] for m in received[2:]) == ["blowup", "k3_weight_blowup"]
+        assert sorted(m["cause"] for m in received[2:]) == ["blowup", "k3_weight_blowup"]  # one each
         assert TOKEN not in repr(n) and n.sent == 2
     out = capsys.readouterr()
     assert TOKEN not in out.out + out.err + caplog.text
@@ -140,6 +141,17 @@ def test_a_hanging_server_never_blocks_the_guard(tmp_path, caplog, capsys):
     assert "not delivered (TimeoutError); given up" in caplog.text
     assert TOKEN not in err + caplog.text + repr(g) + repr(vars(g))
     assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+
+
+def test_messages_are_rate_limited():
+    with webhook() as (url, received, _):
+        n = Notifier(url, run="runs/x", config=NotifyConfig(min_interval_s=0.3))
+        for start in (1, 5, 9):
+            n.episode(kldiag.diagnosis.Episode("nonfinite", start, None, start, 3.0, "critical", "3 NaN log-probs"))
+        assert n.flush(10)
+        n.close()
+        at = [m["_at"] for m in received]
+        assert [m["onset"] for m in received] == [1, 5, 9] and min(np.diff(at)) >= 0.29
 
 
 def test_bad_urls_are_user_errors_that_never_quote_the_url(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ and `type`), and every query is run against the real Prometheus below.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -27,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kldiag.analysis.engine import analyze
-from kldiag.analysis.types import AnalysisConfig
+from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import main
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers
@@ -80,6 +81,8 @@ def test_exporter_follows_a_run_from_waiting_to_unstable(tmp_path):
     assert value(s, "kldiag_weight_k3_abs_max", run) > 10
     exp.poll()  # no new part: the counter does not count the episode again
     assert value(scrape(exp), "kldiag_episodes_total", run, kind="blowup") == 1.0
+    gc.collect()  # between looks no analysis is held (a few numbers per run): memory flat in run length
+    assert not [o for o in gc.get_objects() if isinstance(o, Analysis) and str(o.run_dir) == run]
 
 
 def test_every_cause_of_the_diagnosis_is_exported_and_damage_never_crashes(tmp_path):
@@ -99,6 +102,31 @@ def test_every_cause_of_the_diagnosis_is_exported_and_damage_never_crashes(tmp_p
     (run / "run.json").unlink()  # the run vanished: waiting again, not an error
     exp.poll()
     assert value(scrape(exp), "kldiag_up", str(run)) == 0.0
+
+
+def test_exporter_follows_an_s3_run_started_after_it(s3, tmp_path, monkeypatch):
+    import numpy as np
+
+    import kldiag
+
+    monkeypatch.setenv("KLDIAG_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"s3://{s3.bucket()}/runs/p"
+    exp = Exporter([uri])
+    exp.poll()
+    assert value(scrape(exp), "kldiag_up", uri) == 0.0  # the exporter starts before training
+    rng = np.random.default_rng(0)
+    with kldiag.Recorder(uri, beta=0.04, estimator="k3", rotate_seconds=None) as rec:
+        for step in range(6):
+            logp = -rng.exponential(0.7, (4, 12)).astype(np.float32)
+            ref = logp.copy()
+            if step >= 3:  # pi_ref/pi_theta = e^8 on one token: |k3 weight| ~ 3000
+                logp[:, 3], ref[:, 3] = -9.0, -1.0
+            rec.record(step=step, logp=logp, logp_ref=ref, logp_old=logp)
+    exp.poll()
+    s = scrape(exp)
+    assert value(s, "kldiag_up", uri) == 1.0 and value(s, "kldiag_last_step", uri) == 5.0
+    assert value(s, "kldiag_verdict", uri) == 2.0 and value(s, "kldiag_weight_k3_abs_max", uri) > 1000
+    assert 0 <= value(s, "kldiag_seconds_since_last_part", uri) < 300  # the object's modification time
 
 
 def test_serve_metrics_cli(tmp_path, capsys):
