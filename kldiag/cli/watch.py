@@ -7,9 +7,9 @@ per-part sums too). It prints one line of the latest step's key figures, and a l
 alert episode starts or ends; the verdict line when it changes.
 
     kldiag watch runs/my_run                        # until Ctrl-C
+    kldiag watch runs/my_run --notify env:SLACK_WEBHOOK   # a Slack message per new cause / critical episode
     kldiag watch s3://bucket/runs/my_run --fail-on blowup,nonfinite   # exit 1 when one starts
     kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
-    kldiag watch runs/my_run --notify env:SLACK_WEBHOOK   # a Slack message per new cause / critical episode
 
 Exit codes: 0 (stopped, --once, or --max-idle seconds without a new part), 1 (a --fail-on
 rule fired; the episode is printed to stderr), 2 (a user error), 130 (Ctrl-C).
