@@ -10,7 +10,7 @@ The message is a JSON object whose "text" is what Slack (and Mattermost, Rocket.
 "fix") carry the same facts for a program. The caller never waits: a message is queued (bounded;
 past `max_queue` the newest are dropped and counted) and a daemon thread POSTs it, at most one per
 `min_interval_s`, retrying a 5xx, a 429 or a network failure `retries` times with exponential
-backoff (`backoff_s`, 2x, 4x ...), each try bounded by `timeout_s`, then giving up with one warning
+backoff (`backoff_s`, 2x, 4x ...), each try with a `timeout_s` socket timeout, then giving up with one warning
 on the `kldiag.live.notify` logger. Each episode (kind, start) and each cause (name) is sent once.
 
 The URL is a secret (a Slack webhook URL is its own credential): it is kept out of repr(), of every
@@ -44,7 +44,7 @@ class NotifyConfig:
     min_interval_s: float = 1.0  # Slack's incoming webhooks accept about one message per second
     retries: int = 3  # tries after the first, for a 5xx, a 429 or a network failure
     backoff_s: float = 1.0  # wait before the first retry; doubled for each next one
-    timeout_s: float = 10.0  # one HTTP try (connect and read)
+    timeout_s: float = 10.0  # socket timeout of one HTTP try (connect, and each read)
     max_queue: int = 100  # messages waiting; newer ones are dropped (and counted) past it
 
 
