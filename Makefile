@@ -5,14 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test lab browser bench clean
+.PHONY: setup demo test lab browser prometheus bench clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl]'
+	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl,prometheus]'
 	$(PIP) install -q --no-deps verl==0.9.1  # its own metadata would move transformers: see pyproject's verl extra
 	$(PIP) download -q --no-deps openrlhf==0.11.2 -d $(VENV)/wheels  # read (never imported) by tests/test_frameworks.py
 	touch $@
@@ -22,13 +22,18 @@ browser:
 	  echo "installing Debian chromium for the browser tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing Debian prometheus (server and promtool) for tests/test_prometheus.py"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
 demo: setup
 	$(VENV)/bin/kldiag demo
 
 lab: setup
 	$(VENV)/bin/kldiag lab
 
-test: setup browser
+test: setup browser prometheus
 	$(PY) -m pytest -q
 
 bench: setup

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "kldiag.cli.demo",
     "kldiag.cli.report",
     "kldiag.cli.watch",
+    "kldiag.cli.serve_metrics",
     "kldiag.cli.importers",
     "kldiag.cli.export",
     "kldiag.cli.crosswalk",

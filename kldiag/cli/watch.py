@@ -7,6 +7,7 @@ per-part sums too). It prints one line of the latest step's key figures, and a l
 alert episode starts or ends; the verdict line when it changes.
 
     kldiag watch runs/my_run                        # until Ctrl-C
+    kldiag watch runs/my_run --notify env:SLACK_WEBHOOK   # a Slack message per new cause / critical episode
     kldiag watch s3://bucket/runs/my_run --fail-on blowup,nonfinite   # exit 1 when one starts
     kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
 
@@ -23,10 +24,22 @@ import time
 from kldiag.analysis import engines
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.live.notify import Notifier
 from kldiag.live.watch import Watcher, render
+
+NOTIFY_CLOSE_S = 15.0  # at exit, how long queued webhook messages may still take
 
 
 def run(args: argparse.Namespace) -> int:
+    notifier = Notifier(args.notify, run=args.run_dir) if args.notify else None
+    try:
+        return _watch(args, notifier)
+    finally:
+        if notifier is not None:
+            notifier.close(timeout=NOTIFY_CLOSE_S)  # the messages of the last look go out before exit
+
+
+def _watch(args: argparse.Namespace, notifier: Notifier | None) -> int:
     fail_on = EP.parse_kinds(args.fail_on) if args.fail_on else ()
     w = Watcher(args.run_dir, AnalysisConfig(**engines.options(args)))
     last_verdict, waiting, idle_since = None, "", time.monotonic()
@@ -37,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         waiting = up.waiting
         for line in render(up, last_verdict):
             print(line, flush=True)
+        if notifier is not None:
+            notifier.diagnosis(up.diagnosis)
         if up.diagnosis is not None:
             last_verdict, idle_since = up.diagnosis.verdict, time.monotonic()
             fired = [e for e in (w.known.values() if args.once else up.started) if e.kind in fail_on]
@@ -70,6 +85,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="look once, print, and exit (with --fail-on: 1 if any fired)")
     p.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
                    help="exit 0 after this many seconds without a new part (default: never)")
+    p.add_argument("--notify", default=None, metavar="URL",
+                   help="POST a Slack-compatible JSON message to this webhook when a cause or a critical episode "
+                        "starts (once each; env:NAME reads the URL from that variable; docs/monitoring.md)")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 

@@ -17,6 +17,8 @@ the episode rules of kldiag.analysis.episodes on the steps so far, and acts on e
 of a kind in `on` that started: "log" (a warning on the `kldiag.live.guard` logger and stderr),
 "save" and "stop" (flags the trainer integration turns into a checkpoint and a clean stop;
 a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`),
+"notify" (a Slack-compatible webhook message through kldiag.live.notify, `notify=URL`, `env:NAME`
+or a Notifier; sent from a background thread, once per episode, the URL never logged),
 "flight" (the `recorder=`'s flight recorder publishes its last steps, whole, as an evidence bundle
 at RUN/flight/<step>-<kind>/; the TRL hook turns it on when its recorder samples with
 flight_steps > 0; paths in guard.flights).
@@ -39,9 +41,10 @@ import numpy as np
 from kldiag import estimators as E
 from kldiag.analysis import episodes as EP
 from kldiag.diagnosis.types import DiagnosisConfig, Episode
+from kldiag.live.notify import Notifier
 
 log = logging.getLogger("kldiag.live.guard")
-ACTIONS = ("log", "save", "stop", "call", "flight")
+ACTIONS = ("log", "save", "stop", "call", "flight", "notify")
 _SUMS = ("tokens", "sum_w", "sum_w_flagged", "flagged", "nonfinite", "invalid", "n_mismatch", "sum_mismatch",
          "n_drift", "sum_drift", "placeholders")
 _MAXES = ("weight_k3_abs_max", "weight_k3_is_abs_max")
@@ -110,7 +113,8 @@ class Guard:
     def __init__(self, on: str | tuple[str, ...] = "blowup,nonfinite", action: str | tuple[str, ...] = "log,save,stop",
                  callback: Callable[[Episode], Any] | None = None, estimator: str | None = None,
                  config: DiagnosisConfig = DiagnosisConfig(), weight_limit: float = E.WEIGHT_LIMIT,
-                 alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0, recorder: Any = None):
+                 alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0, recorder: Any = None,
+                 notify: str | Notifier | None = None):
         self.on = EP.parse_kinds(on)
         actions = tuple(a.strip() for a in (action.split(",") if isinstance(action, str) else action) if a.strip())
         unknown = sorted(set(actions) - set(ACTIONS))
@@ -119,6 +123,10 @@ class Guard:
         if "call" in actions and callback is None:
             raise ValueError("action 'call' needs callback=f (f(episode) is called when an episode starts)")
         self.actions = actions + (("call",) if callback is not None and "call" not in actions else ())
+        if "notify" in actions and notify is None:
+            raise ValueError("action 'notify' needs notify=URL (a Slack-compatible webhook, or env:NAME)")
+        self.actions += ("notify",) if notify is not None and "notify" not in self.actions else ()
+        self.notifier = notify if isinstance(notify, Notifier) or notify is None else Notifier(notify)
         if "flight" in actions and recorder is None:
             raise ValueError("action 'flight' needs recorder=rec (a kldiag.Recorder with flight_steps > 0); the TRL "
                              "hook passes its own")
@@ -165,6 +173,8 @@ class Guard:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=self.wait_s)
+        if self.notifier is not None:
+            self.notifier.close(timeout=self.wait_s)
 
     # -- the worker
     def _work(self) -> None:
@@ -234,6 +244,8 @@ class Guard:
         self.should_stop |= "stop" in self.actions
         if "call" in self.actions and self.callback is not None:
             self.callback(e)
+        if "notify" in self.actions and self.notifier is not None:  # queued: the step never waits on the webhook
+            self.notifier.episode(e, run=str(getattr(self.recorder, "run_dir", "") or ""))
         if "flight" in self.actions and self.recorder is not None:
             trigger = {"kind": e.kind, "start": e.start, "severity": e.severity, "message": e.message,
                        "peak_step": e.peak_step, "peak_value": e.peak_value, "source": "guard"}
