@@ -22,6 +22,7 @@ v1 = pytest.importorskip("verl.trainer.ppo.v1")
 import kldiag  # noqa: E402
 from kldiag.integrations import verl as hook  # noqa: E402
 from kldiag.integrations import verl_metrics  # noqa: E402
+from kldiag.integrations.step_metrics import StepWindow  # noqa: E402
 from kldiag.integrations.trl_metrics import batch_partials, log_metrics, merge_partials  # noqa: E402
 from tensordict.tensorclass import NonTensorData  # noqa: E402
 from test_integrations_verl import actor, forward, make_batch, model  # noqa: E402, F401 - the fixture too
@@ -153,10 +154,10 @@ def test_two_dp_ranks_reduce_to_the_figures_of_all_their_tokens():
                         "logp_old": s + rng.normal(0, 0.3, s.shape).astype(np.float32),
                         "mask": rng.random(s.shape) > 0.2})
     ranks = [Rank(), Rank()]
-    windows = [verl_metrics.StepWindow(r, world=2) for r in ranks]
+    windows = [StepWindow(r) for r in ranks]
     for i, b in enumerate(batches):  # rank 0 gets 3 batches, rank 1 gets 2
         ranks[i % 2].observers[0](b)
-    reports = [[[w.report(4)]] for w in windows]  # one mini-batch, one reporting micro-batch per rank
+    reports = [[[verl_metrics.report(w, 4, world=2)]] for w in windows]  # one mini-batch, one reporting micro-batch per rank
     metrics = reduce_metrics({f"actor/{k}": v for k, v in gather_minis(reports).items()})
     added = verl_metrics.finish(metrics)
     whole = batch_partials(batches[0]["logp"], batches[0]["logp_ref"], batches[0]["logp_old"], batches[0]["mask"])

@@ -46,7 +46,8 @@ import numpy as np
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
-from kldiag.integrations.verl_metrics import StepWindow
+from kldiag.integrations import verl_metrics
+from kldiag.integrations.step_metrics import StepWindow
 from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
@@ -125,7 +126,8 @@ class _State:
     last_mini_ends_step: bool = False
     seen: dict[int, int] = field(default_factory=dict)  # seq id -> times recorded this step
     failures: int = 0
-    window: Any = None  # verl_metrics.StepWindow: the kldiag/* figures of each step, from the writer thread
+    window: Any = None  # step_metrics.StepWindow: the kldiag/* figures of each step, from the writer thread
+    world: int = 1  # data-parallel ranks (verl averages the loss metrics over them)
 
 
 STATE = _State()
@@ -239,7 +241,8 @@ def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict
         STATE.recorder = Recorder(run, rank=rank, world_size=world, trainer="verl", trainer_version=version,
                                   beta=coef, estimator=ESTIMATOR_OF.get(str(cfg.get("kl_loss_type"))),
                                   clip_range=clip, config=cfg)
-        STATE.window = StepWindow(STATE.recorder, world)
+        STATE.window = StepWindow(STATE.recorder)
+        STATE.world = world
     return STATE.recorder
 
 
@@ -350,7 +353,7 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
     """Record one micro-batch exactly as verl's ppo_loss padded it (see the module doc).
 
     Returns the loss metrics to add: at the first micro-batch of a step, the previous step's
-    `kldiag_partials/...` (verl_metrics.StepWindow.report), else nothing.
+    `kldiag_partials/...` (verl_metrics.report), else nothing.
     """
     import torch
     from verl.workers.utils.padding import no_padding_2_padding
@@ -375,7 +378,8 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
     previous = STATE.step
     step, micro = _advance(data, logp.shape[0])
     # Before this batch is recorded: the writer's window then holds the previous step only.
-    reported = STATE.window.report(previous) if step != previous and previous >= 0 else {}
+    new_step = step != previous and previous >= 0
+    reported = verl_metrics.report(STATE.window, previous, STATE.world) if new_step else {}
     seq_host = seq.cpu().numpy()  # one small [B] copy: the epoch count needs it on the host
     iteration = max((STATE.seen.get(int(s), 0) for s in seq_host), default=0)
     for s in seq_host:

@@ -2,9 +2,9 @@
 
 The same figures as the TRL hook's (kldiag.integrations.trl_metrics.log_metrics), per recorded step:
 
-- Worker side (`StepWindow`, in the process that runs the recording loss): the recorder's writer
+- Worker side (`report`, in the process that runs the recording loss): the recorder's writer
   thread computes each recorded micro-batch's partial sums (trl_metrics.batch_partials) from the
-  host copies it writes and merges them into a window. The loss never waits for it: at the first
+  host copies it writes and merges them into a window (step_metrics.StepWindow). The loss never waits for it: at the first
   loss call of step s, if the writer has converted every batch recorded so far (no wait), the
   window is exactly step s-1 on this rank and its partials go into that call's metrics dict under
   `kldiag_partials/...`; if not, the call reports `kldiag_partials/late_max` = 1, as does the
@@ -27,54 +27,21 @@ those of the last step of a run only the run itself.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-import numpy as np
-
-from kldiag.integrations.trl_metrics import METRIC_PREFIX, batch_partials, log_metrics, merge_partials
+from kldiag.integrations.step_metrics import SUM_KEYS, StepWindow
+from kldiag.integrations.trl_metrics import METRIC_PREFIX, log_metrics
 
 PARTIALS = "kldiag_partials/"  # what the loss reports; verl's driver prefixes it with "actor/"
 _DRIVER = "actor/" + PARTIALS
 
 
-class StepWindow:
-    """Partial sums of the batches the writer converted since the last report (one per worker process)."""
-
-    def __init__(self, recorder: Any, world: int):
-        self.recorder, self.world = recorder, int(world)
-        self.window: dict[str, float] | None = None
-        self.has_ref = False
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None
-        self.stale = False  # the last report found batches unconverted: they would land in the next window
-        recorder.observe(self.observe)
-
-    def observe(self, columns: dict[str, Any]) -> None:
-        """Writer thread: merge one recorded batch (the columns the recorder writes)."""
-        try:
-            mask = columns["mask"] if "mask" in columns else columns["completion"]
-            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask)
-        except Exception as e:  # noqa: BLE001 - reported as late at the next step, never into the writer
-            self.error = e
-            return
-        with self.lock:
-            self.window = p if self.window is None else merge_partials(self.window, p)
-            self.has_ref = self.has_ref or "logp_ref" in columns
-
-    def report(self, step: int) -> dict[str, float]:
-        """The loss metrics of the first loss call after `step` ended on this rank (never waits)."""
-        converted = self.recorder.wait_converted(0.0) and self.error is None
-        ready, self.stale = converted and not self.stale, not converted
-        with self.lock:
-            window, self.window, self.error = self.window, None, None
-        out = {"step_min": float(step), "step_max": float(step), "late_max": 0.0 if ready else 1.0,
-               "world_min": float(self.world), "has_ref_min": float(self.has_ref)}
-        if ready and window is not None:
-            out.update(window)
-        elif ready:  # a rank with no rows in the step
-            out.update(batch_partials(np.zeros((0, 0), np.float32), None, None, np.zeros((0, 0), bool)))
-        return {PARTIALS + k: float(v) for k, v in out.items()}
+def report(window: StepWindow, step: int, world: int) -> dict[str, float]:
+    """The loss metrics of the first loss call after `step` ended on this rank (never waits)."""
+    partials = window.take()
+    out = {"step_min": float(step), "step_max": float(step), "late_max": 0.0 if partials is not None else 1.0,
+           "world_min": float(world), "has_ref_min": float(window.has_ref), **(partials or {})}
+    return {PARTIALS + k: float(v) for k, v in out.items()}
 
 
 def finish(metrics: dict[str, Any]) -> dict[str, float]:
@@ -87,8 +54,7 @@ def finish(metrics: dict[str, Any]) -> dict[str, float]:
     if not p or p.get("late_max", 1.0) != 0.0 or p["step_min"] != p["step_max"] or "tokens" not in p:
         return {}
     world = p["world_min"]
-    for k in ("tokens", "k3_sum", "k3_is_sum", "flagged", "weight_k3_abs_sum", "weight_k3_abs_flagged_sum",
-              "nonfinite"):
+    for k in SUM_KEYS:
         p[k] *= world  # verl averaged them over the ranks
     out = log_metrics(p, bool(p["has_ref_min"])) | {METRIC_PREFIX + "step": p["step_min"]}
     metrics.update(out)
