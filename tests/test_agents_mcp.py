@@ -193,7 +193,8 @@ def test_runs_outside_the_roots_are_refused(root, tmp_path):
     try:
         got = call(root, ("diagnose", {"run": str(tmp_path / "outside" / "run")}),
                    ("diagnose", {"run": "../../" + str(tmp_path.relative_to(tmp_path.anchor)) + "/outside/run"}),
-                   ("diagnose", {"run": "link"}), ("sequence", {"run": "demo_k3/../../runs/../..", "step": 0, "seq": 0}),
+                   ("diagnose", {"run": "link"}),
+                   ("sequence", {"run": "demo_k3/../../runs/../..", "step": 0, "seq": 0}),
                    ("audit", {"run": "trl_grpo_tiny", "logs": "/etc/passwd"}),
                    ("list_runs", {"root": str(tmp_path)}))
     finally:

@@ -157,7 +157,7 @@ def test_two_dp_ranks_reduce_to_the_figures_of_all_their_tokens():
     windows = [StepWindow(r) for r in ranks]
     for i, b in enumerate(batches):  # rank 0 gets 3 batches, rank 1 gets 2
         ranks[i % 2].observers[0](b)
-    reports = [[[verl_metrics.report(w, 4, world=2)]] for w in windows]  # one mini-batch, one reporting micro-batch per rank
+    reports = [[[verl_metrics.report(w, 4, world=2)]] for w in windows]  # 1 mini-batch, 1 reporting micro-batch
     metrics = reduce_metrics({f"actor/{k}": v for k, v in gather_minis(reports).items()})
     added = verl_metrics.finish(metrics)
     whole = batch_partials(batches[0]["logp"], batches[0]["logp_ref"], batches[0]["logp_old"], batches[0]["mask"])

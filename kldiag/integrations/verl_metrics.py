@@ -4,10 +4,10 @@ The same figures as the TRL hook's (kldiag.integrations.trl_metrics.log_metrics)
 
 - Worker side (`report`, in the process that runs the recording loss): the recorder's writer
   thread computes each recorded micro-batch's partial sums (trl_metrics.batch_partials) from the
-  host copies it writes and merges them into a window (step_metrics.StepWindow). The loss never waits for it: at the first
-  loss call of step s, if the writer has converted every batch recorded so far (no wait), the
-  window is exactly step s-1 on this rank and its partials go into that call's metrics dict under
-  `kldiag_partials/...`; if not, the call reports `kldiag_partials/late_max` = 1, as does the
+  host copies it writes and merges them into a window (step_metrics.StepWindow). The loss never
+  waits for it: at the first loss call of step s, if the writer has converted every batch
+  recorded so far (checked, not waited for), the window is exactly step s-1 on this rank and its
+  partials go into that call's metrics dict under `kldiag_partials/...`; if not, the call reports `kldiag_partials/late_max` = 1, as does the
   next call (its window holds the rest of both steps): those steps are left out of the tracker
   (the run keeps every row).
 - verl carries loss metrics to the driver as it does its own (verl 0.9.1, workers/engine/utils.py
