@@ -183,6 +183,7 @@ def test_explain_gives_rule_fix_and_the_runs_evidence(root, analyzed):
     assert r["fix"] == cause["fix"] and r["in_run"] == cause and r["evidence_keys"] == sorted(cause["evidence"])
     assert "blowup_weight" in r["detected_when"]
     assert "kl_loss_type" in verl["fix"] and "in_run" not in verl  # phrased in verl's option names
+    assert verl["evidence_keys"] is None and "pass run=" in verl["note"]
     assert bad[0] == "error" and "k3_weight_blowup" in bad[1]
 
 

@@ -184,6 +184,9 @@ def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | 
         out["run"] = ws.label(ws.resolve(run))
         out["in_run"] = found  # the cause as the run's diagnosis holds it (evidence, onset, fix), or None
         out["evidence_keys"] = sorted(found["evidence"]) if found else None
+    else:
+        out["evidence_keys"] = None
+        out["note"] = "a cause's evidence keys depend on what fired: pass run= to get them from a run's diagnosis"
     return out
 
 
