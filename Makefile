@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl,prometheus]'
+	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl,prometheus,mcp]'
 	$(PIP) install -q --no-deps verl==0.9.1  # its own metadata would move transformers: see pyproject's verl extra
 	$(PIP) download -q --no-deps openrlhf==0.11.2 -d $(VENV)/wheels  # read (never imported) by tests/test_frameworks.py
 	touch $@

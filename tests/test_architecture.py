@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("views",),  # display shaping, no Streamlit
     ("report",),  # the HTML / text post-mortem
     ("tools",),  # lab, demo, synthetic runs
+    ("agents",),  # read-only tools for coding agents and their MCP server
     ("cli",),  # one module per subcommand
     ("__init__", "__main__"),  # the public facade
 )

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "kldiag.cli.export",
     "kldiag.cli.crosswalk",
     "kldiag.cli.audit",
+    "kldiag.cli.mcp",
 )
 
 

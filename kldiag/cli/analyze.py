@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import warnings
 from pathlib import Path
@@ -14,14 +13,13 @@ from typing import Any
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from kldiag.analysis import coverage, engines, runner, topk
-from kldiag.analysis.engine import analyze
-from kldiag.analysis.turns import turns_of
+from kldiag.analysis import coverage, engines
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
-from kldiag.report.build import reducers as report_reducers
+from kldiag.report.summary import analyze_run, summary
+from kldiag.report.summary import json_default as _json_default
 
 # Options that are not thresholds, handled by hand.
 _SKIP = {"workers", "strict", "use_cache", "engine", "ray_address"}
@@ -66,10 +64,7 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
 def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # what the diagnosis and `kldiag report` read, in the same one read of each part: a report after
-        # an analyze reads no part
-        # (and the top-k figures of --json, "topk": nothing to read in a run without top-k lists)
-        a = analyze(args.run_dir, config_from_args(args), [*report_reducers(), topk.TopkReducer()])
+        a = analyze_run(args.run_dir, config_from_args(args))
     for w in caught:
         print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.out:
@@ -99,50 +94,6 @@ def write_tables(a: Analysis, out: Path) -> list[Path]:
         pcsv.write_csv(table, out / f"{name}.csv")
         written += [out / f"{name}.parquet", out / f"{name}.csv"]
     return written
-
-
-def _json_default(v: Any) -> Any:
-    if hasattr(v, "item"):
-        return v.item()
-    return str(v)
-
-
-def _clean(v: Any) -> Any:
-    """JSON has no NaN or infinity: a missing value is null, an overflow the string "inf"."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
-def _clean_nested(v: Any) -> Any:
-    """_clean through dicts and lists (the top-k figures: bounds may be infinite)."""
-    if isinstance(v, dict):
-        return {k: _clean_nested(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_clean_nested(x) for x in v]
-    return _clean(v)
-
-
-def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
-    """What --json prints: run facts, the per-step table, alerts (episodes), worst tokens (first 20),
-    the diagnosis (verdict and causes) and the per-turn figures; docs/metrics.md, "kldiag analyze RUN --json",
-    lists the keys."""
-    if diagnosis is None:
-        diagnosis = diagnose(a)
-    return {
-        "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
-        "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
-        "steps": [{k: _clean(v) for k, v in r.items()} for r in a.steps.to_pylist()],
-        "alerts": [e.to_dict() for e in diagnosis.episodes],
-        "diagnosis": diagnosis.to_dict(),
-        "flags": [{k: _clean(v) for k, v in r.items()} for r in a.flags.slice(0, 20).to_pylist()],
-        "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
-        "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
-        "cannot_compute": coverage.cannot_compute(a),
-        "placeholders": int(a.info.get("placeholders", 0)),
-        "topk": _clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
-        "turns": turns_of(a),
-    }
 
 
 def superseded_line(rows: list[dict[str, int]]) -> str:

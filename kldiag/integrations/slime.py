@@ -23,6 +23,10 @@ loss mask, entropy. With it, `postprocess` records nothing itself (it only notes
 id): rows come from the update. Sequence ids are rollout_id * 2**32 + the sample's rollout
 position when slime puts `partition` in the batch (with --save-debug-train-data, model.py
 l. 601), as `kldiag import slime` assigns them.
+
+With `policy_loss`, slime's logged train-step metrics also get `kldiag/k3_mean`,
+`kldiag/weight_k3_abs_max`, ... and `kldiag/step` (the previous rollout's figures, computed in the
+recorder's writer thread, carried through slime's own loss-log reduction: kldiag.integrations.slime_metrics).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks import slime as slime_frameworks
 from kldiag.importers import slime as dump
 from kldiag.importers.sink import Sequence, pack
+from kldiag.integrations import slime_metrics
+from kldiag.integrations.step_metrics import StepWindow
 
 ENV_RUN = "KLDIAG_RUN"
 LOSS_PATH = "kldiag.integrations.slime.policy_loss"
@@ -49,6 +55,10 @@ class _State:
     rollout_id: int = -1
     micro: int = 0
     seen: set[int] = set()
+    window: Any = None  # step_metrics.StepWindow: the kldiag/* figures per rollout, from the writer thread
+    reported: int = -1  # the rollout whose first loss call reported the previous one
+    log_hook: bool | None = None  # slime's logging_utils.log wrapped (False: this slime has none: no report)
+    last_step: int = -1  # the step of the rows this process recorded last
 
 
 STATE = _State()
@@ -85,6 +95,7 @@ def recorder(args: Any, mpu: Any) -> Any:
         STATE.recorder = Recorder(run, rank=mpu.get_data_parallel_rank(with_context_parallel=False),
                                   world_size=mpu.get_data_parallel_world_size(with_context_parallel=False),
                                   trainer="slime", config=config)
+        STATE.window = StepWindow(STATE.recorder)
     return STATE.recorder
 
 
@@ -152,12 +163,34 @@ def policy_loss(args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mea
 
     slime_loss.get_log_probs_and_entropy = capture
     try:
-        result = slime_loss.policy_loss_function(args, batch, logits, sum_of_sample_mean)
+        loss, log = slime_loss.policy_loss_function(args, batch, logits, sum_of_sample_mean)
     finally:
         slime_loss.get_log_probs_and_entropy = original
+    reported = _report(logits.device)  # before this micro-batch is recorded: the window is the last rollout
     if "log_probs" in captured:
         record_loss_batch(args, batch, captured)
-    return result
+    return loss, {**log, **reported}
+
+
+def _report(device: Any) -> dict[str, Any]:
+    """The `kldiag_partials/...` loss-log entries of this call (slime_metrics; zeros but at a rollout's first)."""
+    import torch
+
+    if STATE.log_hook is None:
+        try:
+            slime_metrics.install_log_hook()
+            STATE.log_hook = True
+        except ImportError:  # no slime.observability: the partials would be logged raw, so none are sent
+            STATE.log_hook = False
+    if not STATE.log_hook:
+        return {}
+    mpu = _mpu()
+    first = STATE.reported != STATE.rollout_id
+    STATE.reported = STATE.rollout_id
+    window = STATE.window if first and STATE.last_step >= 0 else None
+    values = slime_metrics.report(window, STATE.last_step, mpu.get_data_parallel_rank(with_context_parallel=False),
+                                  mpu.get_data_parallel_world_size(with_context_parallel=False))
+    return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in values.items()}
 
 
 def record_loss_batch(args: Any, batch: dict[str, Any], captured: dict[str, Any]) -> None:
@@ -183,6 +216,8 @@ def record_loss_batch(args: Any, batch: dict[str, Any], captured: dict[str, Any]
     seqs = loss_sequences(batch, fields, rec.rank, getattr(args, "n_samples_per_prompt", None))
     STATE.micro += 1
     _record(rec, seqs)
+    if seqs:
+        STATE.last_step = seqs[0].step
 
 
 def loss_sequences(batch: dict[str, Any], fields: dict[str, list[Any]], rank: int,

@@ -23,6 +23,10 @@ micro = mini_batch * MICRO_SLOTS + micro-batch within it (mini-batches counted p
 epochs); iteration = how many times this rank already recorded the sequence in this step (the
 PPO epoch). kldiag rank = data-parallel rank; only the rank that owns the data records
 (Ulysses sequence-parallel rank 0; Megatron tensor- and context-parallel rank 0).
+Tracker metrics: the first loss call of each step returns, besides verl's own metrics, the
+previous step's `kldiag_partials/...` (computed in the recorder's writer thread, never waited
+for); the kldiag trainer subclass turns them into `kldiag/k3_mean`, `kldiag/weight_k3_abs_max`, ...
+and `kldiag/step` in the metrics verl logs (kldiag.integrations.verl_metrics).
 `rollout_is_weights` is not a column of run format v1.1: with logp_old, logp_sampler and the
 manifest's `rollout_correction` block, kldiag.crosswalk recomputes them.
 """
@@ -42,6 +46,8 @@ import numpy as np
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
+from kldiag.integrations import verl_metrics
+from kldiag.integrations.step_metrics import StepWindow
 from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
@@ -120,6 +126,8 @@ class _State:
     last_mini_ends_step: bool = False
     seen: dict[int, int] = field(default_factory=dict)  # seq id -> times recorded this step
     failures: int = 0
+    window: Any = None  # step_metrics.StepWindow: the kldiag/* figures of each step, from the writer thread
+    world: int = 1  # data-parallel ranks (verl averages the loss metrics over them)
 
 
 STATE = _State()
@@ -139,7 +147,9 @@ def ppo_loss(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any
     if not _training_pass():  # verl's infer_batch may call the loss without gradients: not an update
         return loss, metrics
     try:
-        record_micro_batch(config, model_output, data, dp_group, run=run, manifest_config=manifest_config)
+        reported = record_micro_batch(config, model_output, data, dp_group, run=run, manifest_config=manifest_config)
+        if reported:  # the previous step's kldiag/* partials, carried to the driver with verl's own metrics
+            metrics = {**metrics, **reported}
     except Exception as e:  # noqa: BLE001 - never into training unless asked
         STATE.failures += 1
         if os.environ.get("KLDIAG_STRICT") == "1":
@@ -231,6 +241,8 @@ def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict
         STATE.recorder = Recorder(run, rank=rank, world_size=world, trainer="verl", trainer_version=version,
                                   beta=coef, estimator=ESTIMATOR_OF.get(str(cfg.get("kl_loss_type"))),
                                   clip_range=clip, config=cfg)
+        STATE.window = StepWindow(STATE.recorder)
+        STATE.world = world
     return STATE.recorder
 
 
@@ -337,13 +349,17 @@ def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
 
 
 def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any = None, *,
-                       run: str | None = None, manifest_config: dict[str, Any] | None = None) -> None:
-    """Record one micro-batch exactly as verl's ppo_loss padded it (see the module doc)."""
+                       run: str | None = None, manifest_config: dict[str, Any] | None = None) -> dict[str, float]:
+    """Record one micro-batch exactly as verl's ppo_loss padded it (see the module doc).
+
+    Returns the loss metrics to add: at the first micro-batch of a step, the previous step's
+    `kldiag_partials/...` (verl_metrics.report), else nothing.
+    """
     import torch
     from verl.workers.utils.padding import no_padding_2_padding
 
     if not owns_data():
-        return
+        return {}
     rec = _recorder(config, dp_group, run, manifest_config)
     with torch.no_grad():
         logp = no_padding_2_padding(model_output["log_probs"].detach(), data)
@@ -359,13 +375,18 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
         cols = {FIELDS[k]: padded[k][:, :t] for k in names}
         cols["mask"] = cols["mask"].bool() & completion
         seq, group = sequence_ids(data, lengths)
+    previous = STATE.step
     step, micro = _advance(data, logp.shape[0])
+    # Before this batch is recorded: the writer's window then holds the previous step only.
+    new_step = step != previous and previous >= 0
+    reported = verl_metrics.report(STATE.window, previous, STATE.world) if new_step else {}
     seq_host = seq.cpu().numpy()  # one small [B] copy: the epoch count needs it on the host
     iteration = max((STATE.seen.get(int(s), 0) for s in seq_host), default=0)
     for s in seq_host:
         STATE.seen[int(s)] = iteration + 1
     rec.record(step=step, micro=micro, iteration=iteration, logp=logp, entropy=entropy, completion_mask=completion,
                seq_ids=seq, group_ids=group, **cols)
+    return reported
 
 
 def close() -> None:

@@ -1,4 +1,5 @@
-"""kldiag's subclass of a verl V1 trainer: tags each actor update with the global step and, in a
+"""kldiag's subclass of a verl V1 trainer: tags each actor update with the global step, turns the
+workers' `kldiag_partials/...` into the `kldiag/...` metrics verl logs (verl_metrics) and, in a
 kldiag_* trainer mode, attaches the recording loss once verl's `_setup()` built the worker groups."""
 
 from __future__ import annotations
@@ -6,6 +7,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from typing import Any
+
+from kldiag.integrations.verl_metrics import finish
 
 ENV_RUN = "KLDIAG_RUN"
 
@@ -49,7 +52,9 @@ def make_trainer(base: type, on_setup: Callable[[Any], None] | None = None) -> t
 
         def _update_actor(self, batch: Any, metrics: dict) -> Any:
             batch.extra_info["kldiag_step"] = int(self.global_steps)  # reaches the loss as non-tensor data
-            return super()._update_actor(batch, metrics=metrics)
+            out = super()._update_actor(batch, metrics=metrics)
+            finish(metrics)  # the previous step's kldiag/* figures, next to verl's actor/* (verl_metrics)
+            return out
 
     KldiagTrainer.__name__ = KldiagTrainer.__qualname__ = f"Kldiag{base.__name__}"
     return KldiagTrainer
