@@ -23,11 +23,15 @@ import time
 from kldiag.analysis import engines
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.cli import args as checks
+from kldiag.format import open_run
 from kldiag.live.watch import Watcher, render
 
 
 def run(args: argparse.Namespace) -> int:
     fail_on = EP.parse_kinds(args.fail_on) if args.fail_on else ()
+    if args.once:
+        open_run(args.run_dir)  # one look at a run that does not exist is an error; without --once, wait for it
     w = Watcher(args.run_dir, AnalysisConfig(**engines.options(args)))
     last_verdict, waiting, idle_since = None, "", time.monotonic()
     while True:
@@ -62,13 +66,13 @@ def _kinds_arg(text: str) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("watch", help="follow a run live in the terminal: key figures, alert episodes",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI (s3://bucket/prefix)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between looks (default 5)")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI (s3://bucket/prefix)")
+    p.add_argument("--interval", type=checks.positive(float), default=5.0, help="seconds between looks (default 5)")
     p.add_argument("--fail-on", type=_kinds_arg, default=None, metavar="RULES",
                    help=f"comma list of episode kinds ({', '.join(EP.KINDS)}), blame, nonfinite, jump or all: "
                         "exit 1 when one starts")
     p.add_argument("--once", action="store_true", help="look once, print, and exit (with --fail-on: 1 if any fired)")
-    p.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--max-idle", type=checks.non_negative, default=0.0, metavar="SECONDS",
                    help="exit 0 after this many seconds without a new part (default: never)")
     engines.add_arguments(p)
     p.set_defaults(func=run)
