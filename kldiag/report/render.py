@@ -62,8 +62,7 @@ def format_text(rep: Report) -> str:
     if head:
         lines.append(f"principal cause: {head}")
     if rep.first_moved:
-        lines.append(f"first to move (the earliest alert episode): {rep.first_moved[1]} at step "
-                     f"{rep.first_moved[0]} ({rep.first_moved[2]})")
+        lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
     lines += episode_lines(rep)
     if rep.offenders:
         lines.append("top offending tokens (largest |k3 weight|):")
