@@ -148,8 +148,10 @@ def test_nonfinite_and_invalid_counts_equal_estimators(sampler_nulls):
     nonfinite = fl.nonfinite | (fl_o.nonfinite & mask)
     invalid = fl.invalid | (fl_o.invalid & mask)
     assert not np.any(invalid & nonfinite) and np.isinf(s64[10]) and not invalid[10]
+    flagged = E.flagged(E.flags(s64, r64, o64, tau=20.0, limit=10.0, clamp=10.0), mask)
     for i in range(3):
         at = step == i
+        assert res.steps["n_flagged"][i] == np.sum(flagged & at)  # the one definition of "flagged"
         assert res.steps["n_nonfinite"][i] == np.sum(nonfinite & at)
         assert res.steps["n_invalid"][i] == np.sum(invalid & at)
 

@@ -104,7 +104,10 @@ def run_cli(case: str, argv: list[str], capsys) -> tuple[int, str]:
                            env=env)
         return p.returncode, p.stderr
     capsys.readouterr()
-    rc = main(argv)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # a bad argument: argparse exits, as ever, after Parser.error's one line
+        rc = e.code
     return rc, capsys.readouterr().err
 
 
@@ -133,8 +136,10 @@ def test_port_error_names_the_flag(inputs):
 
 
 def test_file_for_run_names_its_directory(inputs, capsys):
-    assert main(argv_of("analyze {run}/run.json", inputs)) == 2
+    with pytest.raises(SystemExit) as e:
+        main(argv_of("analyze {run}/run.json", inputs))
     err = capsys.readouterr().err
+    assert e.value.code == 2
     assert f"pass its directory {inputs['run']}" in err
 
 

@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, --version, or Parser.error's one line
-        return int(e.code or 0)
+    args = parser.parse_args(argv)  # SystemExit(2) after Parser.error's one line, as argparse's
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from kldiag.analysis import coverage, engines, runner, topk
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.flagged import flagged_text, run_flagged
 from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import args as checks
@@ -137,6 +138,7 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
     return {
         "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
         "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
+        "flagged": dict(zip(("count", "tokens"), run_flagged(a.steps), strict=True)),
         "steps": [{k: _clean(v) for k, v in r.items()} for r in a.steps.to_pylist()],
         "alerts": [e.to_dict() for e in diagnosis.episodes],
         "diagnosis": diagnosis.to_dict(),
@@ -169,6 +171,7 @@ def render(a: Analysis, diagnosis=None) -> str:
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
     if diagnosis is not None:
         lines.append(verdict_line(diagnosis))
+    lines.append("flagged: " + flagged_text(*run_flagged(a.steps)))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
     if a.info.get("placeholders"):

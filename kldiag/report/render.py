@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kldiag.analysis.flagged import flagged_text, run_flagged
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
 from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
@@ -61,6 +62,8 @@ def format_text(rep: Report) -> str:
     head = principal(rep.diagnosis) if rep.diagnosis is not None else None
     if head:
         lines.append(f"principal cause: {head}")
+    if rep.analysis is not None:
+        lines.append("flagged: " + flagged_text(*run_flagged(rep.analysis.steps)))
     if rep.first_moved:
         lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
     lines += episode_lines(rep)
@@ -133,6 +136,8 @@ def render_html(rep: Report) -> str:
     e, f = html.escape, rep.facts
     head = principal(rep.diagnosis) if rep.diagnosis is not None else None
     main = f"<p class='principal'>Principal cause: <b>{e(head)}</b></p>" if head else ""
+    if rep.analysis is not None:
+        main += f"<p>Flagged: {e(flagged_text(*run_flagged(rep.analysis.steps)))}</p>"
     first = (f"<p>First to move (the earliest alert episode): <b>{e(rep.first_moved[1])}</b> at step "
              f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
     onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
