@@ -169,3 +169,20 @@ def test_debug_shows_the_traceback(inputs, monkeypatch):
     monkeypatch.setenv("KLDIAG_DEBUG", "1")
     with pytest.raises(KldiagError, match="--out"):
         main(argv_of("analyze {run} --out {file}", inputs))
+
+
+def test_warnings_of_every_reading_subcommand_are_one_line_each(tmp_path):
+    """A run with a truncated part: analyze, report, crosswalk and export warn that they skip it in one
+    `kldiag: warning:` line each (no source line, no second prefix, not twice)."""
+    run = tmp_path / "run"
+    parts = make_run(run, SynthConfig(steps=6, seqs_per_step=8, seq_len=(8, 16), vocab_size=0, rows_per_file=200))
+    broken = sorted(parts)[1]
+    broken.write_bytes(broken.read_bytes()[:100])
+    for argv in (["analyze", str(run), "--no-cache"], ["report", str(run), "-o", str(tmp_path / "r.html")],
+                 ["crosswalk", str(run), "-f", "trl"], ["export", "tensorboard", str(run), str(tmp_path / "tb")]):
+        err = subprocess.run([sys.executable, "-m", "kldiag", *argv], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}).stderr
+        warned = [ln for ln in err.splitlines() if "warning:" in ln or "Warning" in ln]
+        assert len(warned) == 1 and warned[0].startswith("kldiag: warning: skipping "), (argv, err)
+        assert broken.name in warned[0] and "kldiag: warning: kldiag:" not in err and "UserWarning" not in err
+        assert all(ln.startswith("kldiag") for ln in err.splitlines()), err

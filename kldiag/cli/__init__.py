@@ -44,8 +44,15 @@ def warning_line(message, category=None, filename=None, lineno=None, line=None) 
     return f"kldiag: warning: {text.removeprefix('kldiag: ')}\n"
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    (file or sys.stderr).write(warning_line(message, category, filename, lineno, line))
+def _shower(seen: set[str]):
+    """warnings.showwarning for one command: each distinct warning once (a part skipped by two reads
+    of the run is one line), as warning_line words it."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = warning_line(message, category, filename, lineno, line)
+        if text not in seen:
+            seen.add(text)
+            (file or sys.stderr).write(text)
+    return show
 
 
 def os_error_line(e: OSError) -> str:
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (2: a user error, printed as one line)."""
     saved = warnings.formatwarning  # catch_warnings restores showwarning only
     with warnings.catch_warnings():  # the formatter is the command's, not the importing program's
-        warnings.showwarning, warnings.formatwarning = _show_warning, warning_line
+        warnings.showwarning, warnings.formatwarning = _shower(set()), warning_line
         try:
             return _main(argv)
         finally:

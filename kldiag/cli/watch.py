@@ -11,7 +11,8 @@ alert episode starts or ends; the verdict line when it changes.
     kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
 
 Exit codes: 0 (stopped, --once, or --max-idle seconds without a new part), 1 (a --fail-on
-rule fired; the episode is printed to stderr), 2 (a user error), 130 (Ctrl-C).
+rule fired; the episode is printed to stderr), 2 (a user error, one line: a bad flag, a file as
+RUN, or with --once a RUN that does not exist; without --once it waits for RUN to appear), 130 (Ctrl-C).
 """
 
 from __future__ import annotations
