@@ -186,3 +186,16 @@ def test_warnings_of_every_reading_subcommand_are_one_line_each(tmp_path):
         assert len(warned) == 1 and warned[0].startswith("kldiag: warning: skipping "), (argv, err)
         assert broken.name in warned[0] and "kldiag: warning: kldiag:" not in err and "UserWarning" not in err
         assert all(ln.startswith("kldiag") for ln in err.splitlines()), err
+
+
+def test_an_unforeseen_os_error_is_one_line(capsys, monkeypatch):
+    import kldiag.cli.lab as lab
+
+    def denied(args):
+        raise PermissionError(13, "Permission denied", "/srv/runs/r/report.html")
+
+    monkeypatch.setattr(lab, "_main", denied)
+    assert main(["lab"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kldiag: error: /srv/runs/r/report.html: permission denied; check the path and its permissions "
+                   "(KLDIAG_DEBUG=1 shows where it failed)\n")
