@@ -296,7 +296,8 @@ def flags(
 def flagged(fl: Flags, mask=True) -> np.ndarray:
     """The one definition of a flagged token (docs/metrics.md, "Flagged tokens"): in the loss (`mask`)
     and with at least one per-token flag; the analysis kernel's count (flagged_frac) is this one's."""
-    return (fl.theta_ll_ref | fl.weight_blowup | fl.clamp_saturated | fl.nonfinite | fl.invalid) & np.asarray(mask, bool)
+    any_flag = fl.theta_ll_ref | fl.weight_blowup | fl.clamp_saturated | fl.nonfinite | fl.invalid
+    return any_flag & np.asarray(mask, bool)
 
 
 def opsm_drop(advantage, gap_sum, n, delta: float) -> np.ndarray:

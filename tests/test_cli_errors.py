@@ -98,7 +98,8 @@ def argv_of(template: str, inputs: dict) -> list[str]:
 
 def run_cli(case: str, argv: list[str], capsys) -> tuple[int, str]:
     if case in SUBPROCESS:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        root = str(Path(__file__).parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         env.pop("KLDIAG_DEBUG", None)
         p = subprocess.run([sys.executable, "-m", "kldiag", *argv], capture_output=True, text=True, timeout=120,
                            env=env)

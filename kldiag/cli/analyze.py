@@ -36,7 +36,8 @@ MAX_ROWS = 40
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("analyze", help="analyse a run directory: per-step metrics, flags, alerts",
                               description=__doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir, help="a run directory or URI (s3://bucket/prefix)")
+    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir,
+                   help="a run directory or URI (s3://bucket/prefix)")
     p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV into this directory "
                    "(outside the run; created if new)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")

@@ -93,7 +93,8 @@ def _with_logs(env: dict[str, str], logs: dict[str, str]) -> dict[str, str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("dashboard", help="open the Streamlit dashboard on one or more runs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=checks.run_dir, help="run directories (two or more to compare)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=checks.run_dir,
+                   help="run directories (two or more to compare)")
     p.add_argument("--port", type=checks.port, default=8501,
                    help="port to serve on (default 8501); one in use is an error that names a free one")
     p.add_argument("--host", default="127.0.0.1",
