@@ -45,3 +45,23 @@ def test_run_flagged_from_either_table_and_the_subset_wording():
     assert run_flagged(steps) == (28, 150) == run_flagged(steps.to_pandas())
     assert flagged_text(28, 150) == "28 of 150 tokens in the loss (18.667%)"
     assert subset_text(1000, 6229) == "the 1,000 worst of 6,229 flagged" and subset_text(12, 12) == "all 12 flagged"
+
+
+def test_an_infinite_log_prob_is_nonfinite_not_invalid(tmp_path):
+    """One +inf logp_ref and one logp of 0.5: the flags table, the steps' counts and the episodes call the
+    first non-finite only and the second invalid only."""
+    import kldiag
+
+    run = tmp_path / "r"
+    make_run(run, SynthConfig(steps=3, seqs_per_step=4, seq_len=(6, 10), vocab_size=0, positive=(1,)))
+    part = sorted((run / "tokens").rglob("*.parquet"))[0]
+    t = pq.read_table(part)
+    d = t.to_pydict()
+    at = next(i for i, (st, m) in enumerate(zip(d["step"], d["mask"], strict=True)) if st == 2 and m)
+    d["logp_ref"][at] = float("inf")
+    pq.write_table(pa.table(d, schema=t.schema), part)
+    a = kldiag.analyze(run)
+    steps = a.steps.to_pylist()
+    assert [(s["nonfinite_count"], s["invalid_count"]) for s in steps] == [(0, 0), (0, 1), (1, 0)]
+    flags = [r for r in a.flags.to_pylist() if r["nonfinite"] or r["invalid"]]
+    assert sorted((r["step"], r["nonfinite"], r["invalid"]) for r in flags) == [(1, False, True), (2, True, False)]

@@ -34,6 +34,6 @@ def test_text_and_html_lead_with_the_principal_cause(tmp_path):
     rep = R.build_report(analyze(tmp_path / "r", reducers=R.reducers()), diagnosis=_diagnosis())
     lines = format_text(rep).splitlines()
     assert lines[2].startswith("principal cause: k3_weight_blowup (critical, from step 36)")
-    assert lines[3].startswith("first to move: mismatch_kl at step 0")
+    assert lines[3].startswith("flagged: ") and lines[4].startswith("first to move: mismatch_kl at step 0")
     page = render_html(rep)
     assert page.index("Principal cause: <b>k3_weight_blowup") < page.index("First to move")
