@@ -45,7 +45,7 @@ def out_dir(path: str | Path, flag: str, run: str | None = None) -> Path:
         raise KldiagError(f"{flag} {path} is a file: pass a directory (new, or one holding earlier output)")
     if run is not None and inside(path, run):
         raise KldiagError(f"{flag} {path} is inside the run {run}: pass a directory outside it "
-                          "(kldiag never writes among a run's files)")
+                          "(a run's files stay as recorded)")
     return path
 
 
@@ -57,7 +57,7 @@ def out_file(path: str | Path, flag: str, run: str, mark: str = REPORT_MARK) -> 
         raise KldiagError(f"{flag} {path} is a directory: pass a file name, e.g. {flag} {path / 'report.html'}")
     if inside(path, run):
         raise KldiagError(f"{flag} {path} is inside the run {run}: write it outside the run "
-                          "(kldiag never writes among a run's files)")
+                          "(a run's files stay as recorded)")
     if path.exists():
         with open(path, "rb") as f:
             head = f.read(4096).decode("utf-8", "replace")
