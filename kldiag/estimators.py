@@ -293,6 +293,13 @@ def flags(
     )
 
 
+def flagged(fl: Flags, mask=True) -> np.ndarray:
+    """The one definition of a flagged token (docs/metrics.md, "Flagged tokens"): in the loss (`mask`)
+    and with at least one per-token flag; the analysis kernel's count (flagged_frac) is this one's."""
+    any_flag = fl.theta_ll_ref | fl.weight_blowup | fl.clamp_saturated | fl.nonfinite | fl.invalid
+    return any_flag & np.asarray(mask, bool)
+
+
 def opsm_drop(advantage, gap_sum, n, delta: float) -> np.ndarray:
     """DeepSeek-V3.2's off-policy sequence mask (TRL's `off_policy_mask_threshold`): drop a sequence
     when its advantage is negative and the mean over its n loss tokens of log mu - log pi_theta

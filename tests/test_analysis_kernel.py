@@ -127,6 +127,35 @@ def test_batch_flags_and_histograms_equal_estimators(tau, limit, clamp):
     np.testing.assert_array_equal(np.sort(res.top["seq"] * 7 + res.top["pos"]), np.sort(want))
 
 
+@pytest.mark.parametrize("sampler_nulls", [False, True], ids=["computed", "bad_codes"])
+def test_nonfinite_and_invalid_counts_equal_estimators(sampler_nulls):
+    """n_nonfinite and n_invalid per step equal estimators.flags: +inf is non-finite and not also
+    "probability > 1"; a finite log-prob above 0 is invalid. Both kernel paths: the fused bad_code
+    and, when a column is null on some rows only, Batch.bad_codes."""
+    s, r, o = _bad_inputs()
+    s[9:12], r[12:14], o[14:16] = [0.5, np.inf, 3.0], [0.25, np.inf], [0.1, np.inf]
+    mask = np.random.default_rng(2).random(len(s)) > 0.2
+    mask[:16] = True  # logp_old counts in the loss only
+    step = np.repeat(np.arange(3), -(-len(s) // 3))[: len(s)]
+    batch = _record_batch(s, r, o, mask=mask, step=step)
+    if sampler_nulls:  # logp_sampler present on some rows (equal to logp_old there): Batch.bad_codes runs
+        m = pa.array(o, mask=np.arange(len(s)) % 2 == 1)
+        batch = batch.set_column(batch.schema.get_field_index("logp_sampler"), "logp_sampler", m)
+    res = batch_partials(batch, 0, Thresholds(20.0, 10.0, 10.0, 0.2, 0.2, 10))
+    s64, r64, o64 = (a.astype(np.float64) for a in (s, r, o))
+    fl = E.flags(s64, r64)
+    fl_o = E.flags(s64, r64, o64)
+    nonfinite = fl.nonfinite | (fl_o.nonfinite & mask)
+    invalid = fl.invalid | (fl_o.invalid & mask)
+    assert not np.any(invalid & nonfinite) and np.isinf(s64[10]) and not invalid[10]
+    flagged = E.flagged(E.flags(s64, r64, o64, tau=20.0, limit=10.0, clamp=10.0), mask)
+    for i in range(3):
+        at = step == i
+        assert res.steps["n_flagged"][i] == np.sum(flagged & at)  # the one definition of "flagged"
+        assert res.steps["n_nonfinite"][i] == np.sum(nonfinite & at)
+        assert res.steps["n_invalid"][i] == np.sum(invalid & at)
+
+
 def test_bins_equal_searchsorted():
     rng = np.random.default_rng(2)
     v = np.abs(np.concatenate([rng.normal(0, 1, 10000) * np.exp(rng.uniform(-40, 45, 10000)), ABS_EDGES,

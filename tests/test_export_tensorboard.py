@@ -80,6 +80,22 @@ def test_logdir_of_another_run_is_refused(tmp_path, capsys):
     assert main(["export", "tensorboard", str(tmp_path / "missing"), str(tmp_path / "tb2")]) == 2
 
 
+def test_same_run_from_another_directory_is_the_same_run(tmp_path, capsys, monkeypatch):
+    """LOGDIR remembers the run by its resolved path: typed relative from elsewhere, or through a
+    symlink, it is the same run and the export goes on."""
+    run, logdir = tmp_path / "runs" / "a", tmp_path / "tb"
+    make_run(run, CFG, steps=range(0, 3))
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "tensorboard", "runs/a", str(logdir)]) == 0
+    make_run(run, CFG, steps=range(3, 5), manifest=False)
+    monkeypatch.chdir(tmp_path / "runs")
+    (tmp_path / "link").symlink_to(run)
+    assert main(["export", "tensorboard", "../link", str(logdir)]) == 0
+    assert "wrote steps 3..4" in capsys.readouterr().err
+    assert main(["export", "tensorboard", "a", "../tb"]) == 0
+    assert "up to date" in capsys.readouterr().err
+
+
 def test_histogram_fields_keep_counts_and_bounds():
     counts = np.zeros(len(D_EDGES) + 1)
     counts[[3, 80, 81]] = [1, 5, 2]

@@ -99,6 +99,13 @@ def token(sv, ov, rv):
 
 
 @njit(inline="always", **JIT)
+def above_one(v):
+    """A finite log-prob above 0, i.e. a probability above one (+inf is non-finite, not this:
+    kldiag.estimators.flag_invalid)."""
+    return (v > 0.0) & (v < np.inf)
+
+
+@njit(inline="always", **JIT)
 def bad_code(sv, ov, rv, mv, mk):
     """(BAD_NONFINITE | BAD_INVALID bits of one row's raw log-probs, whether its logp_old, whether its
     logp_sampler is a placeholder). Absent columns repeat s. logp_old and logp_sampler are read only
@@ -106,7 +113,7 @@ def bad_code(sv, ov, rv, mv, mk):
     One set of finiteness tests serves both: no select, no branch."""
     fo, fm = finite(ov), finite(mv)
     ok = finite(sv) & finite(rv) & (fo | (not mk)) & (fm | (not mk))
-    invalid = (sv > 0.0) | (rv > 0.0) | (mk & ((ov > 0.0) | (mv > 0.0)))
+    invalid = above_one(sv) | above_one(rv) | (mk & (above_one(ov) | above_one(mv)))
     out = not mk
     return (np.int64(not ok) * BAD_NONFINITE + np.int64(invalid) * BAD_INVALID,
             out & ((ov == 0.0) | (not fo)), out & ((mv == 0.0) | (not fm)))

@@ -100,7 +100,8 @@ class Batch:
             if v is None:
                 continue
             with np.errstate(invalid="ignore"):
-                nf, inv = ~np.isfinite(v), v > 0
+                nf = ~np.isfinite(v)
+                inv = (v > 0) & ~nf  # +inf is non-finite, not a probability above one (estimators.flag_invalid)
             if self.null[name] is not None:
                 nf &= ~self.null[name]
             if name in LOSS_ONLY:

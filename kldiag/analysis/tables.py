@@ -175,7 +175,7 @@ def flag_table(top: keyed.Keyed, bad: keyed.Keyed, vocab: dict[int, str] | None,
     with np.errstate(invalid="ignore"):
         nonfinite = (~np.isfinite(s) | (~np.isfinite(rows["logp_old"]) & ~rows["logp_old_null"])
                      | (~np.isfinite(r) & ~rows["logp_ref_null"]) | (~np.isfinite(m) & ~rows["logp_sampler_null"]))
-        invalid = np.logical_or.reduce([np.nan_to_num(x, nan=-1.0) > 0 for x in present])
+        invalid = np.asarray(E.flag_invalid(*present), bool)  # +inf is non-finite, not also invalid
     cols: dict[str, pa.Array] = {c: pa.array(rows[c]) for c in ("step", "seq", "pos", "rank", "micro", "iteration")}
     cols["token_id"] = pa.array(rows["token_id"].astype(np.int32), mask=rows["token_id_null"])
     pieces = [None if (vocab is None or n) else vocab.get(int(t)) for t, n in zip(rows["token_id"],

@@ -14,7 +14,10 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from kldiag.analysis import coverage, engines
+from kldiag.analysis.flagged import flagged_text, run_flagged
 from kldiag.analysis.types import Analysis, AnalysisConfig
+from kldiag.cli import args as checks
+from kldiag.cli import warning_line
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
@@ -31,8 +34,10 @@ MAX_ROWS = 40
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("analyze", help="analyse a run directory: per-step metrics, flags, alerts",
                               description=__doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory or URI (s3://bucket/prefix)")
-    p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV here")
+    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir,
+                   help="a run directory or URI (s3://bucket/prefix)")
+    p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV into this directory "
+                   "(outside the run; created if new)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")
     p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
@@ -62,18 +67,20 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        checks.out_dir(args.out, "--out", args.run_dir)  # before the analysis writes its cache
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = analyze_run(args.run_dir, config_from_args(args))
     for w in caught:
-        print(f"kldiag: warning: {w.message}", file=sys.stderr)
+        sys.stderr.write(warning_line(w.message))
     if args.out:
         write_tables(a, args.out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dg = diagnose(a)
     for w in caught:
-        print(f"kldiag: warning: {w.message}", file=sys.stderr)
+        sys.stderr.write(warning_line(w.message))
     if args.json:
         print(json.dumps(summary(a, dg), indent=2, default=_json_default))
     else:
@@ -115,6 +122,7 @@ def render(a: Analysis, diagnosis=None) -> str:
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
     if diagnosis is not None:
         lines.append(verdict_line(diagnosis))
+    lines.append("flagged: " + flagged_text(*run_flagged(a.steps)))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
     if a.info.get("placeholders"):

@@ -26,6 +26,7 @@ import json
 import sys
 from typing import Any
 
+from kldiag.cli import args as checks
 from kldiag.fmt import num
 
 FAIL_ON = ("disagreement", "unexplained", "any")
@@ -46,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("audit", help="check a trainer's logged KL/IS metrics against the recorded tokens",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI")
     p.add_argument("--logs", required=True, metavar="SRC", help="what the trainer logged (see above)")
     p.add_argument("--framework", "-f", default=None,
                    help=f"one of {', '.join(FRAMEWORKS)} (default: the run's own trainer)")

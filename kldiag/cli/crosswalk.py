@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from kldiag.cli import args as checks
 from kldiag.fmt import num
 
 
@@ -25,7 +26,7 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("crosswalk", help="a framework's own KL/IS/mismatch metrics, from the recorded tokens",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI")
     p.add_argument("--framework", "-f", default=None, help=f"one of {', '.join(FRAMEWORKS)} "
                                                           "(default: the run's own trainer)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",

@@ -3,7 +3,9 @@
 The app lives in app/ beside the package (a source checkout ships it there). It binds to
 127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
 `--` on its command line. Runs are checked before launching, so a typo fails here with a
-clear message instead of in the browser. `--logs SRC` (once per run, in the runs' order) pairs a
+clear message instead of in the browser, and so is the port: a port another server holds is an
+error naming --port and a free port to pass (the dashboard never moves to another port on its own,
+so the URL it prints is always the one asked for). `--logs SRC` (once per run, in the runs' order) pairs a
 run with what its trainer logged: the Mismatch page then overlays the logged and the recomputed
 values of each audited metric (`kldiag audit`, docs/audit.md).
 """
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from kldiag.analysis import engines
+from kldiag.cli import args as checks
 from kldiag.errors import KldiagError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     runs = check_run_dirs(args.runs)
     logs = logs_by_run(runs, getattr(args, "logs", None) or [])
+    checks.check_port(args.host, args.port)  # before the URL is announced
     cmd = streamlit_command(runs, args.port, args.host)
     print(f"kldiag: dashboard on http://{args.host}:{args.port} for {len(runs)} run(s); Ctrl-C stops it",
           file=sys.stderr, flush=True)
@@ -89,8 +93,10 @@ def _with_logs(env: dict[str, str], logs: dict[str, str]) -> dict[str, str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("dashboard", help="open the Streamlit dashboard on one or more runs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (two or more to compare)")
-    p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=checks.run_dir,
+                   help="run directories (two or more to compare)")
+    p.add_argument("--port", type=checks.port, default=8501,
+                   help="port to serve on (default 8501); one in use is an error that names a free one")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the app to your network)")
     p.add_argument("--logs", action="append", default=[], metavar="SRC",

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.cli import args as checks
 from kldiag.cli import dashboard
 from kldiag.report.build import reducers
 from kldiag.tools.demo import format_summary, run_pair, summarize
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = checks.out_dir(args.out, "--out")
+    if not args.no_dashboard:
+        checks.check_port("127.0.0.1", args.port)  # before training, not after it
     print(f"kldiag demo: training the K3 run and its k3_is twin into {out}/", file=sys.stderr)
     runs = run_pair(out, steps=args.steps, seed=args.seed, progress=not args.quiet)
     for r in runs:
@@ -58,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_positive_int, default=None,
                    help="training steps (default 200; fewer for a quick look)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0); both runs share it")
-    p.add_argument("--port", type=int, default=8501, help="dashboard port (default 8501)")
+    p.add_argument("--port", type=checks.port, default=8501, help="dashboard port (default 8501)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.set_defaults(func=run)
 

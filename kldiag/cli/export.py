@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Any
 
+from kldiag.cli import args as checks
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("export", help="export a run's analysis to TensorBoard event files",
@@ -20,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
     tb = sub.add_parser("tensorboard", help="every steps-table metric as a scalar, the per-step histograms of "
                                             "d, |k3 weight|, |k3_is weight|, rho as histograms",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tb.add_argument("run_dir", metavar="RUN", help="a run directory or URI")
+    tb.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI")
     tb.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory (created; one per run)")
     tb.add_argument("--hold-last", action="store_true",
                     help="leave the newest step for the next export (a run still recording it)")

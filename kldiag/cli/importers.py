@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
+from kldiag.cli import warning_line
 from kldiag.errors import KldiagError
 from kldiag.importers import FRAMEWORKS, import_dumps
 
@@ -40,6 +42,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if "://" not in args.run and Path(args.run).is_file():
+        raise KldiagError(f"RUN {args.run} is a file: pass a directory for the run (new, or a run imported "
+                          "before, to add the new dumps)")
     options = {"trust_pickle": args.trust_pickle, "group_size": args.group_size,
                "kl_loss_type": args.kl_loss_type, "use_unbiased_kl": args.use_unbiased_kl,
                "kl_loss_coef": args.kl_loss_coef}
@@ -54,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
         result = import_dumps(args.framework, args.src, args.run, strict=args.strict, **options)
     for w in caught:
         if "skipping" not in str(w.message):  # skipped files are listed in the summary below
-            print(f"kldiag: warning: {w.message}", file=sys.stderr)
+            sys.stderr.write(warning_line(w.message))
     print("\n".join(result.lines()))
     return 0

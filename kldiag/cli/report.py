@@ -39,6 +39,7 @@ from kldiag.analysis import engines
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.cli import args as checks
 from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
 from kldiag.report.build import Report, ReportConfig, build_report, reducers
 
@@ -85,6 +86,7 @@ def _rules_arg(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> int:
+    checks.out_file(args.output, "-o", args.run_dir)  # before the analysis writes its cache
     cfg = ReportConfig(diagnosis=DiagnosisConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl))
     # one read of each part for everything the report shows (none while the run's cache is warm)
     analysis = (analyze or analyze_run)(args.run_dir, AnalysisConfig(**engines.options(args)), reducers(cfg))
@@ -104,15 +106,17 @@ def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("report", help="post-mortem of a run: HTML report, verdict, exit code for CI",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by kldiag.Recorder")
-    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default ./report.html)")
+    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir, help="a run directory written by kldiag.Recorder")
+    p.add_argument("-o", "--output", default="report.html",
+                   help="HTML file to write (default ./report.html), outside the run; an earlier kldiag "
+                        "report there is replaced, any other file is refused")
     p.add_argument("--fail-on", type=_rules_arg, default=(), metavar="RULES",
                    help=f"comma list of {', '.join(ALIASES)} (see above), episode kinds ({', '.join(EP.KINDS)}) "
                         f"or causes ({', '.join(CAUSE_NAMES)}): exit 1 when one is in the diagnosis")
-    p.add_argument("--blowup-weight", type=float, default=DiagnosisConfig.blowup_weight,
+    p.add_argument("--blowup-weight", type=checks.positive(float), default=DiagnosisConfig.blowup_weight,
                    help="DiagnosisConfig.blowup_weight: |gradient weight| of the loss beyond which a token is a "
                         "blow-up (default 100)")
-    p.add_argument("--mismatch-kl", type=float, default=DiagnosisConfig.mismatch_kl,
+    p.add_argument("--mismatch-kl", type=checks.positive(float), default=DiagnosisConfig.mismatch_kl,
                    help="DiagnosisConfig.mismatch_kl: mean KL(mu||pi_old) per token above which mismatch can "
                         "dominate (default 0.01)")
     engines.add_arguments(p)

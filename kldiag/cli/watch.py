@@ -12,7 +12,8 @@ alert episode starts or ends; the verdict line when it changes.
     kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
 
 Exit codes: 0 (stopped, --once, or --max-idle seconds without a new part), 1 (a --fail-on
-rule fired; the episode is printed to stderr), 2 (a user error), 130 (Ctrl-C).
+rule fired; the episode is printed to stderr), 2 (a user error, one line: a bad flag, a file as
+RUN, or with --once a RUN that does not exist; without --once it waits for RUN to appear), 130 (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kldiag.analysis import engines
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.live.notify import Notifier
+from kldiag.cli import args as checks
+from kldiag.format import open_run
 from kldiag.live.watch import Watcher, render
 
 NOTIFY_CLOSE_S = 15.0  # at exit, how long queued webhook messages may still take
@@ -41,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace, notifier: Notifier | None) -> int:
     fail_on = EP.parse_kinds(args.fail_on) if args.fail_on else ()
+    if args.once:
+        open_run(args.run_dir)  # one look at a run that does not exist is an error; without --once, wait for it
     w = Watcher(args.run_dir, AnalysisConfig(**engines.options(args)))
     last_verdict, waiting, idle_since = None, "", time.monotonic()
     while True:
@@ -77,13 +82,13 @@ def _kinds_arg(text: str) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("watch", help="follow a run live in the terminal: key figures, alert episodes",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN", help="a run directory or URI (s3://bucket/prefix)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between looks (default 5)")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI (s3://bucket/prefix)")
+    p.add_argument("--interval", type=checks.positive(float), default=5.0, help="seconds between looks (default 5)")
     p.add_argument("--fail-on", type=_kinds_arg, default=None, metavar="RULES",
                    help=f"comma list of episode kinds ({', '.join(EP.KINDS)}), blame, nonfinite, jump or all: "
                         "exit 1 when one starts")
     p.add_argument("--once", action="store_true", help="look once, print, and exit (with --fail-on: 1 if any fired)")
-    p.add_argument("--max-idle", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--max-idle", type=checks.non_negative, default=0.0, metavar="SECONDS",
                    help="exit 0 after this many seconds without a new part (default: never)")
     p.add_argument("--notify", default=None, metavar="URL",
                    help="POST a Slack-compatible JSON message to this webhook when a cause or a critical episode "

@@ -8,7 +8,9 @@ with that framework's semantics (docs/crosswalk.md).
 One module per framework (verl, trl, slime, nemo_rl, openrlhf), each with `Settings` (the framework's
 own config keys), `step_metrics(batch, settings) -> (metrics, {name: why null})` and `metric_names`.
 The table has a `step` column and one float64 column per metric (null where the run lacks the data);
-its schema metadata `kldiag.null_reasons` (JSON {name: why}) says why a column is null.
+its schema metadata `kldiag.null_reasons` (JSON {name: why}) says why a column is null, and
+`kldiag.step_null_reasons` (JSON {step: {name: why}}) why a value is null at a step where the reason is
+the step's own: non-finite log-probs there ("non-finite inputs at step S"), not the data's absence.
 """
 
 from __future__ import annotations
@@ -107,6 +109,54 @@ def loss_calls(ts_all: TS.TokenSet, step: int, sl: slice) -> list[StepBatch]:
     return out
 
 
+LOGPS = ("logp", "logp_old", "logp_ref", "logp_sampler")
+
+
+def nonfinite_inputs(batches: list[StepBatch]) -> str:
+    """'logp_ref: 1 inf' for the log-probs of a step's trained tokens that are NaN or +-inf, in the
+    columns the step recorded (some finite value, or an inf: an unrecorded column is all NaN); '' if none."""
+    parts = []
+    cols = {name: np.concatenate([getattr(b, name)[b.mask] for b in batches]) for name in LOGPS}
+    for name, v in cols.items():
+        if name == "logp_old" and np.array_equal(v, cols["logp"], equal_nan=True):
+            continue  # not recorded: the batch holds pi_theta there
+        fin = np.isfinite(v)
+        n_nan, n_inf = int(np.isnan(v).sum()), int(np.isinf(v).sum())
+        if (fin.any() or n_inf) and (n_nan or n_inf):
+            parts.append(f"{name}: " + ", ".join(f"{n} {w}" for n, w in ((n_nan, "NaN"), (n_inf, "inf")) if n))
+    return "; ".join(parts)
+
+
+def _absence_claims(mod) -> dict[str, str]:
+    """{a module's "the run has no <column>" reason: that column}."""
+    return {getattr(mod, const): col for const, col in (("NO_REF", "logp_ref"), ("NO_SAMPLER", "logp_sampler"))
+            if hasattr(mod, const)}
+
+
+def _null(v: Any) -> bool:
+    return v is None or not np.isfinite(v)
+
+
+def _step_reasons(mod, names, b: StepBatch, calls, values, why) -> dict[str, str]:
+    """{name: "non-finite inputs at step S (...)"} for the step's null metrics when the step holds NaN/inf
+    log-probs and the module gave no reason, or claimed the absence of a column the step did record."""
+    batches = calls or [b]  # the loss calls hold every iteration, the first included
+    bad = nonfinite_inputs(batches)
+    if not bad:
+        return {}
+    claims = _absence_claims(mod)
+    out = {}
+    for n in names:
+        if not _null(values.get(n)):
+            continue
+        given = why.get(n)
+        col = claims.get(given)
+        recorded = col is not None and any(np.isfinite(getattr(x, col)[x.mask]).any() for x in batches)
+        if given is None or recorded:
+            out[n] = f"non-finite inputs at step {b.step} ({bad})"
+    return out
+
+
 def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.Sample | None = None,
               **settings: Any) -> pa.Table:
     """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data).
@@ -120,8 +170,9 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
     if getattr(mod, "NEEDS_ALL_ITERATIONS", False):
         ts_all = sample.tokens(True) if sample is not None else TS.load(r, all_iterations=True, max_tokens=max_tokens)
         calls_by_step = {step: loss_calls(ts_all, step, sl) for step, sl in ts_all.step_slices()}
-    rows, reasons = [], {}
+    rows, reasons, by_step = [], {}, {}
     first = dict(ts.step_slices())
+    known = mod.metric_names(s)
     for step in sorted(set(first) | set(calls_by_step)):
         b = pad(ts, first.get(step, slice(0, 0)), step)  # empty: a step that only reuses earlier sequences
         if step in calls_by_step:
@@ -129,8 +180,11 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
         else:
             values, why = mod.step_metrics(b, s)
         rows.append((step, values))
+        own = _step_reasons(mod, [*known, *values, *why], b, calls_by_step.get(step), values, why)
+        if own:
+            by_step[step] = own
         for k, v in why.items():
-            if step in first:
+            if step in first and k not in own:
                 reasons.setdefault(k, v)
     for name, by_step in (mod.run_overrides(r, s) if hasattr(mod, "run_overrides") else {}).items():
         for step, values in rows:
@@ -141,11 +195,19 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
     for n in names:
         cols[n] = pa.array([None if v.get(n) is None or not np.isfinite(v[n]) else float(v[n]) for _, v in rows],
                            pa.float64())
+    for n in names:  # a metric null only where inputs are non-finite: its reason lists those steps
+        bad = [st for st, own in by_step.items() if n in own]
+        if bad and n not in reasons:
+            reasons[n] = by_step[bad[0]][n] if len(bad) == 1 else (
+                f"non-finite inputs at steps {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''} "
+                "(NaN/inf log-probs; --json names them per step)")
     all_null = {n: reasons.get(n, "not computed for these settings") for n in names
                 if cols[n].null_count == len(rows)}
     reasons = {**{k: v for k, v in reasons.items() if k in names}, **all_null}
+    steps_why = {str(st): {k: v for k, v in own.items() if k in names} for st, own in by_step.items()}
     meta = {"kldiag.framework": mod.NAME, "kldiag.settings": json.dumps(dataclasses.asdict(s), default=str),
-            "kldiag.null_reasons": json.dumps(reasons), "kldiag.step_stride": str(ts.step_stride)}
+            "kldiag.null_reasons": json.dumps(reasons), "kldiag.step_null_reasons": json.dumps(steps_why),
+            "kldiag.step_stride": str(ts.step_stride)}
     return pa.table(cols).replace_schema_metadata(meta)
 
 
@@ -162,10 +224,12 @@ def records(table: pa.Table, reasons: bool = True) -> list[dict[str, Any]]:
     {"step": S, "<name>": value or null, ...}; with `reasons`, a step with null metrics also has
     "null_reasons": {name: why}."""
     why = null_reasons(table)
+    at_step = json.loads((table.schema.metadata or {}).get(b"kldiag.step_null_reasons", b"{}"))
     rows = table.to_pylist()
     if reasons:
         for row in rows:
-            nulls = {k: why.get(k, STEP_NULL) for k, v in row.items() if v is None}
+            own = at_step.get(str(row["step"]), {})
+            nulls = {k: own.get(k) or why.get(k, STEP_NULL) for k, v in row.items() if v is None}
             if nulls:
                 row["null_reasons"] = nulls
     return rows

@@ -164,7 +164,7 @@ def detect(src: str | Path) -> tuple[str, Path]:
     if name.startswith("events.out.tfevents"):
         return "tensorboard", p.parent
     raise LogsError(f"{src}: unknown log format; pass a TensorBoard log dir, trainer_state.json, a W&B history "
-                    ".csv or a .jsonl/.json metric file (or force one with kind=: {', '.join(KINDS)})")
+                    f".csv or a .jsonl/.json metric file (from Python, force one with kind= {' / '.join(KINDS)})")
 
 
 def _ckpt_number(p: Path) -> int:

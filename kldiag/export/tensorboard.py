@@ -128,6 +128,24 @@ def _save_state(logdir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, logdir / STATE_FILE)
 
 
+def run_identity(run: str | os.PathLike) -> str:
+    """How LOGDIR's state names its run: a local run by its resolved absolute path (the same run typed
+    from any working directory, or through a symlink, is the same run), a URI without a trailing slash."""
+    text = str(run)
+    return text.rstrip("/") if "://" in text else str(Path(text).resolve())
+
+
+def check_logdir(logdir: Path, run: str | os.PathLike) -> dict[str, Any]:
+    """LOGDIR's state, after checking that LOGDIR is a directory (or new) and holds no other run's export."""
+    if logdir.exists() and not logdir.is_dir():
+        raise ExportError(f"LOGDIR {logdir} is a file: pass a directory (new, or this run's earlier export)")
+    state = _state(logdir)
+    if state and run_identity(state.get("run") or "") != run_identity(run):
+        raise ExportError(f"{logdir} holds the export of another run ({state.get('run')}); "
+                          "give each run its own LOGDIR (TensorBoard compares runs by subdirectory)")
+    return state
+
+
 def _hist_rows(hist: Histograms) -> dict[int, int]:
     return {int(s): i for i, s in enumerate(hist.steps.tolist())}
 
@@ -136,11 +154,8 @@ def write_analysis(a: Analysis, logdir: str | os.PathLike, run_id: str, hold_las
     """Append the steps of `a` newer than LOGDIR's last export as events; see the module doc."""
     EventFileWriter, _, _ = tensorboard_modules()
     logdir = Path(logdir)
+    state = check_logdir(logdir, run_id)
     logdir.mkdir(parents=True, exist_ok=True)
-    state = _state(logdir)
-    if state and state.get("run") != run_id:
-        raise ExportError(f"{logdir} holds the export of another run ({state.get('run')}); "
-                          "give each run its own LOGDIR (TensorBoard compares runs by subdirectory)")
     steps = a.steps.to_pandas()
     after = state.get("last_step")
     todo = steps if after is None else steps[steps["step"] > after]
@@ -170,7 +185,7 @@ def write_analysis(a: Analysis, logdir: str | os.PathLike, run_id: str, hold_las
         writer.close()
     out.events_file = next(iter(sorted(set(logdir.glob("events.out.tfevents.*")) - before)), None)
     out.steps_written, out.first_step, out.last_step = len(todo), int(todo["step"].min()), int(todo["step"].max())
-    _save_state(logdir, {"run": run_id, "last_step": out.last_step, "written": time.time(),
+    _save_state(logdir, {"run": run_identity(run_id), "last_step": out.last_step, "written": time.time(),
                          "steps_exported": int(state.get("steps_exported", 0)) + out.steps_written})
     return out
 
@@ -181,5 +196,6 @@ def export_tensorboard(run: str | os.PathLike, logdir: str | os.PathLike, config
     from kldiag.analysis.engine import analyze
 
     tensorboard_modules()  # fail before analysing when tensorboard is missing
+    check_logdir(Path(logdir), run)  # and when LOGDIR cannot take this run's export
     a = analyze(run, config)
     return write_analysis(a, logdir, str(a.run_dir), hold_last=hold_last)

@@ -92,6 +92,19 @@ def verdict_onset(dg: Diagnosis) -> int | None:
     return min(starts, default=None)
 
 
+def principal(dg: Diagnosis) -> str | None:
+    """The headline: the verdict's principal cause (the diagnosis orders causes worst first, then by
+    onset), 'k3_weight_blowup (critical, from step 36): <its summary up to the first ";">'; None when no
+    cause is above info (a healthy run, or one whose warning comes from episodes alone)."""
+    main = [c for c in dg.causes if c.severity != "info"]
+    if not main:
+        return None
+    c = main[0]
+    onset = f", from step {c.onset}" if c.onset is not None else ""
+    head = c.summary.split("; ", 1)[0].rstrip(". ") if c.summary else ""
+    return f"{c.cause} ({c.severity}{onset})" + (f": {head}" if head else "")
+
+
 def first_moved(dg: Diagnosis) -> tuple[int, str, str] | None:
     """(step, metric, message) of the earliest episode: the metric that moved first."""
     if not dg.episodes:

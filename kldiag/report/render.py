@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kldiag.analysis.flagged import flagged_text, run_flagged
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
-from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference
+from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
 
 # ---- text -----------------------------------------------------------------------------
 
@@ -58,6 +59,11 @@ def format_text(rep: Report) -> str:
               f"{f['steps']} steps, {f['tokens']} tokens)"),
              verdict_line(rep.diagnosis) + (f"; onset at step {rep.onset_step}" if rep.onset_step is not None
                                             else "")]
+    head = principal(rep.diagnosis) if rep.diagnosis is not None else None
+    if head:
+        lines.append(f"principal cause: {head}")
+    if rep.analysis is not None:
+        lines.append("flagged: " + flagged_text(*run_flagged(rep.analysis.steps)))
     if rep.first_moved:
         lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
     lines += episode_lines(rep)
@@ -128,6 +134,10 @@ def render_html(rep: Report) -> str:
     figs = figures(rep) if rep.analysis is not None and rep.analysis.steps.num_rows else []
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
     e, f = html.escape, rep.facts
+    head = principal(rep.diagnosis) if rep.diagnosis is not None else None
+    main = f"<p class='principal'>Principal cause: <b>{e(head)}</b></p>" if head else ""
+    if rep.analysis is not None:
+        main += f"<p>Flagged: {e(flagged_text(*run_flagged(rep.analysis.steps)))}</p>"
     first = (f"<p>First to move (the earliest alert episode): <b>{e(rep.first_moved[1])}</b> at step "
              f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
     onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
@@ -143,7 +153,7 @@ def render_html(rep: Report) -> str:
             f"</title><style>{_CSS}</style></head><body><h1>kldiag report: {e(str(rep.run_dir))}</h1>"
             f"<p>KL loss <code>{e(rep.estimator)}</code>{' (assumed)' if rep.estimator_assumed else ''}, beta "
             f"{e(str(f['beta']))}, {f['steps']} steps, {f['tokens']} tokens</p>"
-            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{first}"
+            f"<h2 class='v-{e(rep.verdict)}'>Verdict: {e(rep.verdict.upper())}{onset}</h2>{main}{first}"
             f"<h2>What fired</h2>{_fired(rep)}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"

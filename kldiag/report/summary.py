@@ -9,6 +9,7 @@ from typing import Any
 
 from kldiag.analysis import coverage, runner, topk
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.flagged import run_flagged
 from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
@@ -59,6 +60,7 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
     return {
         "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
         "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
+        "flagged": dict(zip(("count", "tokens"), run_flagged(a.steps), strict=True)),
         "steps": rows(a.steps),
         "alerts": [e.to_dict() for e in diagnosis.episodes],
         "diagnosis": diagnosis.to_dict(),
