@@ -65,6 +65,12 @@ CASES = [
     ("audit-logs-unknown", "audit {run} --logs {file} -f trl"),
     ("audit-file", "audit {run}/run.json --logs {file} -f trl"),
     ("audit-fail-on", "audit {run} --logs {file} -f trl --fail-on bogus"),
+    ("serve-metrics-file", "serve-metrics {run}/run.json --once"),
+    ("serve-metrics-port-range", "serve-metrics {run} --port 99999 --once"),
+    ("serve-metrics-interval", "serve-metrics {run} --interval 0"),
+    ("serve-metrics-port-taken", "serve-metrics {run} --port {taken} --once"),
+    ("mcp-root-missing", "mcp --root {missing}"),
+    ("mcp-root-file", "mcp --root {file}"),
     ("unknown-command", "bogus {run}"),
 ]
 # Run as a child process: a regression here would start a server or train (or, in-process, replace

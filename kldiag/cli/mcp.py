@@ -10,6 +10,7 @@ It writes nothing but the analysis cache RUN/.kldiag/ that `kldiag analyze` writ
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -27,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
         import mcp  # noqa: F401
     except ImportError as e:
         raise ValueError(f"kldiag mcp needs the MCP SDK: pip install 'kldiag[mcp]' ({e})") from e
+    for root in args.roots or ():
+        if "://" not in root and not os.path.isdir(root):
+            raise ValueError(f"--root {root} is not a directory: pass a directory holding runs (or an s3:// prefix)")
     from kldiag.agents.server import serve_stdio
     from kldiag.agents.workspace import Workspace
 

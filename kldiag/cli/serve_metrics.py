@@ -21,6 +21,12 @@ import time
 
 from kldiag.analysis import engines
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.cli import args as checks
+
+
+def port_or_any(text: str) -> int:
+    """argparse type of serve-metrics' --port: 1..65535, or 0 for any free port."""
+    return 0 if text.strip() == "0" else checks.port(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,10 +56,11 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve-metrics", help="serve runs' figures, verdicts and causes to Prometheus",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories or URIs (s3://bucket/prefix)")
-    p.add_argument("--port", type=int, default=9477, help="port to listen on (default 9477; 0: any free port)")
+    p.add_argument("run_dirs", nargs="+", type=checks.run_dir, metavar="RUN",
+                   help="run directories or URIs (s3://bucket/prefix)")
+    p.add_argument("--port", type=port_or_any, default=9477, help="port to listen on (default 9477; 0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--interval", type=float, default=15.0, help="seconds between looks at the runs (default 15)")
+    p.add_argument("--interval", type=checks.positive(), default=15.0, help="seconds between looks at the runs (default 15)")
     p.add_argument("--once", action="store_true", help="look once and exit (a check that the runs can be read)")
     engines.add_arguments(p)
     p.set_defaults(func=run)
