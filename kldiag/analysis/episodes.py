@@ -87,6 +87,8 @@ class DiagnosisConfig:
     persistence: Persistence = Persistence()  # a cause (and a non-info episode) needs a sustained signal
     early: EarlyWarning = EarlyWarning()  # the early-warning rules' thresholds (kldiag/analysis/warning.py)
     evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
+    missing_critical_share: float = 0.5  # data_missing is critical when more than this share of the run's
+    # steps lost rows on some rank (the verdict then speaks for less than half the run)
 
 
 def json_safe(v: Any) -> Any:
