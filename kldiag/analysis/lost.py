@@ -22,6 +22,7 @@ from kldiag.format import PartInfo, open_run
 
 EMPTY_PART_BYTES = 64 << 10  # parts up to this size have their footer read for a row count
 UNREADABLE, ZERO_BYTES, ZERO_ROWS = "unreadable", "empty: 0 bytes", "empty: 0 rows"
+NOTHING_PUBLISHED = "nothing has been published yet"  # no_tokens_reason of a run that is only starting
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,14 @@ def read_spans(parts: Sequence[PartInfo], lost: Sequence[LostPart]) -> list[tupl
 
 def no_tokens_reason(run_dir: str | os.PathLike) -> str:
     """Why a run shows no tokens, in words: nothing published yet, or N parts published and every one
-    unreadable or empty (naming them). For a face that got EmptyRunError."""
+    unreadable or empty (naming them). For a face that got EmptyRunError: NOTHING_PUBLISHED is the one
+    case where waiting helps."""
     try:
         parts = open_run(run_dir).parts()
     except KldiagError as e:
         return f"it cannot be opened as a run ({e})"
     if not parts:
-        return "nothing has been published yet"
+        return NOTHING_PUBLISHED
     lost = []
     for p in parts:
         rows = None if p.size == 0 else rows_in_footer(p)
@@ -92,5 +94,5 @@ def no_tokens_reason(run_dir: str | os.PathLike) -> str:
             lost.append(f"{p.name} ({ZERO_ROWS})")
     if len(lost) < len(parts):
         return f"{len(parts)} part(s) published, none with readable token rows"
-    return (f"every published part is unreadable or empty, so its steps are lost: {', '.join(lost)}"
-            if len(lost) <= 5 else f"all {len(lost)} published parts are unreadable or empty, e.g. {', '.join(lost[:5])}")
+    named = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+    return f"every published part is unreadable or empty: {named}"
