@@ -215,6 +215,16 @@ def test_a_rank_missing_steps_other_ranks_have(tmp_path):
         assert c.evidence["steps_missing"] == 10 and dg.verdict == "warning"
 
 
+def test_a_lost_part_that_a_restart_re_recorded_is_not_missing(tmp_path):
+    run = tmp_path / "run"
+    three_parts(run, spoil=truncate)
+    a = analyzed(run, warns=True)
+    assert cause(diagnose(a)).evidence["steps_missing"] == 10
+    make_run(run, SynthConfig(**{**SMALL.__dict__, "attempt": 1}), steps=range(10, 30), manifest=False)
+    a = analyzed(run, warns=True)
+    assert len(a.lost) == 1 and cause(diagnose(a)) is None  # attempt 1 re-recorded steps 10-29
+
+
 def test_critical_when_most_of_the_run_is_lost(tmp_path):
     run = tmp_path / "run"
     for k, steps in enumerate(THIRDS):

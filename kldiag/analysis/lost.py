@@ -46,12 +46,22 @@ class LostPart:
         return {**asdict(self), "part": self.name}
 
 
+_FOOTER_ROWS: dict[tuple[str, str], int] = {}  # (path, part key) -> rows: published parts never change
+
+
 def rows_in_footer(part: PartInfo) -> int | None:
-    """The part's row count from its footer; None when the footer cannot be read (the read says why)."""
-    try:
-        return part.open().metadata.num_rows
-    except Exception:  # an unreadable footer is the reader's finding (skipped with a warning), not ours
-        return None
+    """The part's row count from its footer (remembered per part identity: `kldiag watch` asks at every
+    look); None when the footer cannot be read (the reader skips the part with a warning saying why)."""
+    key = (str(part.path), part.key)
+    if key not in _FOOTER_ROWS:
+        try:
+            rows = part.open().metadata.num_rows
+        except Exception:  # an unreadable footer is the reader's finding, not ours
+            return None
+        if len(_FOOTER_ROWS) > 1 << 16:
+            _FOOTER_ROWS.clear()
+        _FOOTER_ROWS[key] = rows
+    return _FOOTER_ROWS[key]
 
 
 def lost_parts(parts: Sequence[PartInfo], skipped: Sequence[str]) -> list[LostPart]:

@@ -72,49 +72,60 @@ def _present(analysis, rank: int, one_rank: bool, spans, origin: int, stride: in
     return np.unique(np.concatenate(got)) if got else np.zeros(0, np.int64)
 
 
+def _hulls(analysis) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, attempt) -> [first step, last step] over its parts, read or lost (which steps a restart re-recorded)."""
+    hulls: dict[tuple[int, int], tuple[int, int]] = {}
+    for rk, at, a, b in [*analysis.spans, *((x.rank, x.attempt, x.step_min, x.step_max) for x in analysis.lost)]:
+        lo, hi = hulls.get((rk, at), (a, b))
+        hulls[(rk, at)] = (min(lo, a), max(hi, b))
+    return hulls
+
+
+def _lost_steps(x, hulls: dict, origin: int, stride: int) -> np.ndarray:
+    """The grid steps of lost part `x` (its first and last step always), less those a later attempt of its
+    rank re-recorded."""
+    cover = np.union1d(_grid(x.step_min, x.step_max, origin, stride), [x.step_min, x.step_max])
+    for (rk, at), (lo, hi) in hulls.items():
+        if rk == x.rank and at > x.attempt:
+            cover = cover[(cover < lo) | (cover > hi)]
+    return cover
+
+
+def _holes(analysis, rank: int, ranks: list[int], lost: np.ndarray, origin: int, stride: int) -> np.ndarray:
+    """Grid steps between the rank's first and last step with no row of it, other than its lost parts' steps."""
+    ends = [(b[2], b[3]) for b in analysis.spans if b[0] == rank]
+    if not ends:
+        return np.zeros(0, np.int64)
+    ends += [(x.step_min, x.step_max) for x in analysis.lost if x.rank == rank]
+    lo, hi = min(e[0] for e in ends), max(e[1] for e in ends)
+    present = _present(analysis, rank, len(ranks) == 1, analysis.spans, origin, stride)
+    return np.setdiff1d(np.setdiff1d(_grid(lo, hi, origin, stride), present), lost)
+
+
 def coverage(analysis) -> Coverage:
     """The lost parts and the gaps of the run (module doc); empty lists when nothing is missing."""
     lost, spans = list(analysis.lost), list(analysis.spans)
-    every_n = int(analysis.manifest.sampling.get("every_n_steps") or 1)
     judged = float(analysis.manifest.sampling.get("seq_fraction") or 1.0) >= 1.0
     steps = np.unique(analysis.steps.column("step").to_numpy()).astype(np.int64)
     diffs = np.diff(steps)
-    stride = int(np.gcd.reduce(diffs)) if len(diffs) else every_n
+    stride = int(np.gcd.reduce(diffs)) if len(diffs) else int(analysis.manifest.sampling.get("every_n_steps") or 1)
     bounds = [(b[2], b[3]) for b in spans] + [(x.step_min, x.step_max) for x in lost]
     if not bounds:
         return Coverage([], [], np.zeros(0, np.int64), 0, stride, judged)
     origin = int(steps[0]) if len(steps) else lost[0].step_min
     ranks = sorted({b[0] for b in spans} | {x.rank for x in lost})
-    hulls: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, attempt) -> steps it covers (restarts)
-    for rk, at, a, b in [*spans, *((x.rank, x.attempt, x.step_min, x.step_max) for x in lost)]:
-        lo, hi = hulls.get((rk, at), (a, b))
-        hulls[(rk, at)] = (min(lo, a), max(hi, b))
-    parts, gaps, missing = [], [], []
+    hulls = _hulls(analysis)
+    parts, gaps, missing = [], [], [np.zeros(0, np.int64)]
     for rank in ranks:
-        mine = [x for x in lost if x.rank == rank]
-        taken = []
-        for x in mine:
-            cover = np.union1d(_grid(x.step_min, x.step_max, origin, stride), [x.step_min, x.step_max])
-            for (rk, at), (lo, hi) in hulls.items():  # re-recorded by a later attempt: not lost
-                if rk == rank and at > x.attempt:
-                    cover = cover[(cover < lo) | (cover > hi)]
-            taken.append(cover)
-            parts.append({**x.to_dict(), "steps": len(cover)})
-        lost_steps = np.unique(np.concatenate(taken)) if taken else np.zeros(0, np.int64)
-        missing.append(lost_steps)
-        if not judged:
-            continue
-        lo = min(b[2] for b in spans if b[0] == rank) if any(b[0] == rank for b in spans) else None
-        if lo is None:
-            continue
-        hi = max(b[3] for b in spans if b[0] == rank)
-        lo, hi = min([lo, *(x.step_min for x in mine)]), max([hi, *(x.step_max for x in mine)])
-        present = _present(analysis, rank, len(ranks) == 1, spans, origin, stride)
-        hole = np.setdiff1d(np.setdiff1d(_grid(lo, hi, origin, stride), present), lost_steps)
+        taken = [(x, _lost_steps(x, hulls, origin, stride)) for x in lost if x.rank == rank]
+        taken = [(x, cover) for x, cover in taken if len(cover)]  # all re-recorded by a restart: nothing lost
+        parts += [{**x.to_dict(), "steps": len(cover)} for x, cover in taken]
+        gone = np.unique(np.concatenate([c for _, c in taken])) if taken else np.zeros(0, np.int64)
+        hole = _holes(analysis, rank, ranks, gone, origin, stride) if judged else np.zeros(0, np.int64)
         gaps += [{"rank": rank, "first": a, "last": b, "steps": n} for a, b, n in _runs(hole, stride)]
-        missing.append(hole)
+        missing += [gone, hole]
     lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
-    gone = np.unique(np.concatenate(missing)) if missing else np.zeros(0, np.int64)
+    gone = np.unique(np.concatenate(missing))
     return Coverage(parts, gaps, gone, len(np.union1d(_grid(lo, hi, origin, stride), gone)), stride, judged)
 
 
