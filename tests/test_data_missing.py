@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,22 @@ def test_watch_fails_on_it_from_a_real_process(truncated):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1, done.stderr
     assert "failing on data_missing" in done.stderr and "Traceback" not in done.stderr
+    assert hashes(truncated) == before
+
+
+def test_audit_fails_on_it(truncated, tmp_path, capsys):
+    import kldiag.crosswalk as X
+    from test_audit import write_log
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped part
+        truth = {r["step"]: r for r in X.records(X.crosswalk(truncated, "trl"), reasons=False)}
+    logs = write_log(tmp_path / "log.jsonl", truth, {})
+    before = hashes(truncated)
+    assert main(["audit", str(truncated), "--logs", str(logs), "-f", "trl", "--fail-on", "disagreement"]) == 0
+    assert main(["audit", str(truncated), "--logs", str(logs), "-f", "trl", "--fail-on", "disagreement,data_missing"]) == 1
+    err = capsys.readouterr().err
+    assert "failing on data_missing (warning, from step 10)" in err and "steps 10-19" in err
     assert hashes(truncated) == before
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kldiag.diagnosis import causes as C
-from kldiag.diagnosis.types import Cause
+from kldiag.diagnosis.types import Cause, DiagnosisConfig
 from kldiag.frameworks import fix_for
 
 CAUSE = "data_missing"
@@ -140,11 +140,18 @@ def _where(cov: Coverage) -> str:
 
 def data_missing(analysis, ctx) -> list[Cause]:
     """Cause data_missing (module doc): warning, critical past missing_critical_share of the steps."""
+    found = cause_of(analysis, ctx.config)
+    return [found] if found is not None else []
+
+
+def cause_of(analysis, config: DiagnosisConfig = DiagnosisConfig()) -> Cause | None:
+    """The data_missing Cause of an analysed run, None when nothing is missing (also for faces that do
+    not diagnose, such as `kldiag audit --fail-on data_missing`)."""
     cov = coverage(analysis)
     if not cov.parts and not cov.gaps:
-        return []
+        return None
     n, share = len(cov.missing), len(cov.missing) / max(cov.expected, 1)
-    limit = ctx.config.missing_critical_share
+    limit = config.missing_critical_share
     sampling = analysis.manifest.sampling
     ev = {"parts": cov.parts[:LISTED], "gaps": cov.gaps[:LISTED], "parts_lost": len(cov.parts),
           "gap_count": len(cov.gaps), "steps_missing": n, "steps_expected": cov.expected, "share": share,
@@ -157,7 +164,7 @@ def data_missing(analysis, ctx) -> list[Cause]:
         summary += " (gaps between steps are not judged: the recorder samples sequences, seq_fraction < 1)"
     fix = fix_for(CAUSE, analysis.manifest)
     severity = "critical" if share > limit else "warning"
-    return [Cause(CAUSE, int(cov.missing[0]) if n else None, severity, ev, fix, summary)]
+    return Cause(CAUSE, int(cov.missing[0]) if n else None, severity, ev, fix, summary)
 
 
 C.register(data_missing)
