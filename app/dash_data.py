@@ -119,8 +119,14 @@ def load(path: str) -> Loaded | None:
     except NotARunError as e:
         st.error(f"Not a kldiag run: {e}")
     except EmptyRunError:
-        st.info(f"{path} has no tokens yet: nothing has been published. Turn on **Live** in the sidebar "
-                "to refresh when the trainer writes its first part.")
+        from kldiag.analysis.lost import NOTHING_PUBLISHED, no_tokens_reason
+
+        reason = no_tokens_reason(path)
+        if reason == NOTHING_PUBLISHED:
+            st.info(f"{path} has no tokens yet: nothing has been published. Turn on **Live** in the sidebar "
+                    "to refresh when the trainer writes its first part.")
+        else:
+            st.error(f"{path} has no readable tokens: {reason}. Their steps are lost to every page.")
     except KldiagError as e:
         st.error(f"Cannot analyse {path}: {e}")
     return None

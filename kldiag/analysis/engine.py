@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from kldiag.analysis import alerts, partials, prefix, runner, tables, worker
+from kldiag.analysis import alerts, lost, partials, prefix, runner, tables, worker
 from kldiag.analysis.kernel import Thresholds
 from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
@@ -87,6 +87,8 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")
     a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
+    a.lost = lost.lost_parts(parts, skipped)  # the facts behind the diagnosis's data_missing
+    a.spans = lost.read_spans(parts, a.lost)
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
     return a

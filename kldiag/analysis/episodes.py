@@ -87,6 +87,8 @@ class DiagnosisConfig:
     persistence: Persistence = Persistence()  # a cause (and a non-info episode) needs a sustained signal
     early: EarlyWarning = EarlyWarning()  # the early-warning rules' thresholds (kldiag/analysis/warning.py)
     evidence_tokens: int = 5  # worst tokens attached to an episode or a cause
+    missing_critical_share: float = 0.5  # data_missing is critical when more than this share of the run's
+    # steps lost rows on some rank (the verdict then speaks for less than half the run)
 
 
 def json_safe(v: Any) -> Any:
@@ -264,6 +266,22 @@ def parse_kinds(text: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if not out:
         raise ValueError(f"no rule given; choose from {', '.join(KINDS)} or all")
     return tuple(dict.fromkeys(out))
+
+
+# Causes the live faces (kldiag.Guard, `kldiag watch --fail-on`) act on besides the episode kinds: steps whose
+# rows the run lacks (the diagnosis's data_missing; the guard sees the recorder's dropped and lost rows).
+LIVE_CAUSES = ("data_missing",)
+
+
+def parse_rules(text: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """parse_kinds, plus the LIVE_CAUSES by name ("all" names them too); raises ValueError naming the choices."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    causes = tuple(c for c in LIVE_CAUSES if c in names or "all" in names)
+    rest = [n for n in names if n not in LIVE_CAUSES]
+    try:
+        return tuple(dict.fromkeys((*parse_kinds(rest), *causes))) if rest or not causes else causes
+    except ValueError as e:
+        raise ValueError(f"{e}, or {', '.join(LIVE_CAUSES)}") from None
 
 
 def spans(fire: np.ndarray, quiet: int) -> list[tuple[int, int]]:

@@ -84,6 +84,9 @@ class Analysis:
     trainer_kl: step, micro-averaged KL as the trainer logs it, when trainer_compatible
     superseded: rank, attempt, rows: rows left out because a later attempt of the rank
                 re-recorded their steps (a restart); empty when the run has one attempt
+    lost:       the parts none of whose rows were read (unreadable, 0 bytes, 0 rows), each with
+                its rank and step range (kldiag.analysis.lost.LostPart)
+    spans:      (rank, attempt, step_min, step_max) of each part that was read
     """
 
     run_dir: Path | str  # a Path, or the URI of a remote run
@@ -100,6 +103,8 @@ class Analysis:
     files_new: int = 0  # parts computed now (not from the cache)
     skipped: list[str] = field(default_factory=list)  # parts skipped as corrupt, by path
     superseded: pa.Table | None = None
+    lost: list[Any] = field(default_factory=list)  # kldiag.analysis.lost.LostPart, in part order
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)

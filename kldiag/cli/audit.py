@@ -15,6 +15,8 @@ the step the trainer logs at).
   disagreement  a metric disagrees
   unexplained   a metric disagrees for no tested reason
   any           a metric disagrees, or a logged metric cannot be recomputed from the run
+  data_missing  the run's tokens lack parts or steps (the diagnosis's data_missing cause: an
+                unreadable or empty part, a step gap inside a rank), so some steps were not audited
 Bad input (unknown SRC format, no step in common, unknown framework or setting) exits 2.
 --json prints the object documented in docs/audit.md.
 """
@@ -29,7 +31,7 @@ from typing import Any
 from kldiag.cli import args as checks
 from kldiag.fmt import num
 
-FAIL_ON = ("disagreement", "unexplained", "any")
+FAIL_ON = ("disagreement", "unexplained", "any", "data_missing")
 
 
 def _rules(text: str) -> tuple[str, ...]:
@@ -74,6 +76,19 @@ def failing(result, rules: tuple[str, ...]) -> list[str]:
     return out
 
 
+def missing(run_dir: str) -> list[str]:
+    """'data_missing (warning, from step 10): ...' when the run's tokens lack parts or steps, else []."""
+    import warnings
+
+    from kldiag.analysis.engine import analyze
+    from kldiag.diagnosis.missing import cause_of
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the audit's own read of the run warned about each skipped part
+        c = cause_of(analyze(run_dir))
+    return [] if c is None else [f"data_missing ({c.severity}, from step {c.onset}): {c.summary}"]
+
+
 def run(args: argparse.Namespace) -> int:
     from kldiag.crosswalk import CrosswalkError
     from kldiag.crosswalk.audit import audit
@@ -92,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_text(result))
-    hit = failing(result, args.fail_on)
+    hit = failing(result, args.fail_on) + (missing(args.run_dir) if "data_missing" in args.fail_on else [])
     if hit:
         print(f"kldiag audit: failing on {'; '.join(hit)}", file=sys.stderr)
     return 1 if hit else 0

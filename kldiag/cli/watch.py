@@ -10,9 +10,10 @@ alert episode starts or ends; the verdict line when it changes.
     kldiag watch runs/my_run --notify env:SLACK_WEBHOOK   # a Slack message per new cause / critical episode
     kldiag watch s3://bucket/runs/my_run --fail-on blowup,nonfinite   # exit 1 when one starts
     kldiag watch runs/my_run --once --fail-on all   # one look, for cron and CI
+    kldiag watch runs/my_run --fail-on data_missing # exit 1 when a part is unreadable or steps are missing
 
 Exit codes: 0 (stopped, --once, or --max-idle seconds without a new part), 1 (a --fail-on
-rule fired; the episode is printed to stderr), 2 (a user error, one line: a bad flag, a file as
+rule fired; the episode or cause is printed to stderr), 2 (a user error, one line: a bad flag, a file as
 RUN, or with --once a RUN that does not exist; without --once it waits for RUN to appear), 130 (Ctrl-C).
 """
 
@@ -43,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace, notifier: Notifier | None) -> int:
-    fail_on = EP.parse_kinds(args.fail_on) if args.fail_on else ()
+    fail_on = EP.parse_rules(args.fail_on) if args.fail_on else ()
     if args.once:
         open_run(args.run_dir)  # one look at a run that does not exist is an error; without --once, wait for it
     w = Watcher(args.run_dir, AnalysisConfig(**engines.options(args)))
-    last_verdict, waiting, idle_since = None, "", time.monotonic()
+    last_verdict, waiting, idle_since, seen = None, "", time.monotonic(), set()
     while True:
         up = w.poll()
         if up.waiting and up.waiting != waiting:
@@ -59,6 +60,12 @@ def _watch(args: argparse.Namespace, notifier: Notifier | None) -> int:
             notifier.diagnosis(up.diagnosis)
         if up.diagnosis is not None:
             last_verdict, idle_since = up.diagnosis.verdict, time.monotonic()
+            causes = [c for c in up.diagnosis.causes if c.cause in fail_on and (args.once or c.cause not in seen)]
+            seen |= {c.cause for c in causes}
+            if causes:
+                c = causes[0]
+                print(f"kldiag watch: failing on {c.cause} ({c.severity}): {c.summary}", file=sys.stderr, flush=True)
+                return 1
             fired = [e for e in (w.known.values() if args.once else up.started) if e.kind in fail_on]
             if fired:
                 e = fired[0]
@@ -72,7 +79,7 @@ def _watch(args: argparse.Namespace, notifier: Notifier | None) -> int:
 
 def _kinds_arg(text: str) -> str:
     try:
-        EP.parse_kinds(text)
+        EP.parse_rules(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -85,7 +92,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI (s3://bucket/prefix)")
     p.add_argument("--interval", type=checks.positive(float), default=5.0, help="seconds between looks (default 5)")
     p.add_argument("--fail-on", type=_kinds_arg, default=None, metavar="RULES",
-                   help=f"comma list of episode kinds ({', '.join(EP.KINDS)}), blame, nonfinite, jump or all: "
+                   help=f"comma list of episode kinds ({', '.join(EP.KINDS)}), blame, nonfinite, jump, "
+                        f"{', '.join(EP.LIVE_CAUSES)} (the cause: parts unreadable or empty, steps missing) or all: "
                         "exit 1 when one starts")
     p.add_argument("--once", action="store_true", help="look once, print, and exit (with --fail-on: 1 if any fired)")
     p.add_argument("--max-idle", type=checks.non_negative, default=0.0, metavar="SECONDS",

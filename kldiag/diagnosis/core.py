@@ -21,6 +21,7 @@ from kldiag.diagnosis import evidence
 from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
 from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers engine_truncated_sampling
 from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
+from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_missing
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode

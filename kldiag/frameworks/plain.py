@@ -53,6 +53,12 @@ FIXES = {
 }
 from kldiag.frameworks.sampling import TRUNCATION_FIXES  # noqa: E402 - the truncation fix lives with the sampling keys
 FIXES["engine_truncated_sampling"] = TRUNCATION_FIXES["plain"]
+# The recorder's own trouble, the same under every trainer (kldiag.diagnosis.missing).
+FIXES["data_missing"] = (
+    "Restore the listed parts from a copy if one exists (kldiag never deletes or rewrites a part); look in the "
+    "trainer's log around those steps for a full disk, a killed writer or a copy cut short, and at run.json's "
+    "writer statistics (dropped_rows, lost_rows, write_errors): the recorder's default backpressure='block' never "
+    "drops rows.")
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.
 IF_SET = {

@@ -22,6 +22,9 @@ or a Notifier; sent from a background thread, once per episode, the URL never lo
 "flight" (the `recorder=`'s flight recorder publishes its last steps, whole, as an evidence bundle
 at RUN/flight/<step>-<kind>/; the TRL hook turns it on when its recorder samples with
 flight_steps > 0; paths in guard.flights).
+`on` may also name `data_missing` ("all" includes it): with a recorder (`recorder=`, or the TRL
+hook's own), an episode of that kind starts at the step where the recorder's dropped_rows or lost_rows
+grew, rows the run will lack (the diagnosis's data_missing cause, kldiag/diagnosis/missing.py).
 A failure inside the guard disables it with one warning: it never stops a run on an error of
 its own, and a recorder's write error does not concern it (it keeps its own copies).
 """
@@ -115,7 +118,7 @@ class Guard:
                  config: DiagnosisConfig = DiagnosisConfig(), weight_limit: float = E.WEIGHT_LIMIT,
                  alert_window: int = 20, alert_factor: float = 10.0, wait_s: float = 10.0, recorder: Any = None,
                  notify: str | Notifier | None = None):
-        self.on = EP.parse_kinds(on)
+        self.on = EP.parse_rules(on)
         actions = tuple(a.strip() for a in (action.split(",") if isinstance(action, str) else action) if a.strip())
         unknown = sorted(set(actions) - set(ACTIONS))
         if unknown:
@@ -140,6 +143,7 @@ class Guard:
         self.should_stop = self.should_save = False
         self.failed: BaseException | None = None
         self._judged = -(1 << 62)  # the last step end_step judged: later starts are new
+        self._lost_seen = 0  # the recorder's dropped + lost rows at the last look (data_missing)
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -162,7 +166,7 @@ class Guard:
             return []
         try:
             self._drain()
-            new = self._evaluate(int(step))
+            new = self._evaluate(int(step)) + self._data_missing(int(step))
             for e in new:
                 self._act(e)
             return new
@@ -234,6 +238,22 @@ class Guard:
         self._judged = max(self._judged, step)
         self.fired += new
         return new
+
+    def _data_missing(self, step: int) -> list[Episode]:
+        """A data_missing episode at `step` when the recorder dropped or lost rows since the last look."""
+        if "data_missing" not in self.on or self.recorder is None:
+            return []
+        stats = self.recorder.stats
+        lost = int(stats.get("dropped_rows", 0)) + int(stats.get("lost_rows", 0))
+        if lost <= self._lost_seen:
+            return []
+        e = Episode("data_missing", step, None, step, float(lost), "warning",
+                    f"the recorder lost {lost - self._lost_seen:,} row(s) by step {step} (dropped_rows "
+                    f"{stats.get('dropped_rows', 0):,}, lost_rows {stats.get('lost_rows', 0):,}, write_errors "
+                    f"{stats.get('write_errors', 0):,}): the run will lack them", metric="lost_rows")
+        self._lost_seen = lost
+        self.fired.append(e)
+        return [e]
 
     def _act(self, e: Episode) -> None:
         if "log" in self.actions:

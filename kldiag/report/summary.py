@@ -59,7 +59,8 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         diagnosis = diagnose(a)
     return {
         "run_dir": str(a.run_dir), "trainer": a.manifest.trainer, "config": a.manifest.config,
-        "files": a.files, "files_new": a.files_new, "skipped": a.skipped, "rows": a.info.get("rows"),
+        "files": a.files, "files_new": a.files_new, "skipped": a.skipped,
+        "lost_parts": [x.to_dict() for x in a.lost], "rows": a.info.get("rows"),
         "flagged": dict(zip(("count", "tokens"), run_flagged(a.steps), strict=True)),
         "steps": rows(a.steps),
         "alerts": [e.to_dict() for e in diagnosis.episodes],

@@ -1,0 +1,108 @@
+"""Parts whose rows the analysis could not use: unreadable, 0 bytes or 0 rows, with their rank and steps.
+
+A part's file name carries its rank, attempt and step range (docs/format.md, "File naming and
+publishing"), so a part that cannot be read still says which steps of which rank it held. The
+analysis keeps these facts (`Analysis.lost`) and the step ranges of the parts it read
+(`Analysis.spans`), so the diagnosis (`data_missing`, kldiag/diagnosis/missing.py) can say which
+steps are missing without listing the run again. Nothing here deletes or rewrites a file.
+
+A 0-row part is found by reading its Parquet footer, only for parts of at most EMPTY_PART_BYTES
+(a 0-row part of the token schema is a few KiB; a part with real rows is far larger), so a
+large run costs no extra read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kldiag.errors import KldiagError
+from kldiag.format import PartInfo, open_run
+
+EMPTY_PART_BYTES = 64 << 10  # parts up to this size have their footer read for a row count
+UNREADABLE, ZERO_BYTES, ZERO_ROWS = "unreadable", "empty: 0 bytes", "empty: 0 rows"
+NOTHING_PUBLISHED = "nothing has been published yet"  # no_tokens_reason of a run that is only starting
+
+
+@dataclass(frozen=True)
+class LostPart:
+    """A listed part none of whose rows reached the analysis; `reason` is one of UNREADABLE,
+    ZERO_BYTES, ZERO_ROWS. Steps step_min..step_max of rank `rank` (attempt `attempt`) come
+    from its file name."""
+
+    path: str
+    rank: int
+    attempt: int
+    step_min: int
+    step_max: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return self.path.replace("\\", "/").rsplit("/", 1)[-1]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "part": self.name}
+
+
+_FOOTER_ROWS: dict[tuple[str, str], int] = {}  # (path, part key) -> rows: published parts never change
+
+
+def rows_in_footer(part: PartInfo) -> int | None:
+    """The part's row count from its footer (remembered per part identity: `kldiag watch` asks at every
+    look); None when the footer cannot be read (the reader skips the part with a warning saying why)."""
+    key = (str(part.path), part.key)
+    if key not in _FOOTER_ROWS:
+        try:
+            rows = part.open().metadata.num_rows
+        except Exception:  # an unreadable footer is the reader's finding, not ours
+            return None
+        if len(_FOOTER_ROWS) > 1 << 16:
+            _FOOTER_ROWS.clear()
+        _FOOTER_ROWS[key] = rows
+    return _FOOTER_ROWS[key]
+
+
+def lost_parts(parts: Sequence[PartInfo], skipped: Sequence[str]) -> list[LostPart]:
+    """The parts skipped as unreadable (by path, as the reader reported them) or found empty, in part order."""
+    gone = set(skipped)
+    out = []
+    for p in parts:
+        if str(p.path) in gone:
+            reason = ZERO_BYTES if p.size == 0 else UNREADABLE
+        elif p.size <= EMPTY_PART_BYTES and rows_in_footer(p) == 0:
+            reason = ZERO_ROWS
+        else:
+            continue
+        out.append(LostPart(str(p.path), p.rank, p.attempt, p.step_min, p.step_max, reason))
+    return out
+
+
+def read_spans(parts: Sequence[PartInfo], lost: Sequence[LostPart]) -> list[tuple[int, int, int, int]]:
+    """(rank, attempt, step_min, step_max) of every part whose rows the analysis read."""
+    gone = {x.path for x in lost}
+    return [(p.rank, p.attempt, p.step_min, p.step_max) for p in parts if str(p.path) not in gone]
+
+
+def no_tokens_reason(run_dir: str | os.PathLike) -> str:
+    """Why a run shows no tokens, in words: nothing published yet, or N parts published and every one
+    unreadable or empty (naming them). For a face that got EmptyRunError: NOTHING_PUBLISHED is the one
+    case where waiting helps."""
+    try:
+        parts = open_run(run_dir).parts()
+    except KldiagError as e:
+        return f"it cannot be opened as a run ({e})"
+    if not parts:
+        return NOTHING_PUBLISHED
+    lost = []
+    for p in parts:
+        rows = None if p.size == 0 else rows_in_footer(p)
+        if rows is None:
+            lost.append(f"{p.name} ({ZERO_BYTES if p.size == 0 else UNREADABLE})")
+        elif rows == 0:
+            lost.append(f"{p.name} ({ZERO_ROWS})")
+    if len(lost) < len(parts):
+        return f"{len(parts)} part(s) published, none with readable token rows"
+    named = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+    return f"every published part is unreadable or empty: {named}"
