@@ -16,9 +16,11 @@ import pyarrow.parquet as pq
 
 from kldiag.analysis import coverage, engines, runner, topk
 from kldiag.analysis.engine import analyze
+from kldiag.analysis.routing import routing_of
 from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.routing import apply_settings
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
 from kldiag.report.build import reducers as report_reducers
@@ -39,6 +41,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")
     p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true")
     engines.add_arguments(p)
     defaults = AnalysisConfig()
     for f in dataclasses.fields(AnalysisConfig):
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         # an analyze reads no part
         # (and the top-k figures of --json, "topk": nothing to read in a run without top-k lists)
         a = analyze(args.run_dir, config_from_args(args), [*report_reducers(), topk.TopkReducer()])
+    apply_settings(a.manifest, args.settings)
     for w in caught:
         print(f"kldiag: warning: {w.message}", file=sys.stderr)
     if args.out:
@@ -142,6 +147,7 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "placeholders": int(a.info.get("placeholders", 0)),
         "topk": _clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
         "turns": turns_of(a),
+        "routing": routing_of(a),
     }
 
 
