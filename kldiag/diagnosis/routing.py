@@ -5,8 +5,9 @@ kldiag.analysis.routing's (RoutingReducer, read with the analysis when it was ma
 
 - `moe_routing_mismatch` (warning): the engine/trainer mismatch concentrates on the tokens the two route
   to different expert sets. A token near a router tie goes to another expert in a low-precision engine
-  router, and its two log-probs then differ by far more than numerics. Named instead of `engine_mismatch`
-  and `engine_precision` when the disagreeing tokens carry most of the mismatch KL (`explain_share`).
+  router, and its two log-probs then differ by far more than numerics. Named instead of `engine_mismatch`,
+  `engine_precision` and `engine_temperature_mismatch` when the disagreeing tokens carry most of the
+  mismatch KL (`explain_share`): a temperature would spread over every token, not concentrate.
 - `routing_replay_broken` (critical): the run says routing replay was on (manifest config
   `routing_replay`: true or the framework's mode name, such as verl's "R3"; `--set routing_replay=...` on
   the command line otherwise) but the trainer's and the engine's expert sets differ on more than
@@ -155,8 +156,10 @@ def routing_replay_broken(analysis, ctx, cfg: RoutingConfig = RoutingConfig()) -
                   fix_for("routing_replay_broken", analysis.manifest), text)]
 
 
-moe_routing_mismatch.absorbs = ("engine_mismatch", "engine_precision")
-routing_replay_broken.absorbs = ("moe_routing_mismatch", "engine_mismatch", "engine_precision")
+# A pooled temperature fit reads the routed tokens' large, two-sided gaps as a flatter engine: absorbed too.
+moe_routing_mismatch.absorbs = ("engine_mismatch", "engine_precision", "engine_temperature_mismatch")
+routing_replay_broken.absorbs = ("moe_routing_mismatch", "engine_mismatch", "engine_precision",
+                                 "engine_temperature_mismatch")
 C.register(moe_routing_mismatch)
 C.register(moe_routing_mismatch_partial)
 C.register(routing_replay_broken)
