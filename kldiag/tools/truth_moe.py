@@ -36,6 +36,7 @@ from kldiag.analysis import AnalysisConfig, analyze
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.record.recorder import Recorder
+from kldiag.tools import truth as T
 from kldiag.tools.truth import Expect, bf16
 
 
@@ -244,3 +245,22 @@ def run_and_diagnose(sc: MoeScenario, run_dir: str | Path):
     make_run(run_dir, sc)
     a = analyze(run_dir, AnalysisConfig(), diagnosis_reducers())
     return a, diagnose(a)
+
+
+def small(sc: MoeScenario) -> MoeScenario:
+    """The scenario as the tests run it (already small: the truth suite's interface)."""
+    return sc
+
+
+def check(sc: MoeScenario, diagnosis) -> list[str]:
+    """truth.check (verdict, causes, onsets), and the layer a routing_replay_broken cause must name first."""
+    wrong = T.check(sc, diagnosis)
+    if sc.layer is not None:
+        broken = [c for c in diagnosis.causes if c.cause == "routing_replay_broken"]
+        named = [r["layer"] for r in broken[0].evidence["layers"]] if broken else []
+        if named[:1] != [sc.layer]:
+            wrong.append(f"routing_replay_broken names layers {named}, expected {sc.layer} first")
+    return wrong
+
+
+SCENARIOS = MOE_SCENARIOS  # the truth suite's interface (bench/truth_table.py --moe)
