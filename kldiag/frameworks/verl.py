@@ -129,9 +129,9 @@ IF_SET = {
 R3 = f"`{ACTOR}megatron.router_replay.mode=R3` with `{ROLLOUT}enable_rollout_routing_replay=True`"
 FIXES["moe_routing_mismatch"] = (
     f"The rollout routes tokens to other experts than the actor: turn on rollout routing replay, {R3} (vLLM >= "
-    f"0.22 or SGLang; VeOmni: `{ACTOR}veomni.router_replay.mode=R3`), and keep `{CORR}rollout_is=token` for the "
-    "rest.")
+    f"0.22 or SGLang; the VeOmni engine has the same mode under its own router_replay), and keep "
+    f"`{CORR}rollout_is=token` for the rest.")
 FIXES["routing_replay_broken"] = (
     f"Routing replay is configured ({R3}) but the actor does not route as the rollout did: check that the batch's "
-    "`routed_experts` covers every response token (verl pads the tail with zeros and masks the last row out), that "
+    "routed_experts key covers every response token (verl pads the tail with zeros and masks the last row out), that "
     f"`{ACTOR}megatron.router_replay.mode` is R3 and not R2 in the update, and that every MoE layer's router is patched.")
