@@ -134,3 +134,25 @@ def test_cli_json_set_and_fail_on(tmp_path, capsys):
     assert main(["analyze", str(run), "--set", "beta=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kldiag: error: --set 'beta=3'") and "routing_replay" in err and "Traceback" not in err
+
+
+def test_views_and_report_section(tmp_path, capsys):
+    from kldiag.report.routing import section_html, text_lines
+    from kldiag.views import routing as VR
+
+    run = _write(tmp_path / "run", _data(gap=1.5))
+    a = analyze(run, AnalysisConfig(), reducers())
+    view = VR.view_of(a)
+    assert view.routed and "routed differently carry" in VR.headline(view)
+    assert VR.table(view).shape == (2, len(VR.TABLE_COLUMNS))
+    heat = VR.agreement_by_layer(view)
+    assert len(heat.data[0].y) == STEPS and len(heat.data[0].x) == 3 and heat.data[0].z[0][0] == 1.0
+    assert [t.name for t in VR.mismatch_by_side(view).data] == ["routed alike", "routed differently"]
+    assert text_lines(a)[0].startswith("routing: agreement") and "2 (" in text_lines(a)[1]
+    assert "MoE routing: engine vs trainer experts" in section_html(a)
+    dense = _write(tmp_path / "dense", [{k: v for k, v in d.items() if not k.startswith("experts")} for d in _data()])
+    a = analyze(dense, AnalysisConfig(), reducers())
+    assert not VR.view_of(a).routed and text_lines(a) == [] and section_html(a) == ""
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
+    assert "routing: agreement" in capsys.readouterr().out
+    assert "MoE routing" in (tmp_path / "r.html").read_text()
