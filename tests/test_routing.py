@@ -14,35 +14,9 @@ from kldiag.cli import main
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers
 
-STEPS, B, T, L, K = 6, 8, 20, 4, 2
-
-
-def _data(seed: int = 0, differ: float = 0.1, layer: int = 2, gap: float = 1.0, missing_from: int | None = None):
-    rng = np.random.default_rng(seed)
-    out = []
-    for step in range(STEPS):
-        e = np.argsort(rng.random((B, T, L, 8)), -1)[..., :K]
-        e[:, :, 0] = -1  # a dense first layer
-        s = e[..., ::-1].copy()  # the same sets, listed the other way round
-        dis = rng.random((B, T)) < differ
-        s[dis, layer, 0] = (e[dis, layer].max(-1) + 1) % 8
-        dis &= ~(e[:, :, layer] == s[:, :, layer, :1]).any(-1) | (s[:, :, layer, 0] != e[:, :, layer, 0])
-        if missing_from is not None and step >= missing_from:
-            s[:, :, 3] = -1
-        logp = -rng.exponential(0.5, (B, T))
-        mu = logp + rng.normal(0, 0.01, (B, T)) + np.where(dis, rng.normal(0, gap, (B, T)), 0.0)
-        mask = rng.random((B, T)) < 0.9
-        out.append({"step": step, "logp": logp, "logp_sampler": mu, "logp_ref": logp - rng.exponential(0.05, (B, T)),
-                    "mask": mask, "experts": e,
-                    "experts_sampler": s})
-    return out
-
-
-def _write(path, data, config=None, trainer="verl"):
-    with kldiag.Recorder(path, trainer=trainer, config=config or {}) as rec:
-        for d in data:
-            rec.record(**d)
-    return path
+from kldiag.tools.routing_runs import STEPS
+from kldiag.tools.routing_runs import batches as _data
+from kldiag.tools.routing_runs import write as _write
 
 
 def _numpy_figures(data):
