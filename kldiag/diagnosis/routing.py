@@ -30,6 +30,9 @@ from kldiag.errors import KldiagError
 from kldiag.frameworks import fix_for
 
 OFF = ("", "off", "none", "null", "false", "0", "no", "disabled")  # verl's mode "disabled" is off
+# verl's R2 records the trainer's own routes in the old-log-prob pass and replays them in the update: the
+# engine's routes are not replayed, so engine and trainer may differ under it (verl@1dda039b engine.py)
+NOT_ENGINE_REPLAY = ("r2",)
 SETTABLE = ("routing_replay",)  # what `--set KEY=VALUE` may give the diagnosis
 
 
@@ -48,7 +51,9 @@ class RoutingConfig:
 def replay_on(manifest: Any) -> Any:
     """The run's `routing_replay` setting when it says replay was on (True, "R3", ...), else None."""
     value = (getattr(manifest, "config", None) or {}).get("routing_replay")
-    if value is None or (isinstance(value, str) and value.strip().lower() in OFF) or value is False:
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.strip().lower() in (*OFF, *NOT_ENGINE_REPLAY):
         return None
     return value
 
