@@ -1,5 +1,6 @@
 """Known-truth runs of a real tiny mixture-of-experts model: routing mismatch and routing replay.
 
+    python -m kldiag.tools.truth_moe runs/moe            # every scenario, one run each under runs/moe/NAME
     from kldiag.tools.truth_moe import MOE_SCENARIOS, make_run
     make_run("runs/moe", MOE_SCENARIOS["moe_no_replay"])   # then kldiag analyze runs/moe
 
@@ -264,3 +265,19 @@ def check(sc: MoeScenario, diagnosis) -> list[str]:
 
 
 SCENARIOS = MOE_SCENARIOS  # the truth suite's interface (bench/truth_table.py --moe)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m kldiag.tools.truth_moe OUT [--scenario NAME ...]: write the runs under OUT/NAME."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write the tiny-MoE known-truth runs (kldiag/tools/truth_moe.py)")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--scenario", nargs="*", choices=list(MOE_SCENARIOS), help="default: all")
+    args = ap.parse_args(argv)
+    for name in args.scenario or list(MOE_SCENARIOS):
+        print(make_run(args.out / name, MOE_SCENARIOS[name]))
+
+
+if __name__ == "__main__":
+    main()
