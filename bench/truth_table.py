@@ -3,7 +3,7 @@
     python bench/truth_table.py                       # every scenario at full size, tables on stdout
     python bench/truth_table.py --markdown            # ... and into docs/metrics.md, between the truth-table markers
     python bench/truth_table.py --only k3_blowup --small
-    python bench/truth_table.py --small --moe          # ... and the tiny-MoE routing scenarios (kldiag/tools/truth_moe.py)
+    python bench/truth_table.py --small --moe          # ... and the tiny-MoE scenarios (kldiag/tools/truth_moe.py)
     # another checkout of kldiag (a "before" table, kept beside the current one in its own markers); the
     # generator is loaded by its file path:
     PYTHONPATH=/tmp/kl_before python bench/truth_table.py --generator kldiag/tools/truth.py --label 9cb43d0 --before

@@ -211,7 +211,8 @@ def _step_row(m: dict[str, np.ndarray], i: int) -> dict[str, Any]:
     routed = m["routed"][i]
     a, d = _side(m, "agree", slice(i, i + 1)), _side(m, "disagree", slice(i, i + 1))
     return {"step": int(m["step"][i]), "tokens": int(m["tokens"][i]), "routed": int(routed),
-            "differ_share": _num(ratio(m["disagree"][i], routed)), "missing_share": _num(ratio(m["missing"][i], routed)),
+            "differ_share": _num(ratio(m["disagree"][i], routed)),
+            "missing_share": _num(ratio(m["missing"][i], routed)),
             "overlap_mean": _num(ratio(m["overlap_sum"][i], m["overlap_n"][i])),
             "agree_mismatch_abs_mean": a["mismatch_abs_mean"], "disagree_mismatch_abs_mean": d["mismatch_abs_mean"],
             "agree_k3_mean": a["k3_mean"], "disagree_k3_mean": d["k3_mean"],

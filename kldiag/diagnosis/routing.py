@@ -110,7 +110,8 @@ def routing_cause(analysis, cfg: RoutingConfig = RoutingConfig()) -> tuple[Cause
                          "float_noise": cfg.float_noise, "explain_share": cfg.explain_share}}
     where = ", ".join(f"{r['layer']} ({r['differ_share']:.1%})" for r in layers[:4])
     summary_ = (f"the engine routes {s['differ_share']:.1%} of the tokens to another expert set than the trainer "
-                f"(layers {where}); those tokens carry {share:.0%} of the mismatch KL(mu||pi_old): |log mu - log pi_old| "
+                f"(layers {where}); those tokens carry {share:.0%} of the mismatch KL(mu||pi_old): "
+                "|log mu - log pi_old| "
                 f"averages {d['mismatch_abs_mean']:.3g} nats on them against "
                 + (f"{a['mismatch_abs_mean']:.3g}" if a["mismatch_abs_mean"] is not None else "none")
                 + f" on tokens routed alike (IS ratio up to {d['is_max']:.3g})")

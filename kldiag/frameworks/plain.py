@@ -71,7 +71,8 @@ R3_KEYS = ("verl `actor_rollout_ref.actor.megatron.router_replay.mode=R3` with "
            "`actor_rollout_ref.rollout.enable_rollout_routing_replay=True`; slime and Miles "
            "`--use-rollout-routing-replay`; NeMo-RL `policy.router_replay.enabled=true`; SkyRL "
            "`trainer.policy.megatron_config.moe_enable_routing_replay=true` with "
-           "`generator.inference_engine.enable_return_routed_experts=true`; prime-rl `trainer.enable_router_replay=true`; "
+           "`generator.inference_engine.enable_return_routed_experts=true`; prime-rl "
+           "`trainer.enable_router_replay=true`; "
            "AReaL captures the routes (`rollout.return_routed_experts=true`) but replays none yet")
 FIXES["moe_routing_mismatch"] = (
     "The engine routes tokens near a router tie to other experts than the trainer (a low-precision router): turn "

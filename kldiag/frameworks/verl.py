@@ -134,4 +134,5 @@ FIXES["moe_routing_mismatch"] = (
 FIXES["routing_replay_broken"] = (
     f"Routing replay is configured ({R3}) but the actor does not route as the rollout did: check that the batch's "
     "routed_experts key covers every response token (verl pads the tail with zeros and masks the last row out), that "
-    f"`{ACTOR}megatron.router_replay.mode` is R3 and not R2 in the update, and that every MoE layer's router is patched.")
+    f"`{ACTOR}megatron.router_replay.mode` is R3 and not R2 in the update, and that every MoE layer's router is "
+    "patched.")

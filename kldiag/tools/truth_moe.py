@@ -162,7 +162,8 @@ def _sample(sc: MoeScenario, engine: Any, routes: Routes, prompts: Any, rng: np.
     for _ in range(sc.completion_len):
         logits = _engine_logits(sc, engine, ids, rng)[:, -1]
         p = torch.softmax(logits, -1)
-        ids = torch.cat([ids, torch.multinomial(p, 1, generator=torch.Generator().manual_seed(int(rng.integers(1 << 31))))], 1)
+        gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+        ids = torch.cat([ids, torch.multinomial(p, 1, generator=gen)], 1)
     logits = _engine_logits(sc, engine, ids, rng)  # the engine's scores of what it sampled: one pass, as vLLM logs
     b, s = ids.shape
     return ids, logits, routes.stacked(b, s, sc.top_k)
