@@ -3,6 +3,7 @@
     python bench/truth_table.py                       # every scenario at full size, tables on stdout
     python bench/truth_table.py --markdown            # ... and into docs/metrics.md, between the truth-table markers
     python bench/truth_table.py --only k3_blowup --small
+    python bench/truth_table.py --small --moe          # ... and the tiny-MoE scenarios (kldiag/tools/truth_moe.py)
     # another checkout of kldiag (a "before" table, kept beside the current one in its own markers); the
     # generator is loaded by its file path:
     PYTHONPATH=/tmp/kl_before python bench/truth_table.py --generator kldiag/tools/truth.py --label 9cb43d0 --before
@@ -43,12 +44,14 @@ def load_generator(path: str | None):
     return mod
 
 
-def run_all(T, names: list[str], small: bool, keep: str | None) -> list[dict]:
+def run_all(T, names: list[str], small: bool, keep: str | None, moe=None) -> list[dict]:
+    """Each scenario written, analysed and diagnosed; `moe` (kldiag.tools.truth_moe) holds the names T lacks."""
     import kldiag
     from kldiag.diagnosis import diagnose
 
     out = []
     for name in names:
+        T = T if name in T.SCENARIOS else moe
         sc = T.small(T.SCENARIOS[name]) if small else T.SCENARIOS[name]
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(keep, name) if keep else Path(tmp, name)
@@ -185,13 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before", action="store_true", help="with --markdown: write the table as the kept \"before\" "
                     "table (its own markers), leaving the current one")
     ap.add_argument("--keep", help="write the runs under this directory and keep them")
+    ap.add_argument("--moe", action="store_true", help="add the tiny-MoE routing scenarios (needs transformers)")
     args = ap.parse_args(argv)
     T = load_generator(args.generator)
     import kldiag
 
-    names = args.only or list(T.SCENARIOS)
+    moe = importlib.import_module("kldiag.tools.truth_moe") if args.moe else None
+    names = args.only or [*T.SCENARIOS, *(moe.SCENARIOS if moe else ())]
     t0 = time.perf_counter()
-    rows = run_all(T, names, args.small, args.keep)
+    rows = run_all(T, names, args.small, args.keep, moe)
     command = shlex.join(["python", "bench/truth_table.py", *(argv if argv is not None else sys.argv[1:])])
     other = Path(kldiag.__file__).resolve().parents[1]
     label = args.label or ("this checkout" if other == ROOT else f"kldiag from `{Path(kldiag.__file__).parent}`")

@@ -131,3 +131,56 @@ def test_hard_batches_are_blips():
     w = _per_step(sc, d, np.abs(np.expm1(dd)), np.max)
     assert 0.005 < hard.mean() < 0.02 and not (hard[1:] & hard[:-1]).any()
     assert dead[~hard].sum() == 0 and dead[hard].sum() > 0 and w.max() < 100
+
+
+# ---- a real tiny MoE: routing mismatch and replay (kldiag/tools/truth_moe.py) ----------------------
+
+
+@pytest.fixture(scope="module")
+def moe():
+    pytest.importorskip("transformers")
+    from kldiag.tools import truth_moe
+
+    return truth_moe
+
+
+@pytest.mark.parametrize("name", ["moe_no_replay", "moe_replay", "moe_replay_broken_layer1", "moe_dense",
+                                  "moe_same_routes_logit_noise"])
+def test_moe_scenario_is_diagnosed(moe, name, tmp_path):
+    from kldiag.analysis.routing import routing_of
+
+    sc = moe.MOE_SCENARIOS[name]
+    analysis, dg = moe.run_and_diagnose(sc, tmp_path / "run")
+    assert moe.check(sc, dg) == [], [(c.cause, c.onset) for c in dg.causes]
+    r = routing_of(analysis)
+    if sc.dense:
+        assert not r["routed"] and r["agreement"] is None
+    elif sc.replay and sc.replay_skip_layer is None or sc.router_bits is None:
+        assert r["agreement"] == 1.0 and r["disagree"]["tokens"] == 0
+    else:  # tokens near a router tie go elsewhere, and carry the mismatch
+        assert r["agreement"] < 0.99 and r["disagree"]["mismatch_abs_mean"] > 3 * r["agree"]["mismatch_abs_mean"]
+        assert r["kl_share_disagree"] > 0.5 > r["differ_share"]
+        if sc.replay:  # only the skipped layer differs
+            assert [x["layer"] for x in r["layers"] if x["differ_share"]] == [sc.replay_skip_layer]
+
+
+def test_moe_routes_are_the_models_own(moe):
+    """The hooks read what the router chose: the indices equal topk(softmax(gate logits)) recomputed, and a
+    forced route is what the router returns."""
+    import torch
+
+    sc = moe.MOE_SCENARIOS["moe_no_replay"]
+    trainer, _ = moe.build(sc)
+    routes = moe.Routes(trainer)
+    ids = torch.randint(0, sc.vocab, (2, 7))
+    with torch.no_grad():
+        out = trainer(input_ids=ids, output_router_logits=True)
+    got = routes.stacked(2, 7, sc.top_k)
+    for i, logits in enumerate(out.router_logits):
+        want = torch.topk(torch.softmax(logits.float(), -1), sc.top_k, -1).indices.reshape(2, 7, sc.top_k)
+        assert np.array_equal(np.sort(got[:, :, i], -1), np.sort(want.numpy(), -1))
+    forced = torch.from_numpy(np.stack([np.roll(got[..., i, :], 1, -1) for i in range(sc.layers)], 2))
+    routes.forced = {i: forced[:, :, i].reshape(-1, sc.top_k) for i in routes.gates}
+    with torch.no_grad():
+        trainer(input_ids=ids)
+    assert np.array_equal(routes.stacked(2, 7, sc.top_k), forced.numpy())

@@ -7,6 +7,7 @@ import streamlit as st
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
 from kldiag.views import turns as VT
+from kldiag.views import routing as VR
 from kldiag.views import audit as VA
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.mismatch import whatif as W
@@ -70,6 +71,15 @@ else:
         left.plotly_chart(VT.mismatch_by_step(turns))
         right.plotly_chart(VT.start_vs_body(turns))
         st.dataframe(VT.table(turns), hide_index=True, width="stretch")
+    routing = VR.view_of(D.analysis_of(run.path, run.keys))  # MoE routes, read with the analysis
+    if routing.routed:  # which layers the engine routes differently, and whether the mismatch sits there
+        st.subheader("MoE routing: engine vs trainer experts")
+        st.caption(VR.headline(routing))
+        left, right = st.columns(2)
+        left.plotly_chart(VR.agreement_by_layer(routing))
+        right.plotly_chart(VR.mismatch_by_side(routing))
+        st.plotly_chart(VR.agreement_by_step(routing))
+        st.dataframe(VR.table(routing), hide_index=True, width="stretch")
 
 st.subheader("What if: corrections replayed on these tokens")
 c1, c2 = st.columns(2)

@@ -19,6 +19,7 @@ from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import warning_line
 from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.routing import apply_settings
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
 from kldiag.report.summary import analyze_run, summary
@@ -42,6 +43,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="files analysed in parallel processes")
     p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true")
     engines.add_arguments(p)
     defaults = AnalysisConfig()
     for f in dataclasses.fields(AnalysisConfig):
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = analyze_run(args.run_dir, config_from_args(args))
+    apply_settings(a.manifest, args.settings)
     for w in caught:
         sys.stderr.write(warning_line(w.message))
     if args.out:

@@ -41,6 +41,7 @@ from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
+from kldiag.diagnosis.routing import apply_settings
 from kldiag.report.build import Report, ReportConfig, build_report, reducers
 
 # --fail-on names that stand for several episode kinds and causes (the report's older rules first).
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> 
     cfg = ReportConfig(diagnosis=DiagnosisConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl))
     # one read of each part for everything the report shows (none while the run's cache is warm)
     analysis = (analyze or analyze_run)(args.run_dir, AnalysisConfig(**engines.options(args)), reducers(cfg))
+    apply_settings(analysis.manifest, getattr(args, "settings", []))
     rep = build_report(analysis, cfg)
     from kldiag.report.render import format_text, write_html  # plotly: only when rendering
 
@@ -119,6 +121,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mismatch-kl", type=checks.positive(float), default=DiagnosisConfig.mismatch_kl,
                    help="DiagnosisConfig.mismatch_kl: mean KL(mu||pi_old) per token above which mismatch can "
                         "dominate (default 0.01)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.alerts import rule_context
+from kldiag.analysis.routing import RoutingReducer
 from kldiag.analysis.turns import TurnReducer
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
@@ -22,6 +23,7 @@ from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the eng
 from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers engine_truncated_sampling
 from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
 from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_missing
+from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_routing_mismatch, routing_replay_broken
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
@@ -49,7 +51,7 @@ def run_episodes(analysis, config: DiagnosisConfig,
 def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
-    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer()]
+    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

@@ -67,6 +67,7 @@ from kldiag.format.schema import (
     RUN_SCHEMA,
     TOKEN_SCHEMA,
     TOPK_COLUMNS,
+    ROUTE_COLUMNS,
     TOKENS_DIR,
     VOCAB,
     VOCAB_SCHEMA,
@@ -90,7 +91,7 @@ def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 __all__ = [
     "CACHE_DIR", "FLOAT_COLUMNS", "FORMAT_NAME", "FORMAT_VERSION", "INT_ID_COLUMNS", "MANIFEST", "OPTIONAL_ON_READ",
     "OPTIONAL_SCHEMA", "PARQUET_WRITE_OPTIONS", "PART_RE", "RANK_RE", "RANK_RE_V1", "READABLE_VERSIONS", "RUN_SCHEMA",
-    "TOKENS_DIR", "TOKEN_SCHEMA", "TOPK_COLUMNS", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest",
+    "ROUTE_COLUMNS", "TOKENS_DIR", "TOKEN_SCHEMA", "TOPK_COLUMNS", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest",
     "PartInfo", "Run", "Store", "absent_column", "attempt_hulls", "check_schema", "column_field", "columns_schema",
     "clean_stale_temps", "is_uri", "list_parts", "next_attempt", "next_index", "open_part", "open_run",
     "part_batches", "part_name", "part_schema", "publish", "publish_part", "rank_dir", "rank_dir_name", "rank_rel",

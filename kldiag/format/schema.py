@@ -1,4 +1,4 @@
-"""Run format v1.2: names, the token schema, Parquet encoding, and the manifest (run.json).
+"""Run format v1.3: names, the token schema, Parquet encoding, and the manifest (run.json).
 
 docs/format.md is the public contract; this module is its single source in code.
 """
@@ -17,8 +17,8 @@ import pyarrow as pa
 from kldiag.errors import RunFormatError, SchemaError, UnsupportedFormatVersionError
 
 FORMAT_NAME = "kldiag-run"
-FORMAT_VERSION = 1.2
-READABLE_VERSIONS = (1, 1.1, 1.2)  # v1: tokens/rank=R/ (Hive names), no attempt column; v1.1: no OPTIONAL_SCHEMA
+FORMAT_VERSION = 1.3
+READABLE_VERSIONS = (1, 1.1, 1.2, 1.3)  # v1: tokens/rank=R/ (Hive names), no attempt column; v1.1: no OPTIONAL_SCHEMA
 MANIFEST = "run.json"
 VOCAB = "vocab.parquet"
 TOKENS_DIR = "tokens"
@@ -60,11 +60,22 @@ OPTIONAL_SCHEMA = pa.schema(
         pa.field("topk_logp", pa.list_(pa.float32())),  # their log-probs, same order
         pa.field("topk_ids_sampler", pa.list_(pa.int32())),  # engine side (mu): top-k ids
         pa.field("topk_logp_sampler", pa.list_(pa.float32())),
+        # v1.3 MoE routing (kldiag.record.routes): per token, over the layers the trainer routed
+        pa.field("route_layers", pa.int16()),  # MoE layers with a trainer route at this token
+        pa.field("route_differ", pa.int16()),  # of those, layers whose engine expert SET differs
+        pa.field("route_missing", pa.int16()),  # of those, layers the engine gave no route (-1)
+        pa.field("route_overlap", pa.float32()),  # mean |trainer set & engine set| / k over compared layers
+        pa.field("route_differ_at", pa.list_(pa.int16())),  # the layers counted in route_differ
+        pa.field("route_missing_at", pa.list_(pa.int16())),  # the layers counted in route_missing
+        pa.field("experts", pa.list_(pa.int16())),  # full routes only when asked: trainer ids, L*k, -1 none
+        pa.field("experts_sampler", pa.list_(pa.int16())),  # the engine's, same layout
     ]
 )
 TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler")
+ROUTE_COLUMNS = ("route_layers", "route_differ", "route_missing", "route_overlap", "route_differ_at",
+                 "route_missing_at", "experts", "experts_sampler")  # v1.3
 RUN_SCHEMA = pa.schema([*TOKEN_SCHEMA, *OPTIONAL_SCHEMA])  # every column a reader may ask for, in order
-# absent from older parts: attempt (v1) is filled from the part's name, the v1.2 columns with nulls
+# absent from older parts: attempt (v1) is filled from the part's name, the v1.2/v1.3 columns with nulls
 OPTIONAL_ON_READ = ("attempt", *OPTIONAL_SCHEMA.names)
 FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")
 VOCAB_SCHEMA = pa.schema([pa.field("token_id", pa.int32(), nullable=False), pa.field("piece", pa.string())])
@@ -79,6 +90,7 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "compression_level": 1,
     "use_dictionary": False,
     "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn"), "DELTA_BINARY_PACKED"),
+                        **dict.fromkeys(("route_overlap",), "BYTE_STREAM_SPLIT"),
                         **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
                         # a list column's values are its leaf "<name>.list.element"; absent columns are ignored
                         **dict.fromkeys(("topk_logp.list.element", "topk_logp_sampler.list.element"),

@@ -69,3 +69,24 @@ IF_SET = {
         "The run already corrects the mismatch with importance sampling: remove it at its source (match temperature, "
         'top-p, dtype and kernels between the engine and the trainer), and mask rather than truncate outliers.')),
 }
+
+# MoE routing (kldiag/diagnosis/routing.py). Rollout routing replay ("R3") per framework, read from their code:
+# verl-project/verl@1dda039b, THUDM/slime@624b824a, radixark/miles@31f1ca96, NVIDIA-NeMo/RL@7ea279ab,
+# NovaSky-AI/SkyRL@a9564572, PrimeIntellect-ai/prime-rl@559b4477, areal-project/AReaL@cbff54d6.
+R3_KEYS = ("verl `actor_rollout_ref.actor.megatron.router_replay.mode=R3` with "
+           "`actor_rollout_ref.rollout.enable_rollout_routing_replay=True`; slime and Miles "
+           "`--use-rollout-routing-replay`; NeMo-RL `policy.router_replay.enabled=true`; SkyRL "
+           "`trainer.policy.megatron_config.moe_enable_routing_replay=true` with "
+           "`generator.inference_engine.enable_return_routed_experts=true`; prime-rl "
+           "`trainer.enable_router_replay=true`; "
+           "AReaL captures the routes (`rollout.return_routed_experts=true`) but replays none yet")
+FIXES["moe_routing_mismatch"] = (
+    "The engine routes tokens near a router tie to other experts than the trainer (a low-precision router): turn "
+    "on rollout routing replay, the engine's routes forced in the trainer's routers (" + R3_KEYS + "), or compute "
+    "the engine's router in fp32; correct what is left with truncated importance sampling.")
+FIXES["routing_replay_broken"] = (
+    "Routing replay is configured but the trainer does not route as the engine did: check that the engine returns "
+    "its routes for every token the loss reads (prompt and completion, one row fewer than tokens), that they reach "
+    "the trainer aligned with the tokens (padding and the missing last row), that every MoE layer's router is "
+    "patched (a fused router bypasses replay) and that the replay stage is set for the forward and the backward "
+    "(" + R3_KEYS + ").")

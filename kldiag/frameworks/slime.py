@@ -66,3 +66,14 @@ IF_SET = {
         'The off-policy sequence mask is already on: lower `--opsm-delta`, add `--use-tis`, and update fewer times '
         'per rollout.')),
 }
+
+# MoE routing (kldiag/diagnosis/routing.py): R3 in THUDM/slime@624b824a (slime/utils/arguments.py,
+# slime/utils/routing_replay.py).
+FIXES["moe_routing_mismatch"] = (
+    "SGLang routes tokens to other experts than Megatron: turn on rollout routing replay with "
+    "`--use-rollout-routing-replay` (it implies `--use-routing-replay`), and keep `--use-tis` for the rest.")
+FIXES["routing_replay_broken"] = (
+    "`--use-rollout-routing-replay` is on but Megatron does not route as SGLang did: check that each sample's "
+    "`rollout_routed_experts` has one row per token but the last, that no MoE layer is all zeros (a pipeline-"
+    "parallel capture bug slime's validator rejects), and that the Megatron patch that calls the replay top-k is "
+    "applied (RoutingReplay.assert_all_consumed has no call site).")

@@ -81,3 +81,15 @@ IF_SET = {
         'Reuse each generation less: lower `num_iterations` / `steps_per_generation`; the off-policy sequence mask '
         'is already on: lower `off_policy_mask_threshold` to drop more stale negative-advantage sequences.')),
 }
+
+# MoE routing (kldiag/diagnosis/routing.py): TRL 1.16 has no rollout routing replay (GRPOTrainer's vLLM
+# generation returns no routes), so the fix is the importance-sampling correction and the engine's precision.
+FIXES["moe_routing_mismatch"] = (
+    "vLLM routes tokens near a router tie to other experts than the trainer; TRL has no routing replay: keep "
+    "`vllm_importance_sampling_correction=True` with `vllm_importance_sampling_mode=\"token_mask\"` (it masks the "
+    "tokens routed differently, whose ratio is far from 1), sample with the dtype the trainer uses, or train the "
+    "MoE with a framework that replays the engine's routes (verl, slime, NeMo-RL, SkyRL, prime-rl).")
+FIXES["routing_replay_broken"] = (
+    "The run says routing replay was on, but TRL replays no routes: the engine's and the trainer's routes differ. "
+    "Drop the routing_replay setting from the run's config, or move the run to a framework with routing replay; "
+    "meanwhile keep `vllm_importance_sampling_correction=True`.")

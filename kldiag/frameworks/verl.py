@@ -123,3 +123,16 @@ IF_SET = {
         f"(rejection), and remove the mismatch at its source: `{ROLLOUT}logprobs_mode`, the rollout dtype "
         f"(`{ROLLOUT}dtype`).")),
 }
+
+# MoE routing (kldiag/diagnosis/routing.py): R3 in verl-project/verl@1dda039b (`EngineRouterReplayConfig`,
+# verl/workers/config/engine.py; the megatron key is in verl 0.9.1's _generated_ppo_megatron_trainer.yaml).
+R3 = f"`{ACTOR}megatron.router_replay.mode=R3` with `{ROLLOUT}enable_rollout_routing_replay=True`"
+FIXES["moe_routing_mismatch"] = (
+    f"The rollout routes tokens to other experts than the actor: turn on rollout routing replay, {R3} (vLLM >= "
+    f"0.22 or SGLang; the VeOmni engine has the same mode under its own router_replay), and keep "
+    f"`{CORR}rollout_is=token` for the rest.")
+FIXES["routing_replay_broken"] = (
+    f"Routing replay is configured ({R3}) but the actor does not route as the rollout did: check that the batch's "
+    "routed_experts key covers every response token (verl pads the tail with zeros and masks the last row out), that "
+    f"`{ACTOR}megatron.router_replay.mode` is R3 and not R2 in the update, and that every MoE layer's router is "
+    "patched.")

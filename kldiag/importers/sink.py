@@ -45,6 +45,7 @@ class Sequence:
     entropy: np.ndarray | None = None
     advantage: np.ndarray | None = None
     token_ids: np.ndarray | None = None
+    experts_sampler: np.ndarray | None = None  # format v1.3: the engine's routes, [T, L, k] ints (-1: none)
 
 
 @dataclass
@@ -198,4 +199,10 @@ def pack(seqs: list[Sequence]) -> dict[str, np.ndarray]:
             v = getattr(s, name)
             if name in out and v is not None:
                 out[name][i, :n] = v
+    routed = [s.experts_sampler for s in seqs if s.experts_sampler is not None]
+    if routed:  # one [L, k] for the run: a sequence without routes is -1 (no route) throughout
+        out["experts_sampler"] = np.full((b, t, *routed[0].shape[1:]), -1, np.int32)
+        for i, s in enumerate(seqs):
+            if s.experts_sampler is not None:
+                out["experts_sampler"][i, :lengths[i]] = s.experts_sampler
     return out

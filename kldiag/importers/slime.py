@@ -183,7 +183,19 @@ def to_sequence(sample: dict[str, Any], rollout_id: int, i: int, groups: list[in
                     logp=logp, mask=np.ones(n, bool) if mask is None else mask != 0,
                     logp_ref=_token(sample, "ref_log_probs", n), logp_sampler=sampler,
                     entropy=_token(sample, "entropy", n), advantage=_token(sample, "advantages", n),
-                    token_ids=tokens[-n:].astype(np.int32) if tokens is not None and n else None)
+                    token_ids=tokens[-n:].astype(np.int32) if tokens is not None and n else None,
+                    experts_sampler=response_routes(sample.get("rollout_routed_experts"), n))
+
+
+def response_routes(routes: Any, n: int) -> np.ndarray | None:
+    """The engine's routes of the n response tokens' log-probs, [n, L, k], from slime's `rollout_routed_experts`
+    [len(tokens) - 1, L, k] int32 (one row per token fed to SGLang, none for the last sampled token;
+    THUDM/slime@624b824a `slime/utils/types.py` `_apply_meta_info`): response token j's log-prob comes from
+    input position len(tokens) - n + j - 1, so the last n rows."""
+    a = _arr(routes, np.int64)
+    if a is None or a.ndim != 3 or n == 0 or len(a) < n:
+        return None
+    return a[-n:]
 
 
 def _arr(v: Any, dtype: Any) -> np.ndarray | None:

@@ -45,6 +45,7 @@ from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
 from kldiag.integrations.trl_kernel import TOPK_CHECK_NATS, TopkCapture
+from kldiag.integrations.trl_routes import RoutesCapture
 from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -235,6 +236,8 @@ class _Hook:
         self.guard: Any = None  # a kldiag.Guard fed the host copies (trl_guard.install_guard)
         self.topk: int | None = None  # attach(topk=k): the trainer's top-k per completion token
         self.topk_check: float | None = None  # trl_kernel.TopkCapture's label check, first batch
+        self._routes: Any = None  # MoE models: the trainer's routes of the loss's forward (trl_routes)
+        self._moe: bool | None = None  # whether the policy has routers (looked up at the first loss call)
 
     def install(self) -> None:
         t = self.trainer
@@ -270,10 +273,30 @@ class _Hook:
         captured, self._captured = self._captured, None
         if captured is not None:
             self._guarded(self._record, inputs, *captured)
+        self._routes = None
         return loss
 
     def _on_logps(self, original, *args, **kwargs):
         first = self._armed and self._captured is None
+        if first and self._moe is not False:  # an MoE policy: its routers' choices, by forward hooks (trl_routes)
+            return self._with_routes(original, args, kwargs)
+        return self._on_logps_topk(original, first, *args, **kwargs)
+
+    def _with_routes(self, original, args, kwargs):
+        self._routes, opened = None, []
+        self._guarded(lambda: opened.append(RoutesCapture.around(self.trainer, original, args, kwargs)))
+        capture = opened[0] if opened else None
+        self._moe = capture is not None
+        try:
+            out = self._on_logps_topk(original, True, *args, **kwargs)
+        finally:
+            if capture is not None:
+                capture.close()
+        if capture is not None:
+            self._guarded(lambda: setattr(self, "_routes", capture.result()))
+        return out
+
+    def _on_logps_topk(self, original, first, *args, **kwargs):
         opened: list[TopkCapture] = []
         if first and self.topk:  # a hook on the backbone for this one call (a failure: counted, warned)
             self._guarded(lambda: opened.append(TopkCapture.around(
@@ -351,6 +374,8 @@ class _Hook:
         seq = self._seq_ids(inputs, logp.shape[0])
         self._pending = True
         top = dict(zip(("topk_ids", "topk_logp"), topk, strict=True)) if topk else {}
+        if self._routes is not None:  # format v1.3: the trainer's routes (the engine's: not in TRL's batch)
+            top["experts"] = self._routes if self.off_thread() else _host(self._routes)
         if self.off_thread():
             return self._record_tensors(inputs, step, micro, iteration, seq, logp, entropy, top)
         completion = _host(inputs["completion_mask"]).astype(bool)

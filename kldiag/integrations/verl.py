@@ -111,7 +111,35 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     out.update(kl_semantics="verl", verl_micro_slots=MICRO_SLOTS, verl_version=version)
     if rollout is not None:
         out["engine_sampling"] = _plain(sampling_settings.from_verl(rollout))
+    replay = routing_replay(actor, rollout)
+    if replay is not None:  # the routing causes read it (kldiag/diagnosis/routing.py)
+        out["routing_replay"] = replay
     return out
+
+
+def routing_replay(actor: Any, rollout: Any = None) -> str | None:
+    """The run's routing replay mode: `actor.megatron.router_replay.mode` (or VeOmni's, or the legacy
+    `actor.router_replay.mode`) when not "disabled", R3 only with `rollout.enable_rollout_routing_replay`
+    (verl-project/verl@1dda039b `EngineRouterReplayConfig`, ray_trainer.py); None when replay is off."""
+    for path in ("megatron.router_replay", "veomni.router_replay", "router_replay"):
+        node = actor
+        for part in path.split("."):
+            node = config_get(node, part)
+        mode = config_get(node, "mode") if node is not None else None
+        if mode and str(mode).lower() != "disabled":
+            if str(mode).upper() == "R3" and not config_get(rollout, "enable_rollout_routing_replay", False):
+                return None  # R3 without the rollout's routes replays nothing from the engine
+            return str(mode)
+    return None
+
+
+def engine_routes(routed_experts: Any, response_len: int) -> Any:
+    """The engine's routes of the response tokens' log-probs, [B, R, L, k] int64, from verl's batch key
+    `routed_experts` [B, prompt_len + response_len, L, k] (int16, one row per input token at its absolute
+    position, trailing rows zero; verl/experimental/agent_loop/agent_loop.py): response token j's log-prob
+    comes from input position P + j - 1, so the rows [-R - 1, -1). Rows past a response's end read the
+    zero padding; the mask keeps them out of every figure."""
+    return routed_experts[:, -response_len - 1:-1].long()
 
 
 @dataclass
@@ -375,6 +403,9 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
         cols = {FIELDS[k]: padded[k][:, :t] for k in names}
         cols["mask"] = cols["mask"].bool() & completion
         seq, group = sequence_ids(data, lengths)
+        routes = data["routed_experts"] if "routed_experts" in data.keys() else None
+        if routes is not None and not routes.is_nested and routes.dim() == 4:  # format v1.3: the engine's
+            cols["experts_sampler"] = engine_routes(routes, t)
     previous = STATE.step
     step, micro = _advance(data, logp.shape[0])
     # Before this batch is recorded: the writer's window then holds the previous step only.

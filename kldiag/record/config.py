@@ -19,6 +19,7 @@ class RecorderConfig:
     config: dict[str, Any] | None = None  # more trainer settings for the manifest (loss_type, ...)
     tags: dict[str, Any] | list[str] | None = None  # free-form labels of the run
     tokenizer: Any = None  # a tokenizer (or {id: text}) for the vocab sidecar: token text in every view
+    full_routes: bool = False  # v1.3: store the MoE routes' expert lists too, not only their per-token summary
     # Where this process writes.
     world_size: int | None = None  # default: $WORLD_SIZE, else 1
     rank: int | None = None  # default: $RANK, else 0 (one writer, one folder tokens/rank-R per rank)

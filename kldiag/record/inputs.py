@@ -12,6 +12,7 @@ TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask",
               "turn")
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
+ROUTE_ARGS = ("experts", "experts_sampler")  # v1.3 [B, T, L, k]: one L and k for both sides
 
 
 def seq_unit(seq: np.ndarray) -> np.ndarray:
@@ -54,6 +55,9 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
             want, ok = f"{shape}", got == shape
         elif name in ROW_ARGS:
             want, ok = f"({shape[0]},)", got == shape[:1]
+        elif name in ROUTE_ARGS:
+            want = f"({shape[0]}, {shape[1]}, L, k)"
+            ok = len(got) == 4 and got[:2] == shape and got[2] > 0 and got[3] > 0
         elif any(name in pair for pair in TOPK_PAIRS):
             want, ok = f"({shape[0]}, {shape[1]}, K)", len(got) == 3 and got[:2] == shape and got[2] > 0
         else:  # advantages
@@ -68,4 +72,9 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         if ids in args and shape_of(args[ids]) != shape_of(args[logps]):
             raise ValueError(f"{ids} has shape {shape_of(args[ids])} but {logps} has {shape_of(args[logps])}; "
                              "pass one log-prob per top-k id (same K)")
+    if all(name in args for name in ROUTE_ARGS) and shape_of(args["experts"]) != shape_of(args["experts_sampler"]):
+        got = shape_of(args["experts_sampler"])
+        raise ValueError(f"experts_sampler has shape {got} but experts has {shape_of(args['experts'])}; pass both "
+                         f"with the same layers L and top-k (-1 where a side has no route), shape "
+                         f"({shape[0]}, {shape[1]}, L, k)")
     return shape

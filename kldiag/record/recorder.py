@@ -1,4 +1,4 @@
-"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.2).
+"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.3).
 
     with kldiag.Recorder("runs/x", beta=0.04, estimator="k3", clip_range=0.2) as rec:
         rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)
@@ -30,6 +30,7 @@ from kldiag.record import flight as FL
 from kldiag.record import writer as W
 from kldiag.record.config import RecorderConfig
 from kldiag.record.inputs import check_shapes, detect_rank, seq_unit, shape_of
+from kldiag.record.routes import check_ids
 from kldiag.version import __version__
 
 if TYPE_CHECKING:
@@ -154,22 +155,32 @@ class Recorder:
                advantages: Any = None, mask: Any = None, completion_mask: Any = None, token_ids: Any = None,
                seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
                iteration: int = 0, turn: Any = None, topk_ids: Any = None, topk_logp: Any = None,
-               topk_ids_sampler: Any = None, topk_logp_sampler: Any = None) -> None:
+               topk_ids_sampler: Any = None, topk_logp_sampler: Any = None,
+               experts: Any = None, experts_sampler: Any = None) -> None:
         """Queue one micro-batch. Shapes are checked before anything is copied or queued.
 
         Format v1.2, optional: turn [B, T] ints (the token's turn in its sequence: 0, 1, ...);
         topk_ids/topk_logp [B, T, K] (the trainer's top-k token ids and log-probs at each
         position) and topk_ids_sampler/topk_logp_sampler [B, T, K'] (the engine's); each
         side's ids and log-probs come together. Stored only where given (docs/format.md).
+
+        Format v1.3, optional: experts/experts_sampler [B, T, L, k] ints, the trainer's and the engine's
+        routed expert ids per token and MoE layer (-1: no route). Stored as a per-token comparison
+        (kldiag.record.routes), the lists themselves only with full_routes=True.
         """
         given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
                  "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,
                  "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids, "turn": turn,
                  "topk_ids": topk_ids, "topk_logp": topk_logp, "topk_ids_sampler": topk_ids_sampler,
                  "topk_logp_sampler": topk_logp_sampler}
+        routes = {"experts": experts, "experts_sampler": experts_sampler}  # v1.3
+        given.update({k: v for k, v in routes.items() if v is not None})
         args = {k: v for k, v in given.items() if v is not None}
         step, micro, iteration = int(step), int(micro), int(iteration)
         batch, _ = check_shapes(args)
+        for name in routes:
+            if name in args:
+                check_ids(name, args[name])
         with self._lock:
             self._raise_if_failed()
             if self._closed:
@@ -235,7 +246,7 @@ class Recorder:
             for device in devices:
                 events.append(torch.cuda.Event())
                 events[-1].record(torch.cuda.current_stream(device))
-        return W.HostBatch(step, micro, iteration, columns, events)
+        return W.HostBatch(step, micro, iteration, columns, events, self.options.full_routes)
 
     def _drop(self, args: dict[str, Any]) -> None:
         comp = args.get("completion_mask", args.get("mask"))

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag import format as F
+from kldiag.record import routes as RT
 
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")
 LOSS_ONLY = ("logp_old", "logp_sampler")  # read only in the loss: elsewhere a hook or dump may hold placeholders
@@ -28,6 +29,12 @@ GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int3
 # v1.2 top-k inputs, [B, T, K]: gathered to [n, K], written as list<...> columns (K may differ per side)
 TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_sampler", np.int32),
                  ("topk_logp_sampler", np.float32))
+# v1.3 routes (kldiag.record.routes): per-token summary [B, T]; the layer masks [B, T, L] written as lists of
+# layer indices; the full lists [B, T, L * k] when asked
+ROUTE_GATHERED = (("route_layers", np.int16), ("route_differ", np.int16), ("route_missing", np.int16),
+                  ("route_overlap", np.float32))
+ROUTE_LAYER_SETS = ("route_differ_at", "route_missing_at")
+ROUTE_LISTS = (("experts", np.int16), ("experts_sampler", np.int16))
 
 
 @dataclass
@@ -55,6 +62,7 @@ class HostBatch:
     iteration: int
     columns: dict[str, HostArray]  # [B, T]: logp..., token_id, mask, completion; [B]: seq, group
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event after the copies; waited on here
+    full_routes: bool = False  # v1.3: keep the [B, T, L, k] routes as lists besides their summary
 
 
 @dataclass
@@ -115,7 +123,7 @@ def host_columns(batch: HostBatch) -> dict[str, np.ndarray]:
     for event in batch.events:
         event.synchronize()
     batch.events = []
-    return {name: col.numpy() for name, col in batch.columns.items()}
+    return RT.summarize({name: col.numpy() for name, col in batch.columns.items()}, batch.full_routes)
 
 
 def gather(raws: list[Raw]) -> Rows:
@@ -134,7 +142,7 @@ def gather(raws: list[Raw]) -> Rows:
         if ndim == 1:  # per sequence (seq, group, advantages): one value per token
             return _cat([np.repeat(r.columns[name], k) for r, k in zip(raws, lengths, strict=True)]).astype(
                 dtype, copy=False)
-        if ndim == 3:  # top-k [B, T, K] (one K in a kind): [n, K]
+        if ndim == 3:  # top-k [B, T, K], route layer masks [B, T, L], full routes [B, T, L * k]: [n, K]
             width = raws[0].columns[name].shape[2]
             return _cat([r.columns[name].reshape(-1, width) for r in raws])[keep].astype(dtype, copy=False)
         return _cat([r.columns[name].ravel() for r in raws])[keep].astype(dtype, copy=False)
@@ -148,7 +156,9 @@ def gather(raws: list[Raw]) -> Rows:
                 np.repeat(np.array([r.micro for r in raws], np.int32), counts),
                 np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
                 column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
-                {name: column(name, dtype) if name in present else None for name, dtype in (*GATHERED, *TOPK_GATHERED)})
+                {name: column(name, dtype) if name in present else None
+                 for name, dtype in (*GATHERED, *TOPK_GATHERED, *ROUTE_GATHERED, *ROUTE_LISTS,
+                                     *((m, np.bool_) for m in ROUTE_LAYER_SETS))})
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -233,6 +243,21 @@ def _joined_lists(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) 
     return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
 
+def _layer_lists(parts: list[np.ndarray | None], sizes: list[int]) -> pa.Array:
+    """One list<int16> column of the layer indices set in per-Rows bool [n, L] pieces (absent pieces: null)."""
+    arrow = pa.list_(pa.int16())
+    pieces = []
+    for p, k in zip(parts, sizes, strict=True):
+        if p is None:
+            pieces.append(pa.nulls(k, arrow))
+            continue
+        offsets = np.zeros(k + 1, np.int32)
+        np.cumsum(p.sum(1), out=offsets[1:])
+        values = pa.array(np.nonzero(p)[1].astype(np.int16))
+        pieces.append(pa.ListArray.from_arrays(pa.array(offsets), values, type=arrow))
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+
+
 def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int, int]:
     """One record batch of several gathered Rows, in order: TOKEN_SCHEMA's columns, then the
     optional v1.2 columns (turn, top-k) some of the rows have (F.part_schema), none otherwise.
@@ -258,6 +283,15 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
         pieces = [r.columns.get(name) for r in rows]
         if any(p is not None for p in pieces):
             arrays[name] = _joined_lists(pieces, sizes, dtype)
+    for name, dtype in ROUTE_GATHERED:  # v1.3
+        if any(r.columns.get(name) is not None for r in rows):
+            arrays[name] = _joined([r.columns.get(name) for r in rows], sizes, dtype)
+    for name, dtype in ROUTE_LISTS:
+        if any(r.columns.get(name) is not None for r in rows):
+            arrays[name] = _joined_lists([r.columns.get(name) for r in rows], sizes, dtype)
+    for name in ROUTE_LAYER_SETS:  # written only when some token has such a layer
+        if any(r.columns.get(name) is not None and r.columns[name].any() for r in rows):
+            arrays[name] = _layer_lists([r.columns.get(name) for r in rows], sizes)
     if arrays["mask"].null_count == n:
         arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
     elif arrays["mask"].null_count:

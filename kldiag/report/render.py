@@ -88,6 +88,9 @@ def format_text(rep: Report) -> str:
         from kldiag.report.turns import text_lines as turn_lines  # multi-turn runs only
 
         lines += turn_lines(rep.analysis)
+        from kldiag.report.routing import text_lines as routing_lines  # MoE runs with recorded routes only
+
+        lines += routing_lines(rep.analysis)
     return "\n".join(lines)
 
 
@@ -157,7 +160,8 @@ def render_html(rep: Report) -> str:
             f"<h2>What fired</h2>{_fired(rep)}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
-            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}{_turns(rep)}</body></html>")
+            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}{_turns(rep)}"
+            f"{_routing(rep)}</body></html>")
 
 
 def _fired(rep: Report) -> str:
@@ -181,6 +185,12 @@ def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
 
 def _turns(rep: Report) -> str:
     from kldiag.report.turns import section_html  # the per-turn figures of a multi-turn run
+
+    return section_html(rep.analysis) if rep.analysis is not None else ""
+
+
+def _routing(rep: Report) -> str:
+    from kldiag.report.routing import section_html  # MoE routing, when the run recorded routes
 
     return section_html(rep.analysis) if rep.analysis is not None else ""
 

@@ -10,6 +10,7 @@ from typing import Any
 from kldiag.analysis import coverage, runner, topk
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.flagged import run_flagged
+from kldiag.analysis.routing import routing_of
 from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
@@ -72,4 +73,5 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "placeholders": int(a.info.get("placeholders", 0)),
         "topk": clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
         "turns": turns_of(a),
+        "routing": routing_of(a),
     }

@@ -1,0 +1,98 @@
+"""MoE routing display: the Mismatch page's routing section and the report's. Data from
+kldiag/analysis/routing.py (`routing_of`), shaped here; no Streamlit.
+
+A run recorded without routes (format v1.3's experts/experts_sampler): `RoutingView.routed` is False and
+the faces leave the section out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kldiag.analysis import routing as RO
+from kldiag.views import charts as VC
+
+TABLE_COLUMNS = {"side": "tokens", "tokens": "count", "mismatch_abs_mean": "mean |log mu - log pi_old|",
+                 "mismatch_abs_max": "max |log mu - log pi_old|", "k3_mean": "mean K3 (mismatch KL)",
+                 "is_mean": "mean pi_old/mu", "is_max": "max pi_old/mu"}
+SIDE_LABELS = {"agree": "routed alike", "disagree": "routed differently"}
+
+
+@dataclass(frozen=True)
+class RoutingView:
+    """The routing figures of one run: `summary` is analysis.routing.summary()."""
+
+    summary: dict[str, Any]
+
+    @property
+    def routed(self) -> bool:
+        return bool(self.summary.get("routed"))
+
+
+def view_of(analysis) -> RoutingView:
+    """The run's routing figures (read with the analysis when it was made with diagnosis.core.reducers())."""
+    return RoutingView(RO.routing_of(analysis))
+
+
+def headline(view: RoutingView) -> str:
+    """One line: agreement, the share of the mismatch KL carried by tokens routed differently, the two sides."""
+    s = view.summary
+    a, d = s["agree"], s["disagree"]
+
+    def f(v: float | None, spec: str = ".3g") -> str:
+        return "-" if v is None else format(v, spec)
+
+    return (f"agreement {f(s['agreement'], '.2%')} of {s['routed_tokens']:,} routed tokens (mean set overlap "
+            f"{f(s['overlap_mean'], '.3f')}); tokens routed differently carry {f(s['kl_share_disagree'], '.0%')} of "
+            f"the mismatch KL: mean |log mu - log pi_old| {f(d['mismatch_abs_mean'])} on them, "
+            f"{f(a['mismatch_abs_mean'])} on tokens routed alike; missing engine routes {f(s['missing_share'], '.2%')}")
+
+
+def table(view: RoutingView) -> pd.DataFrame:
+    """Two rows, tokens routed alike and differently: count, mismatch, K3, importance ratio."""
+    rows = [{"side": SIDE_LABELS[k], **view.summary[k]} for k in RO.SIDES]
+    return pd.DataFrame(rows)[list(TABLE_COLUMNS)].rename(columns=TABLE_COLUMNS)
+
+
+def steps_frame(view: RoutingView) -> pd.DataFrame:
+    """Per step: agreement, mismatch on both sides, the KL share, AReaL's two figures."""
+    rows = view.summary["steps"]
+    df = pd.DataFrame({"step": [r["step"] for r in rows],
+                       "agreement": [None if r["differ_share"] is None else 1 - r["differ_share"] for r in rows],
+                       **{k: [r[k] for r in rows] for k in ("agree_mismatch_abs_mean", "disagree_mismatch_abs_mean",
+                                                             "kl_share_disagree", "areal_k3_mean",
+                                                             "areal_extreme_frac")}})
+    return df.astype({c: float for c in df.columns if c != "step"})
+
+
+def agreement_by_layer(view: RoutingView) -> go.Figure:
+    """Heatmap, step x layer: share of routed tokens whose expert set agrees at that layer."""
+    rows = view.summary["steps"]
+    width = max((len(r["differ_share_by_layer"]) for r in rows), default=0)
+    z = [[None if v is None else 1 - v for v in r["differ_share_by_layer"]] + [None] * (width - len(
+        r["differ_share_by_layer"])) for r in rows]
+    fig = go.Figure(go.Heatmap(x=list(range(width)), y=[r["step"] for r in rows], z=z, zmin=0, zmax=1,
+                               colorscale="RdYlGn", colorbar={"title": "agree"}))
+    fig.update_layout(title="Routing agreement by layer and step (share of tokens whose expert set agrees)",
+                      height=320, margin={"l": 10, "r": 10, "t": 40, "b": 10}, xaxis_title="layer",
+                      yaxis_title="step")
+    return fig
+
+
+def mismatch_by_side(view: RoutingView, onsets=()) -> go.Figure:
+    """Per step: mean |log mu - log pi_old| on tokens routed alike and differently."""
+    df = steps_frame(view).rename(columns={"agree_mismatch_abs_mean": SIDE_LABELS["agree"],
+                                           "disagree_mismatch_abs_mean": SIDE_LABELS["disagree"]})
+    return VC.lines(df, list(SIDE_LABELS.values()), "Engine mismatch on tokens routed alike vs differently "
+                    "(mean |log mu - log pi_old|, nats)", onsets=onsets)
+
+
+def agreement_by_step(view: RoutingView, onsets=()) -> go.Figure:
+    """Per step: routing agreement and the share of the mismatch KL the tokens routed differently carry."""
+    return VC.lines(steps_frame(view), ["agreement", "kl_share_disagree", "areal_extreme_frac"],
+                    "Routing agreement, share of mismatch KL routed differently, AReaL's |D| > ln 2 share",
+                    onsets=onsets)

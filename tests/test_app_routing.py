@@ -1,0 +1,38 @@
+"""The Mismatch page's MoE routing section under AppTest: a run with recorded routes (kldiag/tools/routing_runs.py)
+shows the agreement-by-layer heatmap, the mismatch by side and the table; a run without routes shows none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+from kldiag.tools.routing_runs import batches as _data
+from kldiag.tools.routing_runs import write as _write
+
+MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
+TITLE = "MoE routing: engine vs trainer experts"
+
+
+def _page(monkeypatch, run: Path) -> AppTest:
+    monkeypatch.setenv("KLDIAG_RUNS", str(run))
+    at = AppTest.from_file(str(MAIN), default_timeout=120).run()
+    at = at.switch_page("app_pages/mismatch.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_mismatch_page_shows_routing(monkeypatch, tmp_path):
+    at = _page(monkeypatch, _write(tmp_path / "run", _data(gap=1.5)))
+    assert TITLE in [s.value for s in at.subheader]
+    specs = [c.proto.spec for c in at.get("plotly_chart")]
+    assert any("agreement by layer" in s for s in specs) and any("routed alike vs differently" in s for s in specs)
+    assert any("routed differently carry" in c.value for c in at.caption)
+    table = next(d.value for d in at.dataframe if "tokens" in d.value.columns and "count" in d.value.columns)
+    assert list(table["tokens"]) == ["routed alike", "routed differently"]
+
+
+def test_run_without_routes_has_no_routing_section(monkeypatch, tmp_path):
+    data = [{k: v for k, v in d.items() if not k.startswith("experts")} for d in _data()]
+    at = _page(monkeypatch, _write(tmp_path / "run", data))
+    assert TITLE not in [s.value for s in at.subheader]

@@ -1,0 +1,133 @@
+"""The routing reducer's figures against numpy, the routing causes, and the CLI (--json, --set, --fail-on)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kldiag
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.routing import RoutingReducer, routing_of
+from kldiag.cli import main
+from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.core import reducers
+
+from kldiag.tools.routing_runs import STEPS
+from kldiag.tools.routing_runs import batches as _data
+from kldiag.tools.routing_runs import write as _write
+
+
+def _numpy_figures(data):
+    from kldiag.record.routes import compare
+
+    rows = []
+    for d in data:
+        c = compare(d["experts"], d["experts_sampler"])
+        m = d["mask"]
+        rows.append({"dis": (c["route_differ"] > 0)[m], "miss": (c["route_missing"] > 0)[m],
+                     "log_r": (d["logp"] - d["logp_sampler"])[m], "layer2": c["route_differ_at"][..., 2][m],
+                     "d": (d["logp"] - d["logp_sampler"])[m], "ov": c["route_overlap"][m]})
+    cat = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    k3 = np.exp(cat["log_r"]) - cat["log_r"] - 1
+    return cat, k3
+
+
+def test_reducer_figures_equal_numpy(tmp_path):
+    data = _data()
+    run = _write(tmp_path / "run", data)
+    a = analyze(run, AnalysisConfig(), reducers())
+    r = routing_of(a)
+    cat, k3 = _numpy_figures(data)
+    dis = cat["dis"]
+    assert r["routed"] and r["routed_tokens"] == len(dis)
+    assert r["differ_share"] == pytest.approx(dis.mean())
+    assert r["agreement"] == pytest.approx(1 - dis.mean())
+    assert r["disagree"]["mismatch_abs_mean"] == pytest.approx(np.abs(cat["log_r"][dis]).mean())
+    assert r["agree"]["mismatch_abs_mean"] == pytest.approx(np.abs(cat["log_r"][~dis]).mean())
+    assert r["disagree"]["k3_mean"] == pytest.approx(k3[dis].mean())
+    assert r["agree"]["is_max"] == pytest.approx(np.exp(cat["log_r"][~dis]).max())
+    assert r["kl_share_disagree"] == pytest.approx(k3[dis].sum() / k3.sum())
+    d = cat["d"]
+    assert r["areal_k3_mean"] == pytest.approx((np.expm1(d) - d).mean())
+    assert r["areal_extreme_frac"] == pytest.approx((np.abs(d) > np.log(2)).mean())
+    assert r["overlap_mean"] == pytest.approx(np.nanmean(cat["ov"]), rel=1e-6)
+    assert [x["layer"] for x in r["layers"]] == [0, 1, 2]  # the widest layer listed
+    assert r["layers"][2]["differ_share"] == pytest.approx(cat["layer2"].mean())
+    assert len(r["steps"]) == STEPS and r["steps"][0]["differ_share_by_layer"][:2] == [0.0, 0.0]
+    # a second pass (cached partials, merged again) gives the same figures
+    again = routing_of(analyze(run, AnalysisConfig(), [RoutingReducer()]))
+    assert again == r
+
+
+def test_moe_routing_mismatch_named_instead_of_engine_mismatch(tmp_path):
+    run = _write(tmp_path / "run", _data(gap=1.5))
+    dg = diagnose(analyze(run, AnalysisConfig(), reducers()))
+    names = [c.cause for c in dg.causes]
+    assert "moe_routing_mismatch" in names and "engine_mismatch" not in names and "engine_precision" not in names
+    c = dg.causes[names.index("moe_routing_mismatch")]
+    assert c.evidence["layers"][0]["layer"] == 2 and c.evidence["kl_share_disagree"] > 0.75
+    assert "enable_rollout_routing_replay" in c.fix  # verl's own key
+
+
+def test_no_cause_when_routes_agree_or_mismatch_is_spread(tmp_path):
+    same = _write(tmp_path / "same", _data(differ=0.0))
+    assert not {c.cause for c in diagnose(analyze(same, AnalysisConfig(), reducers())).causes} & {
+        "moe_routing_mismatch", "routing_replay_broken"}
+    spread = _write(tmp_path / "spread", _data(gap=0.0))  # routes differ, the log-probs do not care
+    causes = {c.cause for c in diagnose(analyze(spread, AnalysisConfig(), reducers())).causes}
+    assert "moe_routing_mismatch" not in causes
+
+
+def test_routing_replay_broken_from_the_manifest_or_set(tmp_path):
+    run = _write(tmp_path / "run", _data(differ=0.05), config={"routing_replay": "R3"})
+    dg = diagnose(analyze(run, AnalysisConfig(), reducers()))
+    c = {c.cause: c for c in dg.causes}["routing_replay_broken"]
+    assert dg.verdict == "unstable" and c.severity == "critical" and "moe_routing_mismatch" not in {
+        x.cause for x in dg.causes}
+    assert c.evidence["layers"][0]["layer"] == 2 and c.evidence["steps"] == list(range(STEPS))
+    off = _write(tmp_path / "off", _data(differ=0.05), config={"routing_replay": "disabled"})
+    assert "routing_replay_broken" not in {c.cause for c in diagnose(analyze(off, AnalysisConfig(), reducers())).causes}
+    # missing engine routes on a layer from step 3: named with the layer and the steps
+    gone = _write(tmp_path / "gone", _data(differ=0.0, missing_from=3), config={"routing_replay": True})
+    c = {c.cause: c for c in diagnose(analyze(gone, AnalysisConfig(), reducers())).causes}["routing_replay_broken"]
+    assert c.evidence["missing_layers"][0]["layer"] == 3 and c.evidence["steps"] == [3, 4, 5]
+
+
+def test_cli_json_set_and_fail_on(tmp_path, capsys):
+    run = _write(tmp_path / "run", _data(differ=0.05))
+    assert main(["analyze", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["routing"]["routed"] and "routing_replay_broken" not in [c["cause"] for c in out["diagnosis"]["causes"]]
+    assert main(["analyze", str(run), "--json", "--set", "routing_replay=R3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "routing_replay_broken" in [c["cause"] for c in out["diagnosis"]["causes"]]
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html"), "--set", "routing_replay=true",
+                 "--fail-on", "routing_replay_broken"]) == 1
+    capsys.readouterr()
+    assert main(["analyze", str(run), "--set", "beta=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kldiag: error: --set 'beta=3'") and "routing_replay" in err and "Traceback" not in err
+
+
+def test_views_and_report_section(tmp_path, capsys):
+    from kldiag.report.routing import section_html, text_lines
+    from kldiag.views import routing as VR
+
+    run = _write(tmp_path / "run", _data(gap=1.5))
+    a = analyze(run, AnalysisConfig(), reducers())
+    view = VR.view_of(a)
+    assert view.routed and "routed differently carry" in VR.headline(view)
+    assert VR.table(view).shape == (2, len(VR.TABLE_COLUMNS))
+    heat = VR.agreement_by_layer(view)
+    assert len(heat.data[0].y) == STEPS and len(heat.data[0].x) == 3 and heat.data[0].z[0][0] == 1.0
+    assert [t.name for t in VR.mismatch_by_side(view).data] == ["routed alike", "routed differently"]
+    assert text_lines(a)[0].startswith("routing: agreement") and "2 (" in text_lines(a)[1]
+    assert "MoE routing: engine vs trainer experts" in section_html(a)
+    dense = _write(tmp_path / "dense", [{k: v for k, v in d.items() if not k.startswith("experts")} for d in _data()])
+    a = analyze(dense, AnalysisConfig(), reducers())
+    assert not VR.view_of(a).routed and text_lines(a) == [] and section_html(a) == ""
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
+    assert "routing: agreement" in capsys.readouterr().out
+    assert "MoE routing" in (tmp_path / "r.html").read_text()
