@@ -14,6 +14,7 @@ import numpy as np
 from kldiag.diagnosis import diagnose
 from kldiag.mismatch import whatif as W
 from kldiag.fmt import num
+from kldiag.report.tables import html_table
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
 
@@ -66,11 +67,6 @@ def _figures(view: VM.MismatchView) -> list[Any]:
     return [VC.drift_vs_mismatch(view.by_step), VC.mismatch_by_prob(view.by_prob)]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
 
 def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=None) -> str:
     """The HTML of the Mismatch sections (escaped; Plotly's JS only when include_plotlyjs; `diagnosis`:
@@ -81,18 +77,18 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=N
         view = VM.view_of(analysis)
         out = ["<h2>Mismatch: engine against trainer</h2>"]
         if view.has_sampler:
-            out.append(_table(["check", "value", "meaning"], VM.parity_rows(view)))
+            out.append(html_table(["check", "value", "meaning"], VM.parity_rows(view)))
             out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(diagnosis or diagnose(analysis))]
             out += [pio.to_html(f, full_html=False, include_plotlyjs=include_plotlyjs and i == 0)
                     for i, f in enumerate(_figures(view))]
         else:
             out.append("<p>No sampler log-probs (logp_sampler) recorded: the engine's mu is unknown.</p>")
         out.append("<h2>What if: corrections at their default thresholds</h2>")
-        out.append(_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
+        out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
                            "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
         fw, rows, reasons = crosswalk_rows(analysis, manifest)
         out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
-        out.append(_table(["metric", "mean over steps", "last step"], rows))
+        out.append(html_table(["metric", "mean over steps", "last step"], rows))
         out += [f"<p><code>{html.escape(k)}</code> is null: {html.escape(v)}</p>" for k, v in reasons.items()]
         return "".join(out)
     except Exception as e:  # the report never fails on its mismatch sections

@@ -19,6 +19,7 @@ from typing import Any
 from kldiag.analysis.flagged import flagged_text, run_flagged
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
+from kldiag.report.tables import html_table
 from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
 
 # ---- text -----------------------------------------------------------------------------
@@ -112,12 +113,6 @@ table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding
 mark{background:#ffd7d5;font-weight:bold}.ctx{font-family:monospace;white-space:pre}"""
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """An HTML table; every cell is escaped here (cells are plain text)."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
 
 def _offender_rows(rep: Report) -> str:
     rows = []
@@ -144,7 +139,7 @@ def render_html(rep: Report) -> str:
     first = (f"<p>First to move (the earliest alert episode): <b>{e(rep.first_moved[1])}</b> at step "
              f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
     onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
-    comp = _table(["estimator", "mean value", "worst step mean", "max |weight|", "p99 |weight| (worst step)",
+    comp = html_table(["estimator", "mean value", "worst step mean", "max |weight|", "p99 |weight| (worst step)",
                    "expected gradient"], [[c["estimator"], fmt_num(c["mean"]), fmt_num(c["worst_step_mean"]),
                                            fmt_weight_max(c), fmt_num(c["weight_p99"]), c["target"]]
                                           for c in rep.comparison])
@@ -167,9 +162,9 @@ def render_html(rep: Report) -> str:
 def _fired(rep: Report) -> str:
     """The diagnosis's causes and alert episodes, as two tables (or a line saying there are none)."""
     dg = rep.diagnosis
-    causes = (_table(["cause", "severity", "onset"], [[c.cause, c.severity, "" if c.onset is None else c.onset]
+    causes = (html_table(["cause", "severity", "onset"], [[c.cause, c.severity, "" if c.onset is None else c.onset]
                                                       for c in dg.causes]) if dg.causes else "<p>No cause.</p>")
-    episodes = (_table(["episode", "severity", "start", "end", "peak step", "peak value", "finding"],
+    episodes = (html_table(["episode", "severity", "start", "end", "peak step", "peak value", "finding"],
                        [[x.kind, x.severity, x.start, "ongoing" if x.end is None else x.end, x.peak_step,
                          fmt_num(x.peak_value), x.message] for x in dg.episodes])
                 if dg.episodes else "<p>No alert episode.</p>")

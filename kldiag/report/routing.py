@@ -7,6 +7,7 @@ import html
 import warnings
 
 from kldiag.fmt import num
+from kldiag.report.tables import frame_table
 from kldiag.views import routing as VR
 
 
@@ -33,11 +34,8 @@ def section_html(analysis) -> str:
         if not view.routed:
             return ""
         df = VR.table(view)
-        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-        rows = "".join("<tr>" + "".join(f"<td>{html.escape(v if isinstance(v, str) else num(v, nan='-'))}</td>"
-                                        for v in row) + "</tr>" for row in df.itertuples(index=False))
         out = ["<h2>MoE routing: engine vs trainer experts</h2>", f"<p>{html.escape(VR.headline(view))}</p>",
-               f"<table><tr>{head}</tr>{rows}</table>"]
+               frame_table(df, lambda v: num(v, nan="-"))]
         out += [pio.to_html(f, full_html=False, include_plotlyjs=False)
                 for f in (VR.agreement_by_layer(view), VR.mismatch_by_side(view))]
         return "".join(out)

@@ -7,6 +7,7 @@ import html
 import warnings
 
 from kldiag.fmt import num
+from kldiag.report.tables import frame_table
 from kldiag.views import turns as VT
 
 
@@ -40,10 +41,7 @@ def section_html(analysis) -> str:
         if not view.multi_turn:
             return ""
         df = VT.table(view)
-        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-        rows = "".join("<tr>" + "".join(f"<td>{html.escape(v if isinstance(v, str) else _cell(v))}</td>"
-                                        for v in row) + "</tr>" for row in df.itertuples(index=False))
-        out = ["<h2>Turns: figures by turn of the conversation</h2>", f"<table><tr>{head}</tr>{rows}</table>"]
+        out = ["<h2>Turns: figures by turn of the conversation</h2>", frame_table(df, _cell)]
         if any(r["mismatch_abs_mean"] is not None for r in view.summary["by_turn"]):
             out += [pio.to_html(f, full_html=False, include_plotlyjs=False)
                     for f in (VT.mismatch_by_step(view), VT.start_vs_body(view))]
