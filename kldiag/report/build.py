@@ -217,8 +217,13 @@ def offenders(analysis, limit: int, context: int, reducer: ContextReducer | None
         before, after = around.get(key, ([], []))
         text = r.get("piece") or piece(r.get("token_id"))
         out.append(Offender(int(r["step"]), int(r["seq"]), int(r["pos"]), text, [piece(x) for x in before],
-                            [piece(x) for x in after], float(r["weight_k3"]), float(r["weight_k3_is"]), float(r["d"])))
+                            [piece(x) for x in after], *(_float(r[k]) for k in ("weight_k3", "weight_k3_is", "d"))))
     return out
+
+
+def _float(v) -> float:
+    """A flags-table figure as a float: NaN where the run cannot give it (no logp_ref: no weight, no d)."""
+    return math.nan if v is None else float(v)
 
 
 def build_report(analysis, config: ReportConfig = ReportConfig(), diagnosis: Diagnosis | None = None) -> Report:

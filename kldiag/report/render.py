@@ -11,6 +11,7 @@ charts are the dashboard Overview's (kldiag.views.charts).
 from __future__ import annotations
 
 import html
+import math
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -72,8 +73,9 @@ def format_text(rep: Report) -> str:
         lines.append("top offending tokens (largest |k3 weight|):")
     for o in rep.offenders[:rep.config.text_tokens]:
         ctx = in_context(o, printable, lambda p: f"[{p}]")
+        ratio = f"e^{o.d:.1f}" if math.isfinite(o.d) else "n/a"  # no logp_ref: no ratio
         lines.append(f"  step {o.step:5d} seq {o.seq} pos {o.pos}: |k3 w| {fmt_num(abs(o.weight_k3))}  "
-                     f"|k3_is w| {fmt_num(abs(o.weight_k3_is))}  pi_ref/pi_theta = e^{o.d:.1f}  {ctx}")
+                     f"|k3_is w| {fmt_num(abs(o.weight_k3_is))}  pi_ref/pi_theta = {ratio}  {ctx}")
     if not has_reference(rep.analysis.steps):
         lines.append("estimators: no reference log-probs (logp_ref) recorded")
     else:
