@@ -1,4 +1,4 @@
-"""Run format v1.2: names, the token schema, Parquet encoding, and the manifest (run.json).
+"""Run format v1.3: names, the token schema, Parquet encoding, and the manifest (run.json).
 
 docs/format.md is the public contract; this module is its single source in code.
 """
@@ -17,8 +17,8 @@ import pyarrow as pa
 from kldiag.errors import RunFormatError, SchemaError, UnsupportedFormatVersionError
 
 FORMAT_NAME = "kldiag-run"
-FORMAT_VERSION = 1.2
-READABLE_VERSIONS = (1, 1.1, 1.2)  # v1: tokens/rank=R/ (Hive names), no attempt column; v1.1: no OPTIONAL_SCHEMA
+FORMAT_VERSION = 1.3
+READABLE_VERSIONS = (1, 1.1, 1.2, 1.3)  # v1: tokens/rank=R/ (Hive names), no attempt column; v1.1: no OPTIONAL_SCHEMA
 MANIFEST = "run.json"
 VOCAB = "vocab.parquet"
 TOKENS_DIR = "tokens"
@@ -60,11 +60,14 @@ OPTIONAL_SCHEMA = pa.schema(
         pa.field("topk_logp", pa.list_(pa.float32())),  # their log-probs, same order
         pa.field("topk_ids_sampler", pa.list_(pa.int32())),  # engine side (mu): top-k ids
         pa.field("topk_logp_sampler", pa.list_(pa.float32())),
+        # v1.3 (asynchronous RL): per sequence, repeated on its tokens
+        pa.field("policy_version", pa.int64()),  # weight version (trainer step) that generated the sequence
+        pa.field("task", pa.string()),  # task / environment label (Parquet dictionary-encoded)
     ]
 )
 TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler")
 RUN_SCHEMA = pa.schema([*TOKEN_SCHEMA, *OPTIONAL_SCHEMA])  # every column a reader may ask for, in order
-# absent from older parts: attempt (v1) is filled from the part's name, the v1.2 columns with nulls
+# absent from older parts: attempt (v1) is filled from the part's name, the v1.2/v1.3 columns with nulls
 OPTIONAL_ON_READ = ("attempt", *OPTIONAL_SCHEMA.names)
 FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "entropy")
 VOCAB_SCHEMA = pa.schema([pa.field("token_id", pa.int32(), nullable=False), pa.field("piece", pa.string())])
@@ -77,8 +80,8 @@ INT_ID_COLUMNS = ("step", "micro", "iteration", "rank", "seq", "group", "pos", "
 PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": False,
-    "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn"), "DELTA_BINARY_PACKED"),
+    "use_dictionary": ["task"],  # v1.3: a few labels repeated on every token; no other column
+    "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn", "policy_version"), "DELTA_BINARY_PACKED"),
                         **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
                         # a list column's values are its leaf "<name>.list.element"; absent columns are ignored
                         **dict.fromkeys(("topk_logp.list.element", "topk_logp_sampler.list.element"),

@@ -12,6 +12,8 @@ TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask",
               "turn")
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
+# v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings)
+VERSION_ARGS = ("policy_version", "task")
 
 
 def seq_unit(seq: np.ndarray) -> np.ndarray:
@@ -52,7 +54,7 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         got = shape_of(x)
         if name in TOKEN_ARGS:
             want, ok = f"{shape}", got == shape
-        elif name in ROW_ARGS:
+        elif name in ROW_ARGS or name in VERSION_ARGS:
             want, ok = f"({shape[0]},)", got == shape[:1]
         elif any(name in pair for pair in TOPK_PAIRS):
             want, ok = f"({shape[0]}, {shape[1]}, K)", len(got) == 3 and got[:2] == shape and got[2] > 0
@@ -68,4 +70,28 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         if ids in args and shape_of(args[ids]) != shape_of(args[logps]):
             raise ValueError(f"{ids} has shape {shape_of(args[ids])} but {logps} has {shape_of(args[logps])}; "
                              "pass one log-prob per top-k id (same K)")
+    for name in VERSION_ARGS:
+        if name in args:
+            args[name] = row_labels(name, args[name]) if name == "task" else row_versions(args[name])
     return shape
+
+
+def row_versions(x: Any) -> Any:
+    """policy_version as given (a torch or numpy array of integers); ValueError naming the fix otherwise."""
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    dtype = str(x.dtype).replace("torch.", "")
+    if not dtype.startswith(("int", "uint")):
+        raise ValueError(f"policy_version has dtype {dtype}; pass one integer weight version per sequence (the "
+                         "trainer step whose weights generated it), shape (batch,)")
+    return x
+
+
+def row_labels(name: str, x: Any) -> np.ndarray:
+    """A [B] numpy array of str; ValueError naming the fix when a label is not a string."""
+    a = np.asarray(x, dtype=object)
+    bad = [v for v in a.ravel() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"{name} holds {type(bad[0]).__name__} {bad[0]!r}; pass one string label per sequence, "
+                         "shape (batch,)")
+    return a.astype(str)

@@ -1,4 +1,4 @@
-"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.2).
+"""Recorder: per-token log-probs from the training loop to a run directory (run format v1.3).
 
     with kldiag.Recorder("runs/x", beta=0.04, estimator="k3", clip_range=0.2) as rec:
         rec.record(step=step, logp=logp, logp_old=logp_old, logp_ref=logp_ref, mask=mask)
@@ -154,19 +154,25 @@ class Recorder:
                advantages: Any = None, mask: Any = None, completion_mask: Any = None, token_ids: Any = None,
                seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
                iteration: int = 0, turn: Any = None, topk_ids: Any = None, topk_logp: Any = None,
-               topk_ids_sampler: Any = None, topk_logp_sampler: Any = None) -> None:
+               topk_ids_sampler: Any = None, topk_logp_sampler: Any = None,
+               policy_version: Any = None, task: Any = None) -> None:
         """Queue one micro-batch. Shapes are checked before anything is copied or queued.
 
         Format v1.2, optional: turn [B, T] ints (the token's turn in its sequence: 0, 1, ...);
         topk_ids/topk_logp [B, T, K] (the trainer's top-k token ids and log-probs at each
         position) and topk_ids_sampler/topk_logp_sampler [B, T, K'] (the engine's); each
         side's ids and log-probs come together. Stored only where given (docs/format.md).
+
+        Format v1.3, optional, one value per sequence [B]: policy_version (ints: the trainer step
+        whose weights generated the sequence; staleness = step - policy_version) and task (strings:
+        the sequence's task or environment).
         """
         given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
                  "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,
                  "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids, "turn": turn,
                  "topk_ids": topk_ids, "topk_logp": topk_logp, "topk_ids_sampler": topk_ids_sampler,
-                 "topk_logp_sampler": topk_logp_sampler}
+                 "topk_logp_sampler": topk_logp_sampler,
+                 "policy_version": policy_version, "task": task}
         args = {k: v for k, v in given.items() if v is not None}
         step, micro, iteration = int(step), int(micro), int(iteration)
         batch, _ = check_shapes(args)

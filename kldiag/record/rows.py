@@ -28,6 +28,10 @@ GATHERED = (*((name, np.float32) for name in FLOAT_INPUTS), ("token_id", np.int3
 # v1.2 top-k inputs, [B, T, K]: gathered to [n, K], written as list<...> columns (K may differ per side)
 TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_sampler", np.int32),
                  ("topk_logp_sampler", np.float32))
+# v1.3 per-sequence inputs, [B]: repeated on each sequence's tokens. `task` (strings) is gathered as int32 codes
+# into Rows.labels["task"] and written as a string column (Parquet dictionary-encoded, schema.PARQUET_WRITE_OPTIONS)
+VERSION_GATHERED = (("policy_version", np.int64),)
+LABELS = ("task",)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Rows:
     group: np.ndarray | None  # [n] int64
     pos: np.ndarray  # [n] int32, position in the completion
     columns: dict[str, np.ndarray | None]
+    labels: dict[str, np.ndarray] = field(default_factory=dict)  # LABELS: the strings behind columns' int32 codes
 
     @property
     def n(self) -> int:
@@ -144,11 +149,18 @@ def gather(raws: list[Raw]) -> Rows:
     pos = _cat([(np.arange(r.keep.shape[1], dtype=np.int32)[None, :]
                  - np.argmax(r.keep, axis=1).astype(np.int32)[:, None]).ravel() for r in raws])[keep]
     present = raws[0].columns
+    cols = {name: column(name, dtype) if name in present else None
+            for name, dtype in (*GATHERED, *TOPK_GATHERED, *VERSION_GATHERED)}
+    labels = {}
+    for name in LABELS:
+        cols[name] = None
+        if name in present:  # one code per distinct label of these batches, repeated on each sequence's tokens
+            labels[name], inv = np.unique(_cat([r.columns[name] for r in raws]), return_inverse=True)
+            cols[name] = np.repeat(inv.reshape(-1).astype(np.int32), _cat(lengths))
     return Rows(np.repeat(np.array([r.step for r in raws], np.int64), counts),
                 np.repeat(np.array([r.micro for r in raws], np.int32), counts),
                 np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
-                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
-                {name: column(name, dtype) if name in present else None for name, dtype in (*GATHERED, *TOPK_GATHERED)})
+                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos, cols, labels)
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -233,9 +245,17 @@ def _joined_lists(parts: list[np.ndarray | None], sizes: list[int], dtype: Any) 
     return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
 
+def _joined_labels(rows: list[Rows], name: str) -> pa.Array:
+    """One string column from per-Rows int32 codes and their labels; absent pieces are nulls."""
+    pieces = [pa.DictionaryArray.from_arrays(pa.array(r.columns[name]), pa.array(r.labels[name].tolist(), pa.string()))
+              .cast(pa.string()) if r.columns.get(name) is not None else pa.nulls(r.n, pa.string()) for r in rows]
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+
+
 def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int, int]:
     """One record batch of several gathered Rows, in order: TOKEN_SCHEMA's columns, then the
-    optional v1.2 columns (turn, top-k) some of the rows have (F.part_schema), none otherwise.
+    optional v1.2/v1.3 columns (turn, top-k, policy_version, task) some of the rows have (F.part_schema),
+    none otherwise.
 
     Returns (record batch, nonfinite rows, invalid rows, placeholder rows): see count_flags.
     Every value is written as it is.
@@ -258,6 +278,13 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
         pieces = [r.columns.get(name) for r in rows]
         if any(p is not None for p in pieces):
             arrays[name] = _joined_lists(pieces, sizes, dtype)
+    for name, dtype in VERSION_GATHERED:
+        pieces = [r.columns.get(name) for r in rows]
+        if any(p is not None for p in pieces):
+            arrays[name] = _joined(pieces, sizes, dtype)
+    for name in LABELS:
+        if any(r.columns.get(name) is not None for r in rows):
+            arrays[name] = _joined_labels(rows, name)
     if arrays["mask"].null_count == n:
         arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
     elif arrays["mask"].null_count:
