@@ -80,7 +80,8 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
         raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank-R/part-*.parquet); "
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
-    others = [runner.bound(r, parts) for r in reducers if r.name != partials.AnalysisReducer.name]
+    others = [runner.bound(r, parts, (th.clip_low, th.clip_high)) for r in reducers
+              if r.name != partials.AnalysisReducer.name]
     skipped: list[str] = []
     merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped)
     if merged.rows == 0:

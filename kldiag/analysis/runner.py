@@ -141,17 +141,22 @@ class Pass:
         return acc.result()
 
 
-def bound(reducer: Reducer, parts: Sequence[PartInfo]) -> Reducer:
-    """The reducer with its run-dependent settings fixed (a token sample's stride), if it has any."""
-    return reducer.bind(parts) if hasattr(reducer, "bind") else reducer
+def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float] | None = None) -> Reducer:
+    """The reducer with its run-dependent settings fixed (a token sample's stride; the run's PPO clip
+    range `clip` = (clip_low, clip_high) for a reducer that counts clipped tokens), if it has any."""
+    reducer = reducer.bind(parts) if hasattr(reducer, "bind") else reducer
+    return reducer.with_clip(clip) if clip is not None and hasattr(reducer, "with_clip") else reducer
 
 
 def reduced(analysis, reducer: Reducer) -> Arrays:
     """The merged partial of `reducer` on an analysed run: the one the analysis read along when it
     was made with the same reducer, else one more pass (parts whose partial is cached are not read)."""
+    from kldiag.analysis.engine import thresholds  # the engine imports this module
+
     run = open_run(analysis.run_dir)
     parts = run.parts()
-    red = bound(reducer, parts)
+    th = thresholds(analysis.config, run.manifest)
+    red = bound(reducer, parts, (th.clip_low, th.clip_high))
     if analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced:
         return analysis.reduced[red.name]
     return Pass(run.cache_dir(), parts, [red], analysis.config).merged(red)

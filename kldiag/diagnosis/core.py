@@ -15,12 +15,14 @@ from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.alerts import rule_context
+from kldiag.analysis.staleness import StalenessReducer
 from kldiag.analysis.turns import TurnReducer
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
 from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers engine_truncated_sampling
 from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
+from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
@@ -48,7 +50,7 @@ def run_episodes(analysis, config: DiagnosisConfig,
 def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
-    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer()]
+    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), StalenessReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

@@ -23,6 +23,7 @@ CAUSE_NAMES = (
     "engine_raw_logprobs", "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag",
     "engine_retokenization",  # multi-turn: the trainer scores re-tokenised turns (kldiag/diagnosis/retokenize.py)
     "engine_truncated_sampling",  # top-k/top-p log-probs against a full-vocabulary trainer (diagnosis/truncation.py)
+    "async_staleness",  # recorded weight versions: drift grows with staleness past the clip (diagnosis/staleness.py)
 )
 
 
