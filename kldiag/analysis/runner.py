@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kldiag.analysis import reduce, worker
+from kldiag.analysis.kernel import clip_range
 from kldiag.analysis.reduce import Arrays, Reducer
 from kldiag.errors import CorruptPartError, RunFormatError
 from kldiag.format import PartInfo, open_run
@@ -151,12 +152,9 @@ def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float]
 def reduced(analysis, reducer: Reducer) -> Arrays:
     """The merged partial of `reducer` on an analysed run: the one the analysis read along when it
     was made with the same reducer, else one more pass (parts whose partial is cached are not read)."""
-    from kldiag.analysis.engine import thresholds  # the engine imports this module
-
     run = open_run(analysis.run_dir)
     parts = run.parts()
-    th = thresholds(analysis.config, run.manifest)
-    red = bound(reducer, parts, (th.clip_low, th.clip_high))
+    red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
     if analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced:
         return analysis.reduced[red.name]
     return Pass(run.cache_dir(), parts, [red], analysis.config).merged(red)

@@ -23,6 +23,7 @@ from kldiag.analysis import staleness as S
 from kldiag.analysis.runner import reduced
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause
+from kldiag.frameworks import fix_for
 from kldiag.frameworks.staleness import bound_for
 
 MIN_TOKENS = 200  # a bucket's figures need this many tokens
@@ -83,6 +84,7 @@ def async_staleness(analysis, ctx: C.Context) -> list[Cause]:
         return []
     ps = S.per_step(m)
     key, default, fix = bound_for(ctx.manifest)
+    fix = fix or fix_for("async_staleness", ctx.manifest)
     worst = int(np.flatnonzero(bb["tokens"] >= MIN_TOKENS)[-1])
     fresh = int(np.flatnonzero(bb["tokens"] >= MIN_TOKENS)[0])
     ev = {"by_staleness": _rows(bb), "first_bad_staleness": first_bad, "staleness_max": int(ps["staleness_max"].max()),

@@ -22,11 +22,9 @@ from typing import Any
 
 from kldiag.frameworks import trainer_name
 
-# trainer name prefix -> (the staleness bound's key, its default, how to lower it)
+# trainer name prefix -> (the staleness bound's key, its default, how to lower it; "": the framework module's fix)
 BOUNDS: dict[str, tuple[str, str, str]] = {
-    "trl": ("max_staleness", "4",
-            "With `AsyncGRPOTrainer`, lower `AsyncGRPOConfig.max_staleness` (default 4); with `GRPOTrainer`, each "
-            "generation serves `steps_per_generation` x `num_iterations` optimizer steps: lower them."),
+    "trl": ("max_staleness", "4", ""),  # the fix: kldiag.frameworks.trl's
     "verl": ("trainer.v1.sampler.max_off_policy_threshold", "8",
              "Lower `trainer.v1.sampler.max_off_policy_threshold` (default 8; `max_off_policy_strategy=drop` evicts "
              "older samples), or `async_training.staleness_threshold` in the fully-async recipe."),
@@ -42,13 +40,12 @@ BOUNDS: dict[str, tuple[str, str, str]] = {
     "areal": ("rollout.max_head_offpolicyness", "0", "Lower `rollout.max_head_offpolicyness` (default 0)."),
     "prime": ("orchestrator.max_off_policy_steps", "8", "Lower `orchestrator.max_off_policy_steps` (default 8)."),
 }
-PLAIN = ("", "", "Bound the staleness of the samples you train on (drop those more than a few versions old), or "
-                 "correct them: a truncated importance weight on pi_theta/pi_old per token and the off-policy "
-                 "sequence mask.")
+PLAIN = ("", "", "")  # no known bound: kldiag.frameworks.plain's fix
 
 
 def bound_for(manifest: Any) -> tuple[str, str, str]:
-    """(key, default, fix) for the run's trainer (PLAIN when the trainer is unknown)."""
+    """(key, default, fix) for the run's trainer (PLAIN when the trainer is unknown); fix "" defers to
+    kldiag.frameworks.fix_for("async_staleness", manifest)."""
     name = trainer_name(manifest)
     for prefix, entry in BOUNDS.items():
         if name.startswith(prefix):
