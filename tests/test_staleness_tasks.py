@@ -164,3 +164,38 @@ def test_per_task_split_and_the_cause_names_its_task(tmp_path):
     mism = [c for c in dg.causes if c.cause.startswith("engine_")]
     assert mism, [c.cause for c in dg.causes]
     assert mism[0].evidence["task"] == "code" and "code" in mism[0].summary
+
+
+def test_views_split_the_pages_frames_by_task(tmp_path):
+    from kldiag.views import tasks as VK
+
+    run = _two_tasks(tmp_path)
+    a = analyze(run, AnalysisConfig(), reducers())
+    assert VK.choices(a) == [VK.ALL, "code", "math"]
+    steps = a.steps.to_pandas()
+    assert VK.overview_steps(a, steps, VK.ALL) is steps
+    code = VK.overview_steps(a, steps, "code")
+    assert list(code.columns) == list(steps.columns) and list(code["step"]) == list(steps["step"])
+    math = VK.overview_steps(a, steps, "math")
+    assert (code["mismatch_kl"] > 5 * math["mismatch_kl"]).all()  # the engine mismatch is the code task's
+    assert code["tokens"].sum() + math["tokens"].sum() == steps["tokens"].sum()  # every token in the loss has a task
+    assert code["clamp_saturated_count"].isna().all()  # a figure no task split gives: empty, not wrong
+    mm = VK.mismatch_by_step(a, None, "code")
+    assert list(mm.columns) == ["step", "drift_abs", "mismatch_abs"] and (mm["mismatch_abs"] > 0).all()
+
+
+def test_app_pages_offer_the_task_selector(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    main = Path(__file__).resolve().parent.parent / "app" / "main.py"
+    monkeypatch.setenv("KLDIAG_RUNS", _two_tasks(tmp_path))
+    at = AppTest.from_file(str(main), default_timeout=120).run()
+    for page, key in (("overview", "ov_task"), ("mismatch", "mm_task")):
+        at = at.switch_page(f"app_pages/{page}.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        box = at.selectbox(key=key)
+        assert box.options == ["all tasks", "code", "math"]
+        box.set_value("code").run()
+        assert not at.exception, [e.value for e in at.exception]
