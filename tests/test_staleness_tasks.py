@@ -199,3 +199,20 @@ def test_app_pages_offer_the_task_selector(tmp_path, monkeypatch):
         assert box.options == ["all tasks", "code", "math"]
         box.set_value("code").run()
         assert not at.exception, [e.value for e in at.exception]
+
+
+def test_slime_weight_versions_map_to_policy_version(tmp_path):
+    from kldiag.importers import slime as dump
+    from kldiag.importers.sink import pack
+
+    assert dump.slime_policy_version(["3", "5"]) == 2  # the oldest call's weights; version r + 1 made rollout r
+    assert dump.slime_policy_version(["default"]) is None and dump.slime_policy_version(None) is None
+    sample = {"response_lengths": 3, "log_probs": [-0.1, -0.2, -0.3], "loss_masks": [1, 1, 1],
+              "weight_versions": ["4", "4"]}
+    args = pack([dump.to_sequence(sample, 5, 0, None, None), dump.to_sequence({**sample, "weight_versions": ["6"]},
+                                                                              5, 1, None, None)])
+    assert args["policy_version"].tolist() == [3, 5]
+    with Recorder(tmp_path / "r") as rec:
+        rec.record(step=5, **{("advantages" if k == "advantage" else k): v for k, v in args.items()})
+    t = kldiag.open_run(tmp_path / "r").read(columns=["step", "policy_version"]).to_pandas()
+    assert sorted(set(t.step - t.policy_version)) == [0, 2]
