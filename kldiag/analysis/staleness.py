@@ -57,8 +57,60 @@ def bucket_of(step: np.ndarray, version: np.ndarray, has: np.ndarray) -> np.ndar
     return np.where(has & (stale >= 0), np.minimum(stale, MAX_STALE), NO_VERSION)
 
 
-def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray]:
-    """The (step, bucket) cells and the per-sequence rows of one record batch (module docstring)."""
+def _cells(step: np.ndarray, bucket: np.ndarray, values: dict[str, np.ndarray],
+           maxima: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sums (and maxima) of `values` per (step, bucket) by one bincount each (no sort of the tokens)."""
+    lo, hi, nb = int(step.min()), int(step.max()), MAX_STALE + 2
+    if hi - lo < 1 << 16:  # a batch's steps are a short range: an offset, no sort
+        steps, index = np.arange(lo, hi + 1, dtype=np.int64), step - lo
+    else:
+        steps, index = np.unique(step, return_inverse=True)
+    key = index.reshape(-1) * nb + (bucket + 1)
+    size = int(key.max()) + 1
+    held = np.flatnonzero(np.bincount(key, minlength=size))
+    out = {"step": steps[held // nb], "stale": held % nb - 1}
+    out.update({k: v[held] for k, v in keyed_sums(key, values, size).items()})
+    for k, v in maxima.items():
+        out[k] = keyed_max(key, v, size)[held]
+    return out
+
+
+def _runs(key: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+
+
+def keyed_sums(key: np.ndarray, values: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+    """{name: [size] sum of the values per key}: runs of one key (a sequence's tokens) summed first
+    (reduceat), then one bincount over the runs; integer columns stay integers."""
+    starts = _runs(key)
+    at = key[starts]
+    return {k: np.bincount(at, weights=np.add.reduceat(v, starts), minlength=size).astype(v.dtype)
+            for k, v in values.items()}
+
+
+def keyed_max(key: np.ndarray, v: np.ndarray, size: int) -> np.ndarray:
+    """[size] max of v per key (-inf where none), runs of one key reduced first."""
+    starts = _runs(key)
+    m = np.full(size, -np.inf)
+    np.maximum.at(m, key[starts], np.maximum.reduceat(v, starts))
+    return m
+
+
+def _sequences(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per run of consecutive rows of one (step, iteration, seq): the sums of SEQ_F (the recorder writes a
+    sequence's rows together; a sequence split in runs is merged by key later, on these few rows)."""
+    starts = keyed.segment_starts([t["step"], t["iteration"], t["seq"]])
+    out = {k: t[k][starts] for k in (*SEQ_KEYS, "stale")}
+    out.update({k: np.add.reduceat(t[k], starts) for k in SEQ_F})
+    return out
+
+
+def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray] | None:
+    """The (step, bucket) cells and the per-sequence rows of one record batch (module docstring); None
+    when no row of it has a version (a run without versions costs one null check)."""
+    i = batch.schema.get_field_index("policy_version")
+    if i < 0 or batch.column(i).null_count == batch.num_rows:
+        return None
     step, _ = _col(batch, "step", 0, np.int64)
     version, has_v = _col(batch, "policy_version", 0, np.int64)
     mask, _ = _col(batch, "mask", False, bool)
@@ -69,20 +121,20 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
     o = np.where(ok_o, old, logp)
     ok = mask & ok_s & np.isfinite(logp) & np.isfinite(o)
     bucket = bucket_of(step, version, has_v)
-    ahead = has_v & (step < version)
     x = np.where(ok, logp - o, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         rho = np.where(ok, np.exp(x), 0.0)
     lo, hi = 1.0 - clip[0], 1.0 + clip[1]
     clipped = ok & ((rho < lo) | (rho > hi))
-    cells = keyed.reduce_by_key({
-        "step": step, "stale": bucket, "n_tokens": ok.astype(np.int64), "n_clip": clipped.astype(np.int64),
-        "n_ahead": (ahead & mask).astype(np.int64), "sum_drift": np.abs(x), "sum_rho": rho,
-        "sum_rho2": np.where(np.isfinite(rho * rho), rho * rho, 0.0),
-        "sum_clip_mass": np.where(clipped, np.abs(rho - np.clip(rho, lo, hi)), 0.0), "max_rho": rho})
+    rho2 = rho * rho
+    cells = _cells(step, bucket, {
+        "n_tokens": ok.astype(np.int64), "n_clip": clipped.astype(np.int64),
+        "n_ahead": (has_v & (step < version) & mask).astype(np.int64), "sum_drift": np.abs(x), "sum_rho": rho,
+        "sum_rho2": np.where(np.isfinite(rho2), rho2, 0.0),
+        "sum_clip_mass": np.where(clipped, np.abs(rho - np.clip(rho, lo, hi)), 0.0)}, {"max_rho": rho})
     gap = np.where(ok_m, mu, o) - logp
     in_gap = mask & ok_s & np.isfinite(gap)
-    seqs = keyed.reduce_by_key({
+    seqs = _sequences({
         "step": step, "iteration": _col(batch, "iteration", 0, np.int64)[0], "seq": _col(batch, "seq", 0, np.int64)[0],
         "stale": bucket, "sum_gap": np.where(in_gap, gap, 0.0), "n_gap": in_gap.astype(np.float64),
         "sum_adv": np.where(ok_a & mask, adv, 0.0), "n_adv": (ok_a & mask).astype(np.float64)})
@@ -128,8 +180,9 @@ class StalenessReducer:
         return []
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            state.append(batch_partial(batch, self.clip or (0.2, 0.2)))
+        p = batch_partial(batch, self.clip or (0.2, 0.2)) if batch.num_rows else None
+        if p is not None:
+            state.append(p)
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
         return merge_partials(state)

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis import keyed
+from kldiag.analysis.staleness import keyed_max, keyed_sums
 
 SUMS = ("n_tokens", "sum_k3", "n_k3", "sum_drift", "n_x", "sum_rho", "sum_rho2", "n_clip", "sum_mm", "sum_mm_abs",
         "n_mm", "sum_ent", "n_ent")
@@ -53,8 +54,12 @@ def _codes(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     return labels, codes
 
 
-def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray]:
+def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray] | None:
+    """The (step, task) cells of one record batch; None when no row has a task (a run without tasks
+    costs one null check)."""
     labels, code = _codes(batch)
+    if not len(labels):
+        return None
     mask = pc.fill_null(batch.column(batch.schema.get_field_index("mask")), False).to_numpy(zero_copy_only=False)
     keep = mask & (code >= 0)
     step = batch.column(batch.schema.get_field_index("step")).to_numpy(zero_copy_only=False)[keep]
@@ -69,16 +74,29 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
     ok_k3, ok_x, ok_mm = np.isfinite(k3), np.isfinite(x) & np.isfinite(rho), np.isfinite(mm)
     lo, hi = 1.0 - clip[0], 1.0 + clip[1]
     rho_ok = np.where(ok_x, rho, 0.0)
-    cells = keyed.reduce_by_key({
-        "step": step.astype(np.int64), "task": code[keep],
+    cells = _cells(step.astype(np.int64), code[keep], len(labels), {
         "n_tokens": np.ones(len(step), np.int64), "sum_k3": np.where(ok_k3, k3, 0.0), "n_k3": ok_k3.astype(np.int64),
-        "max_w": np.where(np.isfinite(w), w, np.where(np.isnan(w), -np.inf, w)),
         "sum_drift": np.where(ok_x, np.abs(x), 0.0), "n_x": ok_x.astype(np.int64), "sum_rho": rho_ok,
         "sum_rho2": np.where(np.isfinite(rho_ok * rho_ok), rho_ok * rho_ok, 0.0),
         "n_clip": (ok_x & ((rho < lo) | (rho > hi))).astype(np.int64), "sum_mm": np.where(ok_mm, mm, 0.0),
         "sum_mm_abs": np.where(ok_mm, np.abs(z), 0.0), "n_mm": ok_mm.astype(np.int64),
-        "sum_ent": np.where(np.isfinite(ent), ent, 0.0), "n_ent": np.isfinite(ent).astype(np.int64)})
+        "sum_ent": np.where(np.isfinite(ent), ent, 0.0), "n_ent": np.isfinite(ent).astype(np.int64)},
+                   np.where(np.isnan(w), -np.inf, w))
     return {"labels": labels, **cells}
+
+
+def _cells(step: np.ndarray, code: np.ndarray, k: int, sums: dict[str, np.ndarray], w: np.ndarray) -> dict:
+    """SUMS per (step, task) by one bincount each, and max_w; rows sorted by step, then task."""
+    if not len(step):
+        return {"step": step, "task": code, **{n: v[:0] for n, v in sums.items()}, "max_w": w[:0]}
+    steps, index = np.unique(step, return_inverse=True)  # a batch holds few steps: cheap
+    key = index.reshape(-1) * k + code
+    size = len(steps) * k
+    held = np.flatnonzero(np.bincount(key, minlength=size))
+    out = {"step": steps[held // k], "task": held % k}
+    out.update({n: v[held] for n, v in keyed_sums(key, sums, size).items()})
+    out["max_w"] = keyed_max(key, w, size)[held]
+    return out
 
 
 def merge_partials(partials) -> dict[str, np.ndarray]:
@@ -116,8 +134,9 @@ class TaskReducer:
         return []
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            state.append(batch_partial(batch, self.clip or (0.2, 0.2)))
+        p = batch_partial(batch, self.clip or (0.2, 0.2)) if batch.num_rows else None
+        if p is not None:
+            state.append(p)
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
         return merge_partials(state)
