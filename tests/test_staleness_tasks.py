@@ -69,7 +69,7 @@ def test_task_is_dictionary_encoded(tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"policy_version": np.zeros(3, np.int64)}, r"policy_version has shape \(3,\).*pass policy_version with shape \(2,\)"),
+    ({"policy_version": np.zeros(3, np.int64)}, r"policy_version has shape \(3,\).*with shape \(2,\)"),
     ({"policy_version": np.zeros(2)}, r"policy_version has dtype float64; pass one integer weight version"),
     ({"task": ["a"]}, r"task has shape \(1,\).*shape \(2,\)"),
     ({"task": ["a", 3]}, r"task holds int 3; pass one string label per sequence"),

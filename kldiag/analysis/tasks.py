@@ -190,5 +190,6 @@ def summary(m: dict[str, np.ndarray]) -> dict[str, Any]:
             for i, t in enumerate(bt["task"])]
     f = figures(m)
     steps = [{"step": int(m["step"][i]), "task": str(m["labels"][m["task"][i]]),
-              **{k: (int(f[k][i]) if k == "tokens" else _num(f[k][i])) for k in FIGURES}} for i in range(len(m["step"]))]
+              **{k: (int(f[k][i]) if k == "tokens" else _num(f[k][i])) for k in FIGURES}}
+             for i in range(len(m["step"]))]
     return {"tasks": [str(t) for t in m["labels"]], "by_task": rows, "steps": steps}

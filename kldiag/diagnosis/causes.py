@@ -174,7 +174,8 @@ def _level_fire(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
     on change."""
     c, cfg = ctx.cols, ctx.config
     out = []
-    for v, level in ((EP.col(c, "rho_clip_frac"), cfg.clip_frac_high), (EP.col(c, "drift_abs_mean"), cfg.drift_abs_high)):
+    levels = ((EP.col(c, "rho_clip_frac"), cfg.clip_frac_high), (EP.col(c, "drift_abs_mean"), cfg.drift_abs_high))
+    for v, level in levels:
         chronic = np.isfinite(v).any() and float(np.nanmedian(v)) > level
         out.append(_sustained(ctx, EP.gt(v, level)) if chronic else np.zeros(len(v), bool))
     return out[0], out[1]
