@@ -46,7 +46,9 @@ def shape_of(x: Any) -> tuple[int, ...]:
 
 def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
     """ValueError naming the argument and both shapes unless every array fits logp's [B, T]
-    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K)."""
+    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K; policy_version and task:
+    [B]). In `args`, task becomes a [B] numpy str array and a list of versions an int64 array; a
+    non-integer version or a non-string label is a ValueError too."""
     shape = shape_of(args["logp"])
     if len(shape) != 2:
         raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
