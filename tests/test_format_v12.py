@@ -74,7 +74,7 @@ def test_round_trip_through_the_recorder(tmp_path: Path) -> None:
     with Recorder(tmp_path, rotate_seconds=None) as rec:
         rec.record(step=0, **args)
     run = kldiag.open_run(tmp_path)
-    assert run.manifest.format_version == F.FORMAT_VERSION >= 1.2
+    assert run.manifest.format_version == F.FORMAT_VERSION >= 1.3
     t = run.read(columns=F.RUN_SCHEMA.names)
     assert t.schema.equals(F.RUN_SCHEMA) and t.num_rows == int(b["completion_mask"].sum())
     assert t.column("turn").to_pylist() == b["turn"][b["completion_mask"]].tolist()

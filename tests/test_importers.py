@@ -189,6 +189,8 @@ def test_prime_rl_import_stable_marker_and_mismatch(tmp_path):
         assert steps[step]["mismatch_kl"] == pytest.approx(own.mean(), rel=1e-4)  # prime-rl's own column
     t = kldiag.open_run(run).read().to_pandas()
     assert sorted(t["rank"].unique()) == [0, 1] and t["group"].isna().all()
+    tasks = kldiag.open_run(run).read(columns=["task", "policy_version"]).to_pandas()
+    assert set(tasks["task"]) == {"math"} and tasks["policy_version"].isna().all()  # env_name; no version
     (tmp_path / "out" / "token_exports" / "step_2" / "STABLE").touch()
     later = import_dumps("prime-rl", tmp_path / "out", run)
     assert later.steps == [2] and len(later.already) == 4

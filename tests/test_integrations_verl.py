@@ -297,3 +297,19 @@ def test_unsupported_version_fails_at_attach(tmp_path):
 
     with pytest.raises(IntegrationError, match="after trainer.init"):
         hook.attach(Trainer(), tmp_path / "run")
+
+
+def test_min_global_steps_is_the_policy_version(tmp_path, model):
+    """A batch whose rows carry verl's min_global_steps (the agent loop's per-row extra field): staleness =
+    step - policy_version is verl's trajectory_staleness_worst, (global_steps - 1) - min_global_steps."""
+    cfg = actor(loss_agg_mode="token-mean")
+    loss = hook.loss_fn(cfg, tmp_path / "run", hook.settings(cfg, None, verl.__version__))
+    data = make_batch(8, 4, seed=5)
+    versions = [7, 7, 7, 7, 5, 5, 5, 5]  # two groups: one fresh at global step 8, one 2 versions older
+    tu.assign_non_tensor_stack(data, "min_global_steps", versions)
+    replay_update(model, data, cfg, loss, mini=4, micro=2, epochs=1, step=8)
+    hook.close()
+    t = kldiag.open_run(tmp_path / "run").read(columns=["step", "seq", "group", "policy_version"]).to_pandas()
+    assert t["policy_version"].notna().all()
+    stale = (t["step"] - t["policy_version"]).groupby(t["group"]).unique()
+    assert sorted(int(v[0]) for v in stale) == [0, 2]

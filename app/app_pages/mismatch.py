@@ -9,6 +9,7 @@ from kldiag.views import mismatch as VM
 from kldiag.views import turns as VT
 from kldiag.views import routing as VR
 from kldiag.views import audit as VA
+from kldiag.views import tasks as VK
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.mismatch import whatif as W
 from kldiag.format import read_manifest
@@ -53,7 +54,9 @@ else:
 
     st.subheader("Policy drift against engine mismatch")
     st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step.")
-    st.plotly_chart(VC.drift_vs_mismatch(view.by_step))
+    tasks = VK.choices(run.analysis)  # format v1.3 task labels: one task's drift and mismatch
+    task = st.selectbox("Task", tasks, key="mm_task") if tasks else None
+    st.plotly_chart(VC.drift_vs_mismatch(VK.mismatch_by_step(run.analysis, view.by_step, task)))
     left, right = st.columns(2)
     left.plotly_chart(VC.mismatch_by_prob(view.by_prob))
     left.caption("The low-probability-token pitfall (\"When Speed Kills Stability\"): tokens mu found unlikely "

@@ -8,6 +8,7 @@ import streamlit as st
 from kldiag.views import pages as V
 from kldiag.views import diagnosis as DV
 from kldiag.views import charts as VC
+from kldiag.views import tasks as VK
 
 SEQUENCES_SHOWN = 1000
 
@@ -45,7 +46,8 @@ else:
     K.downloads(run.alerts, "alerts", "ov_alerts")
 
 st.subheader("Step trends")
-s = run.steps
+tasks = VK.choices(run.analysis)  # format v1.3 task labels: the trends of one task
+s = VK.overview_steps(run.analysis, run.steps, st.selectbox("Task", tasks, key="ov_task") if tasks else None)
 ctl = K.chart_controls("ov", s["step"])
 kw = {"smoothing": ctl.smoothing, "x_range": ctl.x_range}
 trends = VC.step_trends(s, onsets, **kw)  # the same charts as kldiag report's "Per step"

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from kldiag.analysis import alerts, lost, partials, prefix, runner, tables, worker
-from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis.kernel import Thresholds, clip_range
 from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.errors import EmptyRunError
@@ -44,11 +44,7 @@ def validate(cfg: AnalysisConfig) -> None:
 
 def thresholds(cfg: AnalysisConfig, manifest: Manifest) -> Thresholds:
     """Kernel thresholds; the clip range comes from the config, else the manifest, else 0.2."""
-    clip = manifest.config.get("clip_range") or [0.2, 0.2]
-    if isinstance(clip, (int, float)):
-        clip = [clip, clip]
-    low = cfg.clip_low if cfg.clip_low is not None else float(clip[0])
-    high = cfg.clip_high if cfg.clip_high is not None else float(clip[1])
+    low, high = clip_range(cfg.clip_low, cfg.clip_high, manifest)
     return Thresholds(float(cfg.tau), float(cfg.weight_limit), float(cfg.clamp), low, high, int(cfg.top_k),
                       bool(cfg.per_rank))
 
@@ -80,7 +76,8 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
         raise EmptyRunError(f"run {run.path} has no published part files yet (tokens/rank-R/part-*.parquet); "
                             "record some steps first, or wait for the recorder to rotate its first file")
     th = thresholds(cfg, run.manifest)
-    others = [runner.bound(r, parts) for r in reducers if r.name != partials.AnalysisReducer.name]
+    others = [runner.bound(r, parts, (th.clip_low, th.clip_high)) for r in reducers
+              if r.name != partials.AnalysisReducer.name]
     skipped: list[str] = []
     merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped)
     if merged.rows == 0:

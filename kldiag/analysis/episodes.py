@@ -77,6 +77,8 @@ class DiagnosisConfig:
     quiet_steps: int = 10  # an episode ends after this many steps without firing (a recovery)
     ess_low: float = 0.3  # rho_ess below: verl docs/algo/rollout_corr.md, "Troubleshooting"
     rho_mean_range: tuple[float, float] = (0.5, 2.0)  # ibid., "Mean IS weight far from 1.0"
+    clip_frac_high: float = 0.35  # the run's median rho_clip_frac above: chronically far off-policy (healthy: a few %)
+    drift_abs_high: float = 0.3  # the run's median drift_abs_mean above (nats a token): ibid. (healthy: ~0.06)
     token_mult_prob_error: float = 1.05  # NeMo-RL plots the worst sample above this
     clamp_frac: float = 1e-3  # share of tokens in the K3 clamp's dead zone worth a cause
     confident_p: float = 0.99  # "confident" token: p = exp(logp) above this

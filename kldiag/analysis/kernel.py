@@ -126,3 +126,12 @@ class Batch:
                 h = (x == 0) | ~np.isfinite(x)
             hit |= h & ~null[rows] if null is not None else h
         return rows[hit]
+
+
+def clip_range(clip_low: float | None, clip_high: float | None, manifest) -> tuple[float, float]:
+    """(clip_low, clip_high): the config's where set, else the manifest's `clip_range`, else 0.2."""
+    clip = manifest.config.get("clip_range") or [0.2, 0.2]
+    if isinstance(clip, (int, float)):
+        clip = [clip, clip]
+    return (float(clip_low) if clip_low is not None else float(clip[0]),
+            float(clip_high) if clip_high is not None else float(clip[1]))

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kldiag.analysis import reduce, worker
+from kldiag.analysis.kernel import clip_range
 from kldiag.analysis.reduce import Arrays, Reducer
 from kldiag.errors import CorruptPartError, RunFormatError
 from kldiag.format import PartInfo, open_run
@@ -141,9 +142,11 @@ class Pass:
         return acc.result()
 
 
-def bound(reducer: Reducer, parts: Sequence[PartInfo]) -> Reducer:
-    """The reducer with its run-dependent settings fixed (a token sample's stride), if it has any."""
-    return reducer.bind(parts) if hasattr(reducer, "bind") else reducer
+def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float] | None = None) -> Reducer:
+    """The reducer with its run-dependent settings fixed (a token sample's stride; the run's PPO clip
+    range `clip` = (clip_low, clip_high) for a reducer that counts clipped tokens), if it has any."""
+    reducer = reducer.bind(parts) if hasattr(reducer, "bind") else reducer
+    return reducer.with_clip(clip) if clip is not None and hasattr(reducer, "with_clip") else reducer
 
 
 def reduced(analysis, reducer: Reducer) -> Arrays:
@@ -151,7 +154,7 @@ def reduced(analysis, reducer: Reducer) -> Arrays:
     was made with the same reducer, else one more pass (parts whose partial is cached are not read)."""
     run = open_run(analysis.run_dir)
     parts = run.parts()
-    red = bound(reducer, parts)
+    red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
     if analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced:
         return analysis.reduced[red.name]
     return Pass(run.cache_dir(), parts, [red], analysis.config).merged(red)

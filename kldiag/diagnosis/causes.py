@@ -167,10 +167,49 @@ def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
     return [Cause("clamp_dead_zone", onset, "warning", ev, fix_for("clamp_dead_zone", ctx.manifest), summary)]
 
 
+def _level_fire(ctx: Context) -> tuple[np.ndarray, np.ndarray]:
+    """(steps whose rho_clip_frac passes clip_frac_high, those whose drift_abs_mean passes drift_abs_high),
+    each sustained, and only when the run's median step passes that level: a run chronically far off-policy
+    (from its first step, say) is named, a transient early phase or an isolated spike is left to the rules
+    on change."""
+    c, cfg = ctx.cols, ctx.config
+    out = []
+    levels = ((EP.col(c, "rho_clip_frac"), cfg.clip_frac_high), (EP.col(c, "drift_abs_mean"), cfg.drift_abs_high))
+    for v, level in levels:
+        chronic = np.isfinite(v).any() and float(np.nanmedian(v)) > level
+        out.append(_sustained(ctx, EP.gt(v, level)) if chronic else np.zeros(len(v), bool))
+    return out[0], out[1]
+
+
+def _drift_reasons(ev: dict, cfg: DiagnosisConfig, fire_ess, fire_mean, fire_clip, fire_drift, w_is) -> list[str]:
+    lo, hi = cfg.rho_mean_range
+    why = []
+    if fire_ess.any():
+        why.append(f"rho's effective sample size falls to {ev['rho_ess_min']:.3g} (< {cfg.ess_low})")
+    if fire_mean.any():
+        why.append(f"mean rho leaves [{lo}, {hi}]")
+    if fire_clip.any():
+        why.append(f"up to {ev['rho_clip_frac_max']:.0%} of a step's tokens lie outside the PPO clip range "
+                   f"(> {cfg.clip_frac_high:.0%} on {ev['steps_clip_high']} steps, the run's median step included; "
+                   "healthy runs: a few percent)")
+    if fire_drift.any():
+        why.append(f"|log pi_theta - log pi_old| averages up to {ev['drift_abs_mean_max']:.3g} nats a token "
+                   f"(> {cfg.drift_abs_high:g} on {ev['steps_drift_high']} steps, the run's median step included)")
+    if len(w_is) and np.isfinite(w_is).any() and ev["steps_k3_is_blowup"]:
+        why.append(f"the k3_is weight rho*log(pi_theta/pi_ref) reaches {fmt.metric(float(np.nanmax(w_is)))}")
+    return why
+
+
+def _finite_max(v: np.ndarray) -> float | None:
+    return float(np.nanmax(v)) if np.isfinite(v).any() else None
+
+
 @register
 def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     """rho = pi_theta/pi_old: ESS below ess_low or mean outside rho_mean_range (verl rollout_corr.md
-    troubleshooting), or the k3_is loss's weight blowing up through rho; each sustained."""
+    troubleshooting), the k3_is loss's weight blowing up through rho, or an absolute level: the share of
+    tokens outside the clip range above clip_frac_high or the mean |log rho| above drift_abs_high
+    (docs/metrics.md gives the healthy levels); each sustained."""
     c, cfg = ctx.cols, ctx.config
     ess, mean = EP.col(c, "rho_ess"), EP.col(c, "rho_mean")
     lo, hi = cfg.rho_mean_range
@@ -179,25 +218,23 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     w_is = EP.col(c, "weight_k3_is_abs_max")
     fire_is = EP.gt(w_is, cfg.blowup_weight) & (ctx.estimator == "k3_is")
     fire_ess, fire_mean, fire_is = (_sustained(ctx, f) for f in (fire_ess, fire_mean, fire_is))
-    fire = fire_ess | fire_mean | fire_is
+    fire_clip, fire_drift = _level_fire(ctx)
+    fire = fire_ess | fire_mean | fire_is | fire_clip | fire_drift
     onset = _first(c["step"], fire)
     if onset is None:
         return []
-    clip = EP.col(c, "rho_clip_frac")
+    clip, drift = EP.col(c, "rho_clip_frac"), EP.col(c, "drift_abs_mean")
     k = max(1, min(len(clip) // 4, 20))
     ev = {"rho_ess_min": float(np.nanmin(ess, initial=np.inf)), "ess_threshold": cfg.ess_low,
           "rho_mean_range": list(cfg.rho_mean_range), "rho_max": float(np.nanmax(EP.col(c, "rho_max"), initial=0)),
           "rho_clip_frac_first": float(np.nanmean(clip[:k])) if np.isfinite(clip[:k]).any() else None,
           "rho_clip_frac_last": float(np.nanmean(clip[-k:])) if np.isfinite(clip[-k:]).any() else None,
+          "rho_clip_frac_max": _finite_max(clip), "clip_frac_threshold": cfg.clip_frac_high,
+          "drift_abs_mean_max": _finite_max(drift), "drift_abs_threshold": cfg.drift_abs_high,
           "steps_ess_low": int(fire_ess.sum()), "steps_mean_out": int(fire_mean.sum()),
-          "steps_k3_is_blowup": int(fire_is.sum())}
-    why = []
-    if fire_ess.any():
-        why.append(f"rho's effective sample size falls to {ev['rho_ess_min']:.3g} (< {cfg.ess_low})")
-    if fire_mean.any():
-        why.append(f"mean rho leaves [{lo}, {hi}]")
-    if fire_is.any():
-        why.append(f"the k3_is weight rho*log(pi_theta/pi_ref) reaches {fmt.metric(float(np.nanmax(w_is)))}")
+          "steps_k3_is_blowup": int(fire_is.sum()), "steps_clip_high": int(fire_clip.sum()),
+          "steps_drift_high": int(fire_drift.sum())}
+    why = _drift_reasons(ev, cfg, fire_ess, fire_mean, fire_clip, fire_drift, w_is)
     summary = f"off-policy drift from step {onset}: " + "; ".join(why)
     severity = "critical" if fire_is.any() else "warning"
     return [Cause("offpolicy_drift", onset, severity, ev, fix_for("offpolicy_drift", ctx.manifest), summary)]

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.alerts import rule_context
 from kldiag.analysis.routing import RoutingReducer
+from kldiag.analysis.staleness import StalenessReducer
+from kldiag.analysis.tasks import TaskReducer
 from kldiag.analysis.turns import TurnReducer
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import evidence
@@ -24,6 +26,8 @@ from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers
 from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
 from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_missing
 from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_routing_mismatch, routing_replay_broken
+from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
+from kldiag.diagnosis import tasks as _tasks  # noqa: F401 - names the task that carries a cause
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.tokenset import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
@@ -51,7 +55,8 @@ def run_episodes(analysis, config: DiagnosisConfig,
 def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
-    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer()]
+    return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer(), StalenessReducer(),
+            TaskReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:
@@ -97,4 +102,5 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     causes = [c for b, c in found if not (b and c.cause in replaced) and c.cause not in absorbed]
     rank = {s: i for i, s in enumerate(SEVERITIES)}
     causes.sort(key=lambda c: (-rank.get(c.severity, 0), c.onset if c.onset is not None else 1 << 62))
+    _tasks.name_carriers(analysis, causes)
     return Diagnosis(verdict(causes, eps), causes, eps)

@@ -25,6 +25,7 @@ CAUSE_NAMES = (
     "engine_truncated_sampling",  # top-k/top-p log-probs against a full-vocabulary trainer (diagnosis/truncation.py)
     "data_missing",  # unreadable or empty parts, steps missing inside a rank (diagnosis/missing.py)
     "moe_routing_mismatch", "routing_replay_broken",  # MoE routing (kldiag/diagnosis/routing.py)
+    "async_staleness",  # recorded weight versions: drift grows with staleness past the clip (diagnosis/staleness.py)
 )
 
 

@@ -69,6 +69,9 @@ OPTIONAL_SCHEMA = pa.schema(
         pa.field("route_missing_at", pa.list_(pa.int16())),  # the layers counted in route_missing
         pa.field("experts", pa.list_(pa.int16())),  # full routes only when asked: trainer ids, L*k, -1 none
         pa.field("experts_sampler", pa.list_(pa.int16())),  # the engine's, same layout
+        # v1.3 (asynchronous RL): per sequence, repeated on its tokens
+        pa.field("policy_version", pa.int64()),  # weight version (trainer step) that generated the sequence
+        pa.field("task", pa.string()),  # task / environment label (Parquet dictionary-encoded)
     ]
 )
 TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler")
@@ -88,8 +91,8 @@ INT_ID_COLUMNS = ("step", "micro", "iteration", "rank", "seq", "group", "pos", "
 PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": False,
-    "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn"), "DELTA_BINARY_PACKED"),
+    "use_dictionary": ["task"],  # v1.3: a few labels repeated on every token; no other column
+    "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn", "policy_version"), "DELTA_BINARY_PACKED"),
                         **dict.fromkeys(("route_overlap",), "BYTE_STREAM_SPLIT"),
                         **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
                         # a list column's values are its leaf "<name>.list.element"; absent columns are ignored

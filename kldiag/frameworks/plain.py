@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 FIXES = {
+    "async_staleness": (
+        "Bound the staleness of the samples you train on (drop those more than a few weight versions old), or "
+        "correct them: a truncated importance weight on pi_theta/pi_old per token and the off-policy sequence mask."),
     "k3_weight_blowup": (
         'Multiply the K3 term by rho = exp(logp - logp_old) without detaching it (DeepSeek-V3.2 eq. 7), or use K2 = '
         '0.5 * (logp - logp_ref)**2 as the loss.'),

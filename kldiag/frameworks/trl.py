@@ -11,6 +11,9 @@ from __future__ import annotations
 SUPPORTED = ">=1.16,<1.17"  # keep in step with the `trl` extra in pyproject.toml
 
 FIXES = {
+    "async_staleness": (
+        "GRPOTrainer serves each generation over `steps_per_generation` x `num_iterations` optimizer steps: lower "
+        "them; with trl.experimental's AsyncGRPOTrainer, lower AsyncGRPOConfig's max_staleness (default 4)."),
     "k3_weight_blowup": (
         'Set `GRPOConfig(use_bias_correction_kl=True)`: the KL becomes rho * k3 (DeepSeek-V3.2 eq. 7), whose weight '
         'rho * log(pi_theta/pi_ref) grows like a log; add `off_policy_mask_threshold` to drop stale '

@@ -18,7 +18,9 @@ export_sequence_idx, group = null (the export has no example id), tokens from th
 loss-mask token to the end of the record; logp = trainer_logprobs (the update's own forward:
 prime-rl takes one optimizer step per step, so pi_theta = pi_old), logp_sampler =
 inference_logprobs, advantage = advantages, mask = loss_mask, entropy = entropy, token_id =
-token_ids; a null log-prob (a non-finite value in the trainer) is NaN, counted by the analysis.
+token_ids, task (format v1.3) = env_name; a null log-prob (a non-finite value in the trainer) is NaN,
+counted by the analysis. The export has no weight version (prime-rl keeps `policy.start/end` on the
+orchestrator's episode, not on the trainer's sample): policy_version stays null.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def to_sequence(row: Any, line_no: int) -> Sequence:
                     logp_sampler=_floats(row["inference_logprobs"])[first:],
                     entropy=_floats(row["entropy"])[first:] if "entropy" in row else None,
                     advantage=_floats(row["advantages"])[first:] if "advantages" in row else None,
-                    token_ids=np.asarray(row["token_ids"], np.int64)[first:].astype(np.int32))
+                    token_ids=np.asarray(row["token_ids"], np.int64)[first:].astype(np.int32),
+                    task=row["env_name"] if isinstance(row.get("env_name"), str) else None)
 
 
 def _floats(v: list[Any]) -> np.ndarray:

@@ -46,6 +46,8 @@ class Sequence:
     advantage: np.ndarray | None = None
     token_ids: np.ndarray | None = None
     experts_sampler: np.ndarray | None = None  # format v1.3: the engine's routes, [T, L, k] ints (-1: none)
+    policy_version: int | None = None  # format v1.3: the step whose weights generated it
+    task: str | None = None  # format v1.3: its task / environment label
 
 
 @dataclass
@@ -186,6 +188,10 @@ def pack(seqs: list[Sequence]) -> dict[str, np.ndarray]:
                                   "seq_ids": np.array([s.seq for s in seqs], np.int64)}
     if all(s.group is not None for s in seqs):
         out["group_ids"] = np.array([s.group for s in seqs], np.int64)
+    if seqs and all(s.policy_version is not None for s in seqs):  # per row; a chunk with gaps leaves it out
+        out["policy_version"] = np.array([s.policy_version for s in seqs], np.int64)
+    if seqs and all(s.task is not None for s in seqs):
+        out["task"] = np.array([s.task for s in seqs], dtype=str)
     for name in TOKEN_FIELDS:
         if all(getattr(s, name) is None for s in seqs):
             continue

@@ -233,8 +233,10 @@ def loss_sequences(batch: dict[str, Any], fields: dict[str, list[Any]], rank: in
             continue
         seq = (STATE.rollout_id << dump.SEQ_STEP_SHIFT) + pos if pos is not None else -1
         group = pos // group_size if pos is not None and group_size else None
+        versions = batch.get("weight_versions")  # Miles' train data has them; slime's does not
         seqs.append(Sequence(step=max(STATE.rollout_id, 0), rank=rank, micro=STATE.micro, seq=seq, group=group,
-                             mask=_np(batch["loss_masks"][i]) != 0, **{k: _np(v[i]) for k, v in fields.items()}))
+                             mask=_np(batch["loss_masks"][i]) != 0, **{k: _np(v[i]) for k, v in fields.items()},
+                             policy_version=dump.slime_policy_version(versions[i]) if versions is not None else None))
         if pos is not None:
             STATE.seen.add(pos)
     return seqs

@@ -17,6 +17,10 @@ Steps: a row's `step` is the optimizer step whose metrics TRL logs for that micr
 i.e. `trainer.state.global_step + 1` while the loss is computed (the Trainer increments
 global_step after the optimizer step, then logs). `micro` counts loss calls within the
 step; `iteration` is the reuse index (0 .. num_iterations - 1) of the generation batch.
+`policy_version` (format v1.3) is the step whose weights generated the completion: the
+`global_step + 1` at the call to `_generate_and_score_completions`, which TRL makes once every
+`steps_per_generation x num_iterations` loss calls (trl 1.16 grpo_trainer.py `_prepare_inputs`)
+and whose batch then serves the steps after it, so staleness = step - policy_version.
 
 On every logging step, a few `kldiag/...` metrics (computed with kldiag.estimators from the
 host copies, accumulated since the last log) are added to the dict TRL logs, so they reach
@@ -57,6 +61,7 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
 
 _TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
+VERSION_KEY = "kldiag_policy_version"  # [B] int64, likewise: the step whose weights generated the batch
 LOG_WAIT_S = 2.0  # a log waits at most this long for the writer; later batches count at the next log
 
 # Private GRPOTrainer methods the hook wraps, with the parameters it passes or reads.
@@ -345,6 +350,7 @@ class _Hook:
         self._next_seq += b * int(acc.num_processes)
         # On the CPU: TRL's shuffle and split index it like any [B] tensor, at no device cost.
         out[SEQ_KEY] = torch.arange(start, start + b, dtype=torch.long)
+        out[VERSION_KEY] = torch.full((b,), int(self.trainer.state.global_step) + 1, dtype=torch.long)
 
     def off_thread(self) -> bool:
         """Whether the log metrics are computed in the writer thread (decided once, at the first batch)."""
@@ -394,7 +400,7 @@ class _Hook:
                         advantages=_host(inputs["advantages"]), mask=mask, completion_mask=completion,
                         token_ids=_host(inputs["completion_ids"]), seq_ids=seq,
                         group_ids=seq // int(t.num_generations), entropy=entropy, micro=micro, iteration=iteration,
-                        **top)
+                        policy_version=_host_or_none(inputs.get(VERSION_KEY)), **top)
 
     def _record_tensors(self, inputs: dict, step: int, micro: int, iteration: int, seq: np.ndarray, logp: Any,
                         entropy: Any, top: dict) -> None:
@@ -408,7 +414,7 @@ class _Hook:
                         logp_sampler=inputs.get("sampling_per_token_logps"), advantages=inputs["advantages"],
                         mask=mask, completion_mask=completion, token_ids=inputs["completion_ids"], seq_ids=seq,
                         group_ids=seq // int(self.trainer.num_generations), entropy=entropy, micro=micro,
-                        iteration=iteration, **top)
+                        iteration=iteration, policy_version=inputs.get(VERSION_KEY), **top)
 
     def _observe(self, columns: dict[str, np.ndarray]) -> None:
         """Writer thread: merge one recorded batch's partials into the window (the same inputs as on-thread)."""

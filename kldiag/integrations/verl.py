@@ -354,6 +354,23 @@ def _ragged(x: Any, lengths: Any) -> tuple[Any, Any]:
     return x[keep], lengths  # boolean indexing: a sync, only on verl's padded (non-nested) layout
 
 
+def policy_versions(data: Any, batch: int) -> np.ndarray | None:
+    """[B] int64 policy_version (format v1.3) from the micro-batch's per-row `min_global_steps`, else None.
+
+    verl 0.9.1 stamps each trajectory with `min_global_steps`, the weight version it started generating
+    with (workers/rollout/llm_server.py), kept per row in the agent loop's non-tensor batch
+    (experimental/agent_loop/agent_loop.py); its metric `trajectory_staleness_worst` is
+    (global_steps - 1) - min_global_steps (trainer/ppo/v1/trainer_base.py). The recorded step is
+    verl's global_steps, so policy_version = min_global_steps + 1 gives the same staleness."""
+    if "min_global_steps" not in data.keys():
+        return None
+    v = _non_tensor(data, "min_global_steps")
+    v = v.tolist() if hasattr(v, "tolist") else v
+    if not isinstance(v, (list, tuple)) or len(v) != batch or any(x is None for x in v):
+        return None
+    return np.asarray(v, dtype=np.int64) + 1
+
+
 def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
     """(seq, group) int64 [B]: see the module doc. lengths: [B] response lengths on the device."""
     import torch
@@ -416,7 +433,7 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
     for s in seq_host:
         STATE.seen[int(s)] = iteration + 1
     rec.record(step=step, micro=micro, iteration=iteration, logp=logp, entropy=entropy, completion_mask=completion,
-               seq_ids=seq, group_ids=group, **cols)
+               seq_ids=seq, group_ids=group, policy_version=policy_versions(data, logp.shape[0]), **cols)
     return reported
 
 

@@ -13,6 +13,8 @@ TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask",
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
 ROUTE_ARGS = ("experts", "experts_sampler")  # v1.3 [B, T, L, k]: one L and k for both sides
+# v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings)
+VERSION_ARGS = ("policy_version", "task")
 
 
 def seq_unit(seq: np.ndarray) -> np.ndarray:
@@ -45,7 +47,9 @@ def shape_of(x: Any) -> tuple[int, ...]:
 
 def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
     """ValueError naming the argument and both shapes unless every array fits logp's [B, T]
-    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K)."""
+    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K; policy_version and task:
+    [B]). In `args`, task becomes a [B] numpy str array and a list of versions an int64 array; a
+    non-integer version or a non-string label is a ValueError too."""
     shape = shape_of(args["logp"])
     if len(shape) != 2:
         raise ValueError(f"logp has shape {shape}; pass one micro-batch as a [batch, time] array")
@@ -53,7 +57,7 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         got = shape_of(x)
         if name in TOKEN_ARGS:
             want, ok = f"{shape}", got == shape
-        elif name in ROW_ARGS:
+        elif name in ROW_ARGS or name in VERSION_ARGS:
             want, ok = f"({shape[0]},)", got == shape[:1]
         elif name in ROUTE_ARGS:
             want = f"({shape[0]}, {shape[1]}, L, k)"
@@ -77,4 +81,28 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(f"experts_sampler has shape {got} but experts has {shape_of(args['experts'])}; pass both "
                          f"with the same layers L and top-k (-1 where a side has no route), shape "
                          f"({shape[0]}, {shape[1]}, L, k)")
+    for name in VERSION_ARGS:
+        if name in args:
+            args[name] = row_labels(name, args[name]) if name == "task" else row_versions(args[name])
     return shape
+
+
+def row_versions(x: Any) -> Any:
+    """policy_version as given (a torch or numpy array of integers); ValueError naming the fix otherwise."""
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    dtype = str(x.dtype).replace("torch.", "")
+    if not dtype.startswith(("int", "uint")):
+        raise ValueError(f"policy_version has dtype {dtype}; pass one integer weight version per sequence (the "
+                         "trainer step whose weights generated it), shape (batch,)")
+    return x
+
+
+def row_labels(name: str, x: Any) -> np.ndarray:
+    """A [B] numpy array of str; ValueError naming the fix when a label is not a string."""
+    a = np.asarray(x, dtype=object)
+    bad = [v for v in a.ravel() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"{name} holds {type(bad[0]).__name__} {bad[0]!r}; pass one string label per sequence, "
+                         "shape (batch,)")
+    return a.astype(str)

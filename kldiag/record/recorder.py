@@ -156,7 +156,8 @@ class Recorder:
                seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
                iteration: int = 0, turn: Any = None, topk_ids: Any = None, topk_logp: Any = None,
                topk_ids_sampler: Any = None, topk_logp_sampler: Any = None,
-               experts: Any = None, experts_sampler: Any = None) -> None:
+               experts: Any = None, experts_sampler: Any = None,
+               policy_version: Any = None, task: Any = None) -> None:
         """Queue one micro-batch. Shapes are checked before anything is copied or queued.
 
         Format v1.2, optional: turn [B, T] ints (the token's turn in its sequence: 0, 1, ...);
@@ -167,12 +168,16 @@ class Recorder:
         Format v1.3, optional: experts/experts_sampler [B, T, L, k] ints, the trainer's and the engine's
         routed expert ids per token and MoE layer (-1: no route). Stored as a per-token comparison
         (kldiag.record.routes), the lists themselves only with full_routes=True.
+        Format v1.3, optional, one value per sequence [B]: policy_version (ints: the trainer step
+        whose weights generated the sequence; staleness = step - policy_version) and task (strings:
+        the sequence's task or environment).
         """
         given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
                  "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,
                  "advantages": advantages, "seq_ids": seq_ids, "group_ids": group_ids, "turn": turn,
                  "topk_ids": topk_ids, "topk_logp": topk_logp, "topk_ids_sampler": topk_ids_sampler,
-                 "topk_logp_sampler": topk_logp_sampler}
+                 "topk_logp_sampler": topk_logp_sampler,
+                 "policy_version": policy_version, "task": task}
         routes = {"experts": experts, "experts_sampler": experts_sampler}  # v1.3
         given.update({k: v for k, v in routes.items() if v is not None})
         args = {k: v for k, v in given.items() if v is not None}

@@ -35,6 +35,10 @@ ROUTE_GATHERED = (("route_layers", np.int16), ("route_differ", np.int16), ("rout
                   ("route_overlap", np.float32))
 ROUTE_LAYER_SETS = ("route_differ_at", "route_missing_at")
 ROUTE_LISTS = (("experts", np.int16), ("experts_sampler", np.int16))
+# v1.3 per-sequence inputs, [B]: repeated on each sequence's tokens. `task` (strings) is gathered as int32 codes
+# into Rows.labels["task"] and written as a string column (Parquet dictionary-encoded, schema.PARQUET_WRITE_OPTIONS)
+VERSION_GATHERED = (("policy_version", np.int64),)
+LABELS = ("task",)
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Rows:
     group: np.ndarray | None  # [n] int64
     pos: np.ndarray  # [n] int32, position in the completion
     columns: dict[str, np.ndarray | None]
+    labels: dict[str, np.ndarray] = field(default_factory=dict)  # LABELS: the strings behind columns' int32 codes
 
     @property
     def n(self) -> int:
@@ -152,13 +157,19 @@ def gather(raws: list[Raw]) -> Rows:
     pos = _cat([(np.arange(r.keep.shape[1], dtype=np.int32)[None, :]
                  - np.argmax(r.keep, axis=1).astype(np.int32)[:, None]).ravel() for r in raws])[keep]
     present = raws[0].columns
+    cols = {name: column(name, dtype) if name in present else None
+            for name, dtype in (*GATHERED, *TOPK_GATHERED, *VERSION_GATHERED, *ROUTE_GATHERED, *ROUTE_LISTS,
+                                *((m, np.bool_) for m in ROUTE_LAYER_SETS))}
+    labels = {}
+    for name in LABELS:
+        cols[name] = None
+        if name in present:  # one code per distinct label of these batches, repeated on each sequence's tokens
+            labels[name], inv = np.unique(_cat([r.columns[name] for r in raws]), return_inverse=True)
+            cols[name] = np.repeat(inv.reshape(-1).astype(np.int32), _cat(lengths))
     return Rows(np.repeat(np.array([r.step for r in raws], np.int64), counts),
                 np.repeat(np.array([r.micro for r in raws], np.int32), counts),
                 np.repeat(np.array([r.iteration for r in raws], np.int16), counts),
-                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos,
-                {name: column(name, dtype) if name in present else None
-                 for name, dtype in (*GATHERED, *TOPK_GATHERED, *ROUTE_GATHERED, *ROUTE_LISTS,
-                                     *((m, np.bool_) for m in ROUTE_LAYER_SETS))})
+                column("seq", np.int64), column("group", np.int64) if "group" in present else None, pos, cols, labels)
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -258,9 +269,17 @@ def _layer_lists(parts: list[np.ndarray | None], sizes: list[int]) -> pa.Array:
     return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
 
+def _joined_labels(rows: list[Rows], name: str) -> pa.Array:
+    """One string column from per-Rows int32 codes and their labels; absent pieces are nulls."""
+    pieces = [pa.DictionaryArray.from_arrays(pa.array(r.columns[name]), pa.array(r.labels[name].tolist(), pa.string()))
+              .cast(pa.string()) if r.columns.get(name) is not None else pa.nulls(r.n, pa.string()) for r in rows]
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+
+
 def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple[pa.RecordBatch, int, int, int]:
     """One record batch of several gathered Rows, in order: TOKEN_SCHEMA's columns, then the
-    optional v1.2 columns (turn, top-k) some of the rows have (F.part_schema), none otherwise.
+    optional v1.2/v1.3 columns (turn, top-k, policy_version, task) some of the rows have (F.part_schema),
+    none otherwise.
 
     Returns (record batch, nonfinite rows, invalid rows, placeholder rows): see count_flags.
     Every value is written as it is.
@@ -292,6 +311,13 @@ def rows_to_record_batch(rows: list[Rows], rank: int, attempt: int = 0) -> tuple
     for name in ROUTE_LAYER_SETS:  # written only when some token has such a layer
         if any(r.columns.get(name) is not None and r.columns[name].any() for r in rows):
             arrays[name] = _layer_lists([r.columns.get(name) for r in rows], sizes)
+    for name, dtype in VERSION_GATHERED:
+        pieces = [r.columns.get(name) for r in rows]
+        if any(p is not None for p in pieces):
+            arrays[name] = _joined(pieces, sizes, dtype)
+    for name in LABELS:
+        if any(r.columns.get(name) is not None for r in rows):
+            arrays[name] = _joined_labels(rows, name)
     if arrays["mask"].null_count == n:
         arrays["mask"] = pa.array(np.ones(n, bool))  # no mask given: every completion token is in the loss
     elif arrays["mask"].null_count:

@@ -11,6 +11,10 @@ from kldiag.analysis import coverage, runner, topk
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.flagged import run_flagged
 from kldiag.analysis.routing import routing_of
+from kldiag.analysis.staleness import OPSM_DELTA, StalenessReducer
+from kldiag.analysis.staleness import summary as staleness_summary
+from kldiag.analysis.tasks import TaskReducer
+from kldiag.analysis.tasks import summary as tasks_summary
 from kldiag.analysis.turns import turns_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
@@ -74,4 +78,6 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "topk": clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
         "turns": turns_of(a),
         "routing": routing_of(a),
+        "staleness": staleness_summary(runner.reduced(a, StalenessReducer()), a.config.opsm_delta or OPSM_DELTA),
+        "tasks": tasks_summary(runner.reduced(a, TaskReducer())),
     }

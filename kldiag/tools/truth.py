@@ -71,6 +71,8 @@ class Scenario:
     collapse_ramp: int = 0  # ... reached linearly over this many steps (0: at once; a ramp gives a blow-up a lead-up)
     drift_from: int | None = None  # from this step pi_old is `drift_stale` updates behind
     drift_stale: int = 32
+    stale_max: int | None = None  # asynchronous: each sequence is 0..stale_max updates stale (uniform), not `stale`
+    versions: bool = False  # record policy_version = step - the sequence's staleness (format v1.3)
     mismatch_from: int | None = None  # from this step the engine's noise is mismatch_noise ...
     mismatch_noise: float = 0.4
     mismatch_ramp: int = 0  # ... reached linearly over this many steps (0: at once)
@@ -111,6 +113,9 @@ HEALTHY = Scenario()
 LONG = dict(steps=2000, seqs=4, group=4, min_len=16, max_len=64, micro_batches=1)
 ENTROPY = dict(manifest="trl_beta0", stale=0, engine=False, entropy_from=100)
 CLAMP = dict(manifest="verl_k3", stale=1, collapse_shift=3.5, collapse_from=150)
+# asynchronous RL: each prompt group 0-4 updates stale, the policy moving fast (0.25 nats of logit per update):
+# |log pi_theta - log pi_old| ~0.3 nats a token, ~40% of tokens outside the clip range, rho from ~0.02 to ~20
+ASYNC = dict(stale_max=4, update=0.25)
 
 
 def _s(name: str, verdict: str = "healthy", expect: tuple[Expect, ...] = (), **kw: Any) -> Scenario:
@@ -144,6 +149,10 @@ SCENARIO_LIST: tuple[Scenario, ...] = (
        **{**ENTROPY, "engine": True, "entropy_from": 150}, mismatch_from=60),
     _s("mismatch+clamp_dead_zone", "warning", (Expect("engine_mismatch", 60), Expect("clamp_dead_zone", 180)),
        **{**CLAMP, "collapse_from": 180}, mismatch_from=60),
+    # asynchronous staleness (format v1.3's policy_version): measured with versions, an absolute drift level without
+    _s("async_staleness", "warning", (Expect("async_staleness", 0),), versions=True, **ASYNC),
+    _s("async_stale_unversioned", "warning", (Expect("offpolicy_drift", 0),), **ASYNC),
+    _s("async_within_bound", stale_max=2, versions=True),  # 0-2 updates stale on a slowly moving policy: healthy
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in SCENARIO_LIST}
 # Blow-ups with a lead-up, for the early-warning lead times (bench/early_warning.py); not in the suite above. The
@@ -245,6 +254,8 @@ def generate(sc: Scenario) -> dict[str, Any]:
     tok = np.zeros((n, T), np.int64)
     h = _mix(np.full(n, sc.seed + 1, np.uint64), group)
     stale = sch["stale"][step]
+    if sc.stale_max is not None:  # drawn only here: the other scenarios' random streams stay as they were
+        stale = rng.integers(0, sc.stale_max + 1, n // sc.group)[group]  # a group is generated at once
     old_step = np.maximum(step - stale, 0)
     for pos in range(T):
         rows = np.flatnonzero(pos < length)
@@ -282,7 +293,7 @@ def generate(sc: Scenario) -> dict[str, Any]:
     g_r = reward.reshape(-1, sc.group).astype(np.float64)
     adv = ((g_r - g_r.mean(1, keepdims=True)) / (g_r.std(1, keepdims=True) + 1e-4)).reshape(-1)
     return {**out, "token_ids": tok, "mask": mask, "group_ids": group, "advantages": adv.astype(np.float32),
-            "step": step, "schedule": sch}
+            "step": step, "schedule": sch, "policy_version": step - stale}
 
 
 def make_run(run_dir: str | Path, sc: Scenario) -> Path:
@@ -290,7 +301,7 @@ def make_run(run_dir: str | Path, sc: Scenario) -> Path:
     m = MANIFESTS[sc.manifest]
     data = generate(sc)
     has_ref = bool(m["beta"])
-    has_old = sc.engine or sc.stale > 0 or sc.drift_from is not None
+    has_old = sc.engine or sc.stale > 0 or sc.drift_from is not None or bool(sc.stale_max)
     per = -(-sc.seqs // sc.micro_batches)
     with Recorder(run_dir, beta=m["beta"], estimator=m["estimator"], clip_range=m["clip_range"],
                          trainer=m["trainer"], trainer_version=m["trainer_version"],
@@ -302,7 +313,8 @@ def make_run(run_dir: str | Path, sc: Scenario) -> Path:
                            logp_ref=data["logp_ref"][r] if has_ref else None,
                            logp_sampler=data["logp_sampler"][r] if sc.engine else None,
                            advantages=data["advantages"][r], mask=data["mask"][r], token_ids=data["token_ids"][r],
-                           group_ids=data["group_ids"][r], entropy=data["entropy"][r])
+                           group_ids=data["group_ids"][r], entropy=data["entropy"][r],
+                           policy_version=data["policy_version"][r] if sc.versions else None)
     return Path(run_dir)
 
 
