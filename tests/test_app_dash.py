@@ -146,10 +146,10 @@ def test_group_view_shows_siblings_and_marks_zero_spread(monkeypatch, group_run)
 def test_estimators_scatter_labels_flagged_and_top_tokens(monkeypatch, app_runs):
     at = _app(monkeypatch, app_runs["k3"], page="estimators")
     _ok(at)
-    scatter = next(f for f in _figs(at) if "|gradient weight| vs d" in f.layout.title.text)
+    scatter = next(f for f in _figs(at) if "|gradient weight| against d" in f.layout.title.text)
     names = {t.name for t in scatter.data}
     assert any("flagged" in n for n in names) and any("sampled" in n for n in names)
-    worst = max(np.nanmax(_y(t)) for t in scatter.data if t.name.startswith("weight_k3,"))
+    worst = max(np.nanmax(_y(t)) for t in scatter.data if t.name.startswith("k3,"))
     flags = kldiag.analyze(app_runs["k3"]).flags.to_pandas()
     assert worst == pytest.approx(flags["weight_k3"].abs().max(), rel=1e-6)
 
@@ -167,5 +167,10 @@ def test_distributions_and_compare_share_the_controls(monkeypatch, app_runs):
     at = _app(monkeypatch, app_runs["k3"], app_runs["k3_is"], page="compare")
     at.slider(key="cmp_smoothing").set_value(0.5).run()
     _ok(at)
-    names = {t.name for t in _figs(at)[0].data}
+    fig = _figs(at)[0]
+    names = {t.name for t in fig.data}
     assert {"k3", "k3 (raw)", "k3_is", "k3_is (raw)"} <= names
+    # by default each run shows its own loss weight, named in the hover, and the page gives each run's verdict
+    hovers = {t.name: t.hovertemplate for t in fig.data if t.hovertemplate}
+    assert "weight_k3_abs_max" in hovers["k3"] and "weight_k3_is_abs_max" in hovers["k3_is"]
+    assert {m.label for m in at.metric} >= {"k3", "k3_is"}
