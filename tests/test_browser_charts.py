@@ -68,8 +68,6 @@ def chart_problems(chart: dict) -> list[str]:
     out, texts, name = [], chart["texts"], chart["title"] or f"chart {chart['i']}"
     for i, a in enumerate(texts):
         for b in texts[i + 1:]:
-            if a["kind"] == b["kind"] and a["kind"] in ("xtick", "ytick", "cbtick"):
-                continue  # one axis's ticks: Plotly spaces (or hides) them itself
             if overlaps(a["box"], b["box"]):
                 out.append(f"{name}: {a['kind']} {a['text']!r} overlaps {b['kind']} {b['text']!r}")
     left, _, right, _ = chart["plot"]

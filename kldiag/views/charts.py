@@ -130,8 +130,9 @@ def fit_title(title: str, subtitle: str = "") -> tuple[str, str]:
     return head, (f"{rest}; {subtitle}" if subtitle else rest)
 
 
-def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: int = 8) -> str:
-    """A log axis labelled at whole decades: at least two labels, at most about `max_labels`.
+def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: int = 5) -> str:
+    """A log axis labelled at whole decades: at least two labels, at most about `max_labels`
+    (five fit a 200 px tall plot with room between them).
 
     The range runs from the decade below the data to the decade above it; a lower tail more
     than MAX_DECADES_BELOW decades under the 1st percentile (weights of 0 or 1e-8 next to
@@ -149,7 +150,8 @@ def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: in
     lo = max(lo, floor)
     hi = max(hi, lo + 1)
     dtick = max(1, math.ceil((hi - lo) / max_labels))
-    update(type="log", range=[lo, hi], dtick=dtick, tick0=lo, exponentformat="power",
+    pad = 0.04 * (hi - lo)  # the corner labels of two log axes (1e-4 under 1e-3) would touch
+    update(type="log", range=[lo - pad, hi + pad], dtick=dtick, tick0=lo, exponentformat="power",
            minor={"ticks": "outside", "showgrid": False, "ticklen": 3})
     below = int((np.isfinite(v) & (v < 10.0 ** lo)).sum())
     return f"{below:,} point{'s' if below != 1 else ''} below 1e{lo} not drawn" if below else ""

@@ -3,8 +3,7 @@
 - `ema`: the time-weighted, debiased exponential moving average that W&B draws by default
   (docs.wandb.ai, "Smooth line plots", TWEMA) and TensorBoard's scalar smoothing reduces
   to on evenly spaced steps (tensorboard/components/vz_line_chart2/line-chart.ts);
-- `log_dtick`, `onset_lanes`: decade-only tick labels on log axes and onset labels that
-  do not overlap;
+- `onset_lanes`: onset labels that do not overlap (log axes: kldiag.views.charts.log_axis);
 - `step_stride`, `with_breaks`: the run's normal step stride, and a frame with a break (a NaN
   row) wherever steps are missing beyond it, so that a line is not drawn across lost steps;
 - `table_bytes`: any table as CSV or Parquet bytes, for downloads;
@@ -64,18 +63,7 @@ def ema(y: np.ndarray, x: np.ndarray | None = None, weight: float = 0.6) -> np.n
     return out
 
 
-# ---- axes ----------------------------------------------------------------------------
-
-
-def log_dtick(values: np.ndarray, max_labels: int = 8) -> int:
-    """Decades between labelled ticks of a log axis showing `values` (Plotly's integer dtick
-    on a log axis: a tick every 10**dtick), so at most about `max_labels` labels, all decades."""
-    v = np.asarray(values, dtype=np.float64)
-    v = v[np.isfinite(v) & (v > 0)]
-    if v.size == 0:
-        return 1
-    decades = math.ceil(math.log10(v.max())) - math.floor(math.log10(v.min()))
-    return max(1, math.ceil(decades / max_labels))
+# ---- axes and lines ----------------------------------------------------------------------------
 
 
 def step_stride(steps: np.ndarray) -> float:
