@@ -109,13 +109,13 @@ def browser_page():
 def _shoot(page: Page, url: str, run: str, name: str) -> None:
     page.set_viewport_size({"width": WIDTH, "height": 1200})
     page.goto(f"{url}/{name}?run={run}")
-    page.locator(PAGES[name]).first.wait_for(timeout=60_000)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000)
+    page.locator(PAGES[name]).first.wait_for(timeout=180_000)  # the Estimators page reads every part on its first visit
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=180_000)
     height = page.evaluate("() => Math.max(...[...document.querySelectorAll('[data-testid=\"stMain\"], "
                            "[data-testid=\"stMainBlockContainer\"]')].map(e => e.scrollHeight), 800)")
     page.set_viewport_size({"width": WIDTH, "height": min(height + 40, 9000)})  # the whole page, charts drawn
     page.wait_for_timeout(800)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=180_000)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"charts_{run}_{name}.png"), full_page=True)
 

@@ -130,9 +130,9 @@ def fit_title(title: str, subtitle: str = "") -> tuple[str, str]:
     return head, (f"{rest}; {subtitle}" if subtitle else rest)
 
 
-def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: int = 5) -> str:
+def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: int = 4) -> str:
     """A log axis labelled at whole decades: at least two labels, at most about `max_labels`
-    (five fit a 200 px tall plot with room between them).
+    (four fit a 200 px tall plot with room between them).
 
     The range runs from the decade below the data to the decade above it; a lower tail more
     than MAX_DECADES_BELOW decades under the 1st percentile (weights of 0 or 1e-8 next to
@@ -298,5 +298,6 @@ def drift_vs_mismatch(by_step: pd.DataFrame) -> go.Figure:
 def mismatch_by_prob(by_prob: pd.DataFrame) -> go.Figure:
     """Mismatch by mu's token probability (bins, at their geometric centre): the low-probability pitfall."""
     prob = by_prob.assign(p=np.sqrt(by_prob["lo"] * by_prob["hi"]))
-    return binned_lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"], "Mismatch by the sampler's probability",
-                        log_x=True, log_y=True, subtitle="low-probability tokens carry the largest mismatch")
+    return binned_lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
+                        "Mismatch by the sampler's probability", log_x=True, log_y=True,
+                        subtitle="the low-probability-token pitfall: unlikely tokens mismatch most")
