@@ -15,6 +15,7 @@ from kldiag.views import dash as VD
 SMOOTHING_HELP = ("Time-weighted exponential moving average, debiased at the start (as W&B and TensorBoard "
                   "draw it); the raw line stays faint behind. 0 shows the raw values.")
 LINK_SEEN = "_link_seen"
+NOTICES = "_link_notices"  # what a deep link asked for that does not exist, and where it went instead
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,28 @@ def restore(labels: dict[str, str]) -> None:
     run = link.get("run")
     if run in labels:
         st.session_state["run_label"] = run
+    elif run is not None and labels:
+        shown = run_label() or next(iter(labels))
+        notice(f"The link names a run `{run}` that this dashboard does not show: showing `{shown}` instead "
+               f"(runs here: {', '.join(f'`{k}`' for k in labels)}).")
     if "steps" in params or "flags" in params:  # the Tokens page's filters
         st.session_state["tok_pick"] = {"steps": VD.parse_range(params.get("steps")),
                                         "flags": [f for f in (params.get("flags") or "").split(",") if f]}
-    if "step" in link and "seq" in link:
-        path = labels.get(run) if run in labels else (next(iter(labels.values())) if labels else None)
-        st.session_state["seq_pick"] = {"path": path, "step": link["step"], "seq": link["seq"],
-                                        "pos": link.get("pos", 0), "focus": "pos" in link}
+    if "step" in link:  # the Sequence page checks that the step and sequence exist
+        chosen = labels.get(run) if run in labels else labels.get(run_label() or "")
+        st.session_state["seq_pick"] = {"path": chosen, "step": link["step"], "seq": link.get("seq"),
+                                        "pos": link.get("pos", 0), "focus": "pos" in link, "link": True}
+
+
+def notice(text: str) -> None:
+    """Queue a notice for the page that runs next (the deep link's target shows it at its top)."""
+    st.session_state.setdefault(NOTICES, []).append(text)
+
+
+def show_notices() -> None:
+    """Show and clear the queued notices (every page's prelude calls this)."""
+    for text in st.session_state.pop(NOTICES, []):
+        st.warning(text, icon=":material/link_off:")
 
 
 def restore_tokens(lo: int, hi: int) -> None:
@@ -79,8 +95,15 @@ def restore_tokens(lo: int, hi: int) -> None:
         return
     if pick["steps"] is not None:
         a, b = pick["steps"]
-        st.session_state["tok_steps"] = (min(max(a, lo), hi), min(max(b, lo), hi))
+        clamped = (min(max(a, lo), hi), min(max(b, lo), hi))
+        if clamped != (a, b):
+            notice(f"The link's steps {a}-{b} are outside the flagged tokens' steps {lo}-{hi}: showing "
+                   f"{clamped[0]}-{clamped[1]}.")
+        st.session_state["tok_steps"] = clamped
     known = [f for f in pick["flags"] if f in VD.FLAG_NAMES]
+    if len(known) < len(pick["flags"]):
+        notice(f"Unknown flags in the link ({', '.join(f for f in pick['flags'] if f not in known)}) are left out; "
+               f"the flags are {', '.join(VD.FLAG_NAMES)}.")
     if known:
         st.session_state["tok_flags"] = known
 

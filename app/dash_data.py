@@ -147,7 +147,10 @@ def page(title: str) -> Loaded:
     """Every run page's prelude: its title, the chosen run loaded (or stop with a message)
     and notices for columns the run lacks."""
     st.title(title)
+    import dash_controls
+
     run = current()
+    dash_controls.show_notices()  # a deep link to something that does not exist: what was shown instead
     if run is None:
         st.stop()
     column_notices(run)

@@ -89,7 +89,10 @@ def test_step_range_zooms_every_chart_and_log_axes_label_decades(monkeypatch, ap
     assert all(tuple(f.layout.xaxis.range) == (4, 10) for f in figs)
     logs = [f for f in figs if f.layout.yaxis.type == "log"]
     assert len(logs) == 3
-    assert all(f.layout.yaxis.dtick == 1 and f.layout.yaxis.exponentformat == "power" for f in logs)
+    # labelled at whole decades (dtick: decades between labels, from a decade), at least two of them
+    assert all(f.layout.yaxis.dtick >= 1 and f.layout.yaxis.tick0 == int(f.layout.yaxis.tick0)
+               and f.layout.yaxis.exponentformat == "power" for f in logs)
+    assert all(f.layout.yaxis.range[1] - f.layout.yaxis.range[0] >= f.layout.yaxis.dtick for f in logs)
     # onset labels: paper-anchored annotations in lanes (one label per onset step)
     notes = [a for f in figs for a in f.layout.annotations if a.yref == "paper"]
     assert notes and any("weight_blowup" in a.text for a in notes)
@@ -146,10 +149,10 @@ def test_group_view_shows_siblings_and_marks_zero_spread(monkeypatch, group_run)
 def test_estimators_scatter_labels_flagged_and_top_tokens(monkeypatch, app_runs):
     at = _app(monkeypatch, app_runs["k3"], page="estimators")
     _ok(at)
-    scatter = next(f for f in _figs(at) if "|gradient weight| vs d" in f.layout.title.text)
+    scatter = next(f for f in _figs(at) if "|gradient weight| against d" in f.layout.title.text)
     names = {t.name for t in scatter.data}
     assert any("flagged" in n for n in names) and any("sampled" in n for n in names)
-    worst = max(np.nanmax(_y(t)) for t in scatter.data if t.name.startswith("weight_k3,"))
+    worst = max(np.nanmax(_y(t)) for t in scatter.data if t.name.startswith("k3,"))
     flags = kldiag.analyze(app_runs["k3"]).flags.to_pandas()
     assert worst == pytest.approx(flags["weight_k3"].abs().max(), rel=1e-6)
 
@@ -167,5 +170,10 @@ def test_distributions_and_compare_share_the_controls(monkeypatch, app_runs):
     at = _app(monkeypatch, app_runs["k3"], app_runs["k3_is"], page="compare")
     at.slider(key="cmp_smoothing").set_value(0.5).run()
     _ok(at)
-    names = {t.name for t in _figs(at)[0].data}
+    fig = _figs(at)[0]
+    names = {t.name for t in fig.data}
     assert {"k3", "k3 (raw)", "k3_is", "k3_is (raw)"} <= names
+    # by default each run shows its own loss weight, named in the hover, and the page gives each run's verdict
+    hovers = {t.name: t.hovertemplate for t in fig.data if t.hovertemplate}
+    assert "weight_k3_abs_max" in hovers["k3"] and "weight_k3_is_abs_max" in hovers["k3_is"]
+    assert {m.label for m in at.metric} >= {"k3", "k3_is"}

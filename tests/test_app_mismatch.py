@@ -33,7 +33,7 @@ def test_demo_run_parity_charts_and_sliders(monkeypatch):
     assert abs(float(m["Implied engine temperature"]) - 1.2) < 1e-3
     assert any("engine_temperature_mismatch" in w.value for w in at.warning)
     titles = [c.proto.spec for c in at.get("plotly_chart")]
-    assert any("sampler's token probability" in t for t in titles) and len(titles) >= 5
+    assert any("sampler's probability" in t for t in titles) and len(titles) >= 5
     base = _metrics(at)["Tokens masked or clipped"]
     at.slider(key="wi_cap").set_value(1.2).run()
     tighter = _metrics(at)["Tokens masked or clipped"]

@@ -134,11 +134,12 @@ def _flags_frame():
 
 def test_filter_flags_by_step_flag_threshold_and_sort():
     flags = _flags_frame()
-    assert V.filter_flags(flags)["step"].tolist() == [3, 1, 2, 4]  # |weight| descending, NaN last
+    assert V.filter_flags(flags)["step"].tolist() == [4, 3, 1, 2]  # the non-finite row first, then |weight| descending
+    assert V.filter_flags(flags, descending=False)["step"].tolist() == [4, 2, 1, 3]  # first in either order
     assert V.filter_flags(flags, (2, 3))["step"].tolist() == [3, 2]
     assert V.filter_flags(flags, kinds=["nonfinite"])["step"].tolist() == [4]
-    assert V.filter_flags(flags, min_abs_weight=40)["step"].tolist() == [3, 1, 4]  # non-finite kept
-    assert V.filter_flags(flags, sort_by="step", descending=False)["step"].tolist() == [1, 2, 3, 4]
+    assert V.filter_flags(flags, min_abs_weight=40)["step"].tolist() == [4, 3, 1]  # non-finite kept
+    assert V.filter_flags(flags, sort_by="step", descending=False)["step"].tolist() == [4, 1, 2, 3]
     with pytest.raises(ValueError, match="unknown flags"):
         V.filter_flags(flags, kinds=["bogus"])
 

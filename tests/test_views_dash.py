@@ -41,9 +41,7 @@ def test_ema_is_time_weighted_and_skips_gaps():
     assert np.isnan(z[1]) and np.isnan(z[2]) and z[3] == 1.0
 
 
-def test_log_dtick_and_onset_lanes():
-    assert VD.log_dtick(np.array([0.1, 1e4])) == 1
-    assert VD.log_dtick(np.array([1e-8, 1e16, 0.0, np.inf])) == 3
+def test_onset_lanes():
     lanes = VD.onset_lanes([(10, "weight_blowup"), (11, "blame_share"), (60, "nonfinite")], 0, 100)
     assert lanes == [0, 1, 0]
 
@@ -97,3 +95,71 @@ def test_read_group_reads_siblings_in_one_pass(tmp_path):
     worst = VG.worst_tokens(got[9], 2)
     assert len(worst) == 2 and worst["weight_k3"].abs().iloc[0] == one["weight_k3_abs"].max()
     assert VG.text_of(got[9], 5).endswith("…")
+
+
+# ---- the chart rules every chart shares (kldiag.views.charts) ----------------------------------
+
+
+def test_with_breaks_breaks_lines_over_missing_steps_only():
+    import pandas as pd
+
+    df = pd.DataFrame({"step": [0, 1, 2, 10, 11, 12], "v": [1.0, 2, 3, 4, 5, 6]})
+    out = VD.with_breaks(df)
+    assert out["step"].tolist() == [0, 1, 2, 6, 10, 11, 12] and np.isnan(out["v"].iloc[3])
+    every5 = pd.DataFrame({"step": [0, 5, 10, 15], "v": [1.0, 2, 3, 4]})  # a recorder's every_n_steps: no gap
+    assert len(VD.with_breaks(every5)) == 4 and VD.step_stride(every5["step"]) == 5
+
+
+def test_log_axis_labels_two_decades_and_clips_a_far_lower_tail():
+    import plotly.graph_objects as go
+
+    from kldiag.views import charts as VC
+
+    fig = go.Figure()
+    assert VC.log_axis(fig, np.array([0.02, 0.05])) == ""  # less than a decade: still two labelled decades
+    lo, hi = fig.layout.yaxis.range
+    assert lo <= -2 and hi >= -1 and fig.layout.yaxis.dtick == 1 and fig.layout.yaxis.tick0 == -2
+    fig = go.Figure()
+    values = np.concatenate([np.geomspace(0.1, 1e3, 500), [0.0, 1e-8]])
+    note = VC.log_axis(fig, values)
+    assert fig.layout.yaxis.range[0] > -8 and note == "2 points below 1e-3 not drawn"
+    fig = go.Figure()
+    VC.log_axis(fig, np.geomspace(1e-12, 1e12, 50))
+    assert fig.layout.yaxis.dtick == 6  # at most about four labels (five here), all at decades
+
+
+def test_titles_fit_and_step_charts_title_every_axis():
+    import pandas as pd
+
+    from kldiag.views import charts as VC
+
+    title, sub = VC.fit_title("Mismatch against the sampler's token probability (the low-probability-token pitfall)")
+    assert len(title) <= VC.TITLE_CHARS and sub.endswith("pitfall)")
+    steps = pd.DataFrame({"step": np.arange(6), **{c: np.linspace(0.1, 1, 6) for s in VC.STEP_TRENDS
+                                                    for c in s.columns}})
+    for fig in VC.step_trends(steps, [(2, "k3_weight_blowup")]):
+        assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+        assert len(fig.layout.title.text) <= VC.TITLE_CHARS
+        spec = next(s for s in VC.STEP_TRENDS if s.title == fig.layout.title.text)
+        assert [t.name for t in fig.data] == [VC.name_of(c) for c in spec.columns]
+        assert all(t.name not in steps.columns for t in fig.data)  # series named in words
+        assert fig.layout.legend.yref == "container" and fig.layout.legend.y == 0  # under the x title
+
+
+def test_numbers_flagged_total_faults_first_and_own_loss_weight():
+    import pandas as pd
+
+    from kldiag.views import numbers as VN
+
+    steps = pd.DataFrame({"step": [0, 1], "tokens": [100, 300], "flagged_frac": [0.01, 0.1]})
+    assert VN.flagged_total(steps) == (31, 400)
+    seqs = pd.DataFrame({"step": [0, 0, 1], "seq": [0, 1, 2], "weight_k3_abs_max": [5.0, 900.0, np.nan],
+                         "nonfinite_count": [0, 0, 1]})
+    assert VN.fault_first(seqs)["seq"].tolist() == [2, 1, 0]
+    assert VN.loss_weight_column({"estimator": "k3_is"}) == ("weight_k3_is_abs_max", "k3_is")
+    assert VN.loss_weight_column({}, "p99") == ("weight_k3_abs_p99", "k3")
+    runs = {"a": pd.DataFrame({"step": [0], "weight_k3_abs_max": [9.0]}),
+            "b": pd.DataFrame({"step": [0], "weight_k3_is_abs_max": [2.0]})}
+    long = VN.compare_own(runs, {"a": "weight_k3_abs_max", "b": "weight_k3_is_abs_max"})
+    assert long[["run", "value", "column"]].values.tolist() == [["a", 9.0, "weight_k3_abs_max"],
+                                                                ["b", 2.0, "weight_k3_is_abs_max"]]

@@ -1,11 +1,17 @@
-"""Compare: step curves of two or more runs on the same axes."""
+"""Compare: step curves of two or more runs on the same axes, each run's verdict above them. By
+default each run shows its own loss weight (the |weight| of the estimator its manifest names)."""
 
 import dash_charts as C
 import dash_controls as K
 import dash_data as D
 import streamlit as st
 
+from kldiag.format import read_manifest
+from kldiag.views import numbers as VN
 from kldiag.views import pages as V
+
+OWN = {"max": "Each run's own loss weight: max |weight| per step",
+       "p99": "Each run's own loss weight: p99 |weight| per step"}
 
 st.title("Compare runs")
 paths = D.run_paths()
@@ -13,20 +19,32 @@ by_label = D.labels(paths)
 if len(paths) < 2:
     st.info("Pass two or more runs to compare them: `kldiag dashboard RUN_A RUN_B`.")
 chosen = st.multiselect("Runs", list(by_label), default=list(by_label), key="cmp_runs")
-steps = {}
+runs = {}
 for label in chosen:
     with st.container():
         run = D.load(by_label[label])
     if run is not None:
-        steps[label] = run.steps
-if not steps:
+        runs[label] = run
+if not runs:
     st.stop()
+steps = {label: run.steps for label, run in runs.items()}
+estimators = {label: VN.loss_weight_column(read_manifest(run.path).config)[1] for label, run in runs.items()}
+for col, (label, run) in zip(st.columns(min(len(runs), 4)), runs.items(), strict=False):
+    col.metric(label, D.diagnosis(run).verdict.upper(), help=f"the run's verdict; its loss: {estimators[label]}")
+    col.caption(f"loss estimator: {estimators[label]}")
+
 metrics = V.numeric_metrics(list(steps.values()))
-default = metrics.index("k3_mean") if "k3_mean" in metrics else 0
 c1, c2 = st.columns([3, 1])
-metric = c1.selectbox("Metric", metrics, index=default, key="cmp_metric")
-log_y = c2.toggle("Log y", metric.startswith(("weight_", "k3", "rho_max")), key="cmp_log")
-long = V.compare_steps(steps, metric)
+metric = c1.selectbox("Metric", [*OWN, *metrics], key="cmp_metric", format_func=lambda m: OWN.get(m, m))
+log_y = c2.toggle("Log y", metric in OWN or metric.startswith(("weight_", "k3", "rho_max")), key="cmp_log")
+if metric in OWN:
+    columns = {label: VN.loss_weight_column(read_manifest(run.path).config, metric)[0] for label, run in runs.items()}
+    long = VN.compare_own(steps, columns)
+    title, y_title = f"Loss weight per step ({metric})", "|weight| (per token, no unit)"
+    subtitle = "each run's own estimator: " + ", ".join(f"{k} {estimators[k]}" for k in runs)
+else:
+    long = V.compare_steps(steps, metric)
+    title, y_title, subtitle = f"{metric} per step", metric, ""
 ctl = K.chart_controls("cmp", long["step"])
-st.plotly_chart(C.compare(long, metric, log_y, ctl.smoothing, ctl.x_range))
+st.plotly_chart(C.compare(long, title, y_title, log_y, ctl.smoothing, ctl.x_range, subtitle=subtitle))
 K.downloads(long, f"compare-{metric}", "cmp_long")

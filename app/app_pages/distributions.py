@@ -7,11 +7,11 @@ import streamlit as st
 
 from kldiag.views import pages as V
 
-METRICS = {
-    "d": ("d = log(pi_ref / pi_theta)", False),
-    "weight_k3_abs": ("|k3 weight| = |1 - pi_ref/pi_theta|", True),
-    "weight_k3_is_abs": ("|k3_is weight| = |rho log(pi_theta/pi_ref)|", True),
-    "rho": ("rho = pi_theta / pi_old", True),
+METRICS = {  # name: (label, log y, axis title with unit)
+    "d": ("d = log(pi_ref / pi_theta)", False, "d (nats)"),
+    "weight_k3_abs": ("|k3 weight| = |1 - pi_ref/pi_theta|", True, "|k3 weight| (no unit)"),
+    "weight_k3_is_abs": ("|k3_is weight| = |rho log(pi_theta/pi_ref)|", True, "|k3_is weight| (no unit)"),
+    "rho": ("rho = pi_theta / pi_old", True, "rho (ratio)"),
 }
 
 run = D.page("Distributions")
@@ -22,20 +22,21 @@ if not available or len(hist.steps) == 0:
     st.stop()
 name = st.segmented_control("Metric", available, default=available[0], key="dist_metric",
                             format_func=lambda m: METRICS[m][0]) or available[0]
-title, log_y = METRICS[name]
+title, log_y, unit = METRICS[name]
 
 hm = V.heatmap(hist, name)
 if not hm["labels"]:
     st.info(f"No finite values of {title} in this run.")
     st.stop()
 ctl = K.chart_controls("dist", hist.steps)
-heat = C.heatmap(hm["steps"], hm["labels"], hm["z"], f"{title}: share of each step's tokens per bin")
+heat = C.heatmap(hm["steps"], hm["labels"], hm["z"], f"{title} per step", "share of each step's tokens per bin",
+                 f"bin of {unit}")
 if ctl.x_range is not None:
     heat.update_xaxes(range=list(ctl.x_range))
 st.plotly_chart(heat)
 bands = V.percentile_bands(hist, name)
-st.plotly_chart(C.bands(bands, f"{title}: percentiles per step (from the histograms)", log_y, ctl.smoothing,
-                        ctl.x_range))
+st.plotly_chart(C.bands(bands, f"{title}: percentiles", log_y, ctl.smoothing, ctl.x_range, y_title=unit,
+                        subtitle="per step, read off the histograms"))
 with st.expander("Percentiles table"):
     st.dataframe(bands, hide_index=True, width="stretch")
     K.downloads(bands, f"percentiles-{name}", "dist_bands")

@@ -5,7 +5,9 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
+from kldiag.views import charts as VC
 from kldiag.views import estimators as VE
+from kldiag.views import numbers as VN
 
 DELTAS = [0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
 
@@ -17,15 +19,21 @@ if p.skipped:
 if p.tokens:
     st.subheader("Values and gradient weights on this run's tokens")
     table = VE.estimator_table(p)
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(table, hide_index=True, width="stretch", column_config={
+        "expected gradient": st.column_config.TextColumn(width="large"),
+        "flagged share of |weight|": st.column_config.NumberColumn(
+            "flagged share", format="%.3f", help="flagged tokens' share of the estimator's |weight|")})
     K.downloads(table, "estimators", "est_table")
     cs = VE.clamp_summary(p)
+    flagged, tokens = VN.flagged_total(run.steps)  # the Overview's figure, from the same analysis
     c = st.columns(4)
     c[0].metric("Tokens in the loss", f"{cs['tokens']:,}")
-    c[1].metric("Flagged", f"{cs['flagged_frac']:.3%}")
-    c[2].metric("Clamp-saturated (k3 > clamp)", f"{cs['clamp_saturated_frac']:.3%}")
-    c[3].metric("Share of |k3 weight| lost to the clamp", f"{cs['k3_weight_lost_share']:.1%}",
-                help="verl/OpenRLHF/ROLL/AReaL clamp the k3 value: these tokens get no KL gradient")
+    c[1].metric("Flagged", f"{flagged / tokens if tokens else 0.0:.3%}", help=f"{flagged:,} of {tokens:,} tokens, "
+                "as on the Overview (docs/metrics.md)")
+    c[2].metric("Clamp-saturated", f"{cs['clamp_saturated_frac']:.3%}", help="tokens with k3 > clamp")
+    c[3].metric("|k3 weight| lost to clamp", f"{cs['k3_weight_lost_share']:.1%}",
+                help="Share of |k3 weight| lost to the clamp: verl/OpenRLHF/ROLL/AReaL clamp the k3 value, so "
+                     "these tokens get no KL gradient")
     st.plotly_chart(C.weight_scatter(p.sample, p.tokens))
 else:
     st.info("No token in the loss has a reference log-prob: there is no KL estimate to compare.")
@@ -40,15 +48,17 @@ delta = st.select_slider("delta", DELTAS, value=1e-4, key="opsm_delta", format_f
 masked = VE.opsm_masked(p.seqs, delta)
 st.metric(f"Sequences masked at delta = {delta:g}", f"{masked.mean():.2%}",
           help=f"{int(masked.sum())} of {len(masked)}")
+by_step = VE.opsm_by_step(p.seqs, delta)
+ctl = K.chart_controls("est", by_step["step"])  # above the charts it zooms
 left, right = st.columns(2)
 curve = VE.opsm_curve(p.seqs, [d for d in DELTAS if d > 0])
-fig = C.lines(curve, ["masked_frac"], "Masked fraction as delta slides", x="delta")
-fig.update_xaxes(type="log")
+fig = C.lines(curve, ["masked_frac"], "Masked fraction as delta slides", x="delta",
+              y_title="share of sequences (0 to 1)", subtitle="over every sequence of the run")
+VC.decade_ticks(fig, curve["delta"].to_numpy(), axis="x")
 if delta > 0:
     fig.add_vline(x=delta, line_dash="dot")
 left.plotly_chart(fig)
-by_step = VE.opsm_by_step(p.seqs, delta)
-ctl = K.chart_controls("est", by_step["step"])
-right.plotly_chart(C.lines(by_step, ["masked_frac"], f"Masked fraction per step, delta = {delta:g}",
-                           smoothing=ctl.smoothing, x_range=ctl.x_range))
+right.plotly_chart(C.lines(by_step, ["masked_frac"], "Masked fraction per step", smoothing=ctl.smoothing,
+                           x_range=ctl.x_range, y_title="share of the step's sequences",
+                           subtitle=f"at delta = {delta:g}"))
 K.downloads(by_step, f"opsm-per-step-{delta:g}", "est_opsm")

@@ -31,18 +31,16 @@ def _crosswalk(path: str, keys: tuple[str, ...], framework: str):
 
 
 lines = VC.binned_lines
+SHARE = "share (0 to 1)"
 
 
-run = D.page("Mismatch")
-view = _view(run.path, run.keys)
-if view.tokens.step_stride > 1:
-    st.caption(f"A large run: every {view.tokens.step_stride}th step is shown.")
-
-st.subheader("Engine vs trainer parity")
-if not view.has_sampler:
-    st.info("This run has no sampler log-probs (logp_sampler is null): the engine's mu is unknown, so there is "
-            "no mismatch to decompose. Record the inference engine's log-probs to see this page.")
-else:
+def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
+    """Engine vs trainer: the parity figures, the verdict's engine causes, drift against mismatch."""
+    st.subheader("Engine vs trainer parity")
+    if not view.has_sampler:
+        st.info("This run has no sampler log-probs (logp_sampler is null): the engine's mu is unknown, so there is "
+                "no mismatch to decompose. Record the inference engine's log-probs to see this page.")
+        return
     cols = st.columns(4)
     for c, (label, value, hint) in zip(cols, VM.parity_rows(view), strict=False):
         c.metric(label, value, help=hint)
@@ -63,71 +61,91 @@ else:
                  "carry the largest mismatch.")
     pos = view.by_pos.assign(position=view.by_pos["lo"])
     right.plotly_chart(lines(pos, "position", ["mismatch_abs", "drift_abs"], "By position in the completion",
-                             log_x=bool(pos["position"].max() > 16)))
+                             log_x=bool(pos["position"].max() > 16), names=VC.MISMATCH_NAMES,
+                             subtitle="mean over the tokens at that position"))
     if view.by_entropy is not None:
         ent = view.by_entropy.assign(entropy=(view.by_entropy["lo"] + view.by_entropy["hi"]) / 2)
-        st.plotly_chart(lines(ent, "entropy", ["mismatch_abs", "drift_abs"], "By token entropy (nats)"))
+        st.plotly_chart(lines(ent, "entropy", ["mismatch_abs", "drift_abs"], "By token entropy",
+                              names=VC.MISMATCH_NAMES, subtitle="mean over the tokens in each entropy bin"))
+
+def turns_section(run: D.Loaded) -> None:
+    """Agentic runs: in which turn, and where in it, the engine and the trainer disagree."""
     turns = VT.view_of(D.analysis_of(run.path, run.keys))  # per-turn figures, read with the analysis
-    if turns.multi_turn:  # agentic runs: in which turn, and where in it, the engine and trainer disagree
-        st.subheader("Engine mismatch by turn")
-        left, right = st.columns(2)
-        left.plotly_chart(VT.mismatch_by_step(turns))
-        right.plotly_chart(VT.start_vs_body(turns))
-        st.dataframe(VT.table(turns), hide_index=True, width="stretch")
+    if not turns.multi_turn:
+        return
+    st.subheader("Engine mismatch by turn")
+    left, right = st.columns(2)
+    left.plotly_chart(VT.mismatch_by_step(turns))
+    right.plotly_chart(VT.start_vs_body(turns))
+    st.dataframe(VT.table(turns), hide_index=True, width="stretch")
+
+
+def routing_section(run: D.Loaded) -> None:
+    """MoE runs: which layers the engine routes differently, and whether the mismatch sits on those tokens."""
     routing = VR.view_of(D.analysis_of(run.path, run.keys))  # MoE routes, read with the analysis
-    if routing.routed:  # which layers the engine routes differently, and whether the mismatch sits there
-        st.subheader("MoE routing: engine vs trainer experts")
-        st.caption(VR.headline(routing))
-        left, right = st.columns(2)
-        left.plotly_chart(VR.agreement_by_layer(routing))
-        right.plotly_chart(VR.mismatch_by_side(routing))
-        st.plotly_chart(VR.agreement_by_step(routing))
-        st.dataframe(VR.table(routing), hide_index=True, width="stretch")
+    if not routing.routed:
+        return
+    st.subheader("MoE routing: engine vs trainer experts")
+    st.caption(VR.headline(routing))
+    left, right = st.columns(2)
+    left.plotly_chart(VR.agreement_by_layer(routing))
+    right.plotly_chart(VR.mismatch_by_side(routing))
+    st.plotly_chart(VR.agreement_by_step(routing))
+    st.dataframe(VR.table(routing), hide_index=True, width="stretch")
 
-st.subheader("What if: corrections replayed on these tokens")
-c1, c2 = st.columns(2)
-method = c1.selectbox("Correction", W.METHODS, key="wi_method",
-                      format_func=lambda m: {"tis_token": "token TIS (cap C)", "tis_seq": "sequence TIS (cap C)",
-                                             "icepop": "IcePop / MIS (band [a, b])",
-                                             "geo_rs": "geometric-mean sequence rejection [a, b]",
-                                             "seq_mask_tis": "seq-mask-TIS ([a, b], cap C)",
-                                             "opsm": "DeepSeek off-policy sequence mask (delta)"}[m])
-convention = c2.radio("\"old\" is", W.CONVENTIONS, horizontal=True, key="wi_conv",
-                      index=0 if not view.has_sampler else 1,
-                      format_func=lambda c: "the trainer's pi_old" if c == "trainer" else "the sampler's mu")
-if convention == "sampler" and not view.has_sampler:
-    st.info("No sampler log-probs in this run: use the trainer's pi_old.")
-    st.stop()
-params = {}
-if method in ("tis_token", "tis_seq", "seq_mask_tis"):
-    params["cap"] = st.slider("cap C", 1.0, 10.0, 2.0, 0.1, key="wi_cap")
-if method in ("icepop", "geo_rs", "seq_mask_tis"):
-    lo, hi = st.slider("band [a, b]", 0.05, 10.0, (0.5, 2.0), 0.05, key="wi_band")
-    params.update(low=lo, high=hi)
-if method == "opsm":
-    params["delta"] = st.select_slider("delta", [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0], value=1e-4,
-                                       key="wi_delta", format_func=lambda v: f"{v:g}")
-frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
-tot = VM.whatif_totals(frame)
-m = st.columns(5)
-m[0].metric("Tokens masked or clipped", f"{tot['token_frac']:.2%}")
-m[1].metric("Sequences affected", f"{tot['seq_frac']:.2%}")
-m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
-m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
-m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
-left, right = st.columns(2)
-left.plotly_chart(lines(frame, "step", ["token_frac", "seq_frac", "ess"], "Per step"))
-right.plotly_chart(lines(frame, "step", ["mass_removed_pos_share", "mass_removed_neg_share"],
-                         "Share of |weight x advantage| removed, by the sign of A"))
 
-st.subheader("The framework's own metrics (crosswalk)")
-own = VM.own_framework(read_manifest(run.path))
-names = list(FRAMEWORKS)
-fw = st.selectbox("Framework", names, index=names.index(own), key="cw_fw")
-table, reasons = _crosswalk(run.path, run.keys, fw)
-st.dataframe(table, hide_index=True, width="stretch")
-for name, why in reasons.items():
-    st.caption(f"`{name}` is null: {why}")
+WHATIF_NAMES = {"tis_token": "token TIS (cap C)", "tis_seq": "sequence TIS (cap C)",
+                "icepop": "IcePop / MIS (band [a, b])", "geo_rs": "geometric-mean sequence rejection [a, b]",
+                "seq_mask_tis": "seq-mask-TIS ([a, b], cap C)", "opsm": "DeepSeek off-policy sequence mask (delta)"}
+
+
+def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
+    """A correction replayed on the run's tokens: what it masks or clips, and the policy-gradient mass it removes."""
+    st.subheader("What if: corrections replayed on these tokens")
+    c1, c2 = st.columns(2)
+    method = c1.selectbox("Correction", W.METHODS, key="wi_method", format_func=WHATIF_NAMES.get)
+    convention = c2.radio("\"old\" is", W.CONVENTIONS, horizontal=True, key="wi_conv",
+                          index=0 if not view.has_sampler else 1,
+                          format_func=lambda c: "the trainer's pi_old" if c == "trainer" else "the sampler's mu")
+    if convention == "sampler" and not view.has_sampler:
+        st.info("No sampler log-probs in this run: use the trainer's pi_old.")
+        return
+    params = {}
+    if method in ("tis_token", "tis_seq", "seq_mask_tis"):
+        params["cap"] = st.slider("cap C", 1.0, 10.0, 2.0, 0.1, key="wi_cap")
+    if method in ("icepop", "geo_rs", "seq_mask_tis"):
+        lo, hi = st.slider("band [a, b]", 0.05, 10.0, (0.5, 2.0), 0.05, key="wi_band")
+        params.update(low=lo, high=hi)
+    if method == "opsm":
+        params["delta"] = st.select_slider("delta", [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0], value=1e-4,
+                                           key="wi_delta", format_func=lambda v: f"{v:g}")
+    frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
+    tot = VM.whatif_totals(frame)
+    m = st.columns(5)
+    m[0].metric("Tokens masked or clipped", f"{tot['token_frac']:.2%}")
+    m[1].metric("Sequences affected", f"{tot['seq_frac']:.2%}")
+    m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
+    m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
+    m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
+    left, right = st.columns(2)
+    left.plotly_chart(lines(frame, "step", ["token_frac", "seq_frac", "ess"], "What the correction does per step",
+                            y_title=SHARE, subtitle=WHATIF_NAMES[method]))
+    right.plotly_chart(lines(frame, "step", ["mass_removed_pos_share", "mass_removed_neg_share"],
+                             "Policy-gradient mass removed per step", y_title=SHARE,
+                             subtitle="share of |weight x advantage|, by the sign of A"))
+
+
+def crosswalk_section(run: D.Loaded) -> str:
+    """The framework's own metrics recomputed from the run; returns the framework chosen."""
+    st.subheader("The framework's own metrics (crosswalk)")
+    own = VM.own_framework(read_manifest(run.path))
+    names = list(FRAMEWORKS)
+    fw = st.selectbox("Framework", names, index=names.index(own), key="cw_fw")
+    table, reasons = _crosswalk(run.path, run.keys, fw)
+    st.dataframe(table, hide_index=True, width="stretch")
+    for name, why in reasons.items():
+        st.caption(f"`{name}` is null: {why}")
+    return fw
 
 
 @st.cache_data(max_entries=8, show_spinner="Auditing the trainer's logs ...")
@@ -135,7 +153,10 @@ def _audit(path: str, keys: tuple[str, ...], logs: str, framework: str) -> VA.Au
     return VA.audit_view(path, logs, framework)
 
 
-if (logs := VA.logs_for(run.path)) is not None:  # `kldiag dashboard RUN --logs SRC`
+def audit_section(run: D.Loaded, fw: str) -> None:
+    """`kldiag dashboard RUN --logs SRC`: the trainer's logged metrics against kldiag's recomputation."""
+    if (logs := VA.logs_for(run.path)) is None:
+        return
     st.subheader("Logged vs recomputed (audit)")
     audited = _audit(run.path, run.keys, logs, fw)
     if audited.error:
@@ -143,3 +164,15 @@ if (logs := VA.logs_for(run.path)) is not None:  # `kldiag dashboard RUN --logs 
     st.dataframe(audited.summary, hide_index=True, width="stretch")
     for name in audited.summary["metric"]:
         st.plotly_chart(VA.overlay(audited.series, name))
+
+
+# The page, section by section: a new section is a function above and one line here.
+run = D.page("Mismatch")
+view = _view(run.path, run.keys)
+if view.tokens.step_stride > 1:
+    st.caption(f"A large run: every {view.tokens.step_stride}th step is shown.")
+parity_section(run, view)
+turns_section(run)
+routing_section(run)
+whatif_section(run, view)
+audit_section(run, crosswalk_section(run))

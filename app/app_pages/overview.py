@@ -9,6 +9,7 @@ from kldiag.views import pages as V
 from kldiag.views import diagnosis as DV
 from kldiag.views import charts as VC
 from kldiag.views import tasks as VK
+from kldiag.views import numbers as VN
 
 SEQUENCES_SHOWN = 1000
 
@@ -34,7 +35,10 @@ if h["steps"]:
     row1[3].metric("Latest k3_is mean", f"{h['k3_is_mean']:.3g}")
     row2[0].metric("Max |k3 weight|", f"{h['weight_k3_abs_max']:.3g}")
     row2[1].metric("Max |k3_is weight|", f"{h['weight_k3_is_abs_max']:.3g}")
-    row2[2].metric("Flagged tokens", f"{h['flagged_frac']:.3%}")
+    flagged, tokens = VN.flagged_total(run.steps)
+    row2[2].metric("Flagged tokens", f"{h['flagged_frac']:.3%}", help=f"{flagged:,} of {tokens:,} tokens in the "
+                   "loss carry a flag (docs/metrics.md); the Tokens and Estimators pages show the same count")
+    row2[2].caption(f"{flagged:,} tokens")
     row2[3].metric("Alert episodes", f"{len(run.alerts)}")
 
 onsets = VC.trend_onsets(dg)

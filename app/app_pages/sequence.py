@@ -7,6 +7,7 @@ import numpy as np
 import dash_groups
 import streamlit as st
 
+from kldiag.views import numbers as VN
 from kldiag.views import pages as V
 from kldiag.views import turns as VT
 
@@ -18,25 +19,44 @@ if seqs.empty:
     st.info("This run has no sequences yet.")
     st.stop()
 
-pick = st.session_state.pop("seq_pick", None)
-if pick and pick.get("path") == run.path:  # opened from the Tokens page
-    st.session_state["seq_step"], st.session_state["seq_seq"] = pick["step"], pick["seq"]
-    st.session_state["seq_start"] = max(0, pick.get("pos", 0) - WINDOW // 4)
-    st.session_state["seq_focus"] = (pick["step"], pick["seq"], pick["pos"]) if pick.get("focus") else None
-
+ordered = VN.fault_first(seqs)  # non-finite log-probs first, then the largest |k3 weight|
 steps = np.unique(seqs["step"].to_numpy()).tolist()
+pick = st.session_state.pop("seq_pick", None)
+if pick and pick.get("path") == run.path:  # a deep link, or a row of the Tokens page
+    step_ok = pick["step"] in steps
+    in_pick = seqs.loc[seqs["step"] == pick["step"], "seq"].astype(int).tolist()
+    seq_ok = pick["seq"] is None or pick["seq"] in in_pick
+    if step_ok and seq_ok:
+        first = int(ordered.loc[ordered["step"] == pick["step"], "seq"].iloc[0])
+        st.session_state["seq_step"] = pick["step"]
+        st.session_state["seq_seq"] = first if pick["seq"] is None else pick["seq"]
+        st.session_state["seq_start"] = max(0, pick.get("pos", 0) - WINDOW // 4)
+        st.session_state["seq_focus"] = (pick["step"], pick["seq"], pick["pos"]) if pick.get("focus") else None
+    else:
+        top = ordered.iloc[0]
+        asked = f"sequence {pick['seq']} at step {pick['step']}" if pick["seq"] is not None else f"step {pick['step']}"
+        why = f"the run has no step {pick['step']} (steps {steps[0]}-{steps[-1]})" if not step_ok else \
+            f"step {pick['step']} has no sequence {pick['seq']}"
+        K.notice(f"The link asks for {asked}, but {why}: showing the worst sequence instead, "
+                 f"{int(top['seq'])} at step {int(top['step'])}.")
+        st.session_state["seq_step"], st.session_state["seq_seq"] = int(top["step"]), int(top["seq"])
+        st.session_state["seq_focus"] = None
+    K.show_notices()
+
 if st.session_state.get("seq_step") not in steps:
-    worst = seqs.loc[seqs["weight_k3_abs_max"].fillna(-1).idxmax()]  # start on the worst sequence
-    st.session_state["seq_step"], st.session_state["seq_seq"] = int(worst["step"]), int(worst["seq"])
+    top = ordered.iloc[0]  # start on a faulty sequence, else the worst
+    st.session_state["seq_step"], st.session_state["seq_seq"] = int(top["step"]), int(top["seq"])
 c1, c2, c3 = st.columns([1, 2, 3])
 step = c1.selectbox("Step", steps, key="seq_step")
-in_step = seqs[seqs["step"] == step].sort_values("weight_k3_abs_max", ascending=False, na_position="last")
+in_step = ordered[ordered["step"] == step]
 choices = in_step["seq"].astype(int).tolist()
 if st.session_state.get("seq_seq") not in choices:
     st.session_state["seq_seq"] = choices[0]
-worst_by_seq = dict(zip(choices, in_step["weight_k3_abs_max"], strict=True))
-seq = c2.selectbox("Sequence (worst first)", choices, key="seq_seq",
-                   format_func=lambda s: f"{s}  (max |k3 weight| {worst_by_seq[s]:.3g})")
+label_of = {int(r.seq): (f"{int(r.seq)}  ({int(r.nonfinite_count)} non-finite log-prob"
+                         f"{'s' if r.nonfinite_count != 1 else ''})" if r.nonfinite_count > 0 else
+                         f"{int(r.seq)}  (max |k3 weight| {r.weight_k3_abs_max:.3g})")
+            for r in in_step.itertuples()}
+seq = c2.selectbox("Sequence (faults, then worst first)", choices, key="seq_seq", format_func=label_of.get)
 quantity = c3.radio("Colour by", list(V.SEQUENCE_QUANTITIES), horizontal=True, key="seq_quantity",
                     format_func=lambda q: V.SEQUENCE_QUANTITIES[q])
 
@@ -62,10 +82,10 @@ dash_groups.show(run, int(step), int(seq), quantity)
 
 plot = df.reset_index(names="token")
 x = "pos" if df["iteration"].nunique() == 1 else "token"  # reuse iterations repeat positions
-st.plotly_chart(C.lines(plot, ["logp", "logp_old", "logp_ref", "logp_sampler"],
-                        "Log-probs of the sampled tokens per position", x=x))
+st.plotly_chart(C.lines(plot, ["logp", "logp_old", "logp_ref", "logp_sampler"], "Log-probs per position",
+                        x=x, y_title="log-prob (nats)", subtitle="of the sampled tokens", legend_per_row=4))
 st.plotly_chart(C.lines(plot, ["weight_k3_abs", "weight_k3_is_abs"], "|gradient weight| per position",
-                        log_y=True, x=x))
+                        log_y=True, x=x, y_title="|weight| (no unit)", legend_per_row=4))
 with st.expander("Tokens table"):
     st.dataframe(df, hide_index=True, width="stretch")
     K.downloads(df, f"sequence-{step}-{seq}", "seq_tokens")

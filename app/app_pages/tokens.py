@@ -7,6 +7,7 @@ import streamlit as st
 
 from kldiag import format as F
 from kldiag.views import pages as V
+from kldiag.views import numbers as VN
 from kldiag.views import topk as VT
 
 SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", "d", "rho",
@@ -79,6 +80,7 @@ if flags.empty:
 
 lo, hi = int(flags["step"].min()), int(flags["step"].max())
 K.restore_tokens(lo, hi)  # a deep link's step range and flags, applied once
+K.show_notices()
 c1, c2, c3, c4 = st.columns([3, 3, 2, 2])
 step_range = c1.slider("Steps", lo, hi, (lo, hi), key="tok_steps") if hi > lo else (lo, hi)
 kinds = c2.multiselect("Carrying any of the flags", list(V.FLAG_NAMES), key="tok_flags")
@@ -87,8 +89,7 @@ sort_by = c4.selectbox("Sort by", SORTS, key="tok_sort")
 descending = c4.toggle("Descending", True, key="tok_desc")
 
 table = V.filter_flags(flags, step_range, kinds, threshold, sort_by, descending)
-st.caption(f"{len(table):,} of {len(flags):,} flagged tokens (the analysis keeps the worst by |k3 weight| "
-           "and every non-finite one). Select a row to open its sequence.")
+st.caption(VN.flags_caption(flags, len(table), run.steps) + " Select a row to open its sequence.")
 K.downloads(table, "flags", "tok_flags_dl")
 K.copy_link(K.publish(K.run_label(), steps=f"{step_range[0]}-{step_range[1]}", flags=",".join(kinds) or None))
 event = st.dataframe(table[[c for c in SHOWN if c in table.columns]], hide_index=True, width="stretch",

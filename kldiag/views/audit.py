@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 
 from kldiag.crosswalk.audit import audit
 from kldiag.errors import KldiagError
+from kldiag.views import charts as VC
 
 LOGS_ENV = "KLDIAG_LOGS"
 SUMMARY_COLUMNS = ["metric", "logged as", "steps", "max rel diff", "verdict", "reason"]
@@ -56,7 +57,6 @@ def overlay(series: pd.DataFrame, metric: str) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=df["step"], y=df["recomputed"], mode="lines", name="recomputed by kldiag"))
     fig.add_trace(go.Scatter(x=df["step"], y=df["logged"], mode="markers", name="logged by the trainer"))
-    fig.update_layout(title=f"{metric}: logged vs recomputed", height=300, margin={"t": 40, "b": 30},
-                      legend={"orientation": "h"})
-    fig.update_xaxes(title={"text": "step"})
+    title, subtitle = VC.fit_title(f"{metric}: logged vs recomputed")
+    VC.finish(fig, title, subtitle, VC.AXIS_TITLES["step"], metric, height=300)
     return fig

@@ -1,7 +1,13 @@
 """Plotly figures that the dashboard and `kldiag report` both draw, built here once (no Streamlit).
 
-- `lines`: one line per column of a frame against the step, W&B-style smoothing, decade ticks
-  on log axes, the onsets as dashed lines with labels in lanes;
+Every chart follows the same rules, so that it reads without hovering:
+- `finish`: a short title (a subtitle for the rest and for notes), every axis titled with its
+  unit, the legend under the x-axis title (never over it), series named in words;
+- `log_axis`: log axes labelled at whole decades only, at least two of them, at most about
+  eight; a lower tail far below the data (zeros, 1e-8 weights) is cut off the axis with a
+  note saying how many points are not drawn;
+- `lines`: one line per column against the step, the column in the hover, W&B-style
+  smoothing, the line broken over missing steps, the onsets as dashed lines with labels in lanes;
 - `STEP_TRENDS`, `step_trends`: the per-step charts of the dashboard's Overview and of the
   report, with the diagnosis's onsets (`trend_onsets`) marked; the report adds the blow-up limit.
 
@@ -11,6 +17,7 @@ with plotly.io.to_html.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,64 +33,179 @@ from kldiag.views import diagnosis as DV
 # Distinct hues: the Streamlit theme's blue shades are hard to tell apart on one chart.
 COLORWAY = px.colors.qualitative.D3
 
+# Series in words (the column itself is in the hover).
 LABELS = {
     "k3_mean": "k3 mean", "k3_is_mean": "k3_is mean", "k1_mean": "k1 mean", "k2_mean": "k2 mean",
     "weight_k3_abs_max": "max |k3 weight|", "weight_k3_abs_p99": "p99 |k3 weight|",
     "weight_k3_is_abs_max": "max |k3_is weight|", "weight_k3_is_abs_p99": "p99 |k3_is weight|",
+    "theta_ll_ref_count": "pi_theta << pi_ref", "weight_blowup_count": "|k3 weight| > limit",
+    "clamp_saturated_count": "k3 above the clamp", "nonfinite_count": "non-finite log-prob",
+    "invalid_count": "log-prob > 0", "blame_share": "flagged share of |k3 weight|",
+    "flagged_frac": "flagged share of tokens", "rho_clip_frac": "tokens with rho clipped",
+    "opsm_masked_frac": "sequences masked (OPSM)", "rho_min": "min rho", "rho_mean": "mean rho",
+    "rho_max": "max rho", "drift_abs_mean": "policy drift |log pi_theta/pi_old|",
+    "mismatch_kl": "engine mismatch KL(mu||pi_old)",
+    "drift_abs": "drift |log pi_theta/pi_old|", "mismatch_abs": "mismatch |log pi_old/mu|",
+    "mismatch_k3": "mismatch k3(mu, pi_old)", "token_frac": "tokens masked or clipped",
+    "seq_frac": "sequences affected", "ess": "effective sample size (share)",
+    "mass_removed_pos_share": "removed where A > 0", "mass_removed_neg_share": "removed where A < 0",
+    "masked_frac": "sequences masked", "logp": "policy pi_theta", "logp_old": "old policy pi_old",
+    "logp_ref": "reference pi_ref", "logp_sampler": "sampler mu", "weight_k3_abs": "|k3 weight|",
+    "weight_k3_is_abs": "|k3_is weight|",
 }
+AXIS_TITLES = {"step": "training step", "p": "mu's token probability", "position": "position in the completion (token)",
+               "entropy": "token entropy (nats)", "delta": "delta (nats per token)", "pos": "position (token)",
+               "token": "token (index in the sequence)"}
+TITLE_CHARS = 48  # a title longer than this is cut on a half-width chart (17 px text, ~500 px wide)
+MAX_DECADES_BELOW = 2  # a lower tail this many decades below the data's 1st percentile is cut off
 
 
 @dataclass(frozen=True)
 class StepChart:
-    """One per-step chart: its title, the steps-table columns it draws, and its y axis."""
+    """One per-step chart: its title, the steps-table columns it draws, its y axis (title with unit, log)."""
 
     title: str
     columns: tuple[str, ...]
     log_y: bool = False
+    y_title: str = ""
+    subtitle: str = ""
 
 
 STEP_TRENDS: tuple[StepChart, ...] = (
-    StepChart("KL estimate per step: k3 vs k3_is", ("k3_mean", "k3_is_mean"), True),
+    StepChart("KL estimate per step: k3 vs k3_is", ("k3_mean", "k3_is_mean"), True, "KL (nats per token)",
+              "mean over the step's tokens"),
     StepChart("|gradient weight|: max and p99", ("weight_k3_abs_max", "weight_k3_abs_p99", "weight_k3_is_abs_max",
-                                                 "weight_k3_is_abs_p99"), True),
+                                                 "weight_k3_is_abs_p99"), True, "|weight| (per token, no unit)",
+              "over the step's tokens; a typical token's is about 1"),
     StepChart("Flagged tokens per step", ("theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count",
-                                          "nonfinite_count", "invalid_count")),
-    StepChart("Blame share: flagged tokens' share of |k3 weight|", ("blame_share", "flagged_frac")),
-    StepChart("rho = pi_theta / pi_old", ("rho_min", "rho_mean", "rho_max"), True),
-    StepChart("Off-policy drift and sampler mismatch", ("rho_clip_frac", "drift_abs_mean", "mismatch_kl",
-                                                        "opsm_masked_frac")),
+                                          "nonfinite_count", "invalid_count"), False, "tokens",
+              "by flag; a token can carry several"),
+    StepChart("Flagged and masked shares per step", ("blame_share", "flagged_frac", "rho_clip_frac",
+                                                     "opsm_masked_frac"), False, "share (0 to 1)",
+              "of the step's tokens, sequences or |k3 weight|"),
+    StepChart("rho = pi_theta / pi_old", ("rho_min", "rho_mean", "rho_max"), True, "rho (ratio)",
+              "min, mean and max over the step's tokens"),
+    StepChart("Policy drift and engine mismatch", ("drift_abs_mean", "mismatch_kl"), False, "nats per token",
+              "mean over the step's tokens"),
 )
 WEIGHT_CHART = 1  # the |gradient weight| chart: where the blow-up limit goes
 
 
+def name_of(column: str) -> str:
+    """A series' name in words (the column itself when there is none)."""
+    return LABELS.get(column, column)
+
+
+def finish(fig: go.Figure, title: str, subtitle: str = "", x_title: str = "", y_title: str = "",
+           height: int = 340, legend_per_row: int = 2) -> go.Figure:
+    """The layout every chart shares: title and subtitle above the plot, both axes titled, the
+    legend under the x-axis title (its own rows at the bottom of the figure, never over a title;
+    `legend_per_row`: about how many entries fit a row, 2 on a half-width chart)."""
+    legend_rows = _legend_rows(fig, legend_per_row)
+    bottom = 58 + 22 * legend_rows  # tick labels and the x title, then the legend's rows
+    fig.update_layout(
+        title={"text": title, "subtitle": {"text": subtitle}, "x": 0.0, "xref": "paper", "xanchor": "left",
+               "yref": "container", "y": 0.985, "yanchor": "top"},
+        height=height + 22 * legend_rows, colorway=COLORWAY,
+        margin={"l": 10, "r": 20, "t": 64 if subtitle else 44, "b": bottom},
+        legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom", "x": 0.0,
+                "xanchor": "left", "title": {"text": ""}},
+        xaxis={"title": {"text": x_title}, "automargin": True},
+        yaxis={"title": {"text": y_title}, "automargin": True})
+    return fig
+
+
+def _legend_rows(fig: go.Figure, per_row: int = 2) -> int:
+    """Rows the legend takes under the chart: about `per_row` entries a row on a half-width chart."""
+    shown = [t for t in fig.data if t.showlegend is not False and (t.name or "")]
+    return 0 if len(shown) < 2 else math.ceil(len(shown) / per_row)
+
+
+def fit_title(title: str, subtitle: str = "") -> tuple[str, str]:
+    """A title short enough not to be cut: the words past TITLE_CHARS go to the front of the subtitle."""
+    if len(title) <= TITLE_CHARS:
+        return title, subtitle
+    cut = title.rfind(" ", 0, TITLE_CHARS)
+    head, rest = title[:cut], title[cut + 1:]
+    return head, (f"{rest}; {subtitle}" if subtitle else rest)
+
+
+def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: int = 4) -> str:
+    """A log axis labelled at whole decades: at least two labels, at most about `max_labels`
+    (four fit a 200 px tall plot with room between them).
+
+    The range runs from the decade below the data to the decade above it; a lower tail more
+    than MAX_DECADES_BELOW decades under the 1st percentile (weights of 0 or 1e-8 next to
+    weights of 1) is cut off. Returns a note saying how many points are not drawn ("" when none).
+    """
+    v = np.asarray(values, dtype=np.float64).ravel()
+    v = v[~np.isnan(v)]
+    pos = v[np.isfinite(v) & (v > 0)]
+    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
+    if pos.size == 0:
+        update(type="log")
+        return ""
+    lo, hi = math.floor(math.log10(pos.min())), math.ceil(math.log10(pos.max()))
+    floor = math.floor(math.log10(np.quantile(pos, 0.01))) - MAX_DECADES_BELOW
+    lo = max(lo, floor)
+    hi = max(hi, lo + 1)
+    dtick = max(1, math.ceil((hi - lo) / max_labels))
+    pad = 0.04 * (hi - lo)  # the corner labels of two log axes (1e-4 under 1e-3) would touch
+    update(type="log", range=[lo - pad, hi + pad], dtick=dtick, tick0=lo, exponentformat="power",
+           minor={"ticks": "outside", "showgrid": False, "ticklen": 3})
+    below = int((np.isfinite(v) & (v < 10.0 ** lo)).sum())
+    return f"{below:,} point{'s' if below != 1 else ''} below 1e{lo} not drawn" if below else ""
+
+
+def decade_ticks(fig: go.Figure, values: np.ndarray, axis: str = "y") -> None:
+    """A log axis labelled at decades only (see `log_axis`), its note added to the subtitle."""
+    add_note(fig, log_axis(fig, values, axis))
+
+
+def add_note(fig: go.Figure, note: str) -> None:
+    """Append a note (what a clipped axis leaves out) to the figure's subtitle."""
+    if not note:
+        return
+    sub = fig.layout.title.subtitle.text or ""
+    fig.update_layout(title_subtitle_text=f"{sub} · {note}" if sub else note)
+    fig.update_layout(margin_t=max(fig.layout.margin.t or 0, 64))
+
+
 def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = False,
           onsets: Sequence[tuple[int, str]] = (), x: str = "step", height: int = 320,
-          smoothing: float = 0.0, x_range: tuple[int, int] | None = None) -> go.Figure:
+          smoothing: float = 0.0, x_range: tuple[int, int] | None = None, y_title: str = "",
+          subtitle: str = "", x_title: str | None = None, legend_per_row: int = 2) -> go.Figure:
     """One line per column of `df` against `x`; dashed vertical lines at alert onsets.
 
+    Against the step, a step missing beyond the run's stride breaks the lines (`dash.with_breaks`).
     smoothing > 0 draws the time-weighted EMA (kldiag.views.dash.ema) over the raw line,
     which stays faint behind; hover lists every series at a step; x_range zooms the x axis.
     """
     fig = go.Figure()
+    if x == "step":
+        df = VD.with_breaks(df, x)
     xs = df[x].to_numpy()
     shown = []
     for i, c in enumerate(col for col in columns if col in df.columns):
         y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
         if log_y:
             y = np.where(y > 0, y, np.nan)  # log axes cannot show zeros
-        name, color = LABELS.get(c, c), COLORWAY[i % len(COLORWAY)]
+        name, color = name_of(c), COLORWAY[i % len(COLORWAY)]
         mode = "lines+markers" if len(df) < 60 else "lines"
         if smoothing > 0:
             fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
                                      opacity=0.25, line={"color": color}, hoverinfo="skip"))
             y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
-        fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color}))
+        fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color},
+                                 hovertemplate=f"%{{y:.4g}} <i>({c})</i>"))
         shown.append(y)
-    shown_x = x_range or ((float(xs.min()), float(xs.max())) if len(xs) else (0.0, 1.0))
+    finite_x = xs[pd.notna(xs)].astype(np.float64) if len(xs) else np.array([])
+    shown_x = x_range or ((float(finite_x.min()), float(finite_x.max())) if finite_x.size else (0.0, 1.0))
     onset_marks(fig, [(step, label) for step, label in onsets if shown_x[0] <= step <= shown_x[1]], shown_x)
-    fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": 40, "b": 10}, colorway=COLORWAY,
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.2}, xaxis_title=x,
-                      hovermode="x unified")
+    title, subtitle = fit_title(title, subtitle)
+    finish(fig, title, subtitle, AXIS_TITLES.get(x, x) if x_title is None else x_title, y_title, height,
+           legend_per_row)
+    fig.update_layout(hovermode="x unified")
     if x_range is not None:
         fig.update_xaxes(range=list(x_range))
     if log_y:
@@ -91,19 +213,12 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
     return fig
 
 
-def decade_ticks(fig: go.Figure, values: np.ndarray, axis: str = "y") -> None:
-    """A log axis labelled at decades only (1e-2, 1, 1e2 ...; never "2, 5" without their decade)."""
-    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
-    update(type="log", dtick=VD.log_dtick(values), exponentformat="power", minor={"ticks": "outside",
-                                                                                   "showgrid": False})
-
-
 def onset_marks(fig: go.Figure, onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> None:
     """Dashed lines at alert onsets, their labels stacked in lanes so that none overlap."""
     lanes = VD.onset_lanes(onsets, *x_range)
     for (step, label), lane in zip(onsets, lanes, strict=True):
         fig.add_vline(x=step, line_dash="dash", line_color="crimson", opacity=0.7)
-        fig.add_annotation(x=step, y=1.0 - 0.09 * lane, xref="x", yref="paper", text=label, showarrow=False,
+        fig.add_annotation(x=step, y=1.0 - 0.11 * lane, xref="x", yref="paper", text=label, showarrow=False,
                            xanchor="left", yanchor="top", font={"size": 10, "color": "crimson"},
                            bgcolor="rgba(128,128,128,0.12)")
 
@@ -128,14 +243,23 @@ def limit_line(fig: go.Figure, steps: np.ndarray, limit: float, name: str = "blo
     steps = np.asarray(steps)
     fig.add_trace(go.Scatter(x=[steps.min(), steps.max()] if len(steps) else [], y=[limit] * 2 if len(steps) else [],
                              name=name, mode="lines", line={"dash": "dot", "color": "gray"}, hoverinfo="skip"))
+    finish_legend(fig)
+
+
+def finish_legend(fig: go.Figure, per_row: int = 2) -> None:
+    """Room for the legend again after a trace was added to a finished figure."""
+    rows = _legend_rows(fig, per_row)
+    extra = 22 * rows - (fig.layout.margin.b - 58)
+    if extra > 0:
+        fig.update_layout(height=fig.layout.height + extra, margin_b=fig.layout.margin.b + extra)
 
 
 def step_trends(steps: pd.DataFrame, onsets: Sequence[tuple[int, str]] = (), smoothing: float = 0.0,
                 x_range: tuple[int, int] | None = None, blowup_weight: float | None = None) -> list[go.Figure]:
     """The STEP_TRENDS charts of a steps table, onsets marked; with blowup_weight, the |gradient
     weight| chart also draws that limit (the report does, with its DiagnosisConfig's value)."""
-    figs = [lines(steps, c.columns, c.title, c.log_y, onsets, smoothing=smoothing, x_range=x_range)
-            for c in STEP_TRENDS]
+    figs = [lines(steps, c.columns, c.title, c.log_y, onsets, smoothing=smoothing, x_range=x_range,
+                  y_title=c.y_title, subtitle=c.subtitle) for c in STEP_TRENDS]
     if blowup_weight is not None:
         limit_line(figs[WEIGHT_CHART], steps["step"].to_numpy(), blowup_weight)
     return figs
@@ -147,30 +271,33 @@ MISMATCH_NAMES = {"drift_abs": "|log pi_theta/pi_old| (drift)", "mismatch_abs": 
 
 
 def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_x: bool = False,
-                 log_y: bool = False, names: dict[str, str] | None = None) -> go.Figure:
+                 log_y: bool = False, names: dict[str, str] | None = None, y_title: str = "nats per token",
+                 subtitle: str = "") -> go.Figure:
     """One line per column against x (a step, or a bin's centre): markers while there are few points."""
     fig = go.Figure()
+    if x == "step":
+        df = VD.with_breaks(df, x)
     for c in cols:
         fig.add_trace(go.Scatter(x=df[x], y=df[c], mode="lines+markers" if len(df) < 40 else "lines",
-                                 name=(names or {}).get(c, c)))
-    fig.update_layout(title=title, height=340, margin={"t": 40, "b": 30}, legend={"orientation": "h"})
-    fig.update_xaxes(title={"text": {"p": "mu's token probability"}.get(x, x)})
+                                 name=(names or {}).get(c, name_of(c)), hovertemplate=f"%{{y:.4g}} <i>({c})</i>"))
+    title, subtitle = fit_title(title, subtitle)
+    finish(fig, title, subtitle, AXIS_TITLES.get(x, x), y_title)
     if log_x:
-        fig.update_xaxes(type="log")
+        add_note(fig, log_axis(fig, df[x].to_numpy(dtype=np.float64, na_value=np.nan), "x"))
     if log_y:
-        fig.update_yaxes(type="log")
+        add_note(fig, log_axis(fig, df[list(cols)].to_numpy(dtype=np.float64, na_value=np.nan), "y"))
     return fig
 
 
 def drift_vs_mismatch(by_step: pd.DataFrame) -> go.Figure:
     """Per step: mean |log pi_theta/pi_old| against mean |log pi_old/mu| (kldiag.mismatch.decompose)."""
-    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"],
-                        "Policy drift against engine mismatch per step (nats)", names=MISMATCH_NAMES)
+    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"], "Policy drift against engine mismatch",
+                        names=MISMATCH_NAMES, subtitle="mean absolute log-ratio over the step's tokens")
 
 
 def mismatch_by_prob(by_prob: pd.DataFrame) -> go.Figure:
     """Mismatch by mu's token probability (bins, at their geometric centre): the low-probability pitfall."""
     prob = by_prob.assign(p=np.sqrt(by_prob["lo"] * by_prob["hi"]))
     return binned_lines(prob, "p", ["mismatch_abs", "mismatch_k3", "drift_abs"],
-                        "Mismatch against the sampler's token probability (the low-probability-token pitfall)",
-                        log_x=True, log_y=True)
+                        "Mismatch by the sampler's probability", log_x=True, log_y=True,
+                        subtitle="the low-probability-token pitfall: unlikely tokens mismatch most")

@@ -3,8 +3,9 @@
 - `ema`: the time-weighted, debiased exponential moving average that W&B draws by default
   (docs.wandb.ai, "Smooth line plots", TWEMA) and TensorBoard's scalar smoothing reduces
   to on evenly spaced steps (tensorboard/components/vz_line_chart2/line-chart.ts);
-- `log_dtick`, `onset_lanes`: decade-only tick labels on log axes and onset labels that
-  do not overlap;
+- `onset_lanes`: onset labels that do not overlap (log axes: kldiag.views.charts.log_axis);
+- `step_stride`, `with_breaks`: the run's normal step stride, and a frame with a break (a NaN
+  row) wherever steps are missing beyond it, so that a line is not drawn across lost steps;
 - `table_bytes`: any table as CSV or Parquet bytes, for downloads;
 - `link_params`, `parse_link`: the query string of a deep link (run, step, seq, pos).
 
@@ -62,18 +63,35 @@ def ema(y: np.ndarray, x: np.ndarray | None = None, weight: float = 0.6) -> np.n
     return out
 
 
-# ---- axes ----------------------------------------------------------------------------
+# ---- axes and lines ----------------------------------------------------------------------------
 
 
-def log_dtick(values: np.ndarray, max_labels: int = 8) -> int:
-    """Decades between labelled ticks of a log axis showing `values` (Plotly's integer dtick
-    on a log axis: a tick every 10**dtick), so at most about `max_labels` labels, all decades."""
-    v = np.asarray(values, dtype=np.float64)
-    v = v[np.isfinite(v) & (v > 0)]
-    if v.size == 0:
-        return 1
-    decades = math.ceil(math.log10(v.max())) - math.floor(math.log10(v.min()))
-    return max(1, math.ceil(decades / max_labels))
+def step_stride(steps: np.ndarray) -> float:
+    """The run's normal distance between recorded steps: the most common positive difference
+    (1 for every step; n for a recorder's every_n_steps; 0 for fewer than two steps)."""
+    s = np.unique(np.asarray(steps, dtype=np.float64)[np.isfinite(np.asarray(steps, dtype=np.float64))])
+    if s.size < 2:
+        return 0.0
+    gaps, counts = np.unique(np.diff(s), return_counts=True)
+    return float(gaps[np.argmax(counts)])  # ties: the smallest
+
+
+def with_breaks(df: pd.DataFrame, x: str = "step") -> pd.DataFrame:
+    """`df` sorted by x with one all-NaN row (x halfway) inside every gap wider than 1.5 strides,
+    so that Plotly breaks its lines there (connectgaps is off) instead of joining the two sides."""
+    if len(df) < 3:
+        return df
+    xs = df[x].to_numpy(dtype=np.float64)
+    stride = step_stride(xs)
+    order = np.argsort(xs, kind="stable")
+    xs = xs[order]
+    at = np.flatnonzero(np.diff(xs) > 1.5 * stride) if stride > 0 else np.array([], dtype=np.int64)
+    if at.size == 0:
+        return df
+    gaps = pd.DataFrame({c: np.full(at.size, np.nan) for c in df.columns})
+    gaps[x] = (xs[at] + xs[at + 1]) / 2
+    out = pd.concat([df.iloc[order].astype({x: np.float64}), gaps], ignore_index=True)
+    return out.sort_values(x, kind="stable").reset_index(drop=True)
 
 
 def onset_lanes(onsets: Sequence[tuple[int, str]], x_min: float, x_max: float,

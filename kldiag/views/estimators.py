@@ -41,7 +41,7 @@ class EstimatorPartial:
 
     rows: int = 0  # every row read, for re-weighting samples
     tokens: int = 0  # rows in the loss with a reference log-prob
-    flagged: int = 0  # theta_ll_ref | weight_blowup | clamp_saturated
+    flagged: int = 0  # theta_ll_ref | weight_blowup | clamp_saturated | nonfinite | invalid (the analysis's)
     clamp_saturated: int = 0
     k3_weight_lost: float = 0.0  # sum |k3 weight| of clamp-saturated tokens: what clamping drops
     value_sum: dict[str, float] = field(default_factory=dict)
@@ -170,7 +170,7 @@ class EstimatorReducer:
     clamp: float = DEFAULT_CONFIG.clamp
     sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
     name: str = "estimators"
-    version: int = 1
+    version: int = 2  # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does
     merge_every: int = 256  # its per-sequence table grows with the run: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 

@@ -147,7 +147,9 @@ def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONF
     out["nonfinite"] = np.logical_or.reduce([p & ~np.isfinite(x) for x, p in present])
     with np.errstate(invalid="ignore"):
         out["invalid"] = np.logical_or.reduce([p & (x > 0) for x, p in present])
-    out["flagged"] = out["theta_ll_ref"] | out["weight_blowup"] | out["clamp_saturated"]
+    # "flagged" as the analysis counts it (docs/metrics.md): any of the five flags, bad log-probs included
+    out["flagged"] = (out["theta_ll_ref"] | out["weight_blowup"] | out["clamp_saturated"] | out["nonfinite"]
+                      | out["invalid"])
     return out
 
 
@@ -297,7 +299,12 @@ def filter_flags(flags: pd.DataFrame, step_range: tuple[int, int] | None = None,
     out = df[keep]
     if sort_by not in out.columns:
         raise ValueError(f"cannot sort by {sort_by!r}; choose a column of the flags table")
-    return out.sort_values(sort_by, ascending=not descending, kind="stable", na_position="last").reset_index(drop=True)
+    # non-finite and invalid log-probs first whatever the order: they are findings, and their NaN weights
+    # would otherwise sort last
+    bad = (out["nonfinite"].fillna(False).astype(bool) | out["invalid"].fillna(False).astype(bool)).to_numpy()
+    out = out.assign(_good=~bad).sort_values(["_good", sort_by], ascending=[True, not descending], kind="stable",
+                                             na_position="last")
+    return out.drop(columns="_good").reset_index(drop=True)
 
 
 def compare_steps(steps: Mapping[str, pd.DataFrame], metric: str) -> pd.DataFrame:

@@ -21,6 +21,7 @@ from kldiag import format as F
 from kldiag.analysis import runner
 from kldiag.analysis import topk as T
 from kldiag.errors import KldiagError
+from kldiag.views import charts as VC
 from kldiag.views.pages import decode
 
 SIDE_NAMES = {"topk_ids_sampler": "engine (mu)", "topk_ids": "trainer (pi)"}
@@ -103,8 +104,9 @@ def distribution_figure(lists: pd.DataFrame, title: str = "") -> go.Figure:
             continue
         fig.add_bar(x=labels, y=prob, name=name, marker_color=COLORS[name])
         fig.add_hline(y=float(prob.min()), line_dash="dot", line_color=COLORS[name], opacity=0.6)
-    fig.update_layout(barmode="group", title=title, xaxis_title="token (id)", yaxis_title="probability",
-                      legend_orientation="h", margin=dict(t=40 if title else 10, b=10))
+    fig.update_layout(barmode="group")
+    VC.finish(fig, "Top-k distributions at one token", title, "token (id)", "probability (0 to 1)", height=380,
+              legend_per_row=4)
     return fig
 
 

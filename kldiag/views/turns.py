@@ -63,8 +63,8 @@ def steps_frame(view: TurnsView, key: str = "mismatch_abs_mean") -> pd.DataFrame
 def mismatch_by_step(view: TurnsView, onsets=()) -> go.Figure:
     """Per step, one line per turn: the engine mismatch of that turn's tokens."""
     df = steps_frame(view)
-    return VC.lines(df, [c for c in df.columns if c != "step"], "Engine mismatch per step, by turn "
-                    "(mean |log mu - log pi_old|, nats)", onsets=onsets)
+    return VC.lines(df, [c for c in df.columns if c != "step"], "Engine mismatch per step, by turn", onsets=onsets,
+                    y_title="nats per token", subtitle="mean |log mu - log pi_old| of each turn's tokens")
 
 
 def start_vs_body(view: TurnsView) -> go.Figure:
@@ -75,9 +75,9 @@ def start_vs_body(view: TurnsView) -> go.Figure:
     fig = go.Figure()
     for key, name in (("start_mismatch_abs_mean", "first token"), ("body_mismatch_abs_mean", "rest of the turn")):
         fig.add_trace(go.Bar(x=turns, y=[r[key] for r in rows], name=name))
-    fig.update_layout(title="Engine mismatch at a turn's first token vs the rest (nats)", barmode="group",
-                      height=320, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h"})
-    return fig
+    fig.update_layout(barmode="group")
+    return VC.finish(fig, "A turn's first token vs the rest", "mean |log mu - log pi_old|", "turn",
+                     "nats per token", height=320)
 
 
 # ---- the Sequence page ------------------------------------------------------------------------
