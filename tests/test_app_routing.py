@@ -27,6 +27,7 @@ def test_mismatch_page_shows_routing(monkeypatch, tmp_path):
     assert TITLE in [s.value for s in at.subheader]
     specs = [c.proto.spec for c in at.get("plotly_chart")]
     assert any("agreement by layer" in s for s in specs) and any("routed alike vs differently" in s for s in specs)
+    assert all('"subtitle"' in s for s in specs if "agreement by layer" in s)  # the shared layout
     assert any("routed differently carry" in c.value for c in at.caption)
     table = next(d.value for d in at.dataframe if "tokens" in d.value.columns and "count" in d.value.columns)
     assert list(table["tokens"]) == ["routed alike", "routed differently"]

@@ -186,10 +186,10 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.S
         for k, v in why.items():
             if step in first and k not in own:
                 reasons.setdefault(k, v)
-    for name, by_step in (mod.run_overrides(r, s) if hasattr(mod, "run_overrides") else {}).items():
+    for name, override in (mod.run_overrides(r, s) if hasattr(mod, "run_overrides") else {}).items():
         for step, values in rows:
-            if step in by_step:
-                values[name] = by_step[step]
+            if step in override:
+                values[name] = override[step]
     names = list(dict.fromkeys([*mod.metric_names(s), *(k for _, v in rows for k in v)]))
     cols = {"step": pa.array([st for st, _ in rows], pa.int64())}
     for n in names:

@@ -76,23 +76,25 @@ def agreement_by_layer(view: RoutingView) -> go.Figure:
     z = [[None if v is None else 1 - v for v in r["differ_share_by_layer"]] + [None] * (width - len(
         r["differ_share_by_layer"])) for r in rows]
     fig = go.Figure(go.Heatmap(x=list(range(width)), y=[r["step"] for r in rows], z=z, zmin=0, zmax=1,
-                               colorscale="RdYlGn", colorbar={"title": "agree"}))
-    fig.update_layout(title="Routing agreement by layer and step (share of tokens whose expert set agrees)",
-                      height=320, margin={"l": 10, "r": 10, "t": 40, "b": 10}, xaxis_title="layer",
-                      yaxis_title="step")
-    return fig
+                               colorscale="RdYlGn", colorbar={"title": {"text": "agree"}},
+                               hovertemplate="layer %{x}, step %{y}: %{z:.3f} agree<extra></extra>"))
+    return VC.finish(fig, "Routing agreement by layer and step", "share of tokens whose expert set agrees",
+                     "MoE layer (index)", "training step", height=320)
 
 
 def mismatch_by_side(view: RoutingView, onsets=()) -> go.Figure:
     """Per step: mean |log mu - log pi_old| on tokens routed alike and differently."""
     df = steps_frame(view).rename(columns={"agree_mismatch_abs_mean": SIDE_LABELS["agree"],
                                            "disagree_mismatch_abs_mean": SIDE_LABELS["disagree"]})
-    return VC.lines(df, list(SIDE_LABELS.values()), "Engine mismatch on tokens routed alike vs differently "
-                    "(mean |log mu - log pi_old|, nats)", onsets=onsets)
+    return VC.lines(df, list(SIDE_LABELS.values()), "Engine mismatch, routed alike vs differently",
+                    onsets=onsets, y_title="nats per token", subtitle="mean |log mu - log pi_old| per step")
 
 
 def agreement_by_step(view: RoutingView, onsets=()) -> go.Figure:
     """Per step: routing agreement and the share of the mismatch KL the tokens routed differently carry."""
-    return VC.lines(steps_frame(view), ["agreement", "kl_share_disagree", "areal_extreme_frac"],
-                    "Routing agreement, share of mismatch KL routed differently, AReaL's |D| > ln 2 share",
-                    onsets=onsets)
+    df = steps_frame(view).rename(columns={"agreement": "routing agreement",
+                                           "kl_share_disagree": "mismatch KL routed differently",
+                                           "areal_extreme_frac": "tokens with |D| > ln 2 (AReaL)"})
+    return VC.lines(df, ["routing agreement", "mismatch KL routed differently", "tokens with |D| > ln 2 (AReaL)"],
+                    "Routing agreement and the mismatch it carries", onsets=onsets, y_title="share (0 to 1)",
+                    subtitle="D = log pi_train - log mu", legend_per_row=3)
