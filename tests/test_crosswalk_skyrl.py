@@ -133,3 +133,51 @@ def test_is_ratio_is_null_with_why_when_no_correction_is_on(tmp_path):
     row = X.records(table)[0]
     assert row[SX.DIFF[2]] is not None and row[SX.IS[0]] is None
     assert "off_policy_correction" in row["null_reasons"][SX.IS[0]]
+
+
+# ---- kldiag.integrations.skyrl: SkyRL's own callback API, fed SkyRL's own TrainingInputBatch ----
+
+def test_the_hook_records_skyrls_micro_batches_and_its_crosswalk_equals_skyrl(skyrl, tmp_path):
+    from omegaconf import OmegaConf
+
+    from kldiag.format import open_run
+    from kldiag.integrations import skyrl as H
+    from skyrl.train.utils.callbacks import CallbackInput, TrainingControl
+
+    cfg = OmegaConf.create({"trainer": {"algorithm": {"kl_estimator_type": "k3", "use_kl_loss": True,
+                                                      "kl_loss_coef": 0.001, "eps_clip_low": 0.2, "eps_clip_high": 0.28,
+                                                      "off_policy_correction": {"tis_ratio_type": "token",
+                                                                                "token_tis_ratio_clip_high": 2.0}},
+                                        "micro_train_batch_size_per_gpu": 1, "update_epochs_per_batch": 1},
+                            "generator": {"sampling_params": {"temperature": 0.8, "top_p": 0.95, "top_k": -1}}})
+    batches = {}
+    trainer = NS(cfg=cfg, dispatch=NS(dp_size=lambda model: 2), callbacks=[],
+                 convert_to_training_input=lambda out, uids: batches[out])
+    trainer.add_callback = trainer.callbacks.append
+    callback = H.attach(trainer, tmp_path / "run")
+    logged = {}
+    for step in (1, 2):
+        old, mu, mask = step_batch(step)
+        b, r = old.shape
+        batch = skyrl.Batch({"sequences": torch.arange(b * (r + 3)).reshape(b, r + 3),
+                             "attention_mask": torch.ones(b, r + 3, dtype=torch.long),
+                             "loss_mask": torch.from_numpy(mask.astype(np.int64)),
+                             "action_log_probs": torch.from_numpy(old), "rollout_logprobs": torch.from_numpy(mu),
+                             "advantages": torch.ones(b, r)})
+        batch.metadata = {"policy_mini_batch_boundaries": [(0, 4), (4, 8)], "response_length": r}
+        batches[step] = batch
+        trainer.convert_to_training_input(step, [f"u{i // 4}" for i in range(b)])
+        callback.on_step_end(trainer, CallbackInput(global_step=step, epoch=0, total_steps=2, steps_per_epoch=2,
+                                                    batch=batch), TrainingControl())
+        # SkyRL with 2 DP ranks and micro-batches of 1 per rank: mini-batches of 4 rows, micro-batches of 1 row
+        logged[step] = skyrl_step(skyrl, old, mu, mask, {"tis_ratio_type": "token"}, micro=1, minis=2)[0]
+    callback.close()
+    run = open_run(tmp_path / "run")
+    assert run.manifest.config["off_policy_correction"] is True
+    assert run.manifest.config["engine_sampling"]["top_p"] == 0.95
+    table = X.crosswalk(run, "skyrl").to_pylist()
+    for row in table:
+        for k in SX.DIFF + SX.IS:
+            assert row[k] == pytest.approx(logged[row["step"]][k], rel=1e-5, abs=1e-7), (k, row["step"])
+    t = run.read(columns=["micro", "group", "seq"]).to_pandas()
+    assert t.micro.nunique() == 8 and t["group"].nunique() == 2
