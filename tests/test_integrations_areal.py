@@ -195,3 +195,26 @@ def test_manifest_and_version_check(areal, tmp_path, monkeypatch):
     assert "gconfig" in m.config["null_reasons"]["engine_sampling"]
     with pytest.raises(IntegrationError, match=r"areal==1.0.4, found areal 0.5.0"):
         H.check_version("0.5.0")
+
+
+def test_the_trainer_swap_builds_the_recording_actor_the_workers_can_import(areal, monkeypatch):
+    """kldiag's PPOTrainer._create_train_engine (AReaL's own method for the reference model) hands AReaL's
+    controller the recording engine class, which a worker imports back by its module path."""
+    import importlib
+
+    import areal.trainer.ppo.actor as actor_mod
+    import areal.trainer.rl_trainer as rl
+
+    made = []
+    monkeypatch.setattr(rl, "is_single_controller", lambda: True)
+    monkeypatch.setattr(actor_mod, "PPOActorController", lambda train_engine, config, scheduler: made.append(
+        train_engine) or types.SimpleNamespace(create_process_group=lambda parallel_strategy: None))
+    trainer = object.__new__(H.PPOTrainer)
+    trainer.config, trainer.scheduler = types.SimpleNamespace(actor=areal.PPOActorConfig()), None
+    alloc = types.SimpleNamespace(backend="fsdp", parallel=None)
+    trainer._create_train_engine(trainer.config.actor, alloc)
+    trainer._create_train_engine(areal.PPOActorConfig(), alloc)  # the reference model: AReaL's own engine
+    recording, plain = made
+    assert recording.__name__ == "RecordingFSDPPPOActor" and plain.__name__ == "FSDPPPOActor"
+    assert getattr(importlib.import_module(recording.__module__), recording.__name__) is recording
+    assert issubclass(recording, plain)

@@ -218,3 +218,22 @@ def test_a_failing_record_never_reaches_training(ppo_actor, tmp_path, monkeypatc
     with pytest.warns(RuntimeWarning, match="training goes on"):
         _, logged = run_steps(ppo_actor, tmp_path, monkeypatch, CONFIGS[0], steps=1)
     assert np.isfinite(logged[1]["kl"])
+
+
+def test_the_launcher_starts_openrlhfs_own_entry_point_with_the_setup_hook(monkeypatch, tmp_path):
+    import runpy
+
+    seen = {}
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(init=lambda **kw: seen.update(kw)))
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: seen.update(module=name, argv=list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv(H.ENV_RUN, str(tmp_path / "run"))
+    H.main(["--pretrain", "tiny", "--algo.kl.use_loss"])
+    assert seen["module"] == "openrlhf.cli.train_ppo_ray" and seen["argv"][1:] == ["--pretrain", "tiny",
+                                                                                    "--algo.kl.use_loss"]
+    env = seen["runtime_env"]
+    assert env["worker_process_setup_hook"] == H.HOOK and env["env_vars"][H.ENV_RUN] == str(tmp_path / "run")
+    assert set(env["env_vars"]) >= {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"}
+    monkeypatch.delenv(H.ENV_RUN)
+    with pytest.raises(IntegrationError, match=H.ENV_RUN):
+        H.main([])
