@@ -73,7 +73,8 @@ def bench_areal(run: str) -> list[float]:
                 data_parallel_world_size=1, is_data_parallel_head=lambda: True)
     g = torch.Generator().manual_seed(0)
     n = 4 * 384
-    mbs = [{"cu_seqlens": torch.tensor([0, 384, 768, 1152, 1536]), "input_ids": torch.randint(0, 32000, (n,), generator=g),
+    mbs = [{"cu_seqlens": torch.tensor([0, 384, 768, 1152, 1536]),
+            "input_ids": torch.randint(0, 32000, (n,), generator=g),
             "loss_mask": (torch.arange(n) % 384 >= 128).int(), "prox_logp": -torch.rand(n, generator=g),
             areal.SAMPLER_KEY: -torch.rand(n, generator=g), "advantages": torch.randn(n, generator=g)}
            for _ in range(8)]

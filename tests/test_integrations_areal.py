@@ -143,7 +143,8 @@ def run_steps(a, tmp_path, monkeypatch, cfg, steps=2):
     for step in range(steps):  # PPOTrainer.train: compute_advantages, ppo_update, stats committed at global_step
         engine.version = step
         traj = trajectory(step, bool(cfg.get("recompute_logprob")))
-        data = engine.compute_advantages([{k: v[i:i + 1] for k, v in traj.items()} for i in range(len(traj["rewards"]))])
+        rows = [{k: v[i:i + 1] for k, v in traj.items()} for i in range(len(traj["rewards"]))]
+        data = engine.compute_advantages(rows)
         engine.ppo_update(data)
         logged[step] = a.stats.export_all()
     H.close()
@@ -166,7 +167,8 @@ def test_crosswalk_equals_areals_stats_tracker_and_audit_agrees(areal, tmp_path,
             if abs(theirs[k]) > 1e-4:  # near 0 the absolute tolerance (float32 sums) decides
                 worst = max(worst, abs(v - theirs[k]) / abs(theirs[k]))
             compared.add(k)
-    assert {f"ppo_actor/update/compute_logp/{k}/avg" for k in ("kl_div_direct", "kl_div_taylor", "kl_div_dual")} <= compared
+    kl_div = ("kl_div_direct", "kl_div_taylor", "kl_div_dual")
+    assert {f"ppo_actor/update/compute_logp/{k}/avg" for k in kl_div} <= compared
     if "rs" in CONFIGS[name]:
         assert {"ppo_actor/update/behave_imp_weight/avg", "ppo_actor/update/behave_approx_kl/max",
                 "ppo_actor/update/rs_filtered_fraction"} <= compared

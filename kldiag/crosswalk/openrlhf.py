@@ -41,7 +41,8 @@ NAME = "openrlhf"
 NAMES = ["vllm_kl", "is_filter_ratio"]
 KL_NAMES = ["kl", "logprobs_diff"]
 KL_OFF = ("kl_use_loss is off: OpenRLHF's actor logs kl and logprobs_diff only with --algo.kl.use_loss, where the "
-          "run's logp_ref are its base_action_log_probs (in reward mode the KL is folded into the reward on the driver)")
+          "run's logp_ref are its base_action_log_probs (in reward mode the KL is folded into the reward on the "
+          "driver)")
 NO_REF = "the run has no logp_ref (OpenRLHF's base_action_log_probs, on the actor with --algo.kl.use_loss only)"
 DYNAMIC = ("--train.dynamic_batch_enable: the KL loss is normalised by the replay buffer's dynamic batches, which "
            "kldiag does not record")
@@ -170,7 +171,8 @@ def kl_step_metrics(calls: list[StepBatch], s: Settings) -> tuple[dict, dict]:
     kl_sum = np.array([masked_sum(kl_value(c.logp, c.logp_ref, s.kl_estimator), c.mask) for c in calls])
     kl = kl_sum / (np.array([window_tokens[w] for w in window]) / gas) * dp
     diff = np.array([masked_mean(c.logp - c.logp_ref, c.mask) for c in calls])
-    return {"kl": float((kl * tokens).sum() / tokens.sum()), "logprobs_diff": float((diff * tokens).sum() / tokens.sum())}, {}
+    weighted = (lambda x: float((x * tokens).sum() / tokens.sum()))
+    return {"kl": weighted(kl), "logprobs_diff": weighted(diff)}, {}
 
 
 def step_metrics(b: StepBatch, s: Settings, calls: list[StepBatch] | None = None):

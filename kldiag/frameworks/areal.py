@@ -18,8 +18,9 @@ FIXES = {
         'Turn on `actor.use_decoupled_loss=true` with `actor.recompute_logprob=true`, and bound the staleness with '
         '`actor.rejection_sampling.upper` (e.g. 2.0).'),
     "engine_mismatch": (
-        'Set `actor.recompute_logprob=true` and `actor.use_decoupled_loss=true` with `actor.rejection_sampling.level='
-        'token` (`actor.rejection_sampling.action=mask`, `actor.rejection_sampling.upper=2.0`); check the engine dtype.'),
+        'Set `actor.recompute_logprob=true` and `actor.use_decoupled_loss=true` with '
+        '`actor.rejection_sampling.level=token` (`actor.rejection_sampling.action=mask`, '
+        '`actor.rejection_sampling.upper=2.0`); check the engine dtype.'),
     "entropy_collapse": (
         "Raise the upper clip: `actor.eps_clip_higher=0.28` (DAPO's clip-higher), or raise `gconfig.temperature`."),
 }

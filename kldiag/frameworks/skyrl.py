@@ -22,7 +22,8 @@ FIXES = {
     "clamp_dead_zone": (
         'SkyRL clamps k3 to +-10: `trainer.algorithm.kl_estimator_type=k2` keeps a gradient for far more tokens.'),
     "offpolicy_drift": (
-        'Fewer updates per rollout: lower `trainer.update_epochs_per_batch` or raise `trainer.policy_mini_batch_size`.'),
+        'Fewer updates per rollout: lower `trainer.update_epochs_per_batch` or raise '
+        '`trainer.policy_mini_batch_size`.'),
     "engine_mismatch": (
         f'Turn on the train/rollout correction: `{OPC}tis_ratio_type=token` with `{OPC}token_tis_ratio_clip_high=2.0`, '
         f'or mask outliers with `{OPC}token_mask_is_threshold_low` / `{OPC}token_mask_is_threshold_high`; check the '

@@ -73,8 +73,13 @@ def check_version(version: str | None = None) -> str:
 
 def settings(actor: Any, gconfig: Any = None) -> dict[str, Any]:
     """The manifest `config` of an AReaL run: `actor.*` (PPOActorConfig) and the engine's `gconfig` sampling."""
+    import dataclasses
+
     g = sampling_settings._get
     out: dict[str, Any] = {k: g(actor, k) for k in ACTOR_KEYS}
+    for k in ("adv_norm", "reward_norm"):  # NormConfig dataclasses: their fields, for run.json
+        if dataclasses.is_dataclass(out[k]):
+            out[k] = dataclasses.asdict(out[k])
     rs = g(actor, "rejection_sampling")
     for k in ("level", "action", "metric", "agg", "upper", "lower"):
         out[f"rs_{k}"] = g(rs, k) if rs is not None else None
@@ -113,7 +118,8 @@ def _recorder(engine: Any) -> Any:
         rank = int(getattr(engine, "data_parallel_rank", 0) or 0)
         world = int(getattr(engine, "data_parallel_world_size", 1) or 1)
         low, high = cfg.get("eps_clip"), cfg.get("eps_clip_higher") or cfg.get("eps_clip")
-        STATE.recorder = Recorder(run, rank=rank, world_size=world, trainer="areal", trainer_version=cfg["areal_version"],
+        STATE.recorder = Recorder(run, rank=rank, world_size=world, trainer="areal",
+                                  trainer_version=cfg["areal_version"],
                                   estimator=cfg.get("estimator"), beta=cfg.get("kl_ctl"),
                                   clip_range=(low, high) if low is not None else None, config=cfg)
     return STATE.recorder

@@ -28,7 +28,8 @@ seq = a hash of the sample's tokens and old log-probs (kldiag.integrations.ids);
 prompt text (`experience.prompts`: the n_samples_per_prompt samples of a prompt share it).
 micro = the training_step call within its epoch, iteration = the epoch (ppo_train runs
 len(replay_buffer) // micro_batch_size calls per epoch, drop_last; with dynamic batches: micro = the call
-within the step, iteration = how often this rank already recorded the sequence in this step). rank = the DeepSpeed data-parallel rank; ring-attention and tensor-parallel
+within the step, iteration = how often this rank already recorded the sequence in this step).
+rank = the DeepSpeed data-parallel rank; ring-attention and tensor-parallel
 duplicates of a DP shard (`ds_device_mesh` dims sp, tp) do not write.
 Recording failures warn once and never reach training (KLDIAG_STRICT=1 raises them).
 """

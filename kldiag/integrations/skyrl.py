@@ -81,7 +81,7 @@ def settings(cfg: Any) -> dict[str, Any]:
     out["off_policy_correction_keys"] = {k: g(opc, k) for k in OPC_KEYS}
     on = [g(opc, "tis_ratio_type"), g(opc, "sequence_mask_metric"), g(opc, "outlier_token_is_threshold_low"),
           g(opc, "outlier_token_is_threshold_high")]
-    token_mask = g(opc, "token_mask_is_threshold_low") is not None and g(opc, "token_mask_is_threshold_high") is not None
+    token_mask = all(g(opc, k) is not None for k in ("token_mask_is_threshold_low", "token_mask_is_threshold_high"))
     out["off_policy_correction"] = any(v is not None for v in on) or token_mask
     sp = g(g(cfg, "generator"), "sampling_params")
     out["engine_sampling"] = sampling_settings.settings(
