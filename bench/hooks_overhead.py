@@ -22,6 +22,8 @@ from types import SimpleNamespace as NS
 
 import torch
 
+torch.set_num_threads(1)  # intra-op worker spin on a loaded 2-core machine inflates the thread CPU time of small ops
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kldiag.integrations import areal, openrlhf, skyrl  # noqa: E402
