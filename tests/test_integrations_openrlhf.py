@@ -237,3 +237,13 @@ def test_the_launcher_starts_openrlhfs_own_entry_point_with_the_setup_hook(monke
     monkeypatch.delenv(H.ENV_RUN)
     with pytest.raises(IntegrationError, match=H.ENV_RUN):
         H.main([])
+
+
+@pytest.mark.parametrize("resume, freezing, fits, logged", [(0, -1, 1, 1), (0, -1, 3, 3), (0, 2, 1, 4), (10, 2, 1, 11)])
+def test_the_step_is_the_drivers_logged_global_step(resume, freezing, fits, logged):
+    """PPOTrainer.train_step(g) runs the actor fit only once g > freezing_steps and logs at g + 1
+    (trainer/ppo_trainer.py); resuming starts g at the checkpoint's global_step."""
+    H.STATE.__init__()
+    H.STATE.resume_step, H.STATE.fits = resume, fits
+    assert H.step_of(NS(args=NS(critic=NS(freezing_steps=freezing)))) == logged
+    H.STATE.__init__()
