@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     fw = args.framework or framework_of(r.manifest)
     if fw is None:
         raise CrosswalkError("the run's trainer is not one of the crosswalk's frameworks: pass --framework "
-                             "verl, trl, slime, nemo-rl or openrlhf")
+                             "verl, trl, slime, nemo-rl, openrlhf, skyrl or areal")
     settings = parse_settings(fw, args.settings)
     table = crosswalk(r, fw, **{k: getattr(settings, k) for k in _given(args.settings)})
     if args.json:

@@ -5,7 +5,7 @@ with that framework's semantics (docs/crosswalk.md).
 
     table = kldiag.crosswalk("runs/r1", "verl", rollout_is="token", rollout_is_threshold=2.0)
 
-One module per framework (verl, trl, slime, nemo_rl, openrlhf), each with `Settings` (the framework's
+One module per framework (verl, trl, slime, nemo_rl, openrlhf, skyrl, areal), each with `Settings` (the framework's
 own config keys), `step_metrics(batch, settings) -> (metrics, {name: why null})` and `metric_names`.
 The table has a `step` column and one float64 column per metric (null where the run lacks the data);
 its schema metadata `kldiag.null_reasons` (JSON {name: why}) says why a column is null, and
@@ -22,14 +22,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kldiag.crosswalk import nemo_rl, openrlhf, slime, trl, verl
+from kldiag.crosswalk import areal, nemo_rl, openrlhf, skyrl, slime, trl, verl
 from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.errors import KldiagError
 from kldiag.format import open_run
 from kldiag.frameworks import family
 from kldiag.mismatch import tokenset as TS
 
-FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf}
+FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf, "skyrl": skyrl,
+              "areal": areal}
 ALIASES = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl", "nemo": "nemo-rl"}
 __all__ = ["FRAMEWORKS", "CrosswalkError", "crosswalk", "framework_of", "parse_settings", "records"]
 

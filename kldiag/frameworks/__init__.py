@@ -1,6 +1,6 @@
 """What each RL framework computes, names and accepts, in one place: numpy only, no I/O.
 
-One module per framework (`trl`, `verl`, `slime`, `openrlhf`, `nemo_rl`, and `plain` for a torch
+One module per framework (`trl`, `verl`, `slime`, `openrlhf`, `nemo_rl`, `skyrl`, `areal`, and `plain` for a torch
 loop of your own), each with its fixes phrased in its own option names (`FIXES`, and `IF_SET`: the fix
 to give instead when the run's manifest already has what a fix would set, see `SETTINGS`), and where kldiag
 depends on them its estimator names, clamps, reductions and supported versions. Integrations,
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kldiag.frameworks import nemo_rl, openrlhf, plain, slime, trl, verl
+from kldiag.frameworks import areal, nemo_rl, openrlhf, plain, skyrl, slime, trl, verl
 
-FAMILIES = ("trl", "verl", "slime", "openrlhf", "nemo_rl", "plain")
-MODULES = {"trl": trl, "verl": verl, "slime": slime, "openrlhf": openrlhf, "nemo_rl": nemo_rl, "plain": plain}
+FAMILIES = ("trl", "verl", "slime", "openrlhf", "nemo_rl", "skyrl", "areal", "plain")
+MODULES = {"trl": trl, "verl": verl, "slime": slime, "openrlhf": openrlhf, "nemo_rl": nemo_rl, "skyrl": skyrl,
+           "areal": areal, "plain": plain}
 # Trainers that clamp the K3 value at 10, leaving tokens with k3 > 10 no KL gradient: verl's and
 # OpenRLHF's kl_penalty, NeMo-RL's kl_output_clamp_value, ROLL, SkyRL and AReaL.
 CLAMPING_TRAINERS = ("verl", "openrlhf", "nemo_rl", "roll", "skyrl", "areal")
@@ -54,9 +55,9 @@ def clamps(manifest: Any) -> bool:
 DAPO_CLIP_HIGH = 0.28  # the upper PPO clip epsilon DAPO recommends (clip-higher), which the entropy fixes name
 # The manifest config keys that hold each framework's upper clip epsilon, and whether it corrects the
 # engine/trainer mismatch with importance sampling (a key's last dotted component also matches).
-CLIP_HIGH_KEYS = ("epsilon_high", "clip_ratio_high", "eps_clip_high", "ratio_clip_max")
+CLIP_HIGH_KEYS = ("epsilon_high", "clip_ratio_high", "eps_clip_high", "ratio_clip_max", "eps_clip_higher")
 ENGINE_IS_KEYS = ("vllm_importance_sampling_correction", "use_importance_sampling_correction", "use_tis",
-                  "is_correction_level", "rollout_is")
+                  "is_correction_level", "rollout_is", "tis_ratio_type", "rs_level")
 OPSM_KEYS = ("off_policy_mask_threshold", "use_opsm")
 
 

@@ -11,6 +11,11 @@ tests/test_frameworks.py checks every flag against that parser's source.
 
 from __future__ import annotations
 
+SUPPORTED = "==0.11.2"  # kldiag.integrations.openrlhf; keep in step with the Makefile's install
+# --algo.kl.estimator -> the estimator kldiag records; compute_approx_kl clamps every value to +-10
+# (openrlhf/models/utils.py), which the manifest's kl_clamp says
+ESTIMATOR_OF = {"k1": "k1", "k2": "k2", "k3": "k3_clamped"}
+
 FIXES = {
     "k3_weight_blowup": (
         'Add `--algo.kl.unbiased_gradient` (keeps the K3 value, backprops rho * log(pi_theta/pi_ref), which grows '

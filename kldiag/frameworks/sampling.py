@@ -120,6 +120,16 @@ def from_slime(args: Any) -> dict[str, Any]:
                     {n: f"--rollout-{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p")})
 
 
+def from_openrlhf(args: Any) -> dict[str, Any]:
+    """From OpenRLHF 0.11.2's parsed arguments: vLLM samples with --rollout.temperature / --rollout.top_p
+    (samples_generator.py), processed log-probs only with --algo.advantage.is_correction_level on
+    (cli/train_ppo_ray.py l. 78); the actor divides its logits by the temperature and replays no truncation."""
+    rollout, level = _get(args, "rollout"), _get(_get(_get(args, "algo"), "advantage"), "is_correction_level")
+    mode = "processed_logprobs" if level not in (None, "off") else None
+    return settings(_get(rollout, "temperature"), None, _get(rollout, "top_p"), None, mode, [],
+                    "vllm", {"temperature": "--rollout.temperature", "top_p": "--rollout.top_p"})
+
+
 def from_nemo_rl(generation: Any) -> dict[str, Any]:
     """From NeMo-RL's `policy.generation` config: the training log-probs get the same top-k/top-p filter."""
     return settings(_get(generation, "temperature"), _get(generation, "top_k"), _get(generation, "top_p"), None,
