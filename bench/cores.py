@@ -1,0 +1,98 @@
+"""Core counts for the benches: run this process on N cores, and profile one analysis on one core.
+
+`use_cores(n)` pins every thread of this process to the first n cores it may use and sizes the
+pools to n: Arrow's CPU and I/O pools (pyarrow.set_cpu_count / set_io_thread_count); kldiag's
+reader threads follow the affinity (kldiag.analysis.worker.cpus); DuckDB's `threads` is set per
+connection by the caller from the same count. New threads inherit the affinity of the thread
+that starts them, threads already running are pinned one by one (/proc/self/task).
+
+`profile(run)` times the steps of one analysis done one after the other in this thread, on
+one core: decode (pyarrow, the columns analysis reads), kernel (the reducer's add over the
+decoded batches), finish (each part's partial), merge (the streaming merge in part order),
+tables (the steps, sequences and flags tables). Decode, kernel and finish run per part in the
+reader threads, one part per core; merge and tables run in the calling thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from kldiag.analysis import AnalysisConfig, engine, partials, prefix, reduce, runner, worker
+from kldiag.format import open_run
+
+ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def use_cores(n: int) -> None:
+    """Run every thread of this process on the first n of ALL_CORES; Arrow's pools sized to n."""
+    if not 1 <= n <= len(ALL_CORES):
+        raise SystemExit(f"--cpus {n}: this process may use {len(ALL_CORES)} core(s) here ({ALL_CORES}); "
+                         f"pass 1 to {len(ALL_CORES)}")
+    cores = set(ALL_CORES[:n])
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    pa.set_cpu_count(n)
+    pa.set_io_thread_count(n)
+    assert worker.cpus() == n, (worker.cpus(), n)
+
+
+def profile(run: Path) -> dict[str, float]:
+    """Seconds per step of one analysis of `run` (see the module docstring), in this thread."""
+    r = open_run(run)
+    parts = r.parts()
+    cfg = AnalysisConfig(use_cache=False)
+    th = engine.thresholds(cfg, r.manifest)
+    red = partials.AnalysisReducer(th)
+    columns = reduce.union_columns([red])
+    size = min(cfg.batch_size, runner.KERNEL_ROWS)
+    stream = prefix.Stream(parts, th.top_k)
+    t = dict.fromkeys(("decode", "kernel", "finish", "merge", "tables"), 0.0)
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        t[name] += now - clock
+        clock = now
+
+    for i, part in enumerate(parts):
+        batches = list(reduce.part_batches(part, columns, size))
+        lap("decode")
+        fold = reduce.PartFold(part, [red])
+        for batch in batches:
+            fold.add(batch)
+        lap("kernel")
+        arrays = fold.finish()[red.name]
+        lap("finish")
+        stream.add(i, partials.from_arrays(arrays))
+        lap("merge")
+        del batches
+    merged = stream.result()
+    lap("merge")
+    engine.build(r, engine.resolved(cfg, r.manifest), merged, len(parts), len(parts), [], 0.0)
+    lap("tables")
+    return t
+
+
+def report_profile(t: dict[str, float], one_core_s: float, tokens: int, cores: tuple[int, ...] = (16, 64)) -> None:
+    """The 1-core profile, and the wall it projects on more cores: the per-part steps divide by
+    the cores, merge and tables do not (they overlap the per-part steps: the wall lies between
+    the larger of the two and their sum). Memory bandwidth and the GIL are not modelled."""
+    total = sum(t.values())
+    print(f"one analysis on 1 core, step by step in one thread: {total:.2f}s "
+          f"(the engine on 1 core: {one_core_s:.2f}s, decode overlapping the kernel)")
+    for name, s in t.items():
+        print(f"  {name:7s} {s:6.2f}s  {100 * s / total:5.1f}%  {1e9 * s / tokens:5.1f} ns/token")
+    per_part = t["decode"] + t["kernel"] + t["finish"]
+    serial = t["merge"] + t["tables"]
+    for n in cores:
+        lo, hi = max(per_part / n, serial), per_part / n + serial
+        print(f"  projected on {n} cores: {lo:.2f}-{hi:.2f}s ({tokens / hi / 1e6:.0f}-{tokens / lo / 1e6:.0f} M tokens/s);"
+              f" decode alone {t['decode'] / n:.2f}s: {lo / (t['decode'] / n):.2f}-{hi / (t['decode'] / n):.2f}x")
