@@ -63,17 +63,18 @@ def profile(run: Path) -> dict[str, float]:
         clock = now
 
     for i, part in enumerate(parts):
-        batches = list(reduce.part_batches(part, columns, size))
-        lap("decode")
         fold = reduce.PartFold(part, [red])
-        for batch in batches:
+        batches = reduce.part_batches(part, columns, size)
+        lap("decode")
+        while (batch := next(batches, None)) is not None:  # one batch at a time, as the engine reads
+            lap("decode")
             fold.add(batch)
-        lap("kernel")
+            lap("kernel")
+        lap("decode")
         arrays = fold.finish()[red.name]
         lap("finish")
         stream.add(i, partials.from_arrays(arrays))
         lap("merge")
-        del batches
     merged = stream.result()
     lap("merge")
     engine.build(r, engine.resolved(cfg, r.manifest), merged, len(parts), len(parts), [], 0.0)
