@@ -23,7 +23,7 @@ threads, Arrow's decode pool, DuckDB's) runs only on the first N cores this proc
 (os.sched_setaffinity, which kldiag's thread count follows: kldiag.analysis.worker.cpus), and
 the pools are sized to N (pyarrow.set_cpu_count / set_io_thread_count, DuckDB's `threads`; the
 numba kernels are not numba-parallel: they start no threads of their own). It also prints where
-one analysis's time goes on one core (decode, kernel, per-part finish, merge, tables), from which
+one analysis's time goes on one core (decode, reduce, per-part finish, merge, tables), from which
 a machine with more cores than this one can be projected.
 """
 

@@ -7,10 +7,11 @@ connection by the caller from the same count. New threads inherit the affinity o
 that starts them, threads already running are pinned one by one (/proc/self/task).
 
 `profile(run)` times the steps of one analysis done one after the other in this thread, on
-one core: decode (pyarrow, the columns analysis reads), kernel (the reducer's add over the
-decoded batches), finish (each part's partial), merge (the streaming merge in part order),
-tables (the steps, sequences and flags tables). Decode, kernel and finish run per part in the
-reader threads, one part per core; merge and tables run in the calling thread.
+one core: decode (pyarrow, the columns analysis reads, a batch at a time), reduce (the analysis
+reducer's add of each batch: the compiled kernel and the per-batch work around it: sequence
+boundaries, top-k candidates), finish (each part's partial), merge (the streaming merge in part
+order), tables (the steps, sequences and flags tables). Decode, reduce and finish run per part
+in the reader threads, one part per core; merge and tables run in the calling thread.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def profile(run: Path) -> dict[str, float]:
     columns = reduce.union_columns([red])
     size = min(cfg.batch_size, runner.KERNEL_ROWS)
     stream = prefix.Stream(parts, th.top_k)
-    t = dict.fromkeys(("decode", "kernel", "finish", "merge", "tables"), 0.0)
+    t = dict.fromkeys(("decode", "reduce", "finish", "merge", "tables"), 0.0)
     clock = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -69,7 +70,7 @@ def profile(run: Path) -> dict[str, float]:
         while (batch := next(batches, None)) is not None:  # one batch at a time, as the engine reads
             lap("decode")
             fold.add(batch)
-            lap("kernel")
+            lap("reduce")
         lap("decode")
         arrays = fold.finish()[red.name]
         lap("finish")
@@ -88,10 +89,10 @@ def report_profile(t: dict[str, float], one_core_s: float, tokens: int, cores: t
     the larger of the two and their sum). Memory bandwidth and the GIL are not modelled."""
     total = sum(t.values())
     print(f"one analysis on 1 core, step by step in one thread: {total:.2f}s "
-          f"(the engine on 1 core: {one_core_s:.2f}s, decode overlapping the kernel)")
+          f"(the engine on 1 core: {one_core_s:.2f}s, its reader thread decoding ahead)")
     for name, s in t.items():
         print(f"  {name:7s} {s:6.2f}s  {100 * s / total:5.1f}%  {1e9 * s / tokens:5.1f} ns/token")
-    per_part = t["decode"] + t["kernel"] + t["finish"]
+    per_part = t["decode"] + t["reduce"] + t["finish"]
     serial = t["merge"] + t["tables"]
     for n in cores:
         lo, hi = max(per_part / n, serial), per_part / n + serial
