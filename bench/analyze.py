@@ -263,7 +263,8 @@ def main() -> None:
         if args.s3_only:
             report_s3({"tokens": rows, **s3_figures(run, args.repeat)})
             return
-        figures = {"tokens": rows, "duckdb_columns_checked": check_duckdb(run), "cores_here": len(cores.ALL_CORES)}
+        figures = {"tokens": rows, "parts": len(list_parts(run)), "duckdb_columns_checked": check_duckdb(run),
+                   "cores_here": len(cores.ALL_CORES)}
         cpus = args.cpus or [len(cores.ALL_CORES)]
         per = timings(run, cpus, args.repeat)
         figures["scaling"] = {n: ratios(best, rows) for n, best in per.items()}
@@ -326,7 +327,7 @@ def report_scaling(f: dict) -> None:
               f"  {g['duckdb_s']:5.2f}s  {g['analyze_vs_duckdb_speed']:13.2f}x  {g['pyarrow_s']:5.2f}s"
               f"  {one['pyarrow_s'] / g['pyarrow_s']:6.2f}x  {g['analyze_vs_pyarrow_time']:.2f}x "
               f"({g['analyze_vs_pyarrow_cpu']:.2f}x)")
-    cores.report_profile(f["profile_1core"], one["analyze_s"], f["tokens"])
+    cores.report_profile(f["profile_1core"], one["analyze_s"], f["tokens"], f["parts"])
 
 
 if __name__ == "__main__":

@@ -83,18 +83,25 @@ def profile(run: Path) -> dict[str, float]:
     return t
 
 
-def report_profile(t: dict[str, float], one_core_s: float, tokens: int, cores: tuple[int, ...] = (16, 64)) -> None:
-    """The 1-core profile, and the wall it projects on more cores: the per-part steps divide by
-    the cores, merge and tables do not (they overlap the per-part steps: the wall lies between
-    the larger of the two and their sum). Memory bandwidth and the GIL are not modelled."""
+def report_profile(t: dict[str, float], one_core_s: float, tokens: int, parts: int,
+                   cores: tuple[int, ...] = (16, 64)) -> None:
+    """The 1-core profile, and the wall it projects on more cores. A part is the unit of work: on
+    n cores the per-part steps take ceil(parts / n) rounds of one part's time (parts taken as equal);
+    merge and tables do not divide, and overlap the per-part steps (the wall lies between the larger
+    of the two and their sum). Memory bandwidth and the GIL are not modelled."""
     total = sum(t.values())
     print(f"one analysis on 1 core, step by step in one thread: {total:.2f}s "
           f"(the engine on 1 core: {one_core_s:.2f}s, its reader thread decoding ahead)")
     for name, s in t.items():
         print(f"  {name:7s} {s:6.2f}s  {100 * s / total:5.1f}%  {1e9 * s / tokens:5.1f} ns/token")
-    per_part = t["decode"] + t["reduce"] + t["finish"]
+    per_part = (t["decode"] + t["reduce"] + t["finish"]) / parts
     serial = t["merge"] + t["tables"]
+    print(f"  CPU work of the analysis / the decode's: {total / t['decode']:.2f}x (the wall ratio on any number "
+          "of cores, if both scale perfectly)")
     for n in cores:
-        lo, hi = max(per_part / n, serial), per_part / n + serial
-        print(f"  projected on {n} cores: {lo:.2f}-{hi:.2f}s ({tokens / hi / 1e6:.0f}-{tokens / lo / 1e6:.0f} M tokens/s);"
-              f" decode alone {t['decode'] / n:.2f}s: {lo / (t['decode'] / n):.2f}-{hi / (t['decode'] / n):.2f}x")
+        rounds = -(-parts // n)
+        lo, hi = max(rounds * per_part, serial), rounds * per_part + serial
+        decode = -(-parts // n) * t["decode"] / parts
+        print(f"  projected on {n} cores ({parts} parts: {rounds} round(s)): {lo:.2f}-{hi:.2f}s "
+              f"({tokens / hi / 1e6:.0f}-{tokens / lo / 1e6:.0f} M tokens/s), the decode {decode:.2f}s "
+              f"in as many rounds: {lo / decode:.2f}-{hi / decode:.2f}x")

@@ -2,11 +2,10 @@
 
 `Pass(cache_dir, parts, reducers, cfg).run(sinks)` walks the parts in order. A part whose cached
 partial some reducer lacks is read once for all those reducers (only the union of their columns),
-in this process's reader threads (`cfg.threads`, default one per core) or in Ray tasks; results come back in
-part order and
-each partial is saved to the cache and handed to its reducer's sink at once, so nothing is held
-until the end: a sink merges as partials arrive (`Accumulator`, or the analysis's sealing merge).
-`opened_parts` counts the parts read, for tests and benches.
+in this process's reader threads (`cfg.threads`, default one per core) or in Ray tasks; results
+come back in part order and each partial is saved to the cache and handed to its reducer's sink
+at once, so nothing is held until the end: a sink merges as partials arrive (`Accumulator`, or the
+analysis's sealing merge). `opened_parts` counts the parts read, for tests and benches.
 """
 
 from __future__ import annotations
