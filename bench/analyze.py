@@ -5,11 +5,11 @@
     python bench/analyze.py --cpus 1,2      # the same figures on 1 and on 2 cores, and a 1-core profile
 
 Prints, for a run written by kldiag.tools.synth with the recorder's Parquet settings:
-- end-to-end `kldiag.analyze` (1 worker, no cache) tokens/s, as a ratio to one DuckDB
+- end-to-end `kldiag.analyze` (default threads, no cache) tokens/s, as a ratio to one DuckDB
   query computing the same per-step metrics over the same files (bench/steps.sql: every
   mean, maximum, count and ratio of the steps table, checked equal to kldiag's before it
   is timed; target >= 2x), and to pyarrow reading the columns analysis reads, the faster
-  of one reader with Arrow's threads and one reader thread per CPU over the parts, as
+  of one reader with Arrow's threads and one reader thread per core over the parts, as
   analysis does (target <= 1.5x the time). A smaller DuckDB query (5 columns, 13 of the
   metrics, no NaN handling) is timed too, for reference;
 - the time of an incremental re-analysis after one more part file (cache on);
