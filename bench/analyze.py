@@ -2,19 +2,29 @@
 
     python bench/analyze.py                 # 50M synthetic tokens (about 1 GB in a temp dir)
     python bench/analyze.py --tokens 10e6   # smaller and faster
+    python bench/analyze.py --cpus 1,2      # the same figures on 1 and on 2 cores, and a 1-core profile
 
 Prints, for a run written by kldiag.tools.synth with the recorder's Parquet settings:
-- end-to-end `kldiag.analyze` (1 worker, no cache) tokens/s, as a ratio to one DuckDB
+- end-to-end `kldiag.analyze` (default threads, no cache) tokens/s, as a ratio to one DuckDB
   query computing the same per-step metrics over the same files (bench/steps.sql: every
   mean, maximum, count and ratio of the steps table, checked equal to kldiag's before it
   is timed; target >= 2x), and to pyarrow reading the columns analysis reads, the faster
-  of one reader with Arrow's threads and one reader thread per CPU over the parts, as
+  of one reader with Arrow's threads and one reader thread per core over the parts, as
   analysis does (target <= 1.5x the time). A smaller DuckDB query (5 columns, 13 of the
   metrics, no NaN handling) is timed too, for reference;
 - the time of an incremental re-analysis after one more part file (cache on);
 - peak RSS of an analysis in a fresh process, for a 10M-token prefix and the whole run
   (target: flat).
 Each timing is the best of --repeat runs, interleaved, because the machine is shared.
+
+--cpus N[,M...] times every figure on N cores (then M), interleaved, and prints each ratio per
+core count, so the scaling is measured: every thread of this process (the analysis's reader
+threads, Arrow's decode pool, DuckDB's) runs only on the first N cores this process may use
+(os.sched_setaffinity, which kldiag's thread count follows: kldiag.analysis.worker.cpus), and
+the pools are sized to N (pyarrow.set_cpu_count / set_io_thread_count, DuckDB's `threads`; the
+numba kernels are not numba-parallel: they start no threads of their own). It also prints where
+one analysis's time goes on one core (decode, reduce, per-part finish, merge, tables), from which
+a machine with more cores than this one can be projected.
 """
 
 from __future__ import annotations
@@ -33,10 +43,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis import AnalysisConfig, analyze, worker
 from kldiag.analysis.kernel import COLUMNS
 from kldiag.format import MANIFEST, TOKENS_DIR, list_parts
 from kldiag.tools.synth import SynthConfig, make_run
+
+import cores  # bench/cores.py, next to this script
 
 SEQS, MEAN_LEN = 1000, 500  # per step: 500k tokens
 
@@ -91,9 +103,9 @@ def time_pyarrow(run: Path) -> tuple[float, float]:
 
 
 def time_pyarrow_parts(run: Path) -> tuple[float, float]:
-    """One reader thread per CPU over the parts (what analysis does)."""
+    """One reader thread per CPU this process may use, over the parts (what analysis does)."""
     def read() -> None:
-        with ThreadPoolExecutor(os.cpu_count()) as pool:
+        with ThreadPoolExecutor(worker.cpus()) as pool:
             list(pool.map(lambda p: read_part(p.path, False), list_parts(run)))
     return timed(read)
 
@@ -120,7 +132,7 @@ def check_duckdb(run: Path) -> int:
 def time_duckdb(run: Path, query: str | None = None) -> tuple[float, float]:
     import duckdb
 
-    con = duckdb.connect()
+    con = duckdb.connect(config={"threads": worker.cpus()})
     query = query or steps_query(run)
     return timed(lambda: con.sql(query).fetchall())
 
@@ -195,6 +207,44 @@ def report_s3(f: dict) -> None:
     print(f"  cached re-analysis (nothing new): S3 {f['s3_cached_s']:.2f}s, local {f['local_cached_s']:.2f}s")
 
 
+def timings(run: Path, cpus: list[int], repeat: int) -> dict[int, dict[str, tuple[float, float]]]:
+    """{cores: {name: (best wall, best CPU seconds)}}, every run interleaved over names and core counts."""
+    runs = {"analyze": time_analyze, "duckdb": time_duckdb, "duckdb_subset": time_duckdb_subset,
+            "pyarrow_serial": time_pyarrow, "pyarrow_parts": time_pyarrow_parts}
+    best = {n: dict.fromkeys(runs, (1e9, 1e9)) for n in cpus}
+    for _ in range(repeat):
+        for n in cpus:
+            cores.use_cores(n)
+            for name, fn in runs.items():
+                wall, cpu = fn(run)
+                best[n][name] = (min(best[n][name][0], wall), min(best[n][name][1], cpu))
+    for b in best.values():
+        b["pyarrow"] = min(b["pyarrow_serial"], b["pyarrow_parts"])
+    return best
+
+
+def ratios(best: dict[str, tuple[float, float]], rows: int) -> dict[str, float]:
+    f = {f"{k}_s": v[0] for k, v in best.items()}
+    f.update({f"{k}_cpu_s": v[1] for k, v in best.items()})
+    f.update({f"{k}_mtok_s": rows / v[0] / 1e6 for k, v in best.items()})
+    f["analyze_vs_duckdb_speed"] = best["duckdb"][0] / best["analyze"][0]
+    f["analyze_vs_duckdb_subset_speed"] = best["duckdb_subset"][0] / best["analyze"][0]
+    f["analyze_vs_pyarrow_time"] = best["analyze"][0] / best["pyarrow"][0]
+    f["analyze_vs_pyarrow_cpu"] = best["analyze"][1] / best["pyarrow"][1]
+    return f
+
+
+def cpu_list(text: str) -> list[int]:
+    try:
+        cpus = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass core counts such as 1,2") from None
+    if cpus[0] < 1 or cpus[-1] > len(cores.ALL_CORES):
+        raise argparse.ArgumentTypeError(f"{text}: this process may use {len(cores.ALL_CORES)} core(s) here; "
+                                         f"pass counts from 1 to {len(cores.ALL_CORES)}")
+    return cpus
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=float, default=50e6)
@@ -202,6 +252,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--s3", action="store_true", help="also analyse the run from a local S3 server (needs moto)")
     ap.add_argument("--s3-only", action="store_true", help="only the S3 against local disk comparison")
+    ap.add_argument("--cpus", type=cpu_list, help="core counts to time on, e.g. 1,2 (default: every core here); "
+                    "also prints a 1-core profile")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kldiag-bench-") as tmp:
         root = Path(tmp)
@@ -211,22 +263,16 @@ def main() -> None:
         if args.s3_only:
             report_s3({"tokens": rows, **s3_figures(run, args.repeat)})
             return
-        figures = {"tokens": rows, "duckdb_columns_checked": check_duckdb(run)}
-        runs = {"analyze": time_analyze, "duckdb": time_duckdb, "duckdb_subset": time_duckdb_subset,
-                "pyarrow_serial": time_pyarrow, "pyarrow_parts": time_pyarrow_parts}
-        best = dict.fromkeys(runs, (1e9, 1e9))
-        for _ in range(args.repeat):
-            for name, fn in runs.items():
-                wall, cpu = fn(run)
-                best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
-        best["pyarrow"] = min(best["pyarrow_serial"], best["pyarrow_parts"])
-        figures.update({f"{k}_s": v[0] for k, v in best.items()})
-        figures.update({f"{k}_cpu_s": v[1] for k, v in best.items()})
-        figures.update({f"{k}_mtok_s": rows / v[0] / 1e6 for k, v in best.items()})
-        figures["analyze_vs_duckdb_speed"] = best["duckdb"][0] / best["analyze"][0]
-        figures["analyze_vs_duckdb_subset_speed"] = best["duckdb_subset"][0] / best["analyze"][0]
-        figures["analyze_vs_pyarrow_time"] = best["analyze"][0] / best["pyarrow"][0]
-        figures["analyze_vs_pyarrow_cpu"] = best["analyze"][1] / best["pyarrow"][1]
+        figures = {"tokens": rows, "parts": len(list_parts(run)), "duckdb_columns_checked": check_duckdb(run),
+                   "cores_here": len(cores.ALL_CORES)}
+        cpus = args.cpus or [len(cores.ALL_CORES)]
+        per = timings(run, cpus, args.repeat)
+        figures["scaling"] = {n: ratios(best, rows) for n, best in per.items()}
+        figures.update(figures["scaling"][max(cpus)])
+        if args.cpus:
+            cores.use_cores(1)
+            figures["profile_1core"] = cores.profile(run)
+        cores.use_cores(len(cores.ALL_CORES))
         analyze(run)  # fills the cache
         make_run(run, SynthConfig(steps=steps + 2, seqs_per_step=SEQS, seq_len=(MEAN_LEN // 2, MEAN_LEN * 3 // 2),
                                   vocab_size=0, blowup_step=steps // 2), steps=range(steps, steps + 2), manifest=False)
@@ -234,7 +280,7 @@ def main() -> None:
         inc = analyze(run)
         figures["incremental_s"] = time.perf_counter() - t
         figures["incremental_files_new"] = inc.files_new
-        figures["full_over_incremental"] = best["analyze"][0] / figures["incremental_s"]
+        figures["full_over_incremental"] = figures["analyze_s"] / figures["incremental_s"]
         small = prefix_run(run, root / "prefix", min(10e6, rows / 5))
         figures["rss_mb_small"] = peak_rss_mb(small)
         figures["rss_mb_full"] = peak_rss_mb(run)
@@ -242,6 +288,8 @@ def main() -> None:
         if args.s3:  # last: moto holds the run in this process's memory, and a child's ru_maxrss inherits it
             figures.update(s3_figures(run, args.repeat))
     report(figures)
+    if args.cpus:
+        report_scaling(figures)
     if args.s3:
         report_s3(figures)
     if args.json:
@@ -249,13 +297,14 @@ def main() -> None:
 
 
 def report(f: dict) -> None:
-    print(f"tokens: {f['tokens'] / 1e6:.1f}M (best of runs; shared machine, expect +-20% noise)")
+    print(f"tokens: {f['tokens'] / 1e6:.1f}M (best of runs; shared machine, expect +-20% noise); this machine "
+          f"lets this process use {f['cores_here']} core(s): --cpus times fewer, never more")
     for name, what in (("analyze", "kldiag analyze"),
                        ("duckdb", f"DuckDB, same metrics ({f['duckdb_columns_checked']} cols)"),
                        ("duckdb_subset", "DuckDB, 13-metric subset"),
                        ("pyarrow_serial", f"pyarrow read, {len(COLUMNS)} cols, 1 reader"),
-                       ("pyarrow_parts", f"pyarrow read, {len(COLUMNS)} cols, {os.cpu_count()} readers")):
-        print(f"  {what:36s} {f[name + '_s']:6.2f}s wall  {f[name + '_cpu_s']:6.2f}s CPU  "
+                       ("pyarrow_parts", f"pyarrow read, {len(COLUMNS)} cols, a reader per core")):
+        print(f"  {what:40s} {f[name + '_s']:6.2f}s wall  {f[name + '_cpu_s']:6.2f}s CPU  "
               f"{f[name + '_mtok_s']:5.1f} M tokens/s")
     print(f"analyze / DuckDB speed:  {f['analyze_vs_duckdb_speed']:.2f}x   (target >= 2; "
           f"{f['analyze_vs_duckdb_subset_speed']:.2f}x against the subset query)")
@@ -265,6 +314,20 @@ def report(f: dict) -> None:
           f"({f['full_over_incremental']:.1f}x faster than a full analysis)")
     print(f"peak RSS: {f['rss_mb_small']:.0f} MB at {f['rss_small_tokens'] / 1e6:.0f}M tokens, "
           f"{f['rss_mb_full']:.0f} MB at {f['tokens'] / 1e6:.0f}M tokens (target: flat)")
+
+
+
+def report_scaling(f: dict) -> None:
+    """Each figure per core count, and the 1-core profile with what it projects on more cores."""
+    one = f["scaling"][min(f["scaling"])]
+    print("per core count (best of runs, interleaved; every pool sized to the cores):")
+    print("  cores  analyze  M tok/s  x1 core  DuckDB  analyze/DuckDB  decode  x1 core  analyze/decode (CPU)")
+    for n, g in sorted(f["scaling"].items()):
+        print(f"  {n:5d}  {g['analyze_s']:6.2f}s  {g['analyze_mtok_s']:7.1f}  {one['analyze_s'] / g['analyze_s']:6.2f}x"
+              f"  {g['duckdb_s']:5.2f}s  {g['analyze_vs_duckdb_speed']:13.2f}x  {g['pyarrow_s']:5.2f}s"
+              f"  {one['pyarrow_s'] / g['pyarrow_s']:6.2f}x  {g['analyze_vs_pyarrow_time']:.2f}x "
+              f"({g['analyze_vs_pyarrow_cpu']:.2f}x)")
+    cores.report_profile(f["profile_1core"], one["analyze_s"], f["tokens"], f["parts"])
 
 
 if __name__ == "__main__":

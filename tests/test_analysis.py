@@ -157,11 +157,11 @@ def test_incremental_equals_full_recompute(tmp_path):
         np.testing.assert_array_equal(again.histograms.counts[k], v)
 
 
-def test_workers_give_identical_results(bad_run):
-    one = analyze(bad_run, NOCACHE)
-    two = analyze(bad_run, AnalysisConfig(use_cache=False, workers=2))
+def test_threads_give_identical_results(bad_run):
+    one = analyze(bad_run, AnalysisConfig(use_cache=False, threads=1))  # a reader thread decodes ahead
+    three = analyze(bad_run, AnalysisConfig(use_cache=False, threads=3))  # three threads take whole parts
     for name in ("steps", "sequences", "flags", "alerts"):
-        assert same(getattr(one, name), getattr(two, name)), name
+        assert same(getattr(one, name), getattr(three, name)), name
 
 
 def test_null_columns_give_null_metrics(tmp_path):

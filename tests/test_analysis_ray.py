@@ -1,6 +1,7 @@
 """The Ray engine (kldiag/analysis/ray_engine.py) on a local Ray started here (2 CPUs, one
 session for the module): equal to the local engine on the shipped samples, on a multi-rank
-run with a corrupt part, on a run in S3; a dying worker is retried, then its part named;
+run with a corrupt part, on a run in S3; a worker SIGKILLed mid-pass is retried and the result
+equals the local engine's; a worker that keeps dying is retried, then its part named;
 without Ray, --engine ray names the extra and `import kldiag` never imports Ray."""
 
 from __future__ import annotations
@@ -9,17 +10,19 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from analysis_same import assert_same_analysis
 
 import kldiag
-from kldiag.analysis import AnalysisConfig, engines, partials, ray_engine
+from kldiag.analysis import AnalysisConfig, engines, partials, ray_engine, reduce
 from kldiag.analysis.engine import thresholds
 from kldiag.cli import build_parser, main
 from kldiag.errors import CorruptPartError, EngineError
@@ -121,6 +124,60 @@ def test_dying_worker_is_retried_then_the_part_named(ray_session, multirank, tmp
     assert log.read_text() == "x" * (ray_engine.MAX_RETRIES + 1)
     with pytest.raises(EngineError, match="part-dying.parquet failed"):
         list(ray_engine.compute([(dying, [red]), (good, [red])], 1 << 20, strict=True))
+
+
+@dataclass(frozen=True)
+class KillOnce:
+    """A reducer riding along in the analysis's read: counts rows, and the first time a task reads
+    the second batch of `part` it leaves `marker` and SIGKILLs its worker (the analysis reducer has
+    folded a batch of that part already: killed mid-pass). Its later attempts find the marker."""
+
+    marker: str
+    part: str
+    name: str = "kill_once"
+    version: int = 1
+    columns: tuple[str, ...] = ("step",)
+
+    def settings(self) -> dict:
+        return {}
+
+    def start(self, part) -> dict:
+        return {"part": str(part.path), "rows": 0, "batches": 0}
+
+    def add(self, state: dict, batch) -> None:
+        state["batches"] += 1
+        if state["part"] == self.part and state["batches"] == 2 and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        state["rows"] += batch.num_rows
+
+    def finish(self, state: dict, dropped: int) -> dict:
+        return {"rows": np.array([state["rows"]], np.int64)}
+
+    def merge(self, parts) -> dict:
+        return {"rows": np.array([sum(int(p["rows"][0]) for p in parts)], np.int64)}
+
+
+def test_task_killed_mid_pass_is_retried_and_equals_local(ray_session, tmp_path):
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    make_run(tmp_path / "run", SynthConfig(steps=4, seqs_per_step=6, seq_len=(10, 40), ranks=2, rows_per_file=200,
+                                           blowup_step=2, blowup_frac=0.05))
+    parts = open_run(tmp_path / "run").parts()
+    victim, marker = str(parts[1].path), tmp_path / "killed"
+    cfg = AnalysisConfig(batch_size=64, per_rank=True)  # parts of up to 200 rows: several batches each
+    local = kldiag.analyze(tmp_path / "run", dataclasses.replace(cfg, use_cache=False))
+    remote = kldiag.analyze(tmp_path / "run", dataclasses.replace(cfg, engine="ray"),
+                            reducers=[KillOnce(str(marker), victim)])
+    assert marker.exists() and int(marker.read_text()) != os.getpid()  # a Ray worker was killed, not this process
+    assert remote.skipped == [] and remote.files_new == len(parts)
+    assert_same_analysis(remote, local)
+    assert int(remote.reduced["kill_once"]["rows"][0]) == local.info["rows"]  # the killed attempt added nothing
+    cache = open_run(tmp_path / "run").cache_dir()
+    assert not list(cache.rglob("*.tmp"))  # the driver writes each partial atomically, once
+    assert all(reduce.load_arrays(f) is not None for f in cache.rglob("*.part"))
+    cached = kldiag.analyze(tmp_path / "run", cfg)  # the local engine reads back what the Ray tasks gave
+    assert cached.files_new == 0
+    assert_same_analysis(cached, local)
 
 
 def test_run_in_s3_through_ray(ray_session, s3, multirank, tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 """`analyze(run_dir)`: stream every part once, cache its partial, merge, build the tables.
 
 Parts are independent: each is reduced to a `Partial` (partials.py) by streaming record
-batches, in this process, in `config.workers` processes or in Ray tasks (engine="ray",
-ray_engine.py), or read back from the cache in RUN/.kldiag/; the merge of the earlier parts
-is cached too (prefix.py). Partials are merged in part order whatever the workers did, so
-the result of a cached, incremental or parallel analysis equals a full serial recompute exactly.
+batches, in this process's reader threads (`config.threads`, default one per core it may use)
+or in Ray tasks (engine="ray", ray_engine.py), or read back from the cache in RUN/.kldiag/; the
+merge of the earlier parts is cached too (prefix.py). Partials are merged in part order whatever
+the threads or tasks did, so the result of a cached, incremental or parallel analysis equals a
+full serial recompute exactly.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ from kldiag.errors import EmptyRunError
 from kldiag.format import Manifest, open_run
 
 OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
+WORKERS_GONE = ("AnalysisConfig.workers is gone: its process pool was 2-3x slower than the default, which reads and "
+                "reduces the parts in a thread per core; drop it (threads=N caps the threads, engine=\"ray\" spreads "
+                "the parts over machines)")
 
 
 def validate(cfg: AnalysisConfig) -> None:
     """Raise ValueError naming the option when a threshold makes no sense."""
+    if cfg.workers is not None:
+        raise ValueError(WORKERS_GONE)
     checks = [("tau", cfg.tau > 1, "> 1 (pi_theta at least tau times below pi_ref)"),
               ("weight_limit", cfg.weight_limit > 0, "> 0"), ("clamp", cfg.clamp > 0, "> 0"),
               ("clip_low", cfg.clip_low is None or 0 <= cfg.clip_low < 1, "in [0, 1)"),
               ("clip_high", cfg.clip_high is None or cfg.clip_high >= 0, ">= 0"),
               ("top_k", cfg.top_k >= 0, ">= 0"), ("alert_window", cfg.alert_window >= 1, ">= 1"),
-              ("alert_factor", cfg.alert_factor > 1, "> 1"), ("workers", cfg.workers >= 1, ">= 1"),
+              ("alert_factor", cfg.alert_factor > 1, "> 1"),
+              ("threads", cfg.threads is None or cfg.threads >= 1, ">= 1 or None (one per core)"),
               ("batch_size", cfg.batch_size >= 1, ">= 1"),
               ("engine", cfg.engine in ("local", "ray"), '"local" or "ray"'),
               ("opsm_delta", cfg.opsm_delta is None or math.isfinite(cfg.opsm_delta), "a finite number or None"),

@@ -13,6 +13,12 @@ Failures: a corrupt part comes back as the error the local engine would skip or 
 (same message); a worker that dies (killed, out of memory, a lost node) is retried by Ray
 MAX_RETRIES times, then the part is reported by name: skipped with a warning, or an
 EngineError in strict mode. Ray itself is imported only here, only when this engine runs.
+
+Retries are safe because a task is idempotent: it reads its part and returns its partials,
+and writes nothing (a reducer keeps its state in memory); the driver caches each partial once
+it is back (reduce.save_arrays: a temporary file renamed into place), so a worker killed
+mid-pass leaves neither a partial nor a half-written file, and its retry starts the part
+again from the first batch (tests/test_analysis_ray.py kills one with SIGKILL).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def reduce_part(part: PartInfo, reducers: Sequence[reduce.Reducer], batch_size: 
 
 
 def task(ray):
+    """reduce_part as a Ray task: re-run when its worker dies (it is idempotent), not when it raises
+    (a bug: raised on the driver, naming the part)."""
     global _task
     if _task is None:
         _task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(reduce_part)

@@ -2,19 +2,16 @@
 
 `Pass(cache_dir, parts, reducers, cfg).run(sinks)` walks the parts in order. A part whose cached
 partial some reducer lacks is read once for all those reducers (only the union of their columns),
-in this process, in `cfg.workers` processes or in Ray tasks; results come back in part order and
-each partial is saved to the cache and handed to its reducer's sink at once, so nothing is held
-until the end: a sink merges as partials arrive (`Accumulator`, or the analysis's sealing merge).
-`opened_parts` counts the parts read, for tests and benches.
+in this process's reader threads (`cfg.threads`, default one per core) or in Ray tasks; results
+come back in part order and each partial is saved to the cache and handed to its reducer's sink
+at once, so nothing is held until the end: a sink merges as partials arrive (`Accumulator`, or the
+analysis's sealing merge). `opened_parts` counts the parts read, for tests and benches.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kldiag.analysis import reduce, worker
@@ -124,16 +121,11 @@ class Pass:
             from kldiag.analysis import ray_engine  # noqa: PLC0415 - Ray is optional and slow to import
 
             yield from ray_engine.compute(jobs, size, self.cfg.strict, self.cfg.ray_address)
-        elif not jobs:
-            return
-        elif self.cfg.workers > 1 and len(jobs) > 1:
-            # forkserver: a fork of a process with threads (a dashboard, the prefetch reader) can deadlock.
-            ctx = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-            with ProcessPoolExecutor(max_workers=min(self.cfg.workers, len(jobs)), mp_context=ctx) as pool:
-                yield from enumerate(pool.map(worker.compute, *zip(*jobs, strict=True), [size] * len(jobs)))
-        else:
+        elif jobs:
+            # Threads, not processes: decoding and the kernels release the GIL, and a process pool
+            # pays its start, imports and the partials' pickling (docs/metrics.md, "Streaming, cache, threads").
             worker.keep_freed_memory()
-            yield from reduce.fold_parts(jobs, size, worker.PART_ERRORS)
+            yield from reduce.fold_parts(jobs, size, worker.PART_ERRORS, threads=worker.threads(self.cfg.threads))
 
     def merged(self, r: Reducer) -> Arrays:
         """r's merge of every readable part's partial (a pass for this one reducer)."""

@@ -34,7 +34,8 @@ class AnalysisConfig:
     trainer_compatible: bool = False  # add the KL the trainer logs (TRL: micro-batch means)
     alert_window: int = 20  # trailing steps whose median an alert compares against
     alert_factor: float = 10.0  # "leaves its recent range": a jump by this factor
-    workers: int = 1  # files analysed in parallel processes
+    threads: int | None = None  # threads reading and reducing parts; None: one per core this process may use
+    workers: int | None = None  # removed (a process pool, slower than the threads): setting it raises, naming threads
     strict: bool = False  # corrupt parts raise instead of being skipped with a warning
     batch_size: int = 1 << 20  # rows per record batch: bounds memory
     use_cache: bool = True  # per-file partials under RUN/.kldiag/

@@ -1,4 +1,4 @@
-"""One part's work, the same in this process, in a worker process and in a Ray task.
+"""One part's work, the same in this process's reader threads and in a Ray task.
 
 `compute(part, reducers, ...)` returns every reducer's partial of the part, or the error that made the part unreadable
 (the engine skips it, or raises in strict mode).
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,20 @@ from kldiag.errors import RunFormatError
 from kldiag.format import PartInfo
 
 PART_ERRORS = (RunFormatError, OSError, pa.ArrowException)  # a part that raises these is skipped (or strict)
+
+
+def cpus() -> int:
+    """The cores this process may run on: its affinity (taskset, a container's or a batch job's cpuset),
+    not the machine's count, which os.cpu_count gives even to a job granted 4 of its 64 cores."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def threads(wanted: int | None) -> int:
+    """Threads that read and reduce parts (AnalysisConfig.threads): `wanted`, else one per core."""
+    return wanted or cpus()
 
 
 def keep_freed_memory() -> None:
