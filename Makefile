@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps verl==0.9.1  # its own metadata would move transformers: see pyproject's verl extra
 	$(PIP) install -q --no-deps openrlhf==0.11.2 areal==1.0.4 skyrl-gym==0.4.0  # their GPU-only deps stay out: see pyproject's frameworks extra
 	$(PIP) install -q --no-deps --ignore-requires-python skyrl==0.4.0  # declares Python>=3.12; its CPU loss path runs on 3.11
-	$(PIP) download -q --no-deps openrlhf==0.11.2 -d $(VENV)/wheels  # read (never imported) by tests/test_frameworks.py
+	$(PIP) download -q --no-deps openrlhf==0.11.2 trl==1.15.0 -d $(VENV)/wheels  # read (never imported) by tests/test_frameworks.py, tests/test_trl_versions.py
 	touch $@
 
 browser:

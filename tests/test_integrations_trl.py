@@ -268,8 +268,8 @@ def test_attaching_does_not_change_training(tiny_model_dir, tmp_path):
 
 def test_unsupported_trl_version_fails_at_attach(tiny_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path / "out")
-    monkeypatch.setattr(trl, "__version__", "1.15.2")
-    with pytest.raises(IntegrationError, match=r"trl>=1\.16,<1\.17"):
+    monkeypatch.setattr(trl, "__version__", "1.14.3")
+    with pytest.raises(IntegrationError, match=r"trl>=1\.15,<1\.17"):
         kt.attach(trainer, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -277,7 +277,7 @@ def test_unsupported_trl_version_fails_at_attach(tiny_model_dir, tmp_path, monke
 def test_missing_private_method_fails_at_attach(tiny_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path / "out")
     monkeypatch.delattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies")
-    with pytest.raises(IntegrationError, match=r"_get_per_token_logps_and_entropies.*trl>=1\.16,<1\.17"):
+    with pytest.raises(IntegrationError, match=r"_get_per_token_logps_and_entropies.*trl>=1\.15,<1\.17"):
         kt.attach(trainer, tmp_path / "run")
 
 

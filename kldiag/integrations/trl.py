@@ -59,7 +59,7 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     warm_kernel,
 )
 
-_TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
+_TRL_MIN, _TRL_MAX = (1, 15), (1, 17)  # 1.15: the wrapped methods are 1.16's line for line (tests/test_trl_versions.py)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
 VERSION_KEY = "kldiag_policy_version"  # [B] int64, likewise: the step whose weights generated the batch
 LOG_WAIT_S = 2.0  # a log waits at most this long for the writer; later batches count at the next log
