@@ -86,12 +86,14 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     others = [runner.bound(r, parts, (th.clip_low, th.clip_high)) for r in reducers
               if r.name != partials.AnalysisReducer.name]
     skipped: list[str] = []
-    merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped)
+    empty: set[str] = set()
+    merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped, empty)
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")
     a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
-    a.lost = lost.lost_parts(parts, skipped)  # the facts behind the diagnosis's data_missing
+    empty = lost.empty_parts(run.cache_dir() if cfg.use_cache else None, empty)
+    a.lost = lost.lost_parts(parts, skipped, empty)  # the facts behind the diagnosis's data_missing
     a.spans = lost.read_spans(parts, a.lost)
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
@@ -99,9 +101,9 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
 
 
 def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequence[Reducer],
-             skipped: list[str]) -> tuple[partials.Partial, dict, int]:
+             skipped: list[str], empty: set[str] | None = None) -> tuple[partials.Partial, dict, int]:
     """One pass over the parts: the merged analysis partial, the other reducers' merged partials, and
-    how many parts were read. With a cached prefix (prefix.py) the analysis merges only the partials
+    how many parts were read; `empty` collects the keys of the parts read now that hold no row. With a cached prefix (prefix.py) the analysis merges only the partials
     of the parts after it (and of its open ones); without, it merges as partials arrive (prefix.Stream)."""
     red = partials.AnalysisReducer(th)
     pre = prefix.load(cache_dir, parts, th) if cfg.use_cache else None
@@ -112,6 +114,8 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
 
     def analysis_sink(i: int, arrays) -> None:
         p = partials.from_arrays(arrays)
+        if p.rows == 0 and empty is not None and not parts[i].exclude:  # not rows a later attempt superseded
+            empty.add(parts[i].key)
         if stream is None:
             tail[i] = p
             return
@@ -126,7 +130,7 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
     reduced = {name: acc.result() for name, acc in accs.items()}
     if pre is not None and opened & done.failed:  # a prefix part unreadable now: merge without the prefix
         del skipped[:]
-        merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped)
+        merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped, empty)
         return merged, reduced, done.computed + more
     if stream is not None:
         merged = stream.result()

@@ -6,21 +6,26 @@ analysis keeps these facts (`Analysis.lost`) and the step ranges of the parts it
 (`Analysis.spans`), so the diagnosis (`data_missing`, kldiag/diagnosis/missing.py) can say which
 steps are missing without listing the run again. Nothing here deletes or rewrites a file.
 
-A 0-row part is found by reading its Parquet footer, only for parts of at most EMPTY_PART_BYTES
-(a 0-row part of the token schema is a few KiB; a part with real rows is far larger), so a
-large run costs no extra read.
+A 0-row part is found by the analysis's own read of it (its partial holds no row) and remembered
+in the run's cache (CACHE/empty_parts.json), so a warm analysis, whose prefix covers the part,
+still names it, and no part is opened a second time for it. The dashboard's message for a run
+with no readable row (`no_tokens_reason`) reads the footers of parts of at most
+EMPTY_PART_BYTES instead: there is no analysis to ask.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 from kldiag.errors import KldiagError
 from kldiag.format import PartInfo, open_run
 
-EMPTY_PART_BYTES = 64 << 10  # parts up to this size have their footer read for a row count
+EMPTY_PART_BYTES = 64 << 10  # no_tokens_reason reads the footer of parts up to this size
+EMPTY_FILE = "empty_parts.json"  # in the run's cache: keys of the parts an analysis read with 0 rows
 UNREADABLE, ZERO_BYTES, ZERO_ROWS = "unreadable", "empty: 0 bytes", "empty: 0 rows"
 NOTHING_PUBLISHED = "nothing has been published yet"  # no_tokens_reason of a run that is only starting
 
@@ -64,14 +69,37 @@ def rows_in_footer(part: PartInfo) -> int | None:
     return _FOOTER_ROWS[key]
 
 
-def lost_parts(parts: Sequence[PartInfo], skipped: Sequence[str]) -> list[LostPart]:
-    """The parts skipped as unreadable (by path, as the reader reported them) or found empty, in part order."""
+def empty_parts(cache_dir: Path | None, found: Iterable[str]) -> set[str]:
+    """The keys of the run's 0-row parts: those this analysis read (`found`) and those earlier ones did,
+    remembered in CACHE/EMPTY_FILE (None: no cache; a cache that cannot be written is left as it is)."""
+    found = set(found)
+    if cache_dir is None:
+        return found
+    path = Path(cache_dir) / EMPTY_FILE
+    try:
+        known = set(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        known = set()
+    if found - known:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{EMPTY_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(sorted(found | known)))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the finding stands for this analysis; a read-only cache only forgets it
+    return found | known
+
+
+def lost_parts(parts: Sequence[PartInfo], skipped: Sequence[str], empty: set[str] = frozenset()) -> list[LostPart]:
+    """The parts skipped as unreadable (by path, as the reader reported them) or read with 0 rows (their
+    keys in `empty`), in part order."""
     gone = set(skipped)
     out = []
     for p in parts:
         if str(p.path) in gone:
             reason = ZERO_BYTES if p.size == 0 else UNREADABLE
-        elif p.size <= EMPTY_PART_BYTES and rows_in_footer(p) == 0:
+        elif p.key in empty:
             reason = ZERO_ROWS
         else:
             continue
