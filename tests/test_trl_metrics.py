@@ -110,3 +110,21 @@ def test_shapes_that_differ_are_an_error_not_a_read_out_of_bounds() -> None:
         M.batch_partials(logp, ref, old, mask[:2])
     with pytest.raises(ValueError, match="one shape"):
         M.batch_partials(logp, ref, old, mask.T.copy().reshape(mask.shape[::-1]))
+
+
+def test_the_sampler_enters_the_flags_as_in_the_analysis() -> None:
+    """A token whose engine log-prob is NaN, +inf or positive is flagged and counted as kldiag.estimators
+    says (the analysis's flagged_frac), though the sampler takes no part in the K3 sums."""
+    rng = np.random.default_rng(3)
+    logp = -rng.exponential(1.0, (3, 6))
+    ref, old = logp + rng.normal(0, 0.05, logp.shape), logp + rng.normal(0, 0.05, logp.shape)
+    ref, old = np.minimum(ref, -1e-3), np.minimum(old, -1e-3)
+    mu = logp.copy()
+    mu[0, 1], mu[1, 2], mu[2, 3] = np.nan, np.inf, 0.5
+    mask = np.ones(logp.shape, bool)
+    mask[2, 5] = False
+    got = M.batch_partials(logp, ref, old, mask, mu)
+    fl = E.flags(logp, ref, old, mu)
+    assert got["flagged"] == E.flagged(fl, mask).sum() == 3
+    assert got["nonfinite"] == (fl.nonfinite & mask).sum() == 2
+    assert got["k3_sum"] == pytest.approx(M.batch_partials(logp, ref, old, mask)["k3_sum"], rel=1e-12)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.integrations.trl_metrics import _MAX_KEYS, _SUM_KEYS, batch_partials, merge_partials
+from kldiag.integrations.trl_metrics import _MAX_KEYS, _SUM_KEYS, batch_partials, merge_partials, warm_kernel
 
 SUM_KEYS, MAX_KEYS = _SUM_KEYS, _MAX_KEYS  # partials summed / maximised across batches and ranks
 
@@ -30,6 +30,7 @@ class StepWindow:
     """
 
     def __init__(self, recorder: Any):
+        warm_kernel()  # compiled (or loaded from numba's cache) now, not in the writer beside the first steps
         self.recorder = recorder
         self.window: dict[str, float] | None = None
         self.has_ref = False
@@ -42,7 +43,8 @@ class StepWindow:
         """Writer thread: merge one recorded batch (the columns the recorder writes)."""
         try:
             mask = columns["mask"] if "mask" in columns else columns["completion"]
-            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask)
+            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask,
+                               columns.get("logp_sampler"))
         except Exception as e:  # noqa: BLE001 - the step is reported late, never an error in the writer
             self.error = e
             return

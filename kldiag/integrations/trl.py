@@ -388,7 +388,7 @@ class _Hook:
         mask = completion & _host(inputs["tool_mask"]).astype(bool) if "tool_mask" in inputs else completion
         logp_old = _host_or_none(inputs.get("old_per_token_logps"))
         logp_ref = _host_or_none(inputs.get("ref_per_token_logps")) if self.has_ref else None
-        partials = batch_partials(logp, logp_ref, logp_old, mask)
+        partials = batch_partials(logp, logp_ref, logp_old, mask, _host_or_none(inputs.get("sampling_per_token_logps")))
         self._window = partials if self._window is None else merge_partials(self._window, partials)
         if self.histograms is not None:
             self.histograms.observe(logp, logp_ref, logp_old, mask)
@@ -420,7 +420,8 @@ class _Hook:
         """Writer thread: merge one recorded batch's partials into the window (the same inputs as on-thread)."""
         try:
             mask = columns["mask"] if "mask" in columns else columns["completion"]
-            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask)
+            p = batch_partials(columns["logp"], columns.get("logp_ref"), columns.get("logp_old"), mask,
+                               columns.get("logp_sampler"))
         except Exception as e:  # noqa: BLE001 - raised (or counted) on the training thread at the next log
             self._observer_error = e
             return

@@ -38,14 +38,16 @@ def product(a, b):
 
 
 @njit(**JIT)
-def partials_kernel(s, r, o, keep, has_ref):
-    """Sums, maxima and counts over the tokens where `keep`; inputs [N]: s, r, o of one float
-    dtype (float32 is widened as it is read), keep bool.
+def partials_kernel(s, r, o, u, keep, has_ref):
+    """Sums, maxima and counts over the tokens where `keep`; inputs [N]: s, r, o, u (logp, logp_ref,
+    logp_old, logp_sampler; a missing one is passed as s) of one float dtype (float32 is widened as
+    it is read), keep bool.
 
     Returns (f, c): f = k3_sum, k3_is_sum, weight_k3_abs_sum, weight_k3_abs_flagged_sum,
     weight_k3_abs_max, weight_k3_is_abs_max, rho_max; c = tokens, flagged, nonfinite
     (trl_metrics._KERNEL_F / _KERNEL_I). Without a reference (has_ref False) only rho_max,
-    tokens and nonfinite (of logp and logp_old) are filled.
+    tokens and nonfinite (of logp, logp_old and logp_sampler) are filled. A token is flagged as
+    kldiag.estimators.flagged says: the sampler's NaN/inf or positive log-prob counts too.
     """
     f = np.zeros(7)
     c = np.zeros(3, np.int64)
@@ -53,12 +55,12 @@ def partials_kernel(s, r, o, keep, has_ref):
         if not keep[i]:
             continue
         # float(x) of a float32 stays float32 in numba; the maths is float64, as in estimators.
-        si, oi, ri = np.float64(s[i]), np.float64(o[i]), np.float64(r[i])
+        si, oi, ri, ui = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(u[i])
         c[0] += 1
         rho = math.exp(si - oi)
         if rho > f[6]:  # rho >= 0: a max from 0 equals the max of the non-NaN values (0 if none)
             f[6] = rho
-        finite = math.isfinite(si) and math.isfinite(oi) and (not has_ref or math.isfinite(ri))
+        finite = math.isfinite(si) and math.isfinite(oi) and math.isfinite(ui) and (not has_ref or math.isfinite(ri))
         if not finite:
             c[2] += 1
         if not has_ref:
@@ -68,7 +70,7 @@ def partials_kernel(s, r, o, keep, has_ref):
         k3 = math.inf if d == math.inf else em1 - d
         w = abs(em1)
         flagged = (d > LOG_TAU or w > E.WEIGHT_LIMIT or k3 > E.CLAMP or not finite
-                   or si > 0 or ri > 0 or oi > 0)  # > 0 of +inf is also nonfinite: the union is unchanged
+                   or si > 0 or ri > 0 or oi > 0 or ui > 0)  # > 0 of +inf is also nonfinite: the union is unchanged
         k3_is = product(rho, k3)
         w_is = abs(product(rho, -d))
         if not math.isnan(k3):

@@ -22,8 +22,9 @@ _MAX_KEYS = ("weight_k3_abs_max", "weight_k3_is_abs_max", "rho_max")
 
 
 def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.ndarray | None,
-                   mask: np.ndarray) -> dict[str, float]:
-    """Partial sums of one micro-batch over its loss tokens. Inputs [B, T]; logp_old None = on-policy.
+                   mask: np.ndarray, logp_sampler: np.ndarray | None = None) -> dict[str, float]:
+    """Partial sums of one micro-batch over its loss tokens. Inputs [B, T]; logp_old None = on-policy;
+    logp_sampler (the engine's) enters the flags and the non-finite count only, as in the analysis.
 
     k3 / weight_k3 (Schulman 2020), k3_is / its weight (DeepSeek-V3.2 eq. 7/9), the per-token
     flags of docs/metrics.md. Non-finite weights stay +inf in the maxima; NaN ones are left out
@@ -32,19 +33,18 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     once per recorded micro-batch, beside the training thread.
     """
     keep = np.asarray(mask, dtype=bool)
-    s, r, o = (None if x is None else np.asarray(x) for x in (logp, logp_ref, logp_old))
-    if any(a is not None and a.shape != keep.shape for a in (s, r, o)):  # the kernel reads by index, unchecked
-        raise ValueError("batch_partials: logp, logp_ref, logp_old and mask must have one shape; got "
-                         f"{[None if a is None else a.shape for a in (s, r, o)]} and mask {keep.shape}")
+    s, r, o, u = (None if x is None else np.asarray(x) for x in (logp, logp_ref, logp_old, logp_sampler))
+    if any(a is not None and a.shape != keep.shape for a in (s, r, o, u)):  # the kernel reads by index, unchecked
+        raise ValueError("batch_partials: logp, logp_ref, logp_old, logp_sampler and mask must have one shape; got "
+                         f"{[None if a is None else a.shape for a in (s, r, o, u)]} and mask {keep.shape}")
     # One kernel per dtype: float32 when every input is (widened in the kernel), else float64.
-    dtype = np.float32 if all(a is None or a.dtype == np.float32 for a in (s, r, o)) else np.float64
+    dtype = np.float32 if all(a is None or a.dtype == np.float32 for a in (s, r, o, u)) else np.float64
     s = np.ascontiguousarray(s, dtype=dtype).ravel()
-    r = s if r is None else np.ascontiguousarray(r, dtype=dtype).ravel()
-    o = s if o is None else np.ascontiguousarray(o, dtype=dtype).ravel()
+    r, o, u = (s if a is None else np.ascontiguousarray(a, dtype=dtype).ravel() for a in (r, o, u))
     keep = keep.ravel()
     from kldiag.integrations.trl_kernel import partials_kernel  # numba is imported here, not with the TRL hook
 
-    sums, counts = partials_kernel(s, r, o, keep, logp_ref is not None)
+    sums, counts = partials_kernel(s, r, o, u, keep, logp_ref is not None)
     # Without a reference the kernel leaves the k3 sums, maxima and flags at 0.
     return dict(zip(_KERNEL_F, sums.tolist(), strict=True)) | dict(zip(_KERNEL_I, map(float, counts), strict=True))
 
