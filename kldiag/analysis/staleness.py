@@ -21,7 +21,7 @@ that recorded none has only that bucket and `summary` says `versions: false`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis import keyed
+from kldiag.analysis.clipped import ClippedListReducer
 
 MAX_STALE = 16
 NO_VERSION = -1
@@ -160,7 +161,7 @@ def empty() -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class StalenessReducer:
+class StalenessReducer(ClippedListReducer):
     """Figures by staleness (module docstring). `clip`: (clip_low, clip_high), the run's PPO clip range;
     None until the engine binds it from the analysis's thresholds (runner.bound)."""
 
@@ -170,22 +171,11 @@ class StalenessReducer:
     columns: tuple[str, ...] = ("step", "iteration", "seq", "mask", "logp", "logp_old", "logp_sampler", "advantage",
                                 "policy_version")
 
-    def with_clip(self, clip: tuple[float, float]) -> StalenessReducer:
-        return self if self.clip is not None else replace(self, clip=(float(clip[0]), float(clip[1])))
-
     def settings(self) -> dict:
-        return {"clip": list(self.clip or (0.2, 0.2)), "max_stale": MAX_STALE}
+        return {"clip": list(self.bound_clip()), "max_stale": MAX_STALE}
 
-    def start(self, part) -> list:
-        return []
-
-    def add(self, state: list, batch: pa.RecordBatch) -> None:
-        p = batch_partial(batch, self.clip or (0.2, 0.2)) if batch.num_rows else None
-        if p is not None:
-            state.append(p)
-
-    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        return merge_partials(state)
+    def partial(self, batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray] | None:
+        return batch_partial(batch, clip)
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials)

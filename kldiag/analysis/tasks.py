@@ -18,7 +18,7 @@ them; merge maps every partial's codes onto the union of labels, sorted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis import keyed
+from kldiag.analysis.clipped import ClippedListReducer
 from kldiag.analysis.staleness import keyed_max, keyed_sums
 
 SUMS = ("n_tokens", "sum_k3", "n_k3", "sum_drift", "n_x", "sum_rho", "sum_rho2", "n_clip", "sum_mm", "sum_mm_abs",
@@ -116,7 +117,7 @@ def empty() -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class TaskReducer:
+class TaskReducer(ClippedListReducer):
     """Per-(step, task) figures (module docstring); `clip` bound like StalenessReducer's."""
 
     clip: tuple[float, float] | None = None
@@ -124,22 +125,11 @@ class TaskReducer:
     version: int = 1
     columns: tuple[str, ...] = ("step", "mask", "logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "task")
 
-    def with_clip(self, clip: tuple[float, float]) -> TaskReducer:
-        return self if self.clip is not None else replace(self, clip=(float(clip[0]), float(clip[1])))
-
     def settings(self) -> dict:
-        return {"clip": list(self.clip or (0.2, 0.2))}
+        return {"clip": list(self.bound_clip())}
 
-    def start(self, part) -> list:
-        return []
-
-    def add(self, state: list, batch: pa.RecordBatch) -> None:
-        p = batch_partial(batch, self.clip or (0.2, 0.2)) if batch.num_rows else None
-        if p is not None:
-            state.append(p)
-
-    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        return merge_partials(state)
+    def partial(self, batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str, np.ndarray] | None:
+        return batch_partial(batch, clip)
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials)

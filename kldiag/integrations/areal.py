@@ -42,6 +42,7 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.areal import ESTIMATOR_OF, SUPPORTED
+from kldiag.integrations.versions import check_release
 
 ENV_RUN = "KLDIAG_RUN"
 SAMPLER_KEY = "kldiag_logp_sampler"
@@ -55,20 +56,7 @@ NULL_REASONS = {"seq_ids": "AReaL keeps no sample id (only per-token versions): 
 
 def check_version(version: str | None = None) -> str:
     """areal's version, or IntegrationError naming SUPPORTED and the fix."""
-    from packaging.version import Version
-
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("areal")
-        except Exception as e:  # noqa: BLE001
-            raise IntegrationError(f"kldiag.integrations.areal needs areal{SUPPORTED}: pip install areal==1.0.4 "
-                                   f"({e})") from e
-    if Version(version) != Version(SUPPORTED.lstrip("=")):
-        raise IntegrationError(f"kldiag.integrations.areal supports areal{SUPPORTED}, found areal {version}; install "
-                               "it (pip install areal==1.0.4), or record with kldiag.Recorder by hand")
-    return version
+    return check_release("areal", SUPPORTED, version)
 
 
 def settings(actor: Any, gconfig: Any = None) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 A sequence id is a hash of the sample's token ids and of the bits of its old log-probs: the same sample
 keeps its id across PPO epochs, shuffles and micro-batches, and two samples with the same tokens (a GRPO
 group's duplicates) differ by their log-probs. A group id is a hash of the prompt (text or token ids).
-Hashed on the tensors' device (kldiag.integrations.verl.row_hash), then one [B] int64 copy to the host.
+Hashed on the tensors' device (kldiag.integrations.verl_batch.row_hash), then one [B] int64 copy to the host.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def sequence_ids(tokens: Any, token_keep: Any, logp_old: Any, logp_keep: Any) ->
     """int64 [B]: tokens [B, T] (kept where token_keep), logp_old [B, A] (kept where logp_keep)."""
     import torch
 
-    from kldiag.integrations.verl import row_hash
+    from kldiag.integrations.verl_batch import row_hash
 
     with torch.no_grad():
         toks, tok_len = _ragged(tokens.to(torch.int64), token_keep.bool())

@@ -46,6 +46,7 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.openrlhf import ESTIMATOR_OF, SUPPORTED
+from kldiag.integrations.versions import check_release
 
 ENV_RUN = "KLDIAG_RUN"
 MODULE = "openrlhf.trainer.ray.ppo_actor"
@@ -60,20 +61,7 @@ NULL_REASONS = {
 
 def check_version(version: str | None = None) -> str:
     """openrlhf's version, or IntegrationError naming SUPPORTED and the fix."""
-    from packaging.version import Version
-
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("openrlhf")
-        except Exception as e:  # noqa: BLE001 - PackageNotFoundError and broken metadata alike
-            raise IntegrationError(f"kldiag.integrations.openrlhf needs openrlhf{SUPPORTED}: "
-                                   f"pip install openrlhf==0.11.2 ({e})") from e
-    if Version(version) != Version(SUPPORTED.lstrip("=")):
-        raise IntegrationError(f"kldiag.integrations.openrlhf supports openrlhf{SUPPORTED}, found openrlhf {version}; "
-                               "install it (pip install openrlhf==0.11.2), or record with kldiag.Recorder by hand")
-    return version
+    return check_release("openrlhf", SUPPORTED, version)
 
 
 def settings(args: Any, accumulated_gradient: int | None = None) -> dict[str, Any]:

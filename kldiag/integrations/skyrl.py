@@ -36,6 +36,7 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.skyrl import ESTIMATOR_OF, SUPPORTED
+from kldiag.integrations.versions import check_release
 
 ENV_RUN = "KLDIAG_RUN"
 MICRO_SLOTS = 256  # micro-batches per DP chunk of a mini-batch
@@ -54,21 +55,7 @@ LOGP = ("logp is SkyRL's pre-update forward pass (action_log_probs): pi_theta fo
 
 def check_version(version: str | None = None) -> str:
     """skyrl's version, or IntegrationError naming SUPPORTED and the fix."""
-    from packaging.version import Version
-
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("skyrl")
-        except Exception as e:  # noqa: BLE001
-            raise IntegrationError(f"kldiag.integrations.skyrl needs skyrl{SUPPORTED}: pip install skyrl==0.4.0 "
-                                   f"({e})") from e
-    if Version(version) != Version(SUPPORTED.lstrip("=")):
-        raise IntegrationError(f"kldiag.integrations.skyrl supports skyrl{SUPPORTED} (its TrainingCallback API), found "
-                               f"skyrl {version}; install it (pip install skyrl==0.4.0), or record with "
-                               "kldiag.Recorder by hand")
-    return version
+    return check_release("skyrl", SUPPORTED, version, " (its TrainingCallback API)")
 
 
 def settings(cfg: Any) -> dict[str, Any]:

@@ -33,7 +33,6 @@ manifest's `rollout_correction` block, kldiag.crosswalk recomputes them.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import warnings
@@ -41,13 +40,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
 
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
 from kldiag.integrations import verl_metrics
 from kldiag.integrations.step_metrics import StepWindow
+from kldiag.integrations.verl_batch import non_tensor, engine_routes, policy_versions, sequence_ids
 from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
@@ -131,15 +130,6 @@ def routing_replay(actor: Any, rollout: Any = None) -> str | None:
                 return None  # R3 without the rollout's routes replays nothing from the engine
             return str(mode)
     return None
-
-
-def engine_routes(routed_experts: Any, response_len: int) -> Any:
-    """The engine's routes of the response tokens' log-probs, [B, R, L, k] int64, from verl's batch key
-    `routed_experts` [B, prompt_len + response_len, L, k] (int16, one row per input token at its absolute
-    position, trailing rows zero; verl/experimental/agent_loop/agent_loop.py): response token j's log-prob
-    comes from input position P + j - 1, so the rows [-R - 1, -1). Rows past a response's end read the
-    zero padding; the mask keeps them out of every figure."""
-    return routed_experts[:, -response_len - 1:-1].long()
 
 
 @dataclass
@@ -274,123 +264,23 @@ def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict
     return STATE.recorder
 
 
-def _non_tensor(data: Any, key: str) -> Any:
-    from verl.utils import tensordict_utils as tu
-
-    return tu.get_non_tensor_data(data=data, key=key, default=None) if key in data.keys() else None
-
-
 def _advance(data: Any, batch: int) -> tuple[int, int]:
     """(step, micro code) of this micro-batch; starts a new mini-batch (and maybe step) when due."""
-    explicit = _non_tensor(data, "kldiag_step")
+    explicit = non_tensor(data, "kldiag_step")
     if STATE.left_in_mini <= 0:  # a new mini-batch
-        tokens = _non_tensor(data, "global_token_num")
-        dp = int(_non_tensor(data, "dp_size") or 1)
+        tokens = non_tensor(data, "global_token_num")
+        dp = int(non_tensor(data, "dp_size") or 1)
         new_step = STATE.step < 0 or STATE.last_mini_ends_step if explicit is None else int(explicit) != STATE.step
         if new_step:
             STATE.step = int(explicit) if explicit is not None else STATE.step + 1
             STATE.mini, STATE.seen = -1, {}
         STATE.mini, STATE.micro = STATE.mini + 1, 0
         STATE.left_in_mini = len(tokens) // dp if tokens is not None else batch
-        STATE.last_mini_ends_step = bool(_non_tensor(data, "update_lr_scheduler"))
+        STATE.last_mini_ends_step = bool(non_tensor(data, "update_lr_scheduler"))
     else:
         STATE.micro += 1
     STATE.left_in_mini -= batch
     return STATE.step, STATE.mini * MICRO_SLOTS + STATE.micro
-
-
-def _mix(x: Any) -> Any:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic, logical shifts; any device)."""
-    m1, m2 = -4658895280553007687, -7723592293110705685  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * m1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * m2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
-_MULTIPLIERS: dict[Any, Any] = {}  # device -> int64 [n] random odd multipliers, one per position
-
-
-def _multipliers(n: int, device: Any) -> Any:
-    """Fixed (seeded) random odd int64 multipliers for positions 0..n-1 on `device`, grown on demand."""
-    import torch
-
-    m = _MULTIPLIERS.get(device)
-    if m is None or m.shape[0] < n:
-        size = max(n, 2 * (m.shape[0] if m is not None else 4096))
-        g = torch.Generator().manual_seed(0x6B6C64)
-        m = (torch.randint(-(1 << 62), 1 << 62, (size,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
-        _MULTIPLIERS[device] = m
-    return m
-
-
-def row_hash(values: Any, lengths: Any) -> Any:
-    """int64 [B] hash of each row of a ragged int64 array (values [N], lengths [B]), on its device.
-
-    sum_t (x_t + 1) * M_t (wrapping, M_t seeded random odd numbers) per row, then splitmix64's
-    finaliser mixed with the length: three passes over the tokens, no host sync.
-    """
-    import torch
-
-    b, n = lengths.shape[0], values.shape[0]
-    starts = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
-    ends = torch.cumsum(lengths, 0)
-    starts.index_add_(0, ends[:-1], torch.ones(b - 1 if b else 0, dtype=torch.int64, device=values.device))
-    row = torch.cumsum(starts[:n], 0)
-    t = torch.arange(n, device=values.device) - (ends - lengths)[row]
-    h = (values.to(torch.int64) + 1) * _multipliers(max(n, 1), values.device)[t]  # n >= every length: no sync
-    acc = torch.zeros(b, dtype=torch.int64, device=values.device).index_add_(0, row, h)
-    return _mix(acc ^ (lengths.to(torch.int64) * 0x9E3779B9))
-
-
-def _ragged(x: Any, lengths: Any) -> tuple[Any, Any]:
-    """(values, lengths) of a nested [B, j] tensor, or of a padded [B, T] one cut at `lengths`."""
-    import torch
-
-    if x.is_nested:
-        return x.values(), x.offsets().diff()
-    keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
-    return x[keep], lengths  # boolean indexing: a sync, only on verl's padded (non-nested) layout
-
-
-def policy_versions(data: Any, batch: int) -> np.ndarray | None:
-    """[B] int64 policy_version (format v1.3) from the micro-batch's per-row `min_global_steps`, else None.
-
-    verl 0.9.1 stamps each trajectory with `min_global_steps`, the weight version it started generating
-    with (workers/rollout/llm_server.py), kept per row in the agent loop's non-tensor batch
-    (experimental/agent_loop/agent_loop.py); its metric `trajectory_staleness_worst` is
-    (global_steps - 1) - min_global_steps (trainer/ppo/v1/trainer_base.py). The recorded step is
-    verl's global_steps, so policy_version = min_global_steps + 1 gives the same staleness."""
-    if "min_global_steps" not in data.keys():
-        return None
-    v = _non_tensor(data, "min_global_steps")
-    v = v.tolist() if hasattr(v, "tolist") else v
-    if not isinstance(v, (list, tuple)) or len(v) != batch or any(x is None for x in v):
-        return None
-    return np.asarray(v, dtype=np.int64) + 1
-
-
-def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
-    """(seq, group) int64 [B]: see the module doc. lengths: [B] response lengths on the device."""
-    import torch
-
-    key = "input_ids" if "input_ids" in data.keys() else "responses"
-    toks, tok_len = _ragged(data[key], lengths)
-    old, old_len = _ragged(data["old_log_probs"], lengths)
-    bits = old.detach().to(torch.float32).contiguous().view(torch.int32)
-    seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, old_len)) & ((1 << 62) - 1)
-    uid = _non_tensor(data, "uid") if "uid" in data.keys() else None
-    uid = uid.tolist() if hasattr(uid, "tolist") else uid
-    if isinstance(uid, (list, tuple)) and len(uid) == len(lengths):
-        group = np.array([int.from_bytes(hashlib.blake2b(str(u).encode(), digest_size=8).digest(), "little")
-                          & ((1 << 62) - 1) for u in uid], dtype=np.int64)
-    elif "prompts" in data.keys() and data["prompts"].is_nested:
-        p = data["prompts"]
-        group = _mix(row_hash(p.values(), p.offsets().diff())) & ((1 << 62) - 1)
-    else:
-        group = None
-    return seq, group
 
 
 def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any = None, *,
