@@ -20,7 +20,7 @@ import kldiag
 from kldiag.analysis import episodes as EP
 from kldiag.analysis.lost import NOTHING_PUBLISHED, no_tokens_reason
 from kldiag.cli import main
-from kldiag.diagnosis import diagnose
+from kldiag.diagnosis import diagnose, missing
 from kldiag.errors import EmptyRunError
 from kldiag.format import TOKEN_SCHEMA, part_name, publish_part, rank_dir
 from kldiag.live.guard import Guard
@@ -295,3 +295,18 @@ def test_the_dashboard_shows_it(monkeypatch, truncated, tmp_path):
     at = AppTest.from_file(main_py, default_timeout=120).run()
     assert any("unreadable" in e.value and only.name in e.value for e in at.error)
     assert not any("nothing has been published" in i.value for i in at.info)
+
+
+def test_steps_that_jump_far_past_their_stride_are_not_judged_for_gaps(tmp_path):
+    """Steps 0-3 then 3,000,000 (stride 1): the grid between them is not made (2^20 steps at most);
+    no gap is claimed, and a lost part there is still named."""
+    run = tmp_path / "run"
+    make_run(run, SMALL, steps=range(4))
+    (p,) = make_run(run, SMALL, steps=[3_000_000], manifest=False)
+    a = analyzed(run)
+    cov = missing.coverage(a)
+    assert not cov.judged_gaps and "3,000,001 steps" in cov.not_judged and cov.gaps == []
+    assert cause(diagnose(a)) is None
+    truncate(p)
+    c = cause(diagnose(analyzed(run, warns=True)))
+    assert c is not None and c.evidence["parts_lost"] == 1 and "not judged" in c.summary

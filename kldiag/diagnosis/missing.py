@@ -10,7 +10,8 @@ Two sources (the analysis keeps both facts: `Analysis.lost`, `Analysis.spans`, k
   divisor of their differences: a recorder with `every_n_steps = n` records multiples of n only,
   so its skipped steps are off the grid and never gaps). Where the recorder samples sequences
   (`seq_fraction < 1`), a step can legitimately hold no sampled sequence, so gaps are not judged,
-  only lost parts. Per-rank rows come from `steps_by_rank` (analysis with per_rank), from the steps
+  only lost parts; nor when the grid from the first to the last step is longer than MAX_GRID (steps
+  that jump by far more than their stride). Per-rank rows come from `steps_by_rank` (analysis with per_rank), from the steps
   table in a one-rank run, else from the step ranges of the rank's parts that were read.
 
 Steps past a rank's last published part are not gaps: a live run's newest part is still being
@@ -32,6 +33,7 @@ from kldiag.frameworks import fix_for
 
 CAUSE = "data_missing"
 LISTED = 200  # parts and gaps listed in the evidence at most (the counts are always whole)
+MAX_GRID = 1 << 20  # grid steps from the first to the last step past which gaps are not judged (memory, time)
 
 
 @dataclass
@@ -43,13 +45,20 @@ class Coverage:
     missing: np.ndarray  # int64: distinct steps where some rank lost rows
     expected: int  # grid steps from the run's first to its last step
     stride: int
-    judged_gaps: bool  # False when sequence sampling makes an empty step legitimate
+    judged_gaps: bool  # False when sequence sampling makes an empty step legitimate, or the grid is too long
+    not_judged: str = ""  # why gaps were not judged
 
 
 def _grid(lo: int, hi: int, origin: int, stride: int) -> np.ndarray:
     """Steps origin + k * stride inside [lo, hi]."""
     first = lo + (origin - lo) % stride
     return np.arange(first, hi + 1, stride, dtype=np.int64)
+
+
+def _grid_len(lo: int, hi: int, origin: int, stride: int) -> int:
+    """len(_grid(lo, hi, origin, stride)), without making it."""
+    first = lo + (origin - lo) % stride
+    return max(0, (hi - first) // stride + 1)
 
 
 def _runs(steps: np.ndarray, stride: int) -> list[tuple[int, int, int]]:
@@ -113,6 +122,11 @@ def coverage(analysis) -> Coverage:
     if not bounds:
         return Coverage([], [], np.zeros(0, np.int64), 0, stride, judged)
     origin = int(steps[0]) if len(steps) else lost[0].step_min
+    lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
+    grid = _grid_len(lo, hi, origin, stride)
+    why = "" if judged else "the recorder samples sequences, seq_fraction < 1"
+    if judged and grid > MAX_GRID:  # steps that jump by far more than their stride (e.g. 0, 1, 2,000,000)
+        judged, why = False, f"the step grid spans {grid:,} steps (stride {stride}), more than {MAX_GRID:,}"
     ranks = sorted({b[0] for b in spans} | {x.rank for x in lost})
     hulls = _hulls(analysis)
     parts, gaps, missing = [], [], [np.zeros(0, np.int64)]
@@ -124,9 +138,9 @@ def coverage(analysis) -> Coverage:
         hole = _holes(analysis, rank, ranks, gone, origin, stride) if judged else np.zeros(0, np.int64)
         gaps += [{"rank": rank, "first": a, "last": b, "steps": n} for a, b, n in _runs(hole, stride)]
         missing += [gone, hole]
-    lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
     gone = np.unique(np.concatenate(missing))
-    return Coverage(parts, gaps, gone, len(np.union1d(_grid(lo, hi, origin, stride), gone)), stride, judged)
+    off_grid = int(np.count_nonzero((gone - origin) % stride)) if len(gone) else 0  # a lost part's own ends
+    return Coverage(parts, gaps, gone, grid + off_grid, stride, judged, why)
 
 
 def _where(cov: Coverage) -> str:
@@ -161,7 +175,7 @@ def cause_of(analysis, config: DiagnosisConfig = DiagnosisConfig()) -> Cause | N
     summary = (f"rows of {n} of the run's {cov.expected} steps ({share:.0%}) are missing: {_where(cov)}. "
                "Every figure and the verdict cover only the steps that were read")
     if not cov.judged_gaps:
-        summary += " (gaps between steps are not judged: the recorder samples sequences, seq_fraction < 1)"
+        summary += f" (gaps between steps are not judged: {cov.not_judged})"
     fix = fix_for(CAUSE, analysis.manifest)
     severity = "critical" if share > limit else "warning"
     return Cause(CAUSE, int(cov.missing[0]) if n else None, severity, ev, fix, summary)
