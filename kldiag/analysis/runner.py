@@ -31,7 +31,8 @@ def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> 
     """Warn about an unreadable part and remember it (strict: raise, naming the fix)."""
     if strict:
         raise error if isinstance(error, RunFormatError) else CorruptPartError(
-            f"part file {part.path} is unreadable ({error}); delete it or move it out of the run") from error
+            f"part file {part.path} is unreadable ({error}); restore it from a copy if one exists, "
+            "or move it out of the run directory to read the rest (its rows are lost)") from error
     warnings.warn(f"kldiag: skipping part {part.path}: {error}", stacklevel=4)
     skipped.append(str(part.path))
 

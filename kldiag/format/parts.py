@@ -204,7 +204,7 @@ def open_part(part: PartInfo | str | os.PathLike, columns: Sequence[str] | None 
     except StorageError:
         raise
     except (OSError, pa.ArrowInvalid) as e:
-        raise CorruptPartError(f"part file {path} is unreadable ({e}); delete it or move it out of "
-                               "the run directory (its rows are lost)") from e
+        raise CorruptPartError(f"part file {path} is unreadable ({e}); restore it from a copy if one exists, "
+                               "or move it out of the run directory to read the rest (its rows are lost)") from e
     check_schema(pf.schema_arrow, str(path), columns)
     return pf

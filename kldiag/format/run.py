@@ -130,7 +130,8 @@ class Run:
             except (RunFormatError, OSError, pa.ArrowException) as e:
                 if strict:
                     raise e if isinstance(e, RunFormatError) else CorruptPartError(
-                        f"part file {part.path} is unreadable ({e}); delete it or move it away") from e
+                        f"part file {part.path} is unreadable ({e}); restore it from a copy if one exists, "
+                        "or move it out of the run directory to read the rest (its rows are lost)") from e
                 warnings.warn(f"kldiag: skipping {part.path}: {e}", stacklevel=2)
 
     def read(self, columns: Sequence[str] | None = None, strict: bool = False,
