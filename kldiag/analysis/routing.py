@@ -157,7 +157,7 @@ class RoutingReducer:
     """Per-step routing agreement and the mismatch on agreeing vs disagreeing tokens (module docstring)."""
 
     name: str = "routing"
-    version: int = 1
+    version: int = 2  # 2: batches without routes leave no partial
     columns: tuple[str, ...] = ("step", "mask", "logp", "logp_old", "logp_sampler", "route_layers", "route_differ",
                                 "route_missing", "route_overlap", "route_differ_at", "route_missing_at")
 
@@ -168,7 +168,9 @@ class RoutingReducer:
         return []
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
+        # a batch without routes (every run before format v1.3, every dense model) costs no per-token work
+        names = batch.schema.names
+        if batch.num_rows and "route_layers" in names and batch.column("route_layers").null_count < batch.num_rows:
             state.append(batch_partial(batch))
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
