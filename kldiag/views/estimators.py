@@ -1,8 +1,9 @@
 """The Estimators page's data: what each estimator would have done on a run's own tokens.
 
 A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
-of each part, cached with it, merged (`merge_partials`), so a live run costs only its new files. Only tokens in the
-loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
+of each part (`kldiag.views.dashboard.reducers()` lists it), one compiled pass per batch
+(`estimator_kernel.py`), cached with it, merged (`merge_partials`), so a live run costs only its new files. Only
+tokens in the loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
 (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
 
