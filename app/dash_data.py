@@ -73,8 +73,8 @@ def diagnosis(run: Loaded):
 
 @st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
 def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
-    """What each estimator does on the run's own tokens: one pass on the page's first visit, cached on
-    disk per part (a later visit, or another session, reads no part)."""
+    """What each estimator does on the run's own tokens: read in the analysis's pass (VD.reducers() lists
+    its reducer), so the page's first visit reads no part; a run analysed without it gets one pass."""
     return VE.from_arrays(runner.reduced(_analysis(path, keys), VD.estimator_reducer()))
 
 

@@ -12,13 +12,12 @@ DEFAULT_CONFIG = AnalysisConfig()
 def reducers(config: AnalysisConfig = DEFAULT_CONFIG) -> list:
     """What the dashboard's pages read besides the analysis tables, as reducers for
     `analyze(run, config, reducers)`: one read of each part serves the Overview, Distributions, Tokens,
-    Mismatch (with its per-turn chart: the diagnosis's `turns` reducer) and Compare pages. The Sequence
-    page reads the one part that holds its sequence, and the Estimators page its own reducer
-    (`estimator_reducer`) on its first visit, once: it costs about 20x the analysis per token (numpy),
-    too much to make every first render wait for it."""
-    return diagnosis_reducers()
+    Mismatch (with its per-turn chart: the diagnosis's `turns` reducer), Estimators (`estimator_reducer`,
+    one compiled pass per batch) and Compare pages. Only the Sequence page reads a part again: the one
+    that holds its sequence."""
+    return [*diagnosis_reducers(), estimator_reducer(config)]
 
 
 def estimator_reducer(config: AnalysisConfig = DEFAULT_CONFIG) -> EstimatorReducer:
-    """The Estimators page's reducer (cached per part like every reducer: read once, then never)."""
+    """The Estimators page's reducer (read in the analysis's pass with `reducers()`, cached per part)."""
     return EstimatorReducer(config.tau, config.weight_limit, config.clamp)

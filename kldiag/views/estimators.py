@@ -1,8 +1,9 @@
 """The Estimators page's data: what each estimator would have done on a run's own tokens.
 
 A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
-of each part, cached with it, merged (`merge_partials`), so a live run costs only its new files. Only tokens in the
-loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
+of each part (`kldiag.views.dashboard.reducers()` lists it), one compiled pass per batch
+(`estimator_kernel.py`), cached with it, merged (`merge_partials`), so a live run costs only its new files. Only
+tokens in the loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
 (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
 
@@ -20,9 +21,11 @@ import pyarrow as pa
 from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis import reduce
-from kldiag.analysis.bins import abs_bins
+from kldiag.analysis.kernel import bools
+from kldiag.analysis.stats import ABS_GRID
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
+from kldiag.views import estimator_kernel as K
 from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles, nulls
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
@@ -69,30 +72,39 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
-    cols = {c: E.as_f64(batch.column(c)) for c in LOGP_COLUMNS}
-    absent = nulls(batch)
-    keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
-    part = EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
-    part.seqs = _seq_gaps(batch, cols, absent)
-    q = derive({c: v[keep] for c, v in cols.items()}, config, {c: v[keep] for c, v in absent.items()})
-    part.flagged = int(q["flagged"].sum())
-    part.clamp_saturated = int(q["clamp_saturated"].sum())
-    with np.errstate(invalid="ignore"):
-        lost = np.abs(q["weight_k3"][q["clamp_saturated"]])
-    part.k3_weight_lost = float(lost[np.isfinite(lost)].sum())
-    for name, (value, weight) in values_and_weights(q, config).items():
-        finite_v = np.isfinite(value)
-        part.value_sum[name] = float(value[finite_v].sum())
-        part.value_nonfinite[name] = int((~finite_v).sum())
-        w = np.abs(weight)
-        finite_w = np.isfinite(w)
-        part.weight_abs_sum[name] = float(w[finite_w].sum())
-        part.weight_abs_flagged[name] = float(w[finite_w & q["flagged"]].sum())
-        part.weight_abs_max[name] = float(np.nanmax(w)) if w.size and not np.all(np.isnan(w)) else 0.0
-        part.weight_hist[name] = _abs_hist(w)
-    pick, kind = sample_pick(q["weight_k3"], q["flagged"], sample_size, seed)
-    ids = {c: batch.column(c).to_numpy()[keep][pick] for c in ("step", "seq")}
-    part.sample = pd.DataFrame({**ids, **{c: q[c][pick] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
+    """The partial of one batch: its per-token work in one compiled pass (estimator_kernel.token_pass);
+    the sample's columns are `derive`'s on the few rows drawn."""
+    n = batch.num_rows
+    raw, absent = {}, nulls(batch)
+    for c in LOGP_COLUMNS:
+        col = batch.column(c)
+        raw[c] = col.to_numpy(zero_copy_only=False) if col.null_count < n else np.full(n, np.nan, np.float32)
+    mask = (bools(batch, "mask") if isinstance(batch, pa.RecordBatch)
+            else np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool))
+    fsum = np.zeros((4, len(COMPARED)))
+    icount = np.zeros((1, len(COMPARED)), np.int64)
+    hist = np.zeros((len(COMPARED), len(ABS_EDGES) + 1), np.int64)
+    scal = np.zeros(3, np.int64)
+    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
+    lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
+                        absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
+                        config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, w_k3, flagged, rows)
+    m = int(scal[K.S_TOKENS])
+    part = EstimatorPartial(rows=n, tokens=m, flagged=int(scal[K.S_FLAGGED]),
+                            clamp_saturated=int(scal[K.S_CLAMP]), k3_weight_lost=float(lost))
+    for e, name in enumerate(COMPARED):
+        part.value_sum[name] = float(fsum[K.F_VALUE, e])
+        part.value_nonfinite[name] = int(icount[K.I_NONFINITE, e])
+        part.weight_abs_sum[name] = float(fsum[K.F_WABS, e])
+        part.weight_abs_flagged[name] = float(fsum[K.F_WFLAG, e])
+        part.weight_abs_max[name] = float(fsum[K.F_WMAX, e])
+        part.weight_hist[name] = hist[e]
+    part.seqs = _seq_gaps(batch, raw, absent, mask)
+    pick, kind = sample_pick(w_k3[:m], flagged[:m], sample_size, seed)
+    at = rows[:m][pick]
+    q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
+    ids = {c: batch.column(c).to_numpy()[at] for c in ("step", "seq")}
+    part.sample = pd.DataFrame({**ids, **{c: q[c] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
                                 "kind": kind})
     return part
 
@@ -132,24 +144,23 @@ def sample_pick(weight_k3: np.ndarray, flagged: np.ndarray, sample_size: int,
     return pick, kind
 
 
-def _abs_hist(w: np.ndarray) -> np.ndarray:
-    """Counts over the shared |weight| bins (Histograms convention: zeros in bin 0, inf last)."""
-    w = w[~np.isnan(w)]
-    return np.bincount(abs_bins(np.abs(w)), minlength=len(ABS_EDGES) + 1)
-
-
-def _seq_gaps(batch, cols: dict[str, np.ndarray], absent: dict[str, np.ndarray]) -> pd.DataFrame:
-    """Per (step, seq): advantage and the sum/count of log mu - s over tokens in the loss.
+def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray], mask: np.ndarray) -> pd.DataFrame:
+    """Per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s over
+    tokens in the loss (estimator_kernel.seq_runs per run of equal rows, then runs of one key merged).
 
     mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
     """
-    s = cols["logp"]
-    mu = np.where(absent["logp_sampler"], cols["logp_old"], cols["logp_sampler"])
-    mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
-    in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
-    df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
-                       "advantage": E.as_f64(batch.column("advantage")),
-                       "gap_sum": np.where(in_loss, mu - s, 0.0), "n": in_loss.astype(np.int64)})
+    n = batch.num_rows
+    step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
+    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
+    r_step, r_seq, r_adv, r_gap, r_n = (np.empty(n, t) for t in (step.dtype, seq.dtype, np.float64, np.float64,
+                                                                 np.int64))
+    k = K.seq_runs(step, seq, adv, raw["logp"], raw["logp_old"], raw["logp_sampler"], absent["logp_old"],
+                   absent["logp_sampler"], mask, r_step, r_seq, r_adv, r_gap, r_n)
+    df = pd.DataFrame({"step": r_step[:k], "seq": r_seq[:k], "advantage": r_adv[:k], "gap_sum": r_gap[:k],
+                       "n": r_n[:k]})
+    if k and pd.MultiIndex.from_arrays([df["step"], df["seq"]]).is_unique:
+        return df
     g = df.groupby(["step", "seq"], sort=False)
     return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
 

@@ -1,0 +1,152 @@
+"""The Estimators page's compiled pass equals its numpy reference (views.pages.derive, estimators.py):
+counts, histograms and the token sample exactly, sums and maxima to 1e-12 (numba's exp and expm1 are
+libm's, numpy's its own vectorised ones: they differ by an ulp on some inputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from kldiag import estimators as E
+from kldiag.analysis.bins import abs_bins
+from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
+from kldiag.analysis.stats import ABS_GRID
+from kldiag.views import estimator_kernel as K
+from kldiag.views import estimators as VE
+from kldiag.views.pages import LOGP_COLUMNS, derive, nulls
+
+SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.5, 3.0, 0.0, -0.0, -1e-30, -80.0, -3e38], np.float32)
+
+
+def _numpy_partial(batch, config: AnalysisConfig, sample_size: int, seed: int) -> VE.EstimatorPartial:
+    """The partial as numpy computes it (the reducer's code before it was compiled)."""
+    cols = {c: E.as_f64(batch.column(c)) for c in LOGP_COLUMNS}
+    absent = nulls(batch)
+    keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
+    part = VE.EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
+    part.seqs = _numpy_seq_gaps(batch, cols, absent)
+    q = derive({c: v[keep] for c, v in cols.items()}, config, {c: v[keep] for c, v in absent.items()})
+    part.flagged = int(q["flagged"].sum())
+    part.clamp_saturated = int(q["clamp_saturated"].sum())
+    with np.errstate(invalid="ignore"):
+        lost = np.abs(q["weight_k3"][q["clamp_saturated"]])
+    part.k3_weight_lost = float(lost[np.isfinite(lost)].sum())
+    for name, (value, weight) in VE.values_and_weights(q, config).items():
+        finite_v = np.isfinite(value)
+        part.value_sum[name] = float(value[finite_v].sum())
+        part.value_nonfinite[name] = int((~finite_v).sum())
+        w = np.abs(weight)
+        finite_w = np.isfinite(w)
+        part.weight_abs_sum[name] = float(w[finite_w].sum())
+        part.weight_abs_flagged[name] = float(w[finite_w & q["flagged"]].sum())
+        part.weight_abs_max[name] = float(np.nanmax(w)) if w.size and not np.all(np.isnan(w)) else 0.0
+        part.weight_hist[name] = np.bincount(abs_bins(w[~np.isnan(w)]), minlength=len(ABS_EDGES) + 1)
+    pick, kind = VE.sample_pick(q["weight_k3"], q["flagged"], sample_size, seed)
+    ids = {c: batch.column(c).to_numpy()[keep][pick] for c in ("step", "seq")}
+    part.sample = pd.DataFrame({**ids, **{c: q[c][pick] for c in VE.SAMPLE_COLUMNS if c not in ids and c != "kind"},
+                                "kind": kind})
+    return part
+
+
+def _numpy_seq_gaps(batch, cols, absent) -> pd.DataFrame:
+    s = cols["logp"]
+    mu = np.where(absent["logp_sampler"], cols["logp_old"], cols["logp_sampler"])
+    mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
+    in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
+    df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
+                       "advantage": E.as_f64(batch.column("advantage")),
+                       "gap_sum": np.where(in_loss, mu - s, 0.0), "n": in_loss.astype(np.int64)})
+    g = df.groupby(["step", "seq"], sort=False)
+    return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+
+
+def _batch(seed: int, n: int = 3000, absent: tuple[str, ...] = (), repeat_keys: bool = False) -> pa.RecordBatch:
+    """Log-probs from ordinary to extreme, special values (NaN, +-inf, positive) and nulls scattered in."""
+    rng = np.random.default_rng(seed)
+    s = -rng.exponential(2.0, n)
+    cols = {"logp": s, "logp_ref": s + rng.normal(0, rng.choice([0.01, 1.0, 8.0], n)),
+            "logp_old": s + rng.normal(0, 0.3, n), "logp_sampler": s + rng.normal(0, 0.05, n)}
+    arrays = {}
+    for c, v in cols.items():
+        v = v.astype(np.float32)
+        odd = rng.random(n) < 0.03
+        v[odd] = rng.choice(SPECIAL, odd.sum())
+        null = rng.random(n) < (0.0 if c == "logp" else 0.05)
+        if c in absent:
+            null[:] = True
+        arrays[c] = pa.array(v, mask=null)
+    seq = np.repeat(np.arange(n // 30 + 1), 30)[:n]
+    if repeat_keys:  # a sequence's rows split in two runs within the batch
+        seq = np.concatenate([seq[n // 2:], seq[: n // 2]])
+    adv = rng.normal(0, 1, n)
+    adv[rng.random(n) < 0.2] = np.nan
+    mask = rng.random(n) < 0.8
+    return pa.RecordBatch.from_pydict({
+        "step": pa.array(seq // 7, pa.int64()), "seq": pa.array(seq, pa.int64()),
+        "advantage": pa.array(adv.astype(np.float32)), "mask": pa.array(mask, mask=rng.random(n) < 0.01),
+        **arrays})
+
+
+def _assert_equal(got: VE.EstimatorPartial, want: VE.EstimatorPartial) -> None:
+    for k in ("rows", "tokens", "flagged", "clamp_saturated"):
+        assert getattr(got, k) == getattr(want, k), k
+    np.testing.assert_allclose(got.k3_weight_lost, want.k3_weight_lost, rtol=1e-12)
+    assert list(got.value_sum) == list(want.value_sum) == list(VE.COMPARED)
+    for name in VE.COMPARED:
+        assert got.value_nonfinite[name] == want.value_nonfinite[name], name
+        np.testing.assert_array_equal(got.weight_hist[name], want.weight_hist[name])
+        for k in ("value_sum", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max"):
+            np.testing.assert_allclose(getattr(got, k)[name], getattr(want, k)[name], rtol=1e-12, err_msg=k)
+    pd.testing.assert_frame_equal(got.seqs.drop(columns="gap_sum"), want.seqs.drop(columns="gap_sum"))
+    np.testing.assert_allclose(got.seqs["gap_sum"], want.seqs["gap_sum"], rtol=1e-12, atol=1e-12)
+    pd.testing.assert_frame_equal(got.sample, want.sample)  # derive's values at the same rows: exact
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("absent", [(), ("logp_old",), ("logp_ref",), ("logp_old", "logp_sampler")])
+def test_compiled_partial_equals_numpy(seed, absent):
+    batch = _batch(seed, absent=absent, repeat_keys=seed == 2)
+    config = AnalysisConfig(tau=[20.0, 5.0, 100.0][seed], weight_limit=[10.0, 2.0, 50.0][seed], clamp=10.0)
+    got = VE._batch_partial(batch, config, 50, seed)
+    want = _numpy_partial(batch, config, 50, seed)
+    assert got.tokens and got.flagged and got.clamp_saturated or "logp_ref" in absent
+    _assert_equal(got, want)
+    # the cached format (to_arrays) is the same too: same keys, dtypes and shapes
+    a, b = VE.to_arrays(got), VE.to_arrays(want)
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+
+
+def test_compiled_partial_of_an_empty_batch_and_a_table():
+    empty = _batch(0).slice(0, 0)
+    _assert_equal(VE._batch_partial(empty, AnalysisConfig(), 10, 0), _numpy_partial(empty, AnalysisConfig(), 10, 0))
+    table = pa.Table.from_batches([_batch(3, n=500), _batch(4, n=400)])
+    _assert_equal(VE._batch_partial(table, AnalysisConfig(), 10, 0), _numpy_partial(table, AnalysisConfig(), 10, 0))
+
+
+def test_token_values_within_two_ulp_of_estimators():
+    """The kernel's K3 weight per token equals estimators.weight_k3 within 2 ulp; its flagged bit and the
+    tokens it keeps (in the loss, with a reference log-prob) exactly those of derive."""
+    batch = _batch(5, n=20000)
+    raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
+    absent, n = nulls(batch), batch.num_rows
+    mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
+    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
+    scal = np.zeros(3, np.int64)
+    sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
+    K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
+                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(20.0), 10.0,
+                 10.0, ABS_GRID, *sums, scal, w_k3, flagged, rows)
+    m = scal[K.S_TOKENS]
+    keep = mask & ~absent["logp_ref"]
+    np.testing.assert_array_equal(rows[:m], np.flatnonzero(keep))
+    s, r = (E.as_f64(batch.column(c))[keep] for c in ("logp", "logp_ref"))
+    want = E.weight_k3(s, r)
+    np.testing.assert_array_equal(np.isfinite(w_k3[:m]), np.isfinite(want))
+    ok = np.isfinite(want)
+    ulp = np.spacing(np.abs(want[ok]))
+    assert np.all(np.abs(w_k3[:m][ok] - want[ok]) <= 2 * ulp)
+    cols = {c: E.as_f64(batch.column(c))[keep] for c in LOGP_COLUMNS}
+    q = derive(cols, AnalysisConfig(), {c: v[keep] for c, v in absent.items()})
+    np.testing.assert_array_equal(flagged[:m], q["flagged"])
