@@ -28,27 +28,16 @@ from kldiag.crosswalk.audit import audit  # noqa: E402
 from kldiag.errors import IntegrationError  # noqa: E402
 from kldiag.format import open_run  # noqa: E402
 from kldiag.integrations import openrlhf as H  # noqa: E402
+from test_crosswalk_openrlhf import PPO_STUBS  # noqa: E402 - the same stand-ins as the crosswalk's ppo_train test
 
 ROOT = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]).parent
-STUBS = {"deepspeed": {}, "ray": {"remote": lambda **kw: (lambda cls: cls)},
-         "openrlhf.utils": {"get_tokenizer": None},
-         "openrlhf.utils.utils": {"zero_pad_sequences": None},
-         "openrlhf.utils.deepspeed": {"DeepspeedStrategy": None},
-         "openrlhf.utils.deepspeed.deepspeed_utils": {"offload_deepspeed_states": None,
-                                                      "reload_deepspeed_states": None},
-         "openrlhf.utils.distributed_util": {"stateless_init_process_group": None,
-                                             "torch_dist_barrier_and_cuda_sync": None},
-         "openrlhf.utils.logging_utils": {"init_logger": __import__("logging").getLogger},
-         "openrlhf.utils.vlm_utils": {"merge_mm_train_inputs": None},
-         "openrlhf.trainer.ray.launcher": {"BaseModelActor": object},
-         "openrlhf.trainer.ray.utils": {"get_physical_gpu_id": None}}
 PACKAGES = ("openrlhf", "openrlhf.models", "openrlhf.trainer", "openrlhf.trainer.ppo_utils", "openrlhf.trainer.ray")
 
 
 @pytest.fixture(scope="module")
 def ppo_actor():
     """openrlhf's ppo_actor module imported through kldiag's setup hook (install), with the stubs above."""
-    names = [*STUBS, *PACKAGES, "openrlhf.models.utils", "openrlhf.models.loss", "openrlhf.utils.loss_utils",
+    names = [*PPO_STUBS, *PACKAGES, "openrlhf.models.utils", "openrlhf.models.loss", "openrlhf.utils.loss_utils",
              "openrlhf.trainer.ppo_utils.experience", H.MODULE]
     saved = {k: sys.modules.get(k) for k in names}
     meta_path = list(sys.meta_path)
@@ -59,7 +48,7 @@ def ppo_actor():
         spec.loader.exec_module(mod)
         return mod
 
-    for name, attrs in STUBS.items():
+    for name, attrs in PPO_STUBS.items():
         sys.modules[name] = types.ModuleType(name)
         sys.modules[name].__dict__.update(attrs)
     for pkg in PACKAGES:

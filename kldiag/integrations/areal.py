@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.areal import ESTIMATOR_OF, SUPPORTED
 from kldiag.integrations.versions import check_release
+from kldiag.integrations.failures import recording_failed
 
 ENV_RUN = "KLDIAG_RUN"
 SAMPLER_KEY = "kldiag_logp_sampler"
@@ -160,12 +160,7 @@ def record_micro_batch(engine: Any, logprobs: Any, entropy: Any, data: dict, ste
 
 
 def _warn(e: BaseException) -> None:
-    STATE.failures += 1
-    if os.environ.get("KLDIAG_STRICT") == "1":
-        raise e
-    if STATE.failures == 1:
-        warnings.warn(f"kldiag: recording an AReaL micro-batch failed ({type(e).__name__}: {e}); training goes on "
-                      "without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=3)
+    recording_failed(STATE, e, "an AReaL micro-batch")
 
 
 def recording_loss(engine: Any, loss_fn: Any) -> Any:

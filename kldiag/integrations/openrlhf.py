@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +46,7 @@ from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.openrlhf import ESTIMATOR_OF, SUPPORTED
 from kldiag.integrations.versions import check_release
+from kldiag.integrations.failures import recording_failed
 
 ENV_RUN = "KLDIAG_RUN"
 MODULE = "openrlhf.trainer.ray.ppo_actor"
@@ -110,12 +110,7 @@ STATE = _State()
 
 
 def _warn(e: BaseException) -> None:
-    STATE.failures += 1
-    if os.environ.get("KLDIAG_STRICT") == "1":
-        raise e
-    if STATE.failures == 1:
-        warnings.warn(f"kldiag: recording an OpenRLHF micro-batch failed ({type(e).__name__}: {e}); training goes "
-                      "on without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=3)
+    recording_failed(STATE, e, "an OpenRLHF micro-batch")
 
 
 class _LossTap:

@@ -30,13 +30,13 @@ training (KLDIAG_STRICT=1 raises them).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.skyrl import ESTIMATOR_OF, SUPPORTED
 from kldiag.integrations.versions import check_release
+from kldiag.integrations.failures import recording_failed
 
 ENV_RUN = "KLDIAG_RUN"
 MICRO_SLOTS = 256  # micro-batches per DP chunk of a mini-batch
@@ -153,12 +153,7 @@ class _Callback:
             record_step(self.recorder, callback_input.batch, int(callback_input.global_step), self.config, dp,
                         self.uids)
         except Exception as e:  # noqa: BLE001 - never into training unless asked
-            self.failures += 1
-            if os.environ.get("KLDIAG_STRICT") == "1":
-                raise
-            if self.failures == 1:
-                warnings.warn(f"kldiag: recording a SkyRL step failed ({type(e).__name__}: {e}); training goes on "
-                              "without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=2)
+            recording_failed(self, e, "a SkyRL step", stacklevel=2)
 
     def on_train_end(self, trainer: Any, callback_input: Any, control: Any) -> None:
         self.close()

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -48,6 +47,7 @@ from kldiag.integrations import verl_metrics
 from kldiag.integrations.step_metrics import StepWindow
 from kldiag.integrations.verl_batch import non_tensor, engine_routes, policy_versions, sequence_ids
 from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
+from kldiag.integrations.failures import recording_failed
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
               "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",
@@ -169,12 +169,7 @@ def ppo_loss(config: Any, model_output: dict[str, Any], data: Any, dp_group: Any
         if reported:  # the previous step's kldiag/* partials, carried to the driver with verl's own metrics
             metrics = {**metrics, **reported}
     except Exception as e:  # noqa: BLE001 - never into training unless asked
-        STATE.failures += 1
-        if os.environ.get("KLDIAG_STRICT") == "1":
-            raise
-        if STATE.failures == 1:
-            warnings.warn(f"kldiag: recording a verl micro-batch failed ({type(e).__name__}: {e}); training goes "
-                          "on without it. Set KLDIAG_STRICT=1 to raise instead", RuntimeWarning, stacklevel=2)
+        recording_failed(STATE, e, "a verl micro-batch", stacklevel=2)
     return loss, metrics
 
 
