@@ -124,8 +124,9 @@ def test_group_view_shows_siblings_and_zero_spread(server, runs, page):
     zero = seqs[(seqs["step"] == 2) & (seqs["group"] % 3 == 0)].iloc[0]
     page.goto(f"{server}/sequence?run=k3&step=2&seq={int(zero['seq'])}")
     page.locator(".kldiag-sibling").first.wait_for(timeout=60_000)
+    # the blocks come in as the page's script runs (a deep link may rerun it): wait for all four
+    expect(page.locator(".kldiag-sibling")).to_have_count(4, timeout=60_000)
     _idle(page)
-    assert page.locator(".kldiag-sibling").count() == 4
     assert page.get_by_text(f"Group {int(zero['group'])}: 4 completions").count() == 1
     assert page.locator('[data-testid="stAlert"]').filter(has_text="Zero advantage spread").count() == 1
 
