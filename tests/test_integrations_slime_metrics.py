@@ -108,11 +108,11 @@ def test_slimes_logged_step_carries_the_previous_rollouts_kldiag_figures(fake_sl
 
 def test_a_late_writer_leaves_rollouts_out(fake_slime, logged, monkeypatch, tmp_path):
     def late_after_1(states, rollout):
+        if rollout == 2:
+            del states[1].recorder.wait_converted  # caught up: converted() below waits for it for real
         converted(states, rollout)
         if rollout == 1:  # rollout 2's first loss call finds rank 1's writer behind
             states[1].recorder.wait_converted = lambda timeout=1.0: False  # shadows the method
-        elif rollout == 2:
-            del states[1].recorder.wait_converted  # caught up
 
     got = train(fake_slime, logged, monkeypatch, 4, late_after_1)
     steps = kldiag.analyze(tmp_path / "run").steps.to_pandas().set_index("step")
