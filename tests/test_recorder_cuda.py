@@ -75,3 +75,24 @@ def test_cuda_record_returns_before_the_device_finishes(tmp_path):
     assert held < 0.02, held
     rows = kldiag.open_run(tmp_path / "run").read(columns=["step"]).num_rows
     assert rows == 2 * int(batch["mask"].sum())
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_cuda_record_never_syncs_the_device(tmp_path, warm):
+    """record() under sync debug mode "error": no device sync (no .item(), .cpu(), nonzero or blocking
+    copy) on the training thread, whether the pinned pool is empty (first call) or warm."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batch = _batch(gen, 8, 512, torch.bfloat16)
+    with kldiag.Recorder(tmp_path / "run", strict=True) as rec:
+        if warm:
+            rec.record(step=0, **batch)
+            rec.flush()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rec.record(step=1, **batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    steps = kldiag.open_run(tmp_path / "run").read(columns=["step"]).column("step").to_numpy()
+    assert (steps == 1).sum() == int(batch["mask"].sum())
