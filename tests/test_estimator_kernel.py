@@ -125,28 +125,62 @@ def test_compiled_partial_of_an_empty_batch_and_a_table():
     _assert_equal(VE._batch_partial(table, AnalysisConfig(), 10, 0), _numpy_partial(table, AnalysisConfig(), 10, 0))
 
 
+def _pass(batch, tau=20.0, limit=10.0, clamp=10.0):
+    """token_pass over a batch with its per-token trace: (scal, kept sets, K3 weight and flagged per token)."""
+    raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
+    absent, n = nulls(batch), batch.num_rows
+    mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
+    w_k3, flagged = np.empty(n), np.empty(n, bool)
+    scal = np.zeros(5, np.int64)
+    sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
+    kept = np.empty(VE.KEEP_TOP), np.empty(VE.KEEP_TOP, np.int64), np.empty(VE.KEEP_FLAGGED), \
+        np.empty(VE.KEEP_FLAGGED, np.int64)
+    K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
+                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(tau), limit,
+                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged)
+    m = scal[K.S_TOKENS]
+    top, worst = kept[1][: scal[K.S_TOP]], kept[3][: scal[K.S_WORST]]
+    return m, top, worst, w_k3[:m], flagged[:m], mask, absent
+
+
 def test_token_values_within_two_ulp_of_estimators():
     """The kernel's K3 weight per token equals estimators.weight_k3 within 2 ulp; its flagged bit and the
     tokens it keeps (in the loss, with a reference log-prob) exactly those of derive."""
     batch = _batch(5, n=20000)
-    raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
-    absent, n = nulls(batch), batch.num_rows
-    mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
-    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
-    scal = np.zeros(3, np.int64)
-    sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
-    K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
-                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(20.0), 10.0,
-                 10.0, ABS_GRID, *sums, scal, w_k3, flagged, rows)
-    m = scal[K.S_TOKENS]
+    m, top, worst, w_k3, flagged, mask, absent = _pass(batch)
     keep = mask & ~absent["logp_ref"]
-    np.testing.assert_array_equal(rows[:m], np.flatnonzero(keep))
+    rows = np.empty(m, np.int64)
+    K.token_rows(mask, absent["logp_ref"], np.arange(m), rows)
+    np.testing.assert_array_equal(rows, np.flatnonzero(keep))
     s, r = (E.as_f64(batch.column(c))[keep] for c in ("logp", "logp_ref"))
     want = E.weight_k3(s, r)
-    np.testing.assert_array_equal(np.isfinite(w_k3[:m]), np.isfinite(want))
+    np.testing.assert_array_equal(np.isfinite(w_k3), np.isfinite(want))
     ok = np.isfinite(want)
     ulp = np.spacing(np.abs(want[ok]))
-    assert np.all(np.abs(w_k3[:m][ok] - want[ok]) <= 2 * ulp)
+    assert np.all(np.abs(w_k3[ok] - want[ok]) <= 2 * ulp)
     cols = {c: E.as_f64(batch.column(c))[keep] for c in LOGP_COLUMNS}
     q = derive(cols, AnalysisConfig(), {c: v[keep] for c, v in absent.items()})
-    np.testing.assert_array_equal(flagged[:m], q["flagged"])
+    np.testing.assert_array_equal(flagged, q["flagged"])
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_kept_tokens_are_largest_sets(ties):
+    """The pass's running selection keeps the sets `largest` gives (NaN as +inf, of equal weights the
+    first tokens), and kept_pick then draws exactly sample_pick's sample."""
+    batch = _batch(6, n=20000)
+    if ties:  # five distinct weights (NaN among them): every cut falls inside a run of equal ones
+        n = batch.num_rows
+        r = np.resize(np.array([-0.5, 0.5, np.nan, -1.0, 2.5], np.float32), n)
+        for c, v in (("logp", np.full(n, -1.0, np.float32)), ("logp_ref", r)):
+            batch = batch.set_column(batch.schema.get_field_index(c), c, pa.array(v))
+    m, top, worst, w_k3, flagged, _, _ = _pass(batch)
+    w = np.abs(w_k3)
+    w = np.where(np.isnan(w), np.inf, w)
+    assert set(top) == set(VE.largest(w, VE.KEEP_TOP))
+    at = np.flatnonzero(flagged)
+    assert set(worst) == set(at[VE.largest(w[at], VE.KEEP_FLAGGED)])
+    assert len(worst) == min(VE.KEEP_FLAGGED, len(at)) and len(top) == min(VE.KEEP_TOP, m)
+    for size in (0, 100, m):
+        got, want = VE.kept_pick(top, worst, m, size, 7), VE.sample_pick(w_k3, flagged, size, 7)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])

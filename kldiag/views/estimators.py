@@ -72,10 +72,11 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
-    """The partial of one batch: its per-token work in one compiled pass (estimator_kernel.token_pass);
-    the sample's columns are `derive`'s on the few rows drawn."""
+    """The partial of one batch: its per-token work in one compiled pass (estimator_kernel.token_pass),
+    which also keeps the sample's always-kept tokens; the sample's columns are `derive`'s on the few rows
+    drawn."""
     n = batch.num_rows
-    raw, absent = {}, nulls(batch)
+    raw, absent = {}, _nulls(batch)
     for c in LOGP_COLUMNS:
         col = batch.column(c)
         raw[c] = col.to_numpy(zero_copy_only=False) if col.null_count < n else np.full(n, np.nan, np.float32)
@@ -84,11 +85,13 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
     fsum = np.zeros((4, len(COMPARED)))
     icount = np.zeros((1, len(COMPARED)), np.int64)
     hist = np.zeros((len(COMPARED), len(ABS_EDGES) + 1), np.int64)
-    scal = np.zeros(3, np.int64)
-    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
+    scal = np.zeros(5, np.int64)
+    top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
+        np.empty(KEEP_FLAGGED, np.int64)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
-                        config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, w_k3, flagged, rows)
+                        config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
+                        worst_w, worst_j, np.empty(0), np.empty(0, bool))
     m = int(scal[K.S_TOKENS])
     part = EstimatorPartial(rows=n, tokens=m, flagged=int(scal[K.S_FLAGGED]),
                             clamp_saturated=int(scal[K.S_CLAMP]), k3_weight_lost=float(lost))
@@ -100,13 +103,28 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
         part.weight_abs_max[name] = float(fsum[K.F_WMAX, e])
         part.weight_hist[name] = hist[e]
     part.seqs = _seq_gaps(batch, raw, absent, mask)
-    pick, kind = sample_pick(w_k3[:m], flagged[:m], sample_size, seed)
-    at = rows[:m][pick]
+    pick, kind = kept_pick(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
+    at = np.empty(len(pick), np.int64)
+    K.token_rows(mask, absent["logp_ref"], pick, at)
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
     ids = {c: batch.column(c).to_numpy()[at] for c in ("step", "seq")}
     part.sample = pd.DataFrame({**ids, **{c: q[c] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
                                 "kind": kind})
     return part
+
+
+def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
+    """`pages.nulls`, with one shared all-False array for the columns without a null (the usual case)."""
+    n, none = batch.num_rows, None
+    out = {}
+    for c in LOGP_COLUMNS:
+        col = batch.column(c)
+        if col.null_count:
+            out[c] = np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        else:
+            none = np.zeros(n, bool) if none is None else none
+            out[c] = none
+    return out
 
 
 def largest(w: np.ndarray, k: int) -> np.ndarray:
@@ -141,6 +159,28 @@ def sample_pick(weight_k3: np.ndarray, flagged: np.ndarray, sample_size: int,
     kind = np.full(pick.size, SAMPLED, dtype=object)
     kind[np.isin(pick, top)] = "top |k3 weight|"
     kind[np.isin(pick, flagged_rows)] = "flagged"
+    return pick, kind
+
+
+def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
+              seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """sample_pick's (rows, kind) from its always-kept sets, found without the weights of every token:
+    top and worst are the token numbers [< m] of `largest(|w|, KEEP_TOP)` and of the flagged tokens'
+    `largest(.., KEEP_FLAGGED)` (estimator_kernel.token_pass keeps them). The uniform draw is
+    sample_pick's own: the same generator call on as many others, the i-th other mapped to its number."""
+    special = np.union1d(top, worst).astype(np.int64)
+    n_rest = m - special.size
+    if n_rest > sample_size:  # the p-th other: p plus the kept tokens at or below it among the others
+        p = np.random.default_rng(seed).choice(n_rest, size=sample_size, replace=False)
+        rest = p + np.searchsorted(special - np.arange(special.size), p, side="right")
+    else:
+        others = np.ones(m, bool)
+        others[special] = False
+        rest = np.flatnonzero(others)
+    pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
+    kind = np.full(pick.size, SAMPLED, dtype=object)
+    kind[np.isin(pick, top)] = "top |k3 weight|"
+    kind[np.isin(pick, worst)] = "flagged"
     return pick, kind
 
 
