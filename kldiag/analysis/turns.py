@@ -134,34 +134,35 @@ def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.nda
     return t, sequence_starts(t["step"], t["iteration"], t["seq"])
 
 
-def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct steps, each row's index into them): a subtraction when the steps are a short range."""
+def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the distinct steps, an index per row, its offset): a row's step is steps[index - offset]. The
+    steps' own values with offset min(step) when they are a short range, else np.unique's inverse."""
     if not len(step):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), step, 0
     lo, hi = int(step.min()), int(step.max())
     if hi - lo < 1 << 16:
-        return np.arange(lo, hi + 1, dtype=np.int64), (step - lo).astype(np.int64)
+        return np.arange(lo, hi + 1, dtype=np.int64), step, lo
     steps, inv = np.unique(step, return_inverse=True)
-    return steps.astype(np.int64), inv.astype(np.int64)
+    return steps.astype(np.int64), inv.astype(np.int64), 0
 
 
 def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, thresholds, keep: int) -> dict[str, np.ndarray]:
     """The partial of whole sequences (t sorted by sequence and pos, `new` their starts)."""
     n = len(new)
-    steps, idx = _step_index(t["step"])
+    steps, idx, lo = _step_index(t["step"])
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
-    mask = t["mask"].astype(bool)
-    rec = t["turn"].astype(np.int64) if "turn" in t else np.full(n, -1, np.int64)
+    mask = np.asarray(t["mask"], bool)
+    rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
     # an upper bound on turn starts (the spans buffer): every sequence start, every rise of the mask,
     # and with a recorded turn every change of it
-    starts = int(np.count_nonzero(new)) + (int(np.count_nonzero(mask[1:] & ~mask[:-1])) if n > 1 else 0)
+    starts = int(np.count_nonzero(new)) + (int(np.count_nonzero(mask[1:] > mask[:-1])) if n > 1 else 0)
     if "turn" in t and n > 1:
         starts += int(np.count_nonzero(rec[1:] != rec[:-1]))
     per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
     tau, limit, clamp = thresholds
-    n_spans = fold(new, mask, rec, idx, t["logp"], t["logp_old"], t["valid_logp_old"],
-                    t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
-                    float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
+    n_spans = fold(new, mask, rec, idx, lo, t["logp"], t["logp_old"], t["valid_logp_old"],
+                   t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
+                   float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
     used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
     out = {k: grid[:, :, j] for j, k in enumerate(SUMS)}
     out.update(mismatch_abs_max=gmax, step=steps[used], step_abs=per_step[used, :, 0], step_n=per_step[used, :, 1],
