@@ -35,7 +35,8 @@ def _bad(v, ok):  # pragma: no cover - compiled
 def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, mm, x, k3x, w, bad):  # pragma: no cover
     """Each row's figures of a chunk (column slices) into mm, x, k3x, w, bad: m - o or NaN, x = s - o, K3
     of pi_theta vs pi_old, |k3 weight| or NaN, flagged; estimators.py's maths per present column, with
-    fastexp's expm1 (within 2 ulp of numpy's). Branch-free over range(len) of slices: LLVM vectorises it."""
+    fastexp's expm1 (within 2 ulp of numpy's). Two branch-free loops over range(len) of slices, which
+    LLVM vectorises; one loop with five outputs was not (too many arrays to check for overlap): 3x slower."""
     for i in range(len(s)):
         sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])  # float64 inside
         ov = np.float64(o[i]) if o_ok[i] else sv
@@ -43,12 +44,15 @@ def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, mm, x, k3x, w, 
         xv = sv - ov
         x[i] = xv
         k3x[i] = fastexp.expm1(-xv) + xv
-        d = rv - sv
-        e = fastexp.expm1(d)
-        wv = abs(e)
-        w[i] = wv if r_ok[i] else np.nan
+        w[i] = abs(fastexp.expm1(rv - sv))
+    for i in range(len(s)):
+        sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])
+        ov = np.float64(o[i]) if o_ok[i] else sv
+        d, wv = rv - sv, w[i]
+        k3d = (-wv if d < 0 else wv) - d  # expm1(d) - d: expm1 keeps d's sign
         bad[i] = (_bad(sv, True) | _bad(ov, o_ok[i]) | _bad(mv, m_ok[i])
-                  | (r_ok[i] & (_bad(rv, True) | (d > log_tau) | (wv > limit) | (e - d > clamp))))
+                  | (r_ok[i] & (_bad(rv, True) | (d > log_tau) | (wv > limit) | (k3d > clamp))))
+        w[i] = wv if r_ok[i] else np.nan
 
 
 @njit(inline="always", **JIT)
@@ -150,3 +154,42 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
     if cur >= 0:
         spans[cur, 2], spans[cur, 3] = sp_abs, sp_n
     return n_spans
+
+
+@njit(**JIT)
+def seq_starts(step, iteration, seq, out):  # pragma: no cover - compiled
+    """out[i] (bool [n]): row i's (step, iteration, seq) differs from row i - 1's (True at row 0)."""
+    for i in range(len(seq)):
+        out[i] = i == 0 or step[i] != step[i - 1] or iteration[i] != iteration[i - 1] or seq[i] != seq[i - 1]
+
+
+@njit(**JIT)
+def in_order(new, step, iteration, seq, pos):  # pragma: no cover - compiled
+    """True when rows are grouped by sequence (new [n]: their starts) with pos rising inside one and the
+    sequences' (step, iteration, seq) strictly rising (the recorder's order: each sequence once).
+    False says only that this quick test cannot tell."""
+    head = -1
+    for i in range(len(new)):
+        if new[i]:
+            if head >= 0:
+                a, b = (step[head], iteration[head], seq[head]), (step[i], iteration[i], seq[i])
+                if not (a[0] < b[0] or (a[0] == b[0] and (a[1] < b[1] or (a[1] == b[1] and a[2] < b[2])))):
+                    return False
+            head = i
+        elif pos[i] <= pos[i - 1]:
+            return False
+    return True
+
+
+@njit(**JIT)
+def turn_starts(new, mask, rec):  # pragma: no cover - compiled
+    """An upper bound on the turn starts of the rows (fold's spans buffer): every sequence start, every
+    rise of the mask, and with a recorded turn (rec [n], else [0]) every change of it."""
+    count = 0
+    for i in range(len(new)):
+        count += new[i]
+        if i:
+            count += mask[i] and not mask[i - 1]
+            if len(rec):
+                count += rec[i] != rec[i - 1]
+    return count

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis.runner import reduced
-from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold
+from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, turn_starts
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
@@ -80,10 +80,8 @@ def turn_index(new_seq: np.ndarray, mask: np.ndarray,
 
 def sequence_starts(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray) -> np.ndarray:
     """[N] bool: True where a row's (step, iteration, seq) differs from the previous row's."""
-    n = len(seq)
-    out = np.ones(n, bool)
-    if n > 1:
-        out[1:] = (step[1:] != step[:-1]) | (iteration[1:] != iteration[:-1]) | (seq[1:] != seq[:-1])
+    out = np.empty(len(seq), bool)
+    seq_starts(step, iteration, seq, out)
     return out
 
 
@@ -124,6 +122,8 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
 def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
     that order (the recorder's) is returned as it is."""
+    if in_order(new, t["step"], t["iteration"], t["seq"], t["pos"]):
+        return t, new
     heads = np.flatnonzero(new)
     pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"])[~new[1:]] > 0))
     keys = np.stack([t[k][heads].astype(np.int64) for k in KEY], 1)
@@ -155,9 +155,7 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
     rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
     # an upper bound on turn starts (the spans buffer): every sequence start, every rise of the mask,
     # and with a recorded turn every change of it
-    starts = int(np.count_nonzero(new)) + (int(np.count_nonzero(mask[1:] > mask[:-1])) if n > 1 else 0)
-    if "turn" in t and n > 1:
-        starts += int(np.count_nonzero(rec[1:] != rec[:-1]))
+    starts = turn_starts(new, mask, rec)
     per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
     tau, limit, clamp = thresholds
     n_spans = fold(new, mask, rec, idx, lo, t["logp"], t["logp_old"], t["valid_logp_old"],
