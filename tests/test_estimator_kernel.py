@@ -184,3 +184,26 @@ def test_kept_tokens_are_largest_sets(ties):
         got, want = VE.kept_pick(top, worst, m, size, 7), VE.sample_pick(w_k3, flagged, size, 7)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+def _same_arrays(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_numpy_merge_equals_the_pandas_merge():
+    """The reducer's finish and merge (merge_arrays, numpy) give to_arrays(merge_partials(...)) exactly: sums
+    in the same order, the per-sequence rows (a sequence split across batches, NaN advantages first), the
+    re-selected kept tokens and the weighted draw of the others."""
+    batches = [_batch(s, n=2000) for s in (7, 8, 9)]
+    config = AnalysisConfig()
+    parts = [VE.batch_arrays(b.slice(o, 700), config, 40, s) for s, b in enumerate(batches) for o in (0, 700, 1400)]
+    for size, seed in ((30, 5), (10**6, 0)):
+        want = VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts], sample_size=size, seed=seed))
+        _same_arrays(VE.merge_arrays(parts, sample_size=size, seed=seed), want)
+    _same_arrays(VE.EstimatorReducer().merge(parts), VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts])))
+    empty = VE.batch_arrays(batches[0].slice(0, 0), config, 10, 0)
+    _same_arrays(VE.merge_arrays([empty, empty]), VE.to_arrays(VE.merge_partials([VE.from_arrays(empty)] * 2)))
+    _same_arrays(VE.merge_arrays([]), VE.to_arrays(VE.merge_partials([])))

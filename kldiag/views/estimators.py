@@ -72,9 +72,15 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
-    """The partial of one batch: its per-token work in one compiled pass (estimator_kernel.token_pass),
-    which also keeps the sample's always-kept tokens; the sample's columns are `derive`'s on the few rows
-    drawn."""
+    """The partial of one batch (tests, `part_partial`): `batch_arrays` as an EstimatorPartial."""
+    return from_arrays(batch_arrays(batch, config, sample_size, seed))
+
+
+def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
+                 seed: int) -> dict[str, np.ndarray]:
+    """The partial of one batch as named arrays (to_arrays' layout): its per-token work in one compiled
+    pass (estimator_kernel.token_pass), which also keeps the sample's always-kept tokens; the sample's
+    columns are `derive`'s on the few rows drawn."""
     n = batch.num_rows
     raw, absent = {}, _nulls(batch)
     for c in LOGP_COLUMNS:
@@ -93,24 +99,22 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
                         worst_w, worst_j, np.empty(0), np.empty(0, bool))
     m = int(scal[K.S_TOKENS])
-    part = EstimatorPartial(rows=n, tokens=m, flagged=int(scal[K.S_FLAGGED]),
-                            clamp_saturated=int(scal[K.S_CLAMP]), k3_weight_lost=float(lost))
-    for e, name in enumerate(COMPARED):
-        part.value_sum[name] = float(fsum[K.F_VALUE, e])
-        part.value_nonfinite[name] = int(icount[K.I_NONFINITE, e])
-        part.weight_abs_sum[name] = float(fsum[K.F_WABS, e])
-        part.weight_abs_flagged[name] = float(fsum[K.F_WFLAG, e])
-        part.weight_abs_max[name] = float(fsum[K.F_WMAX, e])
-        part.weight_hist[name] = hist[e]
-    part.seqs = _seq_gaps(batch, raw, absent, mask)
+    out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
+           "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
+    for k, row in (("value_sum", fsum[K.F_VALUE]), ("value_nonfinite", icount[K.I_NONFINITE]),
+                   ("weight_abs_sum", fsum[K.F_WABS]), ("weight_abs_flagged", fsum[K.F_WFLAG]),
+                   ("weight_abs_max", fsum[K.F_WMAX])):
+        out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
+    out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
+    out.update({f"seqs/{c}": v for c, v in _seq_gaps(batch, raw, absent, mask).items()})
     pick, kind = kept_pick(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
     at = np.empty(len(pick), np.int64)
     K.token_rows(mask, absent["logp_ref"], pick, at)
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
-    ids = {c: batch.column(c).to_numpy()[at] for c in ("step", "seq")}
-    part.sample = pd.DataFrame({**ids, **{c: q[c] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
-                                "kind": kind})
-    return part
+    q.update({c: batch.column(c).to_numpy()[at] for c in ("step", "seq")})
+    q["kind"] = kind_index(kind)
+    out.update({f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
+    return out
 
 
 def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
@@ -184,9 +188,10 @@ def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
     return pick, kind
 
 
-def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray], mask: np.ndarray) -> pd.DataFrame:
-    """Per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s over
-    tokens in the loss (estimator_kernel.seq_runs per run of equal rows, then runs of one key merged).
+def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray],
+              mask: np.ndarray) -> dict[str, np.ndarray]:
+    """SEQ_COLUMNS per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s
+    over tokens in the loss (estimator_kernel.seq_runs per run of equal rows, then runs of one key merged).
 
     mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
     """
@@ -197,15 +202,32 @@ def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray], 
                                                                  np.int64))
     k = K.seq_runs(step, seq, adv, raw["logp"], raw["logp_old"], raw["logp_sampler"], absent["logp_old"],
                    absent["logp_sampler"], mask, r_step, r_seq, r_adv, r_gap, r_n)
-    df = pd.DataFrame({"step": r_step[:k], "seq": r_seq[:k], "advantage": r_adv[:k], "gap_sum": r_gap[:k],
-                       "n": r_n[:k]})
-    if k and pd.MultiIndex.from_arrays([df["step"], df["seq"]]).is_unique:
-        return df
+    out = {"step": r_step[:k].astype(np.int64), "seq": r_seq[:k].astype(np.int64), "advantage": r_adv[:k],
+           "gap_sum": r_gap[:k], "n": r_n[:k]}
+    if _rising(out["step"], out["seq"]) or pd.MultiIndex.from_arrays([out["step"], out["seq"]]).is_unique:
+        return out  # rising: the recorder's order, every key once (told without pandas)
+    df = pd.DataFrame(out)
     g = df.groupby(["step", "seq"], sort=False)
-    return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+    df = g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+    return {c: df[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS}
+
+
+def _rising(step: np.ndarray, seq: np.ndarray) -> bool:
+    """Whether the (step, seq) keys strictly rise (so each is unique)."""
+    return len(step) < 2 or bool(np.all((step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (seq[1:] > seq[:-1]))))
 
 
 KINDS = (SAMPLED, "top |k3 weight|", "flagged")  # the sample's `kind`, stored as its index
+
+
+def kind_index(kind: np.ndarray) -> np.ndarray:
+    """int8 KINDS index of each label (object [m])."""
+    out = np.zeros(len(kind), np.int8)
+    for i, k in enumerate(KINDS[1:], 1):
+        out[kind == k] = i
+    return out
+
+
 SCALARS = ("rows", "tokens", "flagged", "clamp_saturated", "k3_weight_lost")
 DTYPES = {"step": np.int64, "seq": np.int64, "n": np.int64, "kind": np.int8, "flagged": bool}  # else float64
 PER_ESTIMATOR = ("value_sum", "value_nonfinite", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max")
@@ -237,13 +259,13 @@ class EstimatorReducer:
 
     def add(self, state: dict, batch: pa.RecordBatch) -> None:
         seed = state["seed"] + len(state["parts"])
-        state["parts"].append(_batch_partial(batch, self.config(), self.sample_size, seed))
+        state["parts"].append(batch_arrays(batch, self.config(), self.sample_size, seed))
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
-        return to_arrays(merge_partials(state["parts"], sample_size=self.sample_size, seed=state["seed"]))
+        return merge_arrays(state["parts"], sample_size=self.sample_size, seed=state["seed"])
 
     def merge(self, partials) -> dict[str, np.ndarray]:
-        return to_arrays(merge_partials([from_arrays(p) for p in partials]))
+        return merge_arrays(list(partials))
 
 
 def to_arrays(p: EstimatorPartial) -> dict[str, np.ndarray]:
@@ -268,8 +290,84 @@ def from_arrays(a: dict[str, np.ndarray]) -> EstimatorPartial:
             p.weight_hist[name] = np.asarray(v)
     p.seqs = pd.DataFrame({c: a[f"seqs/{c}"] for c in SEQ_COLUMNS})
     sample = pd.DataFrame({c: a[f"sample/{c}"] for c in SAMPLE_COLUMNS})
-    p.sample = sample.assign(kind=[KINDS[int(k)] for k in sample["kind"]]) if len(sample) else sample
+    p.sample = sample.assign(kind=np.array([KINDS[int(k)] for k in sample["kind"]], dtype=object))
     return p
+
+
+def merge_arrays(parts: Sequence[dict[str, np.ndarray]], sample_size: int = 5000,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """to_arrays(merge_partials(...)) of partials as named arrays, in numpy: the same sums in the same
+    order, maxima, histograms, per-sequence rows (a key's gap_sum summed in part order: pandas' compensated
+    group sum may differ in the last bit where a sequence spans three or more batches) and sample."""
+    parts = [p for p in parts if p is not None]
+    out = {k: np.array([sum((p[k][0].item() for p in parts), 0.0 if k == "k3_weight_lost" else 0)])
+           for k in SCALARS}
+    names = list(dict.fromkeys(key.partition("/")[2] for p in parts for key in p if key.startswith("value_sum/")))
+    for k in PER_ESTIMATOR:
+        for name in names:
+            have = [p[f"{k}/{name}"][0].item() for p in parts if f"{k}/{name}" in p]
+            if k == "weight_abs_max":
+                v = 0.0
+                for x in have:
+                    v = max(v, x)
+            else:
+                v = sum(have, 0 if k == "value_nonfinite" else 0.0)
+            out[f"{k}/{name}"] = np.array([v])
+    for name in names:
+        out[f"weight_hist/{name}"] = sum((p[f"weight_hist/{name}"] for p in parts if f"weight_hist/{name}" in p), 0)
+    out.update(_merge_seq_arrays([p for p in parts if len(p["seqs/step"])]))
+    out.update(_merge_sample_arrays([p for p in parts if len(p["sample/step"])], sample_size, seed))
+    return out
+
+
+def _merge_seq_arrays(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """merge_partials' per-sequence rows: one per (step, seq), sorted; the first non-NaN advantage, the sums."""
+    if not parts:
+        return {f"seqs/{c}": np.zeros(0, DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS}
+    col = {c: np.concatenate([p[f"seqs/{c}"] for p in parts]) for c in SEQ_COLUMNS}
+    order = np.lexsort((col["seq"], col["step"]))  # stable: a key's rows stay in part order
+    col = {c: v[order] for c, v in col.items()}
+    new = np.ones(len(order), bool)
+    new[1:] = (col["step"][1:] != col["step"][:-1]) | (col["seq"][1:] != col["seq"][:-1])
+    starts = np.flatnonzero(new)
+    at = np.where(np.isnan(col["advantage"]), len(order), np.arange(len(order)))
+    first = np.minimum.reduceat(at, starts)
+    adv = np.where(first < len(order), col["advantage"][np.minimum(first, len(order) - 1)], np.nan)
+    gap = col["gap_sum"]  # NaN where +inf and -inf met in one part
+    return {"seqs/step": col["step"][starts], "seqs/seq": col["seq"][starts], "seqs/advantage": adv,
+            "seqs/gap_sum": np.add.reduceat(np.where(np.isnan(gap), 0.0, gap), starts),  # pandas' sum skips NaN
+            "seqs/n": np.add.reduceat(col["n"], starts)}
+
+
+def _merge_sample_arrays(parts: Sequence[dict[str, np.ndarray]], n: int, seed: int) -> dict[str, np.ndarray]:
+    """_merge_samples on named arrays (kind as its KINDS index): the always-kept tokens re-selected, the
+    others drawn weighted by each part's tokens per sampled token, all in a stable order by step."""
+    if not parts:
+        return {f"sample/{c}": np.zeros(0, DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS}
+    col = {c: np.concatenate([p[f"sample/{c}"] for p in parts]) for c in SAMPLE_COLUMNS}
+    kind = col["kind"]
+    special = np.flatnonzero(kind != 0)
+    if len(special):
+        pick, labels = sample_pick(col["weight_k3"][special], kind[special] == KINDS.index("flagged"), 0, 0)
+        special = special[pick]
+        special_kind = kind_index(labels)
+    else:
+        special_kind = np.zeros(0, np.int8)
+    rest, weights, base = [], [], 0
+    for p in parts:
+        mine = np.flatnonzero(p["sample/kind"] == 0)
+        rest.append(base + mine)
+        weights.append(np.full(len(mine), p["tokens"][0].item() / max(len(mine), 1)))
+        base += len(p["sample/kind"])
+    rest, weights = np.concatenate(rest), np.concatenate(weights)
+    if len(rest) > n:
+        pick = np.random.default_rng(seed).choice(len(rest), size=n, replace=False, p=weights / weights.sum())
+        rest = rest[np.sort(pick)]
+    rows = np.concatenate([special, rest])
+    order = np.argsort(col["step"][rows], kind="stable")
+    out = {f"sample/{c}": v[rows][order] for c, v in col.items() if c != "kind"}
+    out["sample/kind"] = np.concatenate([special_kind, np.zeros(len(rest), np.int8)])[order]
+    return {f"sample/{c}": out[f"sample/{c}"] for c in SAMPLE_COLUMNS}
 
 
 def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
