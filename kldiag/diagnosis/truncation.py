@@ -90,8 +90,13 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float, float]:
     """(slope, intercept, corr) of d on x; NaN when x or d does not vary."""
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(d) == 0:
         return math.nan, math.nan, math.nan
-    slope, intercept = np.polyfit(x, d, 1)
-    return float(slope), float(intercept), float(np.corrcoef(x, d)[0, 1])
+    # least squares in closed form on centred values (what np.polyfit(x, d, 1) and np.corrcoef give, to
+    # rounding, without their Vandermonde matrix and SVD: a tenth of the time on a million tokens)
+    mx, md = x.mean(), d.mean()
+    xc, dc = x - mx, d - md
+    sxx, sxd, sdd = xc @ xc, xc @ dc, dc @ dc
+    slope = sxd / sxx
+    return float(slope), float(md - slope * mx), float(sxd / math.sqrt(sxx * sdd))
 
 
 def _bins(x: np.ndarray, d: np.ndarray, k: int) -> list[dict]:
@@ -109,6 +114,19 @@ def _bins(x: np.ndarray, d: np.ndarray, k: int) -> list[dict]:
     return out
 
 
+def _pairs(inv: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, id per row) of each distinct (step index, seq), ids in sorted order: np.unique(axis=1)'s
+    return_index and return_inverse. Rows sorted by (step, seq) (a TokenSet's order) give them as runs."""
+    n = len(inv)
+    up = n < 2 or bool(np.all((inv[1:] > inv[:-1]) | ((inv[1:] == inv[:-1]) & (seq[1:] >= seq[:-1]))))
+    if not up:
+        _, first, pair = np.unique(np.stack([inv, seq]), axis=1, return_index=True, return_inverse=True)
+        return first, pair.reshape(-1)
+    new = np.ones(n, bool)
+    new[1:] = (inv[1:] != inv[:-1]) | (seq[1:] != seq[:-1])
+    return np.flatnonzero(new), np.cumsum(new) - 1
+
+
 def _per_step(step: np.ndarray, seq: np.ndarray, d: np.ndarray, cfg: TruncationConfig):
     """(steps, mean d, mean kept mass, firing) per step; a step fires on its deficit and offset."""
     steps, inv = np.unique(step, return_inverse=True)
@@ -117,7 +135,7 @@ def _per_step(step: np.ndarray, seq: np.ndarray, d: np.ndarray, cfg: TruncationC
     with np.errstate(over="ignore"):  # mu << pi_old: an infinite ratio, a step that cannot fire
         r = np.exp(-d)
     off, kept = np.bincount(inv, weights=d, minlength=k) / n, np.bincount(inv, weights=r, minlength=k) / n
-    _, first, pair = np.unique(np.stack([inv, seq]), axis=1, return_index=True, return_inverse=True)
+    first, pair = _pairs(inv, seq)
     cl = np.bincount(pair.reshape(-1), weights=r - kept[inv])  # each sequence's sum: the clusters of the SE
     se = np.sqrt(np.bincount(inv[first], weights=cl ** 2, minlength=k)) / n
     fire = ((1.0 - kept) > cfg.deficit_min) & ((1.0 - kept) > cfg.step_se_k * se) & (off > cfg.offset_min)
