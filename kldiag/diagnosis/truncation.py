@@ -105,13 +105,12 @@ def _bins(x: np.ndarray, d: np.ndarray, k: int) -> list[dict]:
     if len(edges) < 2:
         return []
     idx = np.clip(np.searchsorted(edges, x, "right") - 1, 0, len(edges) - 2)
-    out = []
-    for b in range(len(edges) - 1):
-        s = idx == b
-        if s.any():
-            out.append({"x_low": float(edges[b]), "x_high": float(edges[b + 1]), "offset": float(d[s].mean()),
-                        "kept_mass": float(np.exp(-d[s]).mean()), "tokens": int(s.sum())})
-    return out
+    nb = len(edges) - 1
+    count = np.bincount(idx, minlength=nb)
+    with np.errstate(over="ignore"):  # mu << pi_old: an infinite kept mass, as the mean gives it
+        off, kept = np.bincount(idx, d, nb), np.bincount(idx, np.exp(-d), nb)
+    return [{"x_low": float(edges[b]), "x_high": float(edges[b + 1]), "offset": float(off[b] / count[b]),
+             "kept_mass": float(kept[b] / count[b]), "tokens": int(count[b])} for b in range(nb) if count[b]]
 
 
 def _pairs(inv: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
