@@ -172,3 +172,20 @@ def test_sample_thinned_equals_thin_of_its_tokens(shuffled):
             assert got.step_stride == want.step_stride and got.meta == want.meta and len(got) == len(want)
             for f in ("step", "seq", "pos", "iteration", "logp", "logp_old", "logp_sampler", "mask", "has_old"):
                 np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 4, 64])
+def test_sample_reducer_keeps_every_stride_th_step(stride):
+    """The shared sample keeps exactly the rows of steps step % stride == 0 (a bit test for a power of two)."""
+    n = 500
+    step = np.repeat(np.arange(-5, 45), 10)
+    batch = TS._fill(pa.record_batch({"step": pa.array(step), "seq": pa.array(np.arange(n)),
+                                      "logp": pa.array(np.linspace(-3, 0, n, dtype=np.float32))}))
+    red, state = TS.SampleReducer(stride=stride), []
+    red.add(state, batch)
+    got = red.finish(state, 0)
+    keep = step % stride == 0
+    np.testing.assert_array_equal(got["step"], step[keep])
+    np.testing.assert_array_equal(got["logp"], np.linspace(-3, 0, n, dtype=np.float32)[keep])
+    red.add(state := [], batch.filter(pa.array(step % 64 == 1)))  # no kept row: nothing added
+    assert stride == 1 or state == []
