@@ -252,3 +252,20 @@ def test_compiled_fold_matches_numpy_reference():
     for k in TU.SUMS:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
     assert got["tokens"][TU.MAX_TURN].sum() > 0  # recorded turns past 15 land in the overflow bucket
+
+
+def test_sequence_starts_and_order_check_in_one_pass():
+    """starts_in_order gives sequence_starts and whether rows are in the recorder's order (each sequence once,
+    pos rising): True on such rows, False once a sequence comes back, keys fall or pos does not rise."""
+    from kldiag.analysis.turn_kernel import starts_in_order
+
+    step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int64)
+    seq, pos = np.repeat([3, 5, 0, 9, 1], 4), np.tile(np.arange(4), 5)
+    for st, sq, ps, want in ((step, seq, pos, True),
+                             (step, np.repeat([3, 5, 0, 0, 1], 4), np.r_[0:4, 0:4, 0:8, 0:4], True),  # one of 8 rows
+                             (step, np.repeat([3, 5, 9, 0, 1], 4), pos, False),  # seq falls within step 1
+                             (step, seq, np.tile([0, 1, 1, 2], 5), False),  # pos repeats
+                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False)):  # a step comes back
+        new = np.empty(20, bool)
+        assert starts_in_order(st, it, sq, ps, new) == want
+        np.testing.assert_array_equal(new, TU.sequence_starts(st, it, sq))

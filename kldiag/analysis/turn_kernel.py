@@ -193,3 +193,21 @@ def turn_starts(new, mask, rec):  # pragma: no cover - compiled
             if len(rec):
                 count += rec[i] != rec[i - 1]
     return count
+
+
+@njit(**JIT)
+def starts_in_order(step, iteration, seq, pos, out):  # pragma: no cover - compiled
+    """seq_starts and in_order in one pass: fills out (bool [n]), returns in_order's answer."""
+    ordered, head = True, 0
+    for i in range(len(seq)):
+        new = i == 0 or step[i] != step[i - 1] or iteration[i] != iteration[i - 1] or seq[i] != seq[i - 1]
+        out[i] = new
+        if not ordered or i == 0:
+            continue
+        if new:
+            a0, a1, a2, b0, b1, b2 = step[head], iteration[head], seq[head], step[i], iteration[i], seq[i]
+            ordered = a0 < b0 or (a0 == b0 and (a1 < b1 or (a1 == b1 and a2 < b2)))
+            head = i
+        else:
+            ordered = pos[i] > pos[i - 1]
+    return ordered

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis.runner import reduced
-from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, turn_starts
+from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, starts_in_order, turn_starts
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
@@ -119,10 +119,11 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     return t
 
 
-def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _sorted(t: dict[str, np.ndarray], new: np.ndarray,
+            ordered: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
-    that order (the recorder's) is returned as it is."""
-    if in_order(new, t["step"], t["iteration"], t["seq"], t["pos"]):
+    that order (the recorder's; `ordered`: known to be) is returned as it is."""
+    if ordered or in_order(new, t["step"], t["iteration"], t["seq"], t["pos"]):
         return t, new
     heads = np.flatnonzero(new)
     pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"])[~new[1:]] > 0))
@@ -148,7 +149,6 @@ def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
 def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, thresholds, keep: int) -> dict[str, np.ndarray]:
     """The partial of whole sequences (t sorted by sequence and pos, `new` their starts)."""
-    n = len(new)
     steps, idx, lo = _step_index(t["step"])
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
     mask = np.asarray(t["mask"], bool)
@@ -256,7 +256,8 @@ class TurnReducer:
         t = _columns(batch)
         if not len(t["seq"]):
             return
-        new = sequence_starts(t["step"], t["iteration"], t["seq"])
+        new = np.empty(len(t["seq"]), bool)
+        ordered = starts_in_order(t["step"], t["iteration"], t["seq"], t["pos"], new)  # so is any slice of it
         if state.carry is not None:  # the carried sequence's rows go with this batch's first sequence only
             c = state.carry
             head = int(np.argmax(new[1:])) + 1 if new[1:].any() else len(new)
@@ -274,7 +275,7 @@ class TurnReducer:
         cut = int(np.flatnonzero(new)[-1])  # the last sequence may go on in the next batch: carried
         state.carry = {k: v[cut:] for k, v in t.items()}
         if cut:
-            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank))
+            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank, ordered))
 
     def finish(self, state: _State, dropped: int) -> dict[str, np.ndarray]:
         if state.carry is not None and len(state.carry["seq"]):
@@ -286,8 +287,9 @@ class TurnReducer:
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials, self.examples)
 
-    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int) -> dict[str, np.ndarray]:
-        t, new = _sorted(t, new)
+    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int,
+                 ordered: bool = False) -> dict[str, np.ndarray]:
+        t, new = _sorted(t, new, ordered)
         return batch_partial(t, new, rank, (self.tau, self.weight_limit, self.clamp), self.examples)
 
 
