@@ -100,7 +100,7 @@ def turn_bucket(turn: np.ndarray) -> np.ndarray:
 def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     """The batch's columns as numpy, no copy where Arrow allows; nulls filled, with `valid_<name>` masks
     for the log-probs (a null logp_old means on-policy: the kernel reads logp there)."""
-    n = batch.num_rows
+    n, ones = batch.num_rows, None
     t: dict[str, np.ndarray] = {}
     for name, fill in (("step", 0), ("iteration", 0), ("seq", 0), ("pos", 0), ("mask", False), ("logp", 0.0),
                        ("logp_old", 0.0), ("logp_ref", 0.0), ("logp_sampler", 0.0), ("turn", -1)):
@@ -113,8 +113,9 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
             continue
         col = batch.column(i)
         if name.startswith("logp"):
-            t[f"valid_{name}"] = (col.is_valid().to_numpy(zero_copy_only=False) if col.null_count
-                                  else np.ones(n, bool))
+            if not col.null_count:  # one all-True mask serves every column without a null (read only)
+                ones = np.ones(n, bool) if ones is None else ones
+            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else ones
         t[name] = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
     return t
 
@@ -170,6 +171,7 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
                turn_max=np.array([_turn_max(grid)], np.int64))
     sp = spans[:n_spans]
     sp = sp[np.isfinite(sp[:, 1])]
+    sp = sp[_above_kth(sp[:, 1], keep)]  # top_examples' own cut, made before the gathers below
     rows = sp[:, 0].astype(np.int64)
     with np.errstate(invalid="ignore", divide="ignore"):
         body = np.where(sp[:, 3] > 0, sp[:, 2] / np.maximum(sp[:, 3], 1.0), np.nan)
@@ -185,13 +187,19 @@ def _turn_max(grid: np.ndarray) -> int:
     return int(held[-1]) if len(held) else -1
 
 
+def _above_kth(a: np.ndarray, keep: int) -> np.ndarray | slice:
+    """Rows of a that can be among its `keep` largest (tied with or above the keep-th); all when few."""
+    if len(a) <= 4 * keep:
+        return slice(None)
+    return a >= np.partition(a, len(a) - keep)[len(a) - keep] if keep else np.zeros(len(a), bool)
+
+
 def top_examples(ex: dict[str, np.ndarray], keep: int) -> dict[str, np.ndarray]:
     """The `keep` largest start_abs; ties by step, rank, seq, iteration, turn (a total order: any split of
     the rows merges alike)."""
+    sel = _above_kth(ex["start_abs"], keep)  # only rows tied with or above the keep-th largest can be kept
+    ex = {k: v[sel] for k, v in ex.items()}
     a = ex["start_abs"]
-    if len(a) > 4 * keep:  # only rows tied with or above the keep-th largest can be kept
-        sel = a >= np.partition(a, len(a) - keep)[len(a) - keep] if keep else np.zeros(len(a), bool)
-        ex, a = {k: v[sel] for k, v in ex.items()}, a[sel]
     order = np.lexsort([ex["turn"], ex["iteration"], ex["seq"], ex["rank"], ex["step"], -a])[:keep]
     return {k: v[order] for k, v in ex.items()}
 
