@@ -126,31 +126,32 @@ def test_compiled_partial_of_an_empty_batch_and_a_table():
 
 
 def _pass(batch, tau=20.0, limit=10.0, clamp=10.0):
-    """token_pass over a batch with its per-token trace: (scal, kept sets, K3 weight and flagged per token)."""
+    """token_pass over a batch with its per-token trace: (tokens, kept sets, K3 weight and flagged per token,
+    mask, null masks, the tokens' rows)."""
     raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
     absent, n = nulls(batch), batch.num_rows
     mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
-    w_k3, flagged = np.empty(n), np.empty(n, bool)
-    scal = np.zeros(5, np.int64)
+    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
+    scal = np.zeros(6, np.int64)
     sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
     kept = np.empty(VE.KEEP_TOP), np.empty(VE.KEEP_TOP, np.int64), np.empty(VE.KEEP_FLAGGED), \
         np.empty(VE.KEEP_FLAGGED, np.int64)
+    step, seq = batch.column("step").to_numpy(), batch.column("seq").to_numpy()
     K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
                  *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(tau), limit,
-                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged)
+                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows, step, seq,
+                 batch.column("advantage").to_numpy(zero_copy_only=False), *VE._run_arrays(n, step.dtype, seq.dtype))
     m = scal[K.S_TOKENS]
     top, worst = kept[1][: scal[K.S_TOP]], kept[3][: scal[K.S_WORST]]
-    return m, top, worst, w_k3[:m], flagged[:m], mask, absent
+    return m, top, worst, w_k3[:m], flagged[:m], mask, absent, rows[:m]
 
 
 def test_token_values_within_two_ulp_of_estimators():
     """The kernel's K3 weight per token equals estimators.weight_k3 within 2 ulp; its flagged bit and the
     tokens it keeps (in the loss, with a reference log-prob) exactly those of derive."""
     batch = _batch(5, n=20000)
-    m, top, worst, w_k3, flagged, mask, absent = _pass(batch)
+    m, top, worst, w_k3, flagged, mask, absent, rows = _pass(batch)
     keep = mask & ~absent["logp_ref"]
-    rows = np.empty(m, np.int64)
-    K.token_rows(mask, absent["logp_ref"], np.arange(m), rows)
     np.testing.assert_array_equal(rows, np.flatnonzero(keep))
     s, r = (E.as_f64(batch.column(c))[keep] for c in ("logp", "logp_ref"))
     want = E.weight_k3(s, r)
@@ -173,7 +174,7 @@ def test_kept_tokens_are_largest_sets(ties):
         r = np.resize(np.array([-0.5, 0.5, np.nan, -1.0, 2.5], np.float32), n)
         for c, v in (("logp", np.full(n, -1.0, np.float32)), ("logp_ref", r)):
             batch = batch.set_column(batch.schema.get_field_index(c), c, pa.array(v))
-    m, top, worst, w_k3, flagged, _, _ = _pass(batch)
+    m, top, worst, w_k3, flagged, *_ = _pass(batch)
     w = np.abs(w_k3)
     w = np.where(np.isnan(w), np.inf, w)
     assert set(top) == set(VE.largest(w, VE.KEEP_TOP))

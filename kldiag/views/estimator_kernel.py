@@ -34,7 +34,7 @@ N_EST = 5  # COMPARED's order: k1, k2, k3, k3_is, k3_clamped
 F_VALUE, F_WABS, F_WFLAG, F_WMAX = range(4)
 I_NONFINITE = 0
 # Counts (`scal`): tokens, flagged, clamp_saturated, then the kept tokens of the two selections.
-S_TOKENS, S_FLAGGED, S_CLAMP, S_TOP, S_WORST = range(5)
+S_TOKENS, S_FLAGGED, S_CLAMP, S_TOP, S_WORST, S_RUNS = range(6)
 TOKEN, FLAGGED = 1, 2  # bits of a row's code in the chunk loop
 
 
@@ -163,10 +163,11 @@ def keep(hw, hj, cnt, w, j):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **JIT)
-def select(w_k3, code, rows, j, sel, w_out, fl_out):  # pragma: no cover - compiled
-    """Number a chunk's tokens from j on and offer each to the kept sets (sel: top_w, top_j, worst_w,
-    worst_j, counts [2]); with a trace, write each token's K3 weight and flagged bit. Returns the next j.
-    A token joins a full set only above its root: after the first chunks, a compare per token."""
+def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no cover - compiled
+    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out and offer
+    each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace, write each
+    token's K3 weight and flagged bit. Returns the next j. A token joins a full set only above its root:
+    after the first chunks, a compare per token."""
     top_w, top_j, worst_w, worst_j, n = sel
     trace = len(w_out) > 0
     for t in range(rows):
@@ -180,13 +181,47 @@ def select(w_k3, code, rows, j, sel, w_out, fl_out):  # pragma: no cover - compi
                 n[1] = keep(worst_w, worst_j, n[1], w, j)
             if trace:
                 w_out[j], fl_out[j] = w_k3[t], (c & FLAGGED) != 0
+            rows_out[j] = c0 + t
             j += 1
     return j
 
 
+@njit(inline="always", **JIT)
+def seq_chunk(i0, i1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
+              r_n):  # pragma: no cover - compiled
+    """Per run of equal consecutive (step, seq) over rows i0:i1: the first non-NaN advantage (else NaN), the
+    sum of non-NaN log mu - s over rows in the loss (mu the sampler's log-prob, else pi_old's, else s) and
+    their count, as pandas' groupby first/sum give, into the runs' rows of r_*. The current run (runs[0];
+    -1: none yet) goes on from the chunk before; its sums stay in registers within the chunk, whose columns
+    token_pass has just read (still in cache: no second pass over the batch)."""
+    k = runs[0]
+    gap_k, n_k, adv_k = (r_gap[k], r_n[k], r_adv[k]) if k >= 0 else (0.0, 0, np.nan)
+    for i in range(i0, i1):
+        if k < 0 or step[i] != r_step[k] or seq[i] != r_seq[k]:
+            if k >= 0:
+                r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
+            k += 1
+            r_step[k], r_seq[k] = step[i], seq[i]
+            gap_k, n_k, adv_k = 0.0, 0, np.nan
+        a = np.float64(advantage[i])
+        if adv_k != adv_k and a == a:
+            adv_k = a
+        if mask[i]:
+            sv = np.float64(s[i])
+            mu = np.float64(m[i]) if not m_null[i] else (np.float64(o[i]) if not o_null[i] else sv)
+            gap = mu - sv
+            if gap == gap:
+                gap_k += gap
+            n_k += 1
+    if k >= 0:
+        r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
+    runs[0] = k
+
+
 @njit(**SUMS)
 def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit, clamp, abs_grid,
-               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out):  # pragma: no cover
+               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out,
+               step, seq, advantage, r_step, r_seq, r_adv, r_gap, r_n):  # pragma: no cover
     """One pass over a batch's rows [n] (log-probs as stored, NaN at nulls; null masks bool [n]).
 
     Tokens are the rows in the loss (mask) with a reference log-prob, numbered j = 0, 1, ... in row
@@ -194,9 +229,12 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     flagged |weight| sum, |weight| max), icount [1, N_EST], hist [N_EST, len(ABS_EDGES) + 1]. Keeps in
     top_w, top_j [KEEP_TOP] the tokens of largest |k3 weight| (NaN as +inf, of equal ones the first) and
     in worst_w, worst_j [KEEP_FLAGGED] the same among flagged tokens (estimators.largest's sets). Writes
-    (tokens, flagged, clamp_saturated, kept top, kept worst) to scal; with w_out, fl_out of length n
-    (else 0: not written) each token's K3 weight and flagged bit. Returns k3_weight_lost."""
+    (tokens, flagged, clamp_saturated, kept top, kept worst, runs) to scal, each token's row to rows_out
+    [n]; with w_out, fl_out of length n (else 0: not written) each token's K3 weight and flagged bit. Per
+    run of equal (step, seq) rows (seq_chunk): r_step, r_seq, r_adv, r_gap, r_n [n].
+    Returns k3_weight_lost."""
     n_abs = abs_grid[2]
+    runs = np.full(1, -1, np.int64)
     params = np.array([log_tau, limit, clamp])
     packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
     h = np.zeros((BIN_COPIES, 4, n_abs + 2), np.int64)  # the last bin: not binned
@@ -221,7 +259,9 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
         cnt[7] += w1
         lost += lo
         count_bins(packed, c1 - c0, h)
-        j = select(w_k3, code, c1 - c0, j, sel, w_out, fl_out)
+        j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
+        seq_chunk(c0, c1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
+                  r_n)
     # counts: tokens, flagged, saturated, then non-finite values of k1 .. k3_clamped
     fsum[F_VALUE] += vs
     icount[I_NONFINITE] += cnt[3:8]
@@ -238,46 +278,5 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
             hist[e + 1, k] += h[0, e, k] + h[1, e, k] + h[2, e, k] + h[3, e, k]
     scal[S_TOKENS], scal[S_FLAGGED], scal[S_CLAMP], scal[S_TOP], scal[S_WORST] = cnt[0], cnt[1], cnt[2], \
         n_kept[0], n_kept[1]
+    scal[S_RUNS] = runs[0] + 1
     return lost
-
-
-@njit(**JIT)
-def token_rows(mask, r_null, js, out):  # pragma: no cover - compiled
-    """The rows of tokens js (ascending token numbers, as token_pass numbers them) into out."""
-    j, k = 0, 0
-    for i in range(len(mask)):
-        if k == len(js):
-            break
-        if mask[i] and not r_null[i]:
-            while k < len(js) and js[k] == j:
-                out[k] = i
-                k += 1
-            j += 1
-
-
-@njit(**JIT)
-def seq_runs(step, seq, advantage, s, o, m, o_null, m_null, mask, r_step, r_seq, r_adv, r_gap,
-             r_n):  # pragma: no cover - compiled
-    """Per run of equal consecutive (step, seq): the first non-NaN advantage (else NaN), the sum of
-    non-NaN log mu - s over rows in the loss (mu the sampler's log-prob, else pi_old's, else s) and
-    their count, as pandas' groupby first/sum give. Writes the runs' rows of r_*; returns their count."""
-    k = -1
-    for i in range(len(step)):
-        if k < 0 or step[i] != r_step[k] or seq[i] != r_seq[k]:
-            k += 1
-            r_step[k] = step[i]
-            r_seq[k] = seq[i]
-            r_adv[k] = np.nan
-            r_gap[k] = 0.0
-            r_n[k] = 0
-        a = np.float64(advantage[i])
-        if r_adv[k] != r_adv[k] and a == a:
-            r_adv[k] = a
-        if mask[i]:
-            sv = np.float64(s[i])
-            mu = np.float64(m[i]) if not m_null[i] else (np.float64(o[i]) if not o_null[i] else sv)
-            gap = mu - sv
-            if gap == gap:
-                r_gap[k] += gap
-            r_n[k] += 1
-    return k + 1

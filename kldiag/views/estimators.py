@@ -91,13 +91,16 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
     fsum = np.zeros((4, len(COMPARED)))
     icount = np.zeros((1, len(COMPARED)), np.int64)
     hist = np.zeros((len(COMPARED), len(ABS_EDGES) + 1), np.int64)
-    scal = np.zeros(5, np.int64)
+    scal = np.zeros(6, np.int64)
     top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
         np.empty(KEEP_FLAGGED, np.int64)
+    step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
+    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
+    rows, runs = np.empty(n, np.int64), _run_arrays(n, step.dtype, seq.dtype)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
-                        worst_w, worst_j, np.empty(0), np.empty(0, bool))
+                        worst_w, worst_j, np.empty(0), np.empty(0, bool), rows, step, seq, adv, *runs)
     m = int(scal[K.S_TOKENS])
     out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
            "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
@@ -106,12 +109,11 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
                    ("weight_abs_max", fsum[K.F_WMAX])):
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
-    out.update({f"seqs/{c}": v for c, v in _seq_gaps(batch, raw, absent, mask).items()})
+    out.update({f"seqs/{c}": v for c, v in _seq_gaps(runs, int(scal[K.S_RUNS])).items()})
     pick, kind = kept_pick(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
-    at = np.empty(len(pick), np.int64)
-    K.token_rows(mask, absent["logp_ref"], pick, at)
+    at = rows[pick]
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
-    q.update({c: batch.column(c).to_numpy()[at] for c in ("step", "seq")})
+    q.update(step=step[at], seq=seq[at])
     q["kind"] = kind_index(kind)
     out.update({f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
     return out
@@ -188,22 +190,20 @@ def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
     return pick, kind
 
 
-def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray],
-              mask: np.ndarray) -> dict[str, np.ndarray]:
+def _run_arrays(n: int, step_dtype, seq_dtype) -> tuple[np.ndarray, ...]:
+    """token_pass's per-run outputs (r_step, r_seq, r_adv, r_gap, r_n) for n rows: at most n runs."""
+    return tuple(np.empty(n, t) for t in (step_dtype, seq_dtype, np.float64, np.float64, np.int64))
+
+
+def _seq_gaps(runs: tuple[np.ndarray, ...], k: int) -> dict[str, np.ndarray]:
     """SEQ_COLUMNS per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s
-    over tokens in the loss (estimator_kernel.seq_runs per run of equal rows, then runs of one key merged).
+    over tokens in the loss, from token_pass's k runs of equal rows (runs of one key merged).
 
     mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
     """
-    n = batch.num_rows
-    step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
-    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
-    r_step, r_seq, r_adv, r_gap, r_n = (np.empty(n, t) for t in (step.dtype, seq.dtype, np.float64, np.float64,
-                                                                 np.int64))
-    k = K.seq_runs(step, seq, adv, raw["logp"], raw["logp_old"], raw["logp_sampler"], absent["logp_old"],
-                   absent["logp_sampler"], mask, r_step, r_seq, r_adv, r_gap, r_n)
-    out = {"step": r_step[:k].astype(np.int64), "seq": r_seq[:k].astype(np.int64), "advantage": r_adv[:k],
-           "gap_sum": r_gap[:k], "n": r_n[:k]}
+    r_step, r_seq, r_adv, r_gap, r_n = runs
+    out = {"step": r_step[:k].astype(np.int64), "seq": r_seq[:k].astype(np.int64), "advantage": r_adv[:k].copy(),
+           "gap_sum": r_gap[:k].copy(), "n": r_n[:k].copy()}
     if _rising(out["step"], out["seq"]) or pd.MultiIndex.from_arrays([out["step"], out["seq"]]).is_unique:
         return out  # rising: the recorder's order, every key once (told without pandas)
     df = pd.DataFrame(out)
