@@ -69,6 +69,23 @@ def _flush(grid, gmax, steps, b, pb, si, acc, amax):  # pragma: no cover - compi
         steps[si, b, 3] += acc[G_NM]
 
 
+@njit(inline="always", **JIT)
+def _acc(mm, x, kx, w, bad, acc):  # pragma: no cover - compiled
+    """One token's figures added to the cell's register-held SUMS, the cell's max |m - o| and its
+    sequence's |m - o| sum and count (acc: SUMS, amax, seq_abs, seq_n); non-finite values are left out."""
+    n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = acc
+    a = abs(mm)
+    if np.isfinite(mm):
+        n_m, s_mabs, s_m = n_m + 1.0, s_mabs + a, s_m + mm
+        amax = max(amax, a)
+        seq_abs, seq_n = seq_abs + a, seq_n + 1.0
+    if np.isfinite(x) and np.isfinite(kx):
+        n_d, s_dabs, s_dk3 = n_d + 1.0, s_dabs + abs(x), s_dk3 + kx
+    if np.isfinite(w):
+        n_w, s_w = n_w + 1.0, s_w + w
+    return (n_tok + 1.0, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag + bad, amax, seq_abs, seq_n)
+
+
 @njit(**JIT)
 def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp,
          grid, gmax, steps, seqs, spans):  # pragma: no cover - compiled
@@ -94,7 +111,8 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
         c1 = min(c0 + CHUNK, n)
         _tokens(s[c0:c1], o[c0:c1], o_ok[c0:c1], r[c0:c1], r_ok[c0:c1], m[c0:c1], m_ok[c0:c1], log_tau, limit,
                 clamp, mm_, x_, k_, w_, bad_)
-        for i in range(c0, c1):
+        i = c0
+        while i < c1:
             if i == 0 or new_seq[i]:
                 if seq_max == 0:  # close the sequence before: single-turn ...
                     seqs[0], seqs[2], seqs[3] = seqs[0] + 1.0, seqs[2] + seq_n, seqs[3] + seq_abs
@@ -105,6 +123,7 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
                 base, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = seen, False, -1, -1, 0.0, 0.0, -1
             if not mask[i]:
                 prev_in = False
+                i += 1
                 continue
             rc = rec[i] if has_rec else -1
             if not prev_in or rc != prev_rec:  # a turn starts
@@ -122,19 +141,11 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
                 cb, cpb, csi, amax = b, pb, si, -np.inf
                 n_tok = n_m = s_mabs = s_m = n_d = s_dabs = s_dk3 = n_w = s_w = n_flag = 0.0
             k = i - c0
-            mm, x, kx, w = mm_[k], x_[k], k_[k], w_[k]
-            n_tok += 1.0
+            mm = mm_[k]
             a = abs(mm)
-            fin_m = np.isfinite(mm)
-            if fin_m:
-                n_m, s_mabs, s_m = n_m + 1.0, s_mabs + a, s_m + mm
-                amax = max(amax, a)
-                seq_abs, seq_n = seq_abs + a, seq_n + 1.0
-            if np.isfinite(x) and np.isfinite(kx):
-                n_d, s_dabs, s_dk3 = n_d + 1.0, s_dabs + abs(x), s_dk3 + kx
-            if np.isfinite(w):
-                n_w, s_w = n_w + 1.0, s_w + w
-            n_flag += bad_[k]
+            n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = _acc(
+                mm, x_[k], k_[k], w_[k], bad_[k],
+                (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n))
             if turn >= 1 and pit == 0:
                 if cur >= 0:
                     spans[cur, 2], spans[cur, 3] = sp_abs, sp_n
@@ -143,8 +154,22 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
                 if cur >= 0:
                     spans[cur, 0], spans[cur, 1], spans[cur, 4] = i, a, turn
                     n_spans += 1
-            elif turn >= 1 and fin_m and cur >= 0:
+            elif turn >= 1 and np.isfinite(mm) and cur >= 0:
                 sp_abs, sp_n = sp_abs + a, sp_n + 1.0
+            # the rows after it in the same cell (same sequence, turn and position bin): only their sums
+            end = 8 if pb == 3 else (32 if pb == 4 else (1 << 62 if pb == 5 else 0))
+            body = turn >= 1 and cur >= 0
+            while (pit + 1 < end and i + 1 < c1 and mask[i + 1] and not new_seq[i + 1]
+                   and (not has_rec or rec[i + 1] == prev_rec)):
+                i, pit = i + 1, pit + 1
+                k = i - c0
+                mm = mm_[k]
+                n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = _acc(
+                    mm, x_[k], k_[k], w_[k], bad_[k],
+                    (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n))
+                if body and np.isfinite(mm):
+                    sp_abs, sp_n = sp_abs + abs(mm), sp_n + 1.0
+            i += 1
     if cb >= 0:
         _flush(grid, gmax, steps, cb, cpb, csi, (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag), amax)
     if seq_max == 0:  # close the last sequence
