@@ -196,12 +196,14 @@ def seq_chunk(i0, i1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs,
     token_pass has just read (still in cache: no second pass over the batch)."""
     k = runs[0]
     gap_k, n_k, adv_k = (r_gap[k], r_n[k], r_adv[k]) if k >= 0 else (0.0, 0, np.nan)
+    st_k, sq_k = (r_step[k], r_seq[k]) if k >= 0 else (step[i0], seq[i0])
     for i in range(i0, i1):
-        if k < 0 or step[i] != r_step[k] or seq[i] != r_seq[k]:
+        if k < 0 or step[i] != st_k or seq[i] != sq_k:
             if k >= 0:
                 r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
             k += 1
-            r_step[k], r_seq[k] = step[i], seq[i]
+            st_k, sq_k = step[i], seq[i]
+            r_step[k], r_seq[k] = st_k, sq_k
             gap_k, n_k, adv_k = 0.0, 0, np.nan
         a = np.float64(advantage[i])
         if adv_k != adv_k and a == a:

@@ -110,11 +110,11 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
     out.update({f"seqs/{c}": v for c, v in _seq_gaps(runs, int(scal[K.S_RUNS])).items()})
-    pick, kind = kept_pick(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
+    pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
     at = rows[pick]
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
     q.update(step=step[at], seq=seq[at])
-    q["kind"] = kind_index(kind)
+    q["kind"] = kind
     out.update({f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
     return out
 
@@ -174,6 +174,13 @@ def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
     top and worst are the token numbers [< m] of `largest(|w|, KEEP_TOP)` and of the flagged tokens'
     `largest(.., KEEP_FLAGGED)` (estimator_kernel.token_pass keeps them). The uniform draw is
     sample_pick's own: the same generator call on as many others, the i-th other mapped to its number."""
+    pick, kind = kept_pick_index(top, worst, m, sample_size, seed)
+    return pick, np.array(KINDS, dtype=object)[kind]
+
+
+def kept_pick_index(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """kept_pick with each kind as its KINDS index (int8)."""
     special = np.union1d(top, worst).astype(np.int64)
     n_rest = m - special.size
     if n_rest > sample_size:  # the p-th other: p plus the kept tokens at or below it among the others
@@ -184,9 +191,9 @@ def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
         others[special] = False
         rest = np.flatnonzero(others)
     pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
-    kind = np.full(pick.size, SAMPLED, dtype=object)
-    kind[np.isin(pick, top)] = "top |k3 weight|"
-    kind[np.isin(pick, worst)] = "flagged"
+    kind = np.zeros(pick.size, np.int8)
+    kind[np.isin(pick, top)] = KINDS.index("top |k3 weight|")
+    kind[np.isin(pick, worst)] = KINDS.index("flagged")
     return pick, kind
 
 
