@@ -204,7 +204,8 @@ def test_numpy_merge_equals_the_pandas_merge():
     for size, seed in ((30, 5), (10**6, 0)):
         want = VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts], sample_size=size, seed=seed))
         _same_arrays(VE.merge_arrays(parts, sample_size=size, seed=seed), want)
-    _same_arrays(VE.EstimatorReducer().merge(parts), VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts])))
+    want = VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts]))
+    _same_arrays(VE.EstimatorReducer().merge(parts), want)
     empty = VE.batch_arrays(batches[0].slice(0, 0), config, 10, 0)
     _same_arrays(VE.merge_arrays([empty, empty]), VE.to_arrays(VE.merge_partials([VE.from_arrays(empty)] * 2)))
     _same_arrays(VE.merge_arrays([]), VE.to_arrays(VE.merge_partials([])))

@@ -102,7 +102,8 @@ def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, li
     n, n_spans, seen, base, pit, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = (
         len(mask), 0, 0, 0, -1, False, -1, -1, 0.0, 0.0, -1)
     has_rec = len(rec) > 0
-    mm_, x_, k_, w_, bad_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK, np.bool_)
+    mm_, x_, k_, w_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK)
+    bad_ = np.empty(CHUNK, np.bool_)
     amax = -np.inf
     n_tok = n_m = s_mabs = s_m = n_d = s_dabs = s_dk3 = n_w = s_w = n_flag = 0.0  # the cell's SUMS
     cb, cpb, csi = -1, -1, -1  # the cell whose sums acc holds

@@ -227,7 +227,8 @@ class SampleReducer:
         if self.stride > 1:
             step = batch.column("step").to_numpy(zero_copy_only=False)
             # stride is a power of two (sample_stride): step % stride == 0 as a bit test, 5x faster
-            keep = (step & (self.stride - 1)) == 0 if (self.stride & (self.stride - 1)) == 0 else step % self.stride == 0
+            pow2 = (self.stride & (self.stride - 1)) == 0
+            keep = (step & (self.stride - 1)) == 0 if pow2 else step % self.stride == 0
             if not keep.all():
                 batch = batch.filter(pa.array(keep)) if keep.any() else batch.slice(0, 0)
         if batch.num_rows:

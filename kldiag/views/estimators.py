@@ -26,7 +26,7 @@ from kldiag.analysis.stats import ABS_GRID
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
 from kldiag.views import estimator_kernel as K
-from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles, nulls
+from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
