@@ -68,6 +68,7 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
     code[i] its TOKEN and FLAGGED bits. One branch-free loop over range(len) of slices, as
     fused.chunk_sums, so that LLVM vectorises it."""
     log_tau, limit, clamp = params[0], params[1], params[2]
+    bin_zero = abs_bin(0.0, abs_grid[0], abs_grid[1], abs_grid[2])
     v0 = v1 = v2 = v3 = v4 = a1 = a2 = a3 = a4 = f1 = f2 = f3 = f4 = lost = 0.0
     x1 = x2 = x3 = x4 = NONE_BITS
     c0 = c1 = 0
@@ -111,8 +112,10 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
         lost += w3 if sat & finite(w3) else 0.0
         c0 += pack7(mk, fl, sat, mk & (not ok0), mk & (not ok1), mk & (not ok2), mk & (not ok3))
         c1 += np.int64(mk & (not ok4))
-        packed[i] = (weight_bin(w1, mk, abs_grid) | (weight_bin(w3, mk, abs_grid) << FIELD)
-                     | (weight_bin(wis, mk, abs_grid) << (2 * FIELD)) | (weight_bin(w4, mk, abs_grid) << (3 * FIELD)))
+        b3 = weight_bin(w3, mk, abs_grid)
+        b4 = bin_zero if sat else b3  # k3_clamped's |weight|: K3's, or 0 once saturated
+        packed[i] = (weight_bin(w1, mk, abs_grid) | (b3 << FIELD) | (weight_bin(wis, mk, abs_grid) << (2 * FIELD))
+                     | (b4 << (3 * FIELD)))
         w_k3[i] = -em
         code[i] = np.uint8(mk) | (np.uint8(fl) << 1)
     return (v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), c0, c1, lost
