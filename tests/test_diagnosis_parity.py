@@ -148,3 +148,44 @@ def test_parity_causes_dicts_and_runs_without_sampler():
     found = {c["cause"]: c for c in DP.parity_causes("sample_logs/demo_k3_is")}
     assert math.isclose(found["engine_temperature_mismatch"]["implied_temperature"], 1.2, rel_tol=1e-4)
     assert DP.parity_causes("sample_logs/trl_grpo_tiny") == []  # no logp_sampler recorded: nothing to compare
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_sample_thinned_equals_thin_of_its_tokens(shuffled):
+    """Sample.thinned builds from the kept steps' rows only what thin(tokens()) gives: the same rows (first
+    iterations among the whole sample's), order, values and stride."""
+    rng = np.random.default_rng(4)
+    n = 6000
+    cols = {c: rng.integers(0, 50, n) for c in TS.INT_COLUMNS}
+    cols["step"] = np.sort(rng.integers(0, 40, n))
+    cols["seq"], cols["pos"] = rng.integers(0, 30, n), np.arange(n)
+    cols["iteration"] = rng.integers(0, 3, n)  # reuse iterations: only each sequence's first is kept
+    cols.update({c: rng.normal(-1.0, 1.0, n).astype(np.float32) for c in TS.FLOAT_COLUMNS})
+    cols["mask"], cols["old_valid"] = rng.random(n) < 0.9, rng.random(n) < 0.8
+    if shuffled:
+        order = rng.permutation(n)
+        cols = {c: v[order] for c, v in cols.items()}
+    for all_iterations in (False, True):
+        for max_tokens in (n * 2, 1500, 300):
+            got = TS.Sample(cols, 2, {"run": "x"}).thinned(max_tokens, all_iterations)
+            want = TS.thin(TS.Sample(cols, 2, {"run": "x"}).tokens(all_iterations), max_tokens)
+            assert got.step_stride == want.step_stride and got.meta == want.meta and len(got) == len(want)
+            for f in ("step", "seq", "pos", "iteration", "logp", "logp_old", "logp_sampler", "mask", "has_old"):
+                np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 4, 64])
+def test_sample_reducer_keeps_every_stride_th_step(stride):
+    """The shared sample keeps exactly the rows of steps step % stride == 0 (a bit test for a power of two)."""
+    n = 500
+    step = np.repeat(np.arange(-5, 45), 10)
+    batch = TS._fill(pa.record_batch({"step": pa.array(step), "seq": pa.array(np.arange(n)),
+                                      "logp": pa.array(np.linspace(-3, 0, n, dtype=np.float32))}))
+    red, state = TS.SampleReducer(stride=stride), []
+    red.add(state, batch)
+    got = red.finish(state, 0)
+    keep = step % stride == 0
+    np.testing.assert_array_equal(got["step"], step[keep])
+    np.testing.assert_array_equal(got["logp"], np.linspace(-3, 0, n, dtype=np.float32)[keep])
+    red.add(state := [], batch.filter(pa.array(step % 64 == 1)))  # no kept row: nothing added
+    assert stride == 1 or state == []

@@ -125,28 +125,87 @@ def test_compiled_partial_of_an_empty_batch_and_a_table():
     _assert_equal(VE._batch_partial(table, AnalysisConfig(), 10, 0), _numpy_partial(table, AnalysisConfig(), 10, 0))
 
 
-def test_token_values_within_two_ulp_of_estimators():
-    """The kernel's K3 weight per token equals estimators.weight_k3 within 2 ulp; its flagged bit and the
-    tokens it keeps (in the loss, with a reference log-prob) exactly those of derive."""
-    batch = _batch(5, n=20000)
+def _pass(batch, tau=20.0, limit=10.0, clamp=10.0):
+    """token_pass over a batch with its per-token trace: (tokens, kept sets, K3 weight and flagged per token,
+    mask, null masks, the tokens' rows)."""
     raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
     absent, n = nulls(batch), batch.num_rows
     mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
     w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
-    scal = np.zeros(3, np.int64)
+    scal = np.zeros(6, np.int64)
     sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
+    kept = np.empty(VE.KEEP_TOP), np.empty(VE.KEEP_TOP, np.int64), np.empty(VE.KEEP_FLAGGED), \
+        np.empty(VE.KEEP_FLAGGED, np.int64)
+    step, seq = batch.column("step").to_numpy(), batch.column("seq").to_numpy()
     K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
-                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(20.0), 10.0,
-                 10.0, ABS_GRID, *sums, scal, w_k3, flagged, rows)
+                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(tau), limit,
+                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows, step, seq,
+                 batch.column("advantage").to_numpy(zero_copy_only=False), *VE._run_arrays(n, step.dtype, seq.dtype))
     m = scal[K.S_TOKENS]
+    top, worst = kept[1][: scal[K.S_TOP]], kept[3][: scal[K.S_WORST]]
+    return m, top, worst, w_k3[:m], flagged[:m], mask, absent, rows[:m]
+
+
+def test_token_values_within_two_ulp_of_estimators():
+    """The kernel's K3 weight per token equals estimators.weight_k3 within 2 ulp; its flagged bit and the
+    tokens it keeps (in the loss, with a reference log-prob) exactly those of derive."""
+    batch = _batch(5, n=20000)
+    m, top, worst, w_k3, flagged, mask, absent, rows = _pass(batch)
     keep = mask & ~absent["logp_ref"]
-    np.testing.assert_array_equal(rows[:m], np.flatnonzero(keep))
+    np.testing.assert_array_equal(rows, np.flatnonzero(keep))
     s, r = (E.as_f64(batch.column(c))[keep] for c in ("logp", "logp_ref"))
     want = E.weight_k3(s, r)
-    np.testing.assert_array_equal(np.isfinite(w_k3[:m]), np.isfinite(want))
+    np.testing.assert_array_equal(np.isfinite(w_k3), np.isfinite(want))
     ok = np.isfinite(want)
     ulp = np.spacing(np.abs(want[ok]))
-    assert np.all(np.abs(w_k3[:m][ok] - want[ok]) <= 2 * ulp)
+    assert np.all(np.abs(w_k3[ok] - want[ok]) <= 2 * ulp)
     cols = {c: E.as_f64(batch.column(c))[keep] for c in LOGP_COLUMNS}
     q = derive(cols, AnalysisConfig(), {c: v[keep] for c, v in absent.items()})
-    np.testing.assert_array_equal(flagged[:m], q["flagged"])
+    np.testing.assert_array_equal(flagged, q["flagged"])
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_kept_tokens_are_largest_sets(ties):
+    """The pass's running selection keeps the sets `largest` gives (NaN as +inf, of equal weights the
+    first tokens), and kept_pick then draws exactly sample_pick's sample."""
+    batch = _batch(6, n=20000)
+    if ties:  # five distinct weights (NaN among them): every cut falls inside a run of equal ones
+        n = batch.num_rows
+        r = np.resize(np.array([-0.5, 0.5, np.nan, -1.0, 2.5], np.float32), n)
+        for c, v in (("logp", np.full(n, -1.0, np.float32)), ("logp_ref", r)):
+            batch = batch.set_column(batch.schema.get_field_index(c), c, pa.array(v))
+    m, top, worst, w_k3, flagged, *_ = _pass(batch)
+    w = np.abs(w_k3)
+    w = np.where(np.isnan(w), np.inf, w)
+    assert set(top) == set(VE.largest(w, VE.KEEP_TOP))
+    at = np.flatnonzero(flagged)
+    assert set(worst) == set(at[VE.largest(w[at], VE.KEEP_FLAGGED)])
+    assert len(worst) == min(VE.KEEP_FLAGGED, len(at)) and len(top) == min(VE.KEEP_TOP, m)
+    for size in (0, 100, m):
+        got, want = VE.kept_pick(top, worst, m, size, 7), VE.sample_pick(w_k3, flagged, size, 7)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def _same_arrays(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_numpy_merge_equals_the_pandas_merge():
+    """The reducer's finish and merge (merge_arrays, numpy) give to_arrays(merge_partials(...)) exactly: sums
+    in the same order, the per-sequence rows (a sequence split across batches, NaN advantages first), the
+    re-selected kept tokens and the weighted draw of the others."""
+    batches = [_batch(s, n=2000) for s in (7, 8, 9)]
+    config = AnalysisConfig()
+    parts = [VE.batch_arrays(b.slice(o, 700), config, 40, s) for s, b in enumerate(batches) for o in (0, 700, 1400)]
+    for size, seed in ((30, 5), (10**6, 0)):
+        want = VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts], sample_size=size, seed=seed))
+        _same_arrays(VE.merge_arrays(parts, sample_size=size, seed=seed), want)
+    want = VE.to_arrays(VE.merge_partials([VE.from_arrays(p) for p in parts]))
+    _same_arrays(VE.EstimatorReducer().merge(parts), want)
+    empty = VE.batch_arrays(batches[0].slice(0, 0), config, 10, 0)
+    _same_arrays(VE.merge_arrays([empty, empty]), VE.to_arrays(VE.merge_partials([VE.from_arrays(empty)] * 2)))
+    _same_arrays(VE.merge_arrays([]), VE.to_arrays(VE.merge_partials([])))

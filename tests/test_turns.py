@@ -228,20 +228,26 @@ def _reference_grid(t):
             "flagged": add(flagged.astype(float))}
 
 
-def test_compiled_fold_matches_numpy_reference():
+@pytest.mark.parametrize("n_seqs, p_mask", [(100, 0.7), (10, 0.995)])
+def test_compiled_fold_matches_numpy_reference(n_seqs, p_mask):
+    """Many short turns with holes everywhere; or long turns, whose rows past 3, 8 and 32 tokens take the
+    fold's fast path (their cell's sums only)."""
     rng = np.random.default_rng(3)
     n, cols = 4000, {}
     cols["step"] = np.repeat(np.arange(4), n // 4)
     cols["iteration"] = np.zeros(n, np.int64)
-    cols["seq"] = np.repeat(np.arange(100), n // 100)
-    cols["pos"] = np.tile(np.arange(n // 100), 100)
-    cols["mask"] = rng.random(n) < 0.7  # many short turns, holes everywhere
+    cols["seq"] = np.repeat(np.arange(n_seqs), n // n_seqs)
+    cols["pos"] = np.tile(np.arange(n // n_seqs), n_seqs)
+    cols["mask"] = rng.random(n) < p_mask
     logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
     logp["logp_ref"][rng.random(n) < 0.05] -= 8  # some flagged tokens
     logp["logp_sampler"][::97] = np.nan  # a non-finite sampler value in the loss
     logp["logp_old"][::89] = 0.5  # an invalid probability
     nulls = {k: rng.random(n) < 0.1 for k in logp}  # nulls in every log-prob column
-    turn = np.where(rng.random(n) < 0.5, -1, rng.integers(0, 20, n)).astype(np.int16)  # recorded on half the rows
+    if n_seqs == 100:  # recorded on half the rows
+        turn = np.where(rng.random(n) < 0.5, -1, rng.integers(0, 20, n)).astype(np.int16)
+    else:  # recorded in runs of 50 rows (-1: derived from the mask there)
+        turn = np.repeat(rng.integers(-1, 20, n // 50), 50).astype(np.int16)
     arrays = {k: pa.array(v) for k, v in cols.items()}
     arrays.update({k: pa.array(v, mask=nulls[k]) for k, v in logp.items()})
     arrays["turn"] = pa.array(turn)
@@ -252,3 +258,20 @@ def test_compiled_fold_matches_numpy_reference():
     for k in TU.SUMS:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
     assert got["tokens"][TU.MAX_TURN].sum() > 0  # recorded turns past 15 land in the overflow bucket
+
+
+def test_sequence_starts_and_order_check_in_one_pass():
+    """starts_in_order gives sequence_starts and whether rows are in the recorder's order (each sequence once,
+    pos rising): True on such rows, False once a sequence comes back, keys fall or pos does not rise."""
+    from kldiag.analysis.turn_kernel import starts_in_order
+
+    step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int64)
+    seq, pos = np.repeat([3, 5, 0, 9, 1], 4), np.tile(np.arange(4), 5)
+    for st, sq, ps, want in ((step, seq, pos, True),
+                             (step, np.repeat([3, 5, 0, 0, 1], 4), np.r_[0:4, 0:4, 0:8, 0:4], True),  # one of 8 rows
+                             (step, np.repeat([3, 5, 9, 0, 1], 4), pos, False),  # seq falls within step 1
+                             (step, seq, np.tile([0, 1, 1, 2], 5), False),  # pos repeats
+                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False)):  # a step comes back
+        new = np.empty(20, bool)
+        assert starts_in_order(st, it, sq, ps, new) == want
+        np.testing.assert_array_equal(new, TU.sequence_starts(st, it, sq))

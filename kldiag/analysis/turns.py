@@ -33,8 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kldiag import estimators as E
+from kldiag.analysis.kernel import bools
 from kldiag.analysis.runner import reduced
-from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold
+from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, starts_in_order, turn_starts
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
@@ -80,10 +81,8 @@ def turn_index(new_seq: np.ndarray, mask: np.ndarray,
 
 def sequence_starts(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray) -> np.ndarray:
     """[N] bool: True where a row's (step, iteration, seq) differs from the previous row's."""
-    n = len(seq)
-    out = np.ones(n, bool)
-    if n > 1:
-        out[1:] = (step[1:] != step[:-1]) | (iteration[1:] != iteration[:-1]) | (seq[1:] != seq[:-1])
+    out = np.empty(len(seq), bool)
+    seq_starts(step, iteration, seq, out)
     return out
 
 
@@ -102,7 +101,7 @@ def turn_bucket(turn: np.ndarray) -> np.ndarray:
 def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     """The batch's columns as numpy, no copy where Arrow allows; nulls filled, with `valid_<name>` masks
     for the log-probs (a null logp_old means on-policy: the kernel reads logp there)."""
-    n = batch.num_rows
+    n, ones = batch.num_rows, None
     t: dict[str, np.ndarray] = {}
     for name, fill in (("step", 0), ("iteration", 0), ("seq", 0), ("pos", 0), ("mask", False), ("logp", 0.0),
                        ("logp_old", 0.0), ("logp_ref", 0.0), ("logp_sampler", 0.0), ("turn", -1)):
@@ -115,15 +114,22 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
             continue
         col = batch.column(i)
         if name.startswith("logp"):
-            t[f"valid_{name}"] = (col.is_valid().to_numpy(zero_copy_only=False) if col.null_count
-                                  else np.ones(n, bool))
+            if not col.null_count:  # one all-True mask serves every column without a null (read only)
+                ones = np.ones(n, bool) if ones is None else ones
+            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else ones
+        if name == "mask" and isinstance(batch, pa.RecordBatch):
+            t[name] = bools(batch, name)  # Arrow's bitmap unpacked by numpy: 20x to_numpy's conversion
+            continue
         t[name] = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
     return t
 
 
-def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _sorted(t: dict[str, np.ndarray], new: np.ndarray,
+            ordered: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
-    that order (the recorder's) is returned as it is."""
+    that order (the recorder's; `ordered`: known to be) is returned as it is."""
+    if ordered or in_order(new, t["step"], t["iteration"], t["seq"], t["pos"]):
+        return t, new
     heads = np.flatnonzero(new)
     pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"])[~new[1:]] > 0))
     keys = np.stack([t[k][heads].astype(np.int64) for k in KEY], 1)
@@ -134,34 +140,32 @@ def _sorted(t: dict[str, np.ndarray], new: np.ndarray) -> tuple[dict[str, np.nda
     return t, sequence_starts(t["step"], t["iteration"], t["seq"])
 
 
-def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct steps, each row's index into them): a subtraction when the steps are a short range."""
+def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the distinct steps, an index per row, its offset): a row's step is steps[index - offset]. The
+    steps' own values with offset min(step) when they are a short range, else np.unique's inverse."""
     if not len(step):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), step, 0
     lo, hi = int(step.min()), int(step.max())
     if hi - lo < 1 << 16:
-        return np.arange(lo, hi + 1, dtype=np.int64), (step - lo).astype(np.int64)
+        return np.arange(lo, hi + 1, dtype=np.int64), step, lo
     steps, inv = np.unique(step, return_inverse=True)
-    return steps.astype(np.int64), inv.astype(np.int64)
+    return steps.astype(np.int64), inv.astype(np.int64), 0
 
 
 def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, thresholds, keep: int) -> dict[str, np.ndarray]:
     """The partial of whole sequences (t sorted by sequence and pos, `new` their starts)."""
-    n = len(new)
-    steps, idx = _step_index(t["step"])
+    steps, idx, lo = _step_index(t["step"])
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
-    mask = t["mask"].astype(bool)
-    rec = t["turn"].astype(np.int64) if "turn" in t else np.full(n, -1, np.int64)
+    mask = np.asarray(t["mask"], bool)
+    rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
     # an upper bound on turn starts (the spans buffer): every sequence start, every rise of the mask,
     # and with a recorded turn every change of it
-    starts = int(np.count_nonzero(new)) + (int(np.count_nonzero(mask[1:] & ~mask[:-1])) if n > 1 else 0)
-    if "turn" in t and n > 1:
-        starts += int(np.count_nonzero(rec[1:] != rec[:-1]))
+    starts = turn_starts(new, mask, rec)
     per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
     tau, limit, clamp = thresholds
-    n_spans = fold(new, mask, rec, idx, t["logp"], t["logp_old"], t["valid_logp_old"],
-                    t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
-                    float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
+    n_spans = fold(new, mask, rec, idx, lo, t["logp"], t["logp_old"], t["valid_logp_old"],
+                   t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
+                   float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
     used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
     out = {k: grid[:, :, j] for j, k in enumerate(SUMS)}
     out.update(mismatch_abs_max=gmax, step=steps[used], step_abs=per_step[used, :, 0], step_n=per_step[used, :, 1],
@@ -171,6 +175,7 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
                turn_max=np.array([_turn_max(grid)], np.int64))
     sp = spans[:n_spans]
     sp = sp[np.isfinite(sp[:, 1])]
+    sp = sp[_above_kth(sp[:, 1], keep)]  # top_examples' own cut, made before the gathers below
     rows = sp[:, 0].astype(np.int64)
     with np.errstate(invalid="ignore", divide="ignore"):
         body = np.where(sp[:, 3] > 0, sp[:, 2] / np.maximum(sp[:, 3], 1.0), np.nan)
@@ -186,13 +191,19 @@ def _turn_max(grid: np.ndarray) -> int:
     return int(held[-1]) if len(held) else -1
 
 
+def _above_kth(a: np.ndarray, keep: int) -> np.ndarray | slice:
+    """Rows of a that can be among its `keep` largest (tied with or above the keep-th); all when few."""
+    if len(a) <= 4 * keep:
+        return slice(None)
+    return a >= np.partition(a, len(a) - keep)[len(a) - keep] if keep else np.zeros(len(a), bool)
+
+
 def top_examples(ex: dict[str, np.ndarray], keep: int) -> dict[str, np.ndarray]:
     """The `keep` largest start_abs; ties by step, rank, seq, iteration, turn (a total order: any split of
     the rows merges alike)."""
+    sel = _above_kth(ex["start_abs"], keep)  # only rows tied with or above the keep-th largest can be kept
+    ex = {k: v[sel] for k, v in ex.items()}
     a = ex["start_abs"]
-    if len(a) > 4 * keep:  # only rows tied with or above the keep-th largest can be kept
-        sel = a >= np.partition(a, len(a) - keep)[len(a) - keep] if keep else np.zeros(len(a), bool)
-        ex, a = {k: v[sel] for k, v in ex.items()}, a[sel]
     order = np.lexsort([ex["turn"], ex["iteration"], ex["seq"], ex["rank"], ex["step"], -a])[:keep]
     return {k: v[order] for k, v in ex.items()}
 
@@ -257,7 +268,8 @@ class TurnReducer:
         t = _columns(batch)
         if not len(t["seq"]):
             return
-        new = sequence_starts(t["step"], t["iteration"], t["seq"])
+        new = np.empty(len(t["seq"]), bool)
+        ordered = starts_in_order(t["step"], t["iteration"], t["seq"], t["pos"], new)  # so is any slice of it
         if state.carry is not None:  # the carried sequence's rows go with this batch's first sequence only
             c = state.carry
             head = int(np.argmax(new[1:])) + 1 if new[1:].any() else len(new)
@@ -275,7 +287,7 @@ class TurnReducer:
         cut = int(np.flatnonzero(new)[-1])  # the last sequence may go on in the next batch: carried
         state.carry = {k: v[cut:] for k, v in t.items()}
         if cut:
-            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank))
+            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank, ordered))
 
     def finish(self, state: _State, dropped: int) -> dict[str, np.ndarray]:
         if state.carry is not None and len(state.carry["seq"]):
@@ -287,8 +299,9 @@ class TurnReducer:
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials, self.examples)
 
-    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int) -> dict[str, np.ndarray]:
-        t, new = _sorted(t, new)
+    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int,
+                 ordered: bool = False) -> dict[str, np.ndarray]:
+        t, new = _sorted(t, new, ordered)
         return batch_partial(t, new, rank, (self.tau, self.weight_limit, self.clamp), self.examples)
 
 

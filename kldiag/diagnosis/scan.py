@@ -18,16 +18,45 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from numba import njit
 
-from kldiag.analysis import runner
+from kldiag.analysis import fastexp, runner
+from kldiag.analysis.fused import finite
+from kldiag.analysis.kernel import bools
 
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
 
 
-@njit(nogil=True, cache=True)
+JIT = dict(cache=True, nogil=True, error_model="numpy")
+SUMS_JIT = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # vectorised sums; NaN and inf kept (fused.py)
+CHUNK = 1024  # rows per vectorised chunk
+
+
+@njit(inline="always", **SUMS_JIT)
+def _chunk(mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
+    """SUMS over one chunk's rows (column slices): a branch-free loop over range(len) that LLVM vectorises,
+    fastexp's exp (within 1 ulp of numpy's); float64 inside. Counts are integers: counted as floats
+    (1.0 if c else 0.0) the loop did not vectorise, 10x slower."""
+    n = n_ent = n_conf = n_smp = 0
+    sum_ent = sum_tmpe = 0.0
+    for i in range(len(mask)):
+        mk = mask[i]
+        s, o = np.float64(logp[i]), np.float64(old[i])  # widened: float32 in, float64 inside
+        m, e = np.float64(smp[i]), np.float64(ent[i])
+        o = s if o != o else o  # null logp_old: on-policy, pi_old is pi_theta
+        tmpe = fastexp.exp(abs(o - m))
+        e_ok, t_ok = mk & finite(e), mk & finite(tmpe)
+        n += np.int64(mk)
+        n_ent += np.int64(e_ok)
+        sum_ent += e if e_ok else 0.0
+        n_conf += np.int64(mk & (s > log_confident))
+        n_smp += np.int64(t_ok)
+        sum_tmpe += tmpe if t_ok else 0.0
+    return float(n), float(n_ent), sum_ent, float(n_conf), float(n_smp), sum_tmpe
+
+
+@njit(**SUMS_JIT)
 def _run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
     """SUMS of each run of equal consecutive steps: (run steps [R], sums [R, 6]); float64 inside."""
     n = len(step)
@@ -37,27 +66,18 @@ def _run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cov
             runs += 1
     steps = np.empty(runs, np.int64)
     sums = np.zeros((runs, 6))
-    r = -1
-    for i in range(n):
-        if i == 0 or step[i] != step[i - 1]:
+    r, a = -1, 0
+    for i in range(n + 1):
+        if i == n or (i > 0 and step[i] != step[i - 1]):  # rows a..i - 1 are run r
+            for c0 in range(a, i, CHUNK):
+                c1 = min(c0 + CHUNK, i)
+                got = _chunk(mask[c0:c1], logp[c0:c1], old[c0:c1], smp[c0:c1], ent[c0:c1], log_confident)
+                for q in range(6):
+                    sums[r, q] += got[q]
+            a = i
+        if i < n and (i == 0 or step[i] != step[i - 1]):
             r += 1
             steps[r] = step[i]
-        if not mask[i]:
-            continue
-        s, o = np.float64(logp[i]), np.float64(old[i])  # widened: float32 in, float64 inside
-        m, e = np.float64(smp[i]), np.float64(ent[i])
-        if o != o:  # null logp_old: on-policy, pi_old is pi_theta
-            o = s
-        sums[r, 0] += 1.0
-        if np.isfinite(e):
-            sums[r, 1] += 1.0
-            sums[r, 2] += e
-        if s > log_confident:
-            sums[r, 3] += 1.0
-        tmpe = np.exp(abs(o - m))
-        if np.isfinite(tmpe):
-            sums[r, 4] += 1.0
-            sums[r, 5] += tmpe
     return steps, sums
 
 
@@ -66,7 +86,7 @@ def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np
     def col(name: str) -> np.ndarray:
         return batch.column(name).to_numpy(zero_copy_only=False)  # float32, NaN where null
 
-    mask = pc.fill_null(batch.column("mask"), False).to_numpy(zero_copy_only=False)
+    mask = bools(batch, "mask")
     steps, sums = _run_sums(col("step"), mask, col("logp"), col("logp_old"), col("logp_sampler"), col("entropy"),
                             math.log(confident_p))
     out: dict[int, np.ndarray] = {}

@@ -318,7 +318,7 @@ def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet |
     if key not in analysis.memo:
         sample = TS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
-        analysis.memo[key] = TS.thin(sample.tokens(), config.max_tokens) if fit else None
+        analysis.memo[key] = sample.thinned(config.max_tokens) if fit else None
     return analysis.memo[key]
 
 

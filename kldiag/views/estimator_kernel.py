@@ -3,12 +3,18 @@
 It gives, from the same float64 values, what numpy gives from `views.pages.derive`'s per-token columns
 (tests/test_estimator_kernel.py keeps that numpy pass as its reference): per compared estimator (k1, k2,
 k3, k3_is, k3_clamped) the sum and non-finite count of its value, the sum, flagged sum, maximum and
-histogram of its |gradient weight|; the flag counts; K3's weight per token in the loss (for the token
-sample); and per run of equal (step, seq) rows the sequence's advantage and its sum of log mu - s.
-The per-token maths are kldiag.estimators' (Schulman 2020's k1, k2, k3; DeepSeek-V3.2 eq. 7 and 9 for
-k3_is and its weight), with its convention that a 0 * inf product of non-NaN factors is +-inf, never
-NaN. Counts, maxima and histograms equal numpy's exactly; sums are taken in row order, so they differ
-from numpy's pairwise sums by rounding only (tests/test_estimator_kernel.py).
+histogram of its |gradient weight|; the flag counts; the token sample's always-kept tokens (the
+KEEP_TOP largest |k3 weight| and the KEEP_FLAGGED worst flagged ones, selected in the pass with a running
+threshold: no per-token array leaves it); and per run of equal (step, seq) rows the sequence's advantage
+and its sum of log mu - s. The per-token maths are kldiag.estimators' (Schulman 2020's k1, k2, k3;
+DeepSeek-V3.2 eq. 7 and 9 for k3_is and its weight), with its convention that a 0 * inf product of
+non-NaN factors is +-inf, never NaN. Counts, maxima, histograms and selections equal numpy's exactly; sums
+are taken in row order, so they differ from numpy's pairwise sums by rounding only
+(tests/test_estimator_kernel.py).
+
+Only what differs per token is computed per token: k1's weight is 1 (its |weight| sums, maximum and
+histogram follow from the counts), and k3_clamped's weight is K3's except on clamp-saturated tokens (its
+histogram is K3's, corrected there).
 """
 
 from __future__ import annotations
@@ -17,166 +23,265 @@ import numpy as np
 from numba import njit
 
 from kldiag.analysis import fastexp
-from kldiag.analysis.fused import abs_bin
+from kldiag.analysis.fused import (BIN_COPIES, COUNT_BITS, FIELD, NONE_BITS, abs_bin, bits, finite, from_bits,
+                                  pack7)
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
-CHUNK = 256  # rows whose exponentials are computed in one vectorised loop
+SUMS = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # as fused.py: vectorised sums, NaN and inf kept
+CHUNK = 256  # rows per vectorised chunk (fused.COUNT_BITS holds a chunk's counts)
 N_EST = 5  # COMPARED's order: k1, k2, k3, k3_is, k3_clamped
 # Per-estimator float sums (rows of `fsum`) and counts (rows of `icount`).
 F_VALUE, F_WABS, F_WFLAG, F_WMAX = range(4)
 I_NONFINITE = 0
-# Scalars (`scal`): tokens, flagged, clamp_saturated as counts; k3_weight_lost as a float.
-S_TOKENS, S_FLAGGED, S_CLAMP = range(3)
+# Counts (`scal`): tokens, flagged, clamp_saturated, then the kept tokens of the two selections.
+S_TOKENS, S_FLAGGED, S_CLAMP, S_TOP, S_WORST, S_RUNS = range(6)
+TOKEN, FLAGGED = 1, 2  # bits of a row's code in the chunk loop
 
 
 @njit(inline="always", **JIT)
 def product(a, b):  # pragma: no cover - compiled
-    """a * b, with estimators._nan_to_inf_product's rule: NaN from non-NaN factors (0 * inf) is +-inf."""
+    """a * b, with estimators._nan_to_inf_product's rule: NaN from non-NaN factors (0 * inf) is +-inf.
+    Branch-free (selects), so that the chunk loop vectorises."""
     out = a * b
-    if out != out and a == a and b == b:
-        sa = (1.0 if a > 0 else -1.0) if np.isinf(a) else 1.0
-        sb = (1.0 if b > 0 else -1.0) if np.isinf(b) else 1.0
-        return sa * sb * np.inf
-    return out
+    sa = -1.0 if a < 0 else 1.0
+    sb = -1.0 if b < 0 else 1.0
+    return sa * sb * np.inf if (out != out) & (a == a) & (b == b) else out
 
 
 @njit(inline="always", **JIT)
-def bad(x, present):  # pragma: no cover - compiled
-    """(non-finite, invalid) of one present log-prob as views.derive tests it: x > 0 counts +inf too."""
-    return present and not np.isfinite(x), present and x > 0
+def bad(x, null):  # pragma: no cover - compiled
+    """A present log-prob that views.derive flags: non-finite (NaN, +-inf) or above 0."""
+    return (not null) & (not ((x <= 0.0) & (x > -np.inf)))
 
 
 @njit(inline="always", **JIT)
-def add_chunk(e, vals, wts, fl, cnt, fsum, icount, hist, abs_grid):  # pragma: no cover - compiled
-    """Add estimator e's values and weights of a chunk's cnt tokens to its sums (finite summands only),
-    accumulated in registers then added once: memory-held accumulators would chain every token."""
-    v_sum, w_sum, w_flag, w_max, n_bad = 0.0, 0.0, 0.0, fsum[F_WMAX, e], 0
-    for k in range(cnt):
-        v = vals[e, k]
-        if np.isfinite(v):
-            v_sum += v
-        else:
-            n_bad += 1
-        w = abs(wts[e, k])
-        if np.isfinite(w):
-            w_sum += w
-            if fl[k]:
-                w_flag += w
-        if w == w:
-            if w > w_max:
-                w_max = w
-            hist[e, abs_bin(w, abs_grid[0], abs_grid[1], abs_grid[2])] += 1
-    fsum[F_VALUE, e] += v_sum
-    fsum[F_WABS, e] += w_sum
-    fsum[F_WFLAG, e] += w_flag
-    fsum[F_WMAX, e] = w_max
-    icount[I_NONFINITE, e] += n_bad
+def weight_bin(w, ok, abs_grid):  # pragma: no cover - compiled
+    """|weight| w's histogram bin, or the "not binned" one past the last (not a token, or NaN)."""
+    return abs_bin(w, abs_grid[0], abs_grid[1], abs_grid[2]) if ok & (w == w) else abs_grid[2] + 1
+
+
+@njit(inline="always", **SUMS)
+def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_grid, packed, w_k3, code):
+    """(value sums [5], |weight| sums [4], flagged |weight| sums [4], |weight| maxima as bits [4], counts
+    packed in two words, k3_weight_lost) of one chunk's rows (column slices), k2 .. k3_clamped for the
+    weights; packed[i] = row i's four histogram bins (fused.FIELD bits each), w_k3[i] its K3 weight,
+    code[i] its TOKEN and FLAGGED bits. One branch-free loop over range(len) of slices, as
+    fused.chunk_sums, so that LLVM vectorises it."""
+    log_tau, limit, clamp = params[0], params[1], params[2]
+    bin_zero = abs_bin(0.0, abs_grid[0], abs_grid[1], abs_grid[2])
+    v0 = v1 = v2 = v3 = v4 = a1 = a2 = a3 = a4 = f1 = f2 = f3 = f4 = lost = 0.0
+    x1 = x2 = x3 = x4 = NONE_BITS
+    c0 = c1 = 0
+    for i in range(len(s)):
+        mk = mask[i] & (not r_null[i])
+        sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])
+        ov = sv if o_null[i] else np.float64(o[i])
+        d = rv - sv
+        em = fastexp.expm1(d)
+        rho = fastexp.exp(sv - ov)
+        k3 = np.inf if d == np.inf else em - d  # expm1(+inf) - inf is NaN; the limit is +inf
+        w3 = abs(em)
+        sat = mk & (k3 > clamp)
+        fl = mk & ((d > log_tau) | (w3 > limit) | sat | bad(sv, s_null[i]) | bad(rv, False) | bad(ov, o_null[i])
+                   | bad(mv, m_null[i]))
+        # k1 = s - r (weight 1: counted by the caller), k2 = d^2 / 2 (s - r), k3 = expm1(d) - d (-expm1(d)),
+        # k3_is = rho k3 (rho (s - r)), k3_clamped = min(k3, clamp) (K3's weight, 0 once k3 > clamp)
+        k1, k2, k3is = -d, 0.5 * (d * d), product(rho, k3)
+        k3c = k3 if (k3 != k3) | (k3 < clamp) else clamp  # np.minimum: NaN stays NaN
+        ok0, ok1, ok2, ok3, ok4 = mk & finite(k1), mk & finite(k2), mk & finite(k3), mk & finite(k3is), mk & finite(k3c)
+        v0 += k1 if ok0 else 0.0
+        v1 += k2 if ok1 else 0.0
+        v2 += k3 if ok2 else 0.0
+        v3 += k3is if ok3 else 0.0
+        v4 += k3c if ok4 else 0.0
+        w1, wis = abs(d), abs(product(rho, k1))
+        w4 = 0.0 if sat else w3
+        q1, q2, q3, q4 = mk & finite(w1), mk & finite(w3), mk & finite(wis), mk & finite(w4)
+        a1 += w1 if q1 else 0.0
+        a2 += w3 if q2 else 0.0
+        a3 += wis if q3 else 0.0
+        a4 += w4 if q4 else 0.0
+        f1 += w1 if q1 & fl else 0.0
+        f2 += w3 if q2 & fl else 0.0
+        f3 += wis if q3 & fl else 0.0
+        f4 += w4 if q4 & fl else 0.0
+        x1 = max(x1, bits(w1) if mk & (w1 == w1) else NONE_BITS)  # |weight| >= +0.0: its bits order like it
+        x2 = max(x2, bits(w3) if mk & (w3 == w3) else NONE_BITS)
+        x3 = max(x3, bits(wis) if mk & (wis == wis) else NONE_BITS)
+        x4 = max(x4, bits(w4) if mk & (w4 == w4) else NONE_BITS)
+        lost += w3 if sat & finite(w3) else 0.0
+        c0 += pack7(mk, fl, sat, mk & (not ok0), mk & (not ok1), mk & (not ok2), mk & (not ok3))
+        c1 += np.int64(mk & (not ok4))
+        b3 = weight_bin(w3, mk, abs_grid)
+        b4 = bin_zero if sat else b3  # k3_clamped's |weight|: K3's, or 0 once saturated
+        packed[i] = (weight_bin(w1, mk, abs_grid) | (b3 << FIELD) | (weight_bin(wis, mk, abs_grid) << (2 * FIELD))
+                     | (b4 << (3 * FIELD)))
+        w_k3[i] = -em
+        code[i] = np.uint8(mk) | (np.uint8(fl) << 1)
+    return (v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), c0, c1, lost
 
 
 @njit(inline="always", **JIT)
-def put(c, sv, rv, d, em, rho, clamp, vals, wts):  # pragma: no cover - compiled
-    """One token's value and weight per estimator (COMPARED's order) into column c of vals, wts [N_EST, CHUNK]:
-    k1 = s - r (weight 1), k2 = d^2 / 2 (s - r), k3 = expm1(d) - d (-expm1(d)), k3_is = rho k3 (rho (s - r)),
-    k3_clamped = min(k3, clamp) (K3's weight, 0 once k3 > clamp)."""
-    k3 = np.inf if d == np.inf else em - d  # expm1(+inf) - inf is NaN; the limit is +inf
-    vals[0, c], wts[0, c] = sv - rv, 1.0
-    vals[1, c], wts[1, c] = 0.5 * (d * d), sv - rv
-    vals[2, c], wts[2, c] = k3, -em
-    vals[3, c], wts[3, c] = product(rho, k3), product(rho, sv - rv)
-    vals[4, c] = k3 if (k3 != k3 or k3 < clamp) else clamp  # np.minimum: NaN stays NaN
-    wts[4, c] = 0.0 if k3 > clamp else -em
+def count_bins(packed, rows, hist):  # pragma: no cover - compiled
+    """Add the packed bins of `rows` rows into hist [BIN_COPIES, 4, bins] (k2 .. k3_clamped): row t into
+    copy t % BIN_COPIES, so that increments of one counter do not wait on each other (fused.count_bins)."""
+    low = (1 << FIELD) - 1
+    for t in range(rows):
+        p, c = packed[t], t % BIN_COPIES
+        hist[c, 0, p & low] += 1
+        hist[c, 1, (p >> FIELD) & low] += 1
+        hist[c, 2, (p >> (2 * FIELD)) & low] += 1
+        hist[c, 3, (p >> (3 * FIELD)) & low] += 1
 
 
 @njit(inline="always", **JIT)
-def exps(s, o, r, o_null, i0, i1, d, em, rho):  # pragma: no cover - compiled
-    """d = r - s, expm1(d) and rho = exp(s - o) of rows i0:i1 into d, em, rho [0:i1 - i0]: a branch-free
-    loop that LLVM vectorises (fastexp: within 2 ulp of numpy, NaN and +-inf as numpy's)."""
-    for k in range(i1 - i0):
-        sv = np.float64(s[i0 + k])
-        ov = sv if o_null[i0 + k] else np.float64(o[i0 + k])
-        d[k] = np.float64(r[i0 + k]) - sv
-        em[k] = fastexp.expm1(d[k])
-        rho[k] = fastexp.exp(sv - ov)
+def keep(hw, hj, cnt, w, j):  # pragma: no cover - compiled
+    """Put token j (|weight| w) in the min-heap hw, hj of the cnt best kept so far (the root: the one to
+    drop next, the smallest w, of equal w the latest j); a full heap drops its root. The caller passes
+    only tokens that beat the root of a full heap. Returns the new count."""
+    size = len(hw)
+    if cnt < size:  # sift up from the end
+        k = cnt
+        while k > 0:
+            p = (k - 1) >> 1
+            if not (w < hw[p] or (w == hw[p] and j > hj[p])):
+                break
+            hw[k], hj[k] = hw[p], hj[p]
+            k = p
+        hw[k], hj[k] = w, j
+        return cnt + 1
+    k = 0  # replace the root, sift down
+    while True:
+        c = 2 * k + 1
+        if c >= size:
+            break
+        if c + 1 < size and (hw[c + 1] < hw[c] or (hw[c + 1] == hw[c] and hj[c + 1] > hj[c])):
+            c += 1
+        if not (hw[c] < w or (hw[c] == w and hj[c] > j)):
+            break
+        hw[k], hj[k] = hw[c], hj[c]
+        k = c
+    hw[k], hj[k] = w, j
+    return cnt
 
 
-@njit(**JIT)
-def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit, clamp, abs_grid,
-               fsum, icount, hist, scal, w_k3, flagged_out, rows):  # pragma: no cover - compiled
-    """One pass over a batch's rows [n] (log-probs as stored, NaN at nulls; null masks bool [n]).
-
-    Tokens are the rows in the loss (mask) with a reference log-prob; an absent logp_old means
-    on-policy (o = s). Adds into fsum [4, N_EST] (value sum, |weight| sum, flagged |weight| sum,
-    |weight| max), icount [1, N_EST], hist [N_EST, len(ABS_EDGES) + 1]; writes K3's weight, the
-    flagged bit and the row index of the j-th token to w_k3, flagged_out, rows [n]. Rows go in
-    chunks of CHUNK: their exponentials (`exps`), each token's values and weights, then the sums
-    (`add_chunk`). Returns k3_weight_lost; writes (tokens, flagged, clamp_saturated) to scal."""
-    d_, em_, rho_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK)
-    vals, wts, fl = np.empty((N_EST, CHUNK)), np.empty((N_EST, CHUNK)), np.empty(CHUNK, np.bool_)
-    j = 0
-    n_flagged = 0
-    n_clamp = 0
-    lost = 0.0
-    for i0 in range(0, len(s), CHUNK):
-        i1 = min(i0 + CHUNK, len(s))
-        exps(s, o, r, o_null, i0, i1, d_, em_, rho_)
-        j0 = j
-        for i in range(i0, i1):
-            if not mask[i] or r_null[i]:
-                continue
-            sv = np.float64(s[i])
-            rv = np.float64(r[i])
-            d, em, rho = d_[i - i0], em_[i - i0], rho_[i - i0]
-            k3 = np.inf if d == np.inf else em - d
-            wk3 = -em
-            saturated = k3 > clamp
-            nf_s, inv_s = bad(sv, not s_null[i])
-            nf_r, inv_r = bad(rv, True)
-            nf_o, inv_o = bad(np.float64(o[i]), not o_null[i])
-            nf_m, inv_m = bad(np.float64(m[i]), not m_null[i])
-            flagged = (d > log_tau or abs(wk3) > limit or saturated or nf_s or nf_r or nf_o or nf_m
-                       or inv_s or inv_r or inv_o or inv_m)
-            n_flagged += flagged
-            if saturated:
-                n_clamp += 1
-                if np.isfinite(wk3):
-                    lost += abs(wk3)
-            put(j - j0, sv, rv, d, em, rho, clamp, vals, wts)
-            fl[j - j0] = flagged
-            w_k3[j] = wk3
-            flagged_out[j] = flagged
-            rows[j] = i
+@njit(inline="always", **JIT)
+def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no cover - compiled
+    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out and offer
+    each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace, write each
+    token's K3 weight and flagged bit. Returns the next j. A token joins a full set only above its root:
+    after the first chunks, a compare per token."""
+    top_w, top_j, worst_w, worst_j, n = sel
+    trace = len(w_out) > 0
+    for t in range(rows):
+        c = code[t]
+        if c & TOKEN:
+            w = abs(w_k3[t])
+            w = np.inf if w != w else w  # the sample ranks NaN weights first
+            if n[0] < len(top_w) or w > top_w[0]:
+                n[0] = keep(top_w, top_j, n[0], w, j)
+            if (c & FLAGGED) and (n[1] < len(worst_w) or w > worst_w[0]):
+                n[1] = keep(worst_w, worst_j, n[1], w, j)
+            if trace:
+                w_out[j], fl_out[j] = w_k3[t], (c & FLAGGED) != 0
+            rows_out[j] = c0 + t
             j += 1
-        for e in range(N_EST):
-            add_chunk(e, vals, wts, fl, j - j0, fsum, icount, hist, abs_grid)
-    scal[S_TOKENS] = j
-    scal[S_FLAGGED] = n_flagged
-    scal[S_CLAMP] = n_clamp
-    return lost
+    return j
 
 
-@njit(**JIT)
-def seq_runs(step, seq, advantage, s, o, m, o_null, m_null, mask, r_step, r_seq, r_adv, r_gap,
-             r_n):  # pragma: no cover - compiled
-    """Per run of equal consecutive (step, seq): the first non-NaN advantage (else NaN), the sum of
-    non-NaN log mu - s over rows in the loss (mu the sampler's log-prob, else pi_old's, else s) and
-    their count, as pandas' groupby first/sum give. Writes the runs' rows of r_*; returns their count."""
-    k = -1
-    for i in range(len(step)):
-        if k < 0 or step[i] != r_step[k] or seq[i] != r_seq[k]:
+@njit(inline="always", **JIT)
+def seq_chunk(i0, i1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
+              r_n):  # pragma: no cover - compiled
+    """Per run of equal consecutive (step, seq) over rows i0:i1: the first non-NaN advantage (else NaN), the
+    sum of non-NaN log mu - s over rows in the loss (mu the sampler's log-prob, else pi_old's, else s) and
+    their count, as pandas' groupby first/sum give, into the runs' rows of r_*. The current run (runs[0];
+    -1: none yet) goes on from the chunk before; its sums stay in registers within the chunk, whose columns
+    token_pass has just read (still in cache: no second pass over the batch)."""
+    k = runs[0]
+    gap_k, n_k, adv_k = (r_gap[k], r_n[k], r_adv[k]) if k >= 0 else (0.0, 0, np.nan)
+    st_k, sq_k = (r_step[k], r_seq[k]) if k >= 0 else (step[i0], seq[i0])
+    for i in range(i0, i1):
+        if k < 0 or step[i] != st_k or seq[i] != sq_k:
+            if k >= 0:
+                r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
             k += 1
-            r_step[k] = step[i]
-            r_seq[k] = seq[i]
-            r_adv[k] = np.nan
-            r_gap[k] = 0.0
-            r_n[k] = 0
+            st_k, sq_k = step[i], seq[i]
+            r_step[k], r_seq[k] = st_k, sq_k
+            gap_k, n_k, adv_k = 0.0, 0, np.nan
         a = np.float64(advantage[i])
-        if r_adv[k] != r_adv[k] and a == a:
-            r_adv[k] = a
+        if adv_k != adv_k and a == a:
+            adv_k = a
         if mask[i]:
             sv = np.float64(s[i])
             mu = np.float64(m[i]) if not m_null[i] else (np.float64(o[i]) if not o_null[i] else sv)
             gap = mu - sv
             if gap == gap:
-                r_gap[k] += gap
-            r_n[k] += 1
-    return k + 1
+                gap_k += gap
+            n_k += 1
+    if k >= 0:
+        r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
+    runs[0] = k
+
+
+@njit(**SUMS)
+def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit, clamp, abs_grid,
+               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out,
+               step, seq, advantage, r_step, r_seq, r_adv, r_gap, r_n):  # pragma: no cover
+    """One pass over a batch's rows [n] (log-probs as stored, NaN at nulls; null masks bool [n]).
+
+    Tokens are the rows in the loss (mask) with a reference log-prob, numbered j = 0, 1, ... in row
+    order; an absent logp_old means on-policy (o = s). Adds into fsum [4, N_EST] (value sum, |weight| sum,
+    flagged |weight| sum, |weight| max), icount [1, N_EST], hist [N_EST, len(ABS_EDGES) + 1]. Keeps in
+    top_w, top_j [KEEP_TOP] the tokens of largest |k3 weight| (NaN as +inf, of equal ones the first) and
+    in worst_w, worst_j [KEEP_FLAGGED] the same among flagged tokens (estimators.largest's sets). Writes
+    (tokens, flagged, clamp_saturated, kept top, kept worst, runs) to scal, each token's row to rows_out
+    [n]; with w_out, fl_out of length n (else 0: not written) each token's K3 weight and flagged bit. Per
+    run of equal (step, seq) rows (seq_chunk): r_step, r_seq, r_adv, r_gap, r_n [n].
+    Returns k3_weight_lost."""
+    n_abs = abs_grid[2]
+    runs = np.full(1, -1, np.int64)
+    params = np.array([log_tau, limit, clamp])
+    packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
+    h = np.zeros((BIN_COPIES, 4, n_abs + 2), np.int64)  # the last bin: not binned
+    vs, ws, fs, cnt = np.zeros(5), np.zeros(4), np.zeros(4), np.zeros(8, np.int64)
+    xs = np.full(4, NONE_BITS, np.int64)
+    n_kept = np.zeros(2, np.int64)
+    sel = (top_w, top_j, worst_w, worst_j, n_kept)
+    j, lost, low = 0, 0.0, (1 << COUNT_BITS) - 1
+    for c0 in range(0, len(s), CHUNK):
+        c1 = min(c0 + CHUNK, len(s))
+        v, a, f, x, w0, w1, lo = chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1],
+                                           r_null[c0:c1], m_null[c0:c1], mask[c0:c1], params, abs_grid, packed,
+                                           w_k3, code)
+        for q in range(5):
+            vs[q] += v[q]
+        for q in range(4):
+            ws[q] += a[q]
+            fs[q] += f[q]
+            xs[q] = max(xs[q], x[q])
+        for q in range(7):
+            cnt[q] += (w0 >> (q * COUNT_BITS)) & low
+        cnt[7] += w1
+        lost += lo
+        count_bins(packed, c1 - c0, h)
+        j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
+        seq_chunk(c0, c1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
+                  r_n)
+    # counts: tokens, flagged, saturated, then non-finite values of k1 .. k3_clamped
+    fsum[F_VALUE] += vs
+    icount[I_NONFINITE] += cnt[3:8]
+    fsum[F_WABS, 0] += cnt[0]  # k1's |weight| is 1 on every token
+    fsum[F_WFLAG, 0] += cnt[1]
+    fsum[F_WMAX, 0] = max(fsum[F_WMAX, 0], 1.0) if cnt[0] else fsum[F_WMAX, 0]
+    hist[0, abs_bin(1.0, abs_grid[0], abs_grid[1], abs_grid[2])] += cnt[0]
+    for e in range(4):
+        fsum[F_WABS, e + 1] += ws[e]
+        fsum[F_WFLAG, e + 1] += fs[e]
+        if xs[e] != NONE_BITS:
+            fsum[F_WMAX, e + 1] = max(fsum[F_WMAX, e + 1], from_bits(xs[e], NONE_BITS))
+        for k in range(n_abs + 1):
+            hist[e + 1, k] += h[0, e, k] + h[1, e, k] + h[2, e, k] + h[3, e, k]
+    scal[S_TOKENS], scal[S_FLAGGED], scal[S_CLAMP], scal[S_TOP], scal[S_WORST] = cnt[0], cnt[1], cnt[2], \
+        n_kept[0], n_kept[1]
+    scal[S_RUNS] = runs[0] + 1
+    return lost

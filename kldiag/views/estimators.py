@@ -26,16 +26,13 @@ from kldiag.analysis.stats import ABS_GRID
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
 from kldiag.views import estimator_kernel as K
-from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles, nulls
+from kldiag.views.estimator_sample import (  # noqa: F401 - the sample's names, read as estimators.X too
+    DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, SEQ_COLUMNS, kept_pick,
+    kept_pick_index, kind_index, largest, merge_arrays, sample_pick)
+from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
-SAMPLE_COLUMNS = ("step", "seq", "d", "rho", "weight_k2", "weight_k3", "weight_k3_is", "flagged", "kind")
-# The scatter's sample always holds the tokens that matter most, then random ones (`kind`):
-KEEP_TOP = 200  # tokens with the largest |k3 weight| ("top |k3 weight|"), per part and merged
-KEEP_FLAGGED = 1000  # flagged tokens kept, the worst first ("flagged")
-SAMPLED = "sampled"
-SEQ_COLUMNS = ("step", "seq", "advantage", "gap_sum", "n")
 
 
 @dataclass
@@ -72,10 +69,17 @@ def values_and_weights(q: dict[str, np.ndarray], config: AnalysisConfig) -> dict
 
 def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
                    seed: int) -> EstimatorPartial:
-    """The partial of one batch: its per-token work in one compiled pass (estimator_kernel.token_pass);
-    the sample's columns are `derive`'s on the few rows drawn."""
+    """The partial of one batch (tests, `part_partial`): `batch_arrays` as an EstimatorPartial."""
+    return from_arrays(batch_arrays(batch, config, sample_size, seed))
+
+
+def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sample_size: int,
+                 seed: int) -> dict[str, np.ndarray]:
+    """The partial of one batch as named arrays (to_arrays' layout): its per-token work in one compiled
+    pass (estimator_kernel.token_pass), which also keeps the sample's always-kept tokens; the sample's
+    columns are `derive`'s on the few rows drawn."""
     n = batch.num_rows
-    raw, absent = {}, nulls(batch)
+    raw, absent = {}, _nulls(batch)
     for c in LOGP_COLUMNS:
         col = batch.column(c)
         raw[c] = col.to_numpy(zero_copy_only=False) if col.null_count < n else np.full(n, np.nan, np.float32)
@@ -84,91 +88,73 @@ def _batch_partial(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sam
     fsum = np.zeros((4, len(COMPARED)))
     icount = np.zeros((1, len(COMPARED)), np.int64)
     hist = np.zeros((len(COMPARED), len(ABS_EDGES) + 1), np.int64)
-    scal = np.zeros(3, np.int64)
-    w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
+    scal = np.zeros(6, np.int64)
+    top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
+        np.empty(KEEP_FLAGGED, np.int64)
+    step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
+    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
+    rows, runs = np.empty(n, np.int64), _run_arrays(n, step.dtype, seq.dtype)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
-                        config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, w_k3, flagged, rows)
+                        config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
+                        worst_w, worst_j, np.empty(0), np.empty(0, bool), rows, step, seq, adv, *runs)
     m = int(scal[K.S_TOKENS])
-    part = EstimatorPartial(rows=n, tokens=m, flagged=int(scal[K.S_FLAGGED]),
-                            clamp_saturated=int(scal[K.S_CLAMP]), k3_weight_lost=float(lost))
-    for e, name in enumerate(COMPARED):
-        part.value_sum[name] = float(fsum[K.F_VALUE, e])
-        part.value_nonfinite[name] = int(icount[K.I_NONFINITE, e])
-        part.weight_abs_sum[name] = float(fsum[K.F_WABS, e])
-        part.weight_abs_flagged[name] = float(fsum[K.F_WFLAG, e])
-        part.weight_abs_max[name] = float(fsum[K.F_WMAX, e])
-        part.weight_hist[name] = hist[e]
-    part.seqs = _seq_gaps(batch, raw, absent, mask)
-    pick, kind = sample_pick(w_k3[:m], flagged[:m], sample_size, seed)
-    at = rows[:m][pick]
+    out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
+           "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
+    for k, row in (("value_sum", fsum[K.F_VALUE]), ("value_nonfinite", icount[K.I_NONFINITE]),
+                   ("weight_abs_sum", fsum[K.F_WABS]), ("weight_abs_flagged", fsum[K.F_WFLAG]),
+                   ("weight_abs_max", fsum[K.F_WMAX])):
+        out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
+    out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
+    out.update({f"seqs/{c}": v for c, v in _seq_gaps(runs, int(scal[K.S_RUNS])).items()})
+    pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
+    at = rows[pick]
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
-    ids = {c: batch.column(c).to_numpy()[at] for c in ("step", "seq")}
-    part.sample = pd.DataFrame({**ids, **{c: q[c] for c in SAMPLE_COLUMNS if c not in ids and c != "kind"},
-                                "kind": kind})
-    return part
+    q.update(step=step[at], seq=seq[at])
+    q["kind"] = kind
+    out.update({f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
+    return out
 
 
-def largest(w: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values of w, ties to the lower index: the set argsort(-w, stable)[:k]
-    gives, found in linear time (argpartition) rather than by sorting every token."""
-    if k <= 0 or not len(w):
-        return np.zeros(0, np.int64)
-    if len(w) <= k:
-        return np.arange(len(w))
-    kth = -np.partition(-w, k - 1)[k - 1]
-    above = np.flatnonzero(w > kth)
-    return np.concatenate([above, np.flatnonzero(w == kth)[: k - len(above)]])
+def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
+    """`pages.nulls`, with one shared all-False array for the columns without a null (the usual case)."""
+    n, none = batch.num_rows, None
+    out = {}
+    for c in LOGP_COLUMNS:
+        col = batch.column(c)
+        if col.null_count:
+            out[c] = np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        else:
+            none = np.zeros(n, bool) if none is None else none
+            out[c] = none
+    return out
 
 
-def sample_pick(weight_k3: np.ndarray, flagged: np.ndarray, sample_size: int,
-                seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows [m] of a token sample and their kind: the KEEP_FLAGGED worst flagged tokens and the
-    KEEP_TOP largest |k3 weight| always (NaN weights count as largest), then at most
-    `sample_size` drawn uniformly from the rest. Sorted row indices and kind labels (object [m])."""
-    w = np.abs(np.asarray(weight_k3, dtype=np.float64))
-    w = np.where(np.isnan(w), np.inf, w)
-    top = largest(w, KEEP_TOP)
-    flagged_at = np.flatnonzero(np.asarray(flagged, dtype=bool))
-    flagged_rows = flagged_at[largest(w[flagged_at], KEEP_FLAGGED)]
-    special = np.union1d(top, flagged_rows)
-    others = np.ones(w.size, bool)
-    others[special] = False
-    rest = np.flatnonzero(others)
-    if rest.size > sample_size:  # bounded: a scatter never draws every token
-        rest = np.random.default_rng(seed).choice(rest, size=sample_size, replace=False)
-    pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
-    kind = np.full(pick.size, SAMPLED, dtype=object)
-    kind[np.isin(pick, top)] = "top |k3 weight|"
-    kind[np.isin(pick, flagged_rows)] = "flagged"
-    return pick, kind
+def _run_arrays(n: int, step_dtype, seq_dtype) -> tuple[np.ndarray, ...]:
+    """token_pass's per-run outputs (r_step, r_seq, r_adv, r_gap, r_n) for n rows: at most n runs."""
+    return tuple(np.empty(n, t) for t in (step_dtype, seq_dtype, np.float64, np.float64, np.int64))
 
 
-def _seq_gaps(batch, raw: dict[str, np.ndarray], absent: dict[str, np.ndarray], mask: np.ndarray) -> pd.DataFrame:
-    """Per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s over
-    tokens in the loss (estimator_kernel.seq_runs per run of equal rows, then runs of one key merged).
+def _seq_gaps(runs: tuple[np.ndarray, ...], k: int) -> dict[str, np.ndarray]:
+    """SEQ_COLUMNS per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s
+    over tokens in the loss, from token_pass's k runs of equal rows (runs of one key merged).
 
     mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
     """
-    n = batch.num_rows
-    step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
-    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
-    r_step, r_seq, r_adv, r_gap, r_n = (np.empty(n, t) for t in (step.dtype, seq.dtype, np.float64, np.float64,
-                                                                 np.int64))
-    k = K.seq_runs(step, seq, adv, raw["logp"], raw["logp_old"], raw["logp_sampler"], absent["logp_old"],
-                   absent["logp_sampler"], mask, r_step, r_seq, r_adv, r_gap, r_n)
-    df = pd.DataFrame({"step": r_step[:k], "seq": r_seq[:k], "advantage": r_adv[:k], "gap_sum": r_gap[:k],
-                       "n": r_n[:k]})
-    if k and pd.MultiIndex.from_arrays([df["step"], df["seq"]]).is_unique:
-        return df
+    r_step, r_seq, r_adv, r_gap, r_n = runs
+    out = {"step": r_step[:k].astype(np.int64), "seq": r_seq[:k].astype(np.int64), "advantage": r_adv[:k].copy(),
+           "gap_sum": r_gap[:k].copy(), "n": r_n[:k].copy()}
+    if _rising(out["step"], out["seq"]) or pd.MultiIndex.from_arrays([out["step"], out["seq"]]).is_unique:
+        return out  # rising: the recorder's order, every key once (told without pandas)
+    df = pd.DataFrame(out)
     g = df.groupby(["step", "seq"], sort=False)
-    return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+    df = g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
+    return {c: df[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS}
 
 
-KINDS = (SAMPLED, "top |k3 weight|", "flagged")  # the sample's `kind`, stored as its index
-SCALARS = ("rows", "tokens", "flagged", "clamp_saturated", "k3_weight_lost")
-DTYPES = {"step": np.int64, "seq": np.int64, "n": np.int64, "kind": np.int8, "flagged": bool}  # else float64
-PER_ESTIMATOR = ("value_sum", "value_nonfinite", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max")
+def _rising(step: np.ndarray, seq: np.ndarray) -> bool:
+    """Whether the (step, seq) keys strictly rise (so each is unique)."""
+    return len(step) < 2 or bool(np.all((step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (seq[1:] > seq[:-1]))))
 
 
 @dataclass(frozen=True)
@@ -197,13 +183,13 @@ class EstimatorReducer:
 
     def add(self, state: dict, batch: pa.RecordBatch) -> None:
         seed = state["seed"] + len(state["parts"])
-        state["parts"].append(_batch_partial(batch, self.config(), self.sample_size, seed))
+        state["parts"].append(batch_arrays(batch, self.config(), self.sample_size, seed))
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
-        return to_arrays(merge_partials(state["parts"], sample_size=self.sample_size, seed=state["seed"]))
+        return merge_arrays(state["parts"], sample_size=self.sample_size, seed=state["seed"])
 
     def merge(self, partials) -> dict[str, np.ndarray]:
-        return to_arrays(merge_partials([from_arrays(p) for p in partials]))
+        return merge_arrays(list(partials))
 
 
 def to_arrays(p: EstimatorPartial) -> dict[str, np.ndarray]:
@@ -228,7 +214,7 @@ def from_arrays(a: dict[str, np.ndarray]) -> EstimatorPartial:
             p.weight_hist[name] = np.asarray(v)
     p.seqs = pd.DataFrame({c: a[f"seqs/{c}"] for c in SEQ_COLUMNS})
     sample = pd.DataFrame({c: a[f"sample/{c}"] for c in SAMPLE_COLUMNS})
-    p.sample = sample.assign(kind=[KINDS[int(k)] for k in sample["kind"]]) if len(sample) else sample
+    p.sample = sample.assign(kind=np.array([KINDS[int(k)] for k in sample["kind"]], dtype=object))
     return p
 
 
