@@ -78,27 +78,11 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds) -> Prefix |
     return None if sealed is None else Prefix(k, cut, sealed)
 
 
-_memo: dict[Path, tuple[tuple[int, int], partials.Partial]] = {}
-MEMO_ENTRIES = 4  # prefixes kept in memory (a dashboard shows a few runs): no re-read per refresh
-
-
 def _load_data(path: Path) -> partials.Partial | None:
-    """partials.load, remembered while the file's (mtime, size) stay the same."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    stamp = (st.st_mtime_ns, st.st_size)
-    hit = _memo.get(path)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
+    """partials.load, read each time: the sealed sequence rows (most of the file, growing with the
+    run) are not kept in memory between two analyses; the engine frees them once their table is built."""
     raw = reduce.load_arrays(path)
-    data = partials.from_arrays(raw) if raw is not None else None
-    if data is not None:
-        if len(_memo) >= MEMO_ENTRIES:
-            _memo.pop(next(iter(_memo)))
-        _memo[path] = (stamp, data)
-    return data
+    return partials.from_arrays(raw) if raw is not None else None
 
 
 def save(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix) -> bool:
@@ -106,7 +90,10 @@ def save(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix
     folder = Path(cache_dir) / "prefix"
     key, dig = settings_key(th), digest(parts[:pre.k])
     name = f"{key}-{dig}.part"
-    if not reduce.save_arrays(folder / name, partials.to_arrays(pre.sealed)):
+    arrays = partials.to_arrays(pre.sealed)
+    if pre.sealed.seq_chunks:  # written one chunk after the other: no concatenated copy in memory
+        arrays.update({f"seqs/{c}": [ch[c] for ch in pre.sealed.seq_chunks] for c in pre.sealed.seq_chunks[0]})
+    if not reduce.save_arrays(folder / name, arrays):
         return False
     meta = folder / f"{key}.json"
     try:
@@ -135,14 +122,22 @@ def at_or_above(p: partials.Partial, cut: int) -> partials.Partial:
 
 
 def combine(pre: Prefix | None, opened: Sequence[partials.Partial], tail: Sequence[partials.Partial],
-            top_k: int) -> partials.Partial:
-    """partials.merge(prefix parts + tail) from the prefix, its open rows and the tail's partials."""
+            top_k: int, chunked: bool = False) -> partials.Partial:
+    """partials.merge(prefix parts + tail) from the prefix, its open rows and the tail's partials
+    (chunked: the seqs rows in Partial.seq_chunks, the prefix's sealed ones not copied)."""
     if pre is None:
-        return partials.merge(tail, top_k)
+        out = partials.merge(tail, top_k)
+        if chunked:
+            out.seq_chunks, out.seqs = out.seq_rows(), {}
+        return out
     rest = [at_or_above(p, pre.step_cut) for p in opened] + list(tail)
     out = whole_tables(pre, tail, top_k)
     out.steps = keyed.concat([pre.sealed.steps, keyed.merge([p.steps for p in rest])])
-    out.seqs = keyed.concat([pre.sealed.seqs, keyed.merge([p.seqs for p in rest])])
+    chunks = [pre.sealed.seqs, keyed.merge([p.seqs for p in rest])]
+    if chunked:
+        out.seq_chunks = [c for c in chunks if c and keyed.rows(c)]
+    else:
+        out.seqs = keyed.concat(chunks)
     return out
 
 
@@ -154,13 +149,24 @@ def whole_tables(pre: Prefix | None, tail: Sequence[partials.Partial], top_k: in
                             superseded=keyed.merge([p.superseded for p in ps]), rows=sum(p.rows for p in ps))
 
 
+def below(table: keyed.Keyed, cut: int) -> keyed.Keyed:
+    """The rows of steps < cut of a step-sorted table: a leading block, so views, not a copy."""
+    if not table:
+        return {}
+    n = int(np.searchsorted(table["step"], cut, side="left"))
+    return {c: a[:n] for c, a in table.items()}
+
+
 def seal(merged: partials.Partial, k: int, cut: int) -> Prefix:
     """The prefix of parts[0:k] from `merged`, the merge of parts[0:k] (rows below cut may
-    also come from the merge of more parts: later parts hold no step below cut)."""
-    low = {t: rows_where(getattr(merged, t), getattr(merged, t)["step"] < cut) if getattr(merged, t) else {}
-           for t in STEP_TABLES}
-    return Prefix(k, cut, partials.Partial(**low, top=merged.top, bad=merged.bad, superseded=merged.superseded,
-                                           rows=merged.rows))
+    also come from the merge of more parts: later parts hold no step below cut). Its seqs rows may
+    be a list of chunks (views of merged's, concatenated on disk by save)."""
+    seqs = [b for b in (below(c, cut) for c in merged.seq_rows()) if b and keyed.rows(b)]
+    low = partials.Partial(steps=below(merged.steps, cut), top=merged.top, bad=merged.bad,
+                           superseded=merged.superseded, rows=merged.rows)
+    low.seqs = seqs[0] if len(seqs) == 1 else {}
+    low.seq_chunks = seqs if len(seqs) > 1 else []
+    return Prefix(k, cut, low)
 
 
 def refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Prefix | None,
@@ -174,7 +180,7 @@ def refresh(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds, pre: Pre
         covered = result
     else:  # top, bad, superseded and rows of parts[0:end] only; steps/seqs below the cut are final
         covered = whole_tables(pre, [by_index[i] for i in range(k, end)], th.top_k)
-        covered.steps, covered.seqs = result.steps, result.seqs
+        covered.steps, covered.seqs, covered.seq_chunks = result.steps, result.seqs, result.seq_chunks
     save(cache_dir, parts, th, seal(covered, end, parts[end - 1].step_min))
 
 
@@ -213,10 +219,15 @@ class Stream:
         self.open = [at_or_above(p, cut) for p in self.open]
         self.open = [p for p in self.open if any(keyed.rows(getattr(p, t)) for t in STEP_TABLES if getattr(p, t))]
 
-    def result(self) -> partials.Partial:
-        """The merge of the partials added so far (the stream may go on)."""
+    def result(self, chunked: bool = False) -> partials.Partial:
+        """The merge of the partials added so far (the stream may go on). chunked: its seqs rows as
+        the sealed chunks and the open rows' merge (Partial.seq_chunks), not concatenated."""
         w = self.whole
-        return partials.Partial(
-            steps=keyed.concat([*self.sealed["steps"], keyed.merge([p.steps for p in self.open])]),
-            seqs=keyed.concat([*self.sealed["seqs"], keyed.merge([p.seqs for p in self.open])]),
-            top=w.top, bad=w.bad, superseded=w.superseded, rows=w.rows)
+        chunks = [*self.sealed["seqs"], keyed.merge([p.seqs for p in self.open])]
+        out = partials.Partial(steps=keyed.concat([*self.sealed["steps"], keyed.merge([p.steps for p in self.open])]),
+                               top=w.top, bad=w.bad, superseded=w.superseded, rows=w.rows)
+        if chunked:
+            out.seq_chunks = [c for c in chunks if c and keyed.rows(c)]
+        else:
+            out.seqs = keyed.concat(chunks)
+        return out

@@ -78,13 +78,16 @@ def save_arrays(path: Path, arrays: Arrays) -> bool:
     shape, offset) and the total data length, then the arrays' raw bytes: loading is one read and
     one json.loads (np.savez's per-array headers made a cached re-analysis 5x slower).
     """
-    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-    if any(a.dtype.hasobject for a in arrays.values()):  # raw bytes of pointers mean nothing
-        return False
+    # a list value: chunks of one array, written one after the other (no concatenated copy in memory)
+    arrays = {k: [np.ascontiguousarray(c) for c in v] if isinstance(v, list) else [np.ascontiguousarray(v)]
+              for k, v in arrays.items()}
+    if any(c.dtype.hasobject or c.dtype != v[0].dtype for v in arrays.values() for c in v):
+        return False  # raw bytes of pointers mean nothing
     header, offset = [], 0
-    for name, a in arrays.items():
-        header.append([name, a.dtype.str, list(a.shape), offset])
-        offset += a.nbytes
+    for name, v in arrays.items():
+        shape = list(v[0].shape) if len(v) == 1 else [sum(len(c) for c in v), *v[0].shape[1:]]
+        header.append([name, v[0].dtype.str, shape, offset])
+        offset += sum(c.nbytes for c in v)
     head = json.dumps({"arrays": header, "bytes": offset}).encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,8 +95,9 @@ def save_arrays(path: Path, arrays: Arrays) -> bool:
         with open(tmp, "wb") as f:
             crc = zlib.crc32(head).to_bytes(4, "little")
             f.write(CACHE_MAGIC + len(head).to_bytes(8, "little") + crc + head)
-            for a in arrays.values():
-                f.write(a.tobytes())
+            for v in arrays.values():
+                for c in v:
+                    f.write(memoryview(c).cast("B") if c.nbytes else b"")
         os.replace(tmp, path)
         return True
     except OSError:

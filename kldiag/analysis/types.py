@@ -72,6 +72,28 @@ class Histograms:
     counts: dict[str, np.ndarray]  # int64 [n_steps, n_bins]
 
 
+class _SequenceTable:
+    """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.seqrows.SequenceRows),
+    read whole on first access and kept; `Analysis.sequence_rows` gives the file itself, to query
+    only what a face shows (the worst N, one sequence, a step range) without reading the rest."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError(self.slot)  # no class-level default: the field stays required
+        value = obj.__dict__[self.slot]
+        if not isinstance(value, pa.Table):
+            obj.__dict__["_sequence_rows"] = value
+            value = obj.__dict__[self.slot] = value.table()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+        obj.__dict__.pop("_sequence_rows", None)
+
+
 @dataclass
 class Analysis:
     """Result of `kldiag.analyze(run_dir)`.
@@ -94,7 +116,7 @@ class Analysis:
     manifest: Manifest
     config: AnalysisConfig
     steps: pa.Table
-    sequences: pa.Table
+    sequences: pa.Table = _SequenceTable()  # type: ignore[assignment]  # read from disk when first used
     flags: pa.Table
     histograms: Histograms
     alerts: pa.Table
@@ -109,6 +131,19 @@ class Analysis:
     info: dict[str, Any] = field(default_factory=dict)
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)
+
+    @property
+    def sequence_rows(self) -> Any:
+        """The sequence table on disk (analysis.seqrows.SequenceRows: .worst(n), .sequence(step, seq),
+        .steps(first, last), .table(columns, filter)) when the run's was spilled there, else None."""
+        value = self.__dict__.get("_sequences")
+        return value if not isinstance(value, pa.Table) else self.__dict__.get("_sequence_rows")
+
+    @property
+    def sequence_count(self) -> int:
+        """Rows of `sequences`, without reading them."""
+        value = self.__dict__.get("_sequences")
+        return value.num_rows
 
 
 STEP_COLUMNS = (

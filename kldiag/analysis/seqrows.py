@@ -1,0 +1,115 @@
+"""The per-sequence table kept on disk: written chunk by chunk as the merge hands rows over, queried.
+
+A run of 10B tokens has about 20M sequences: their table (SEQUENCE_COLUMNS, about 120 bytes a row)
+is more than a driver or a dashboard should hold. `build(chunks, cfg)` turns the merged per-(step,
+seq) partial rows, handed over as step-ordered chunks (prefix.Stream, prefix.combine), into the
+sequence table one chunk at a time; past SPILL_ROWS rows the table goes to an unnamed temporary
+Parquet file (in RUN/.kldiag/sequences when the cache is writable, else the system's temporary
+directory; the file disappears with the last reference to it) and each chunk's rows are freed once
+written. `Analysis.sequences` reads the whole table only when a face asks for it (types.py);
+`SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
+their statistics (pyarrow.dataset predicate pushdown).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from kldiag.analysis import keyed
+
+SPILL_ROWS = 100_000  # sequence rows above which the table goes to disk (about 12 MB in memory)
+ROW_GROUP = 65_536  # rows a Parquet row group: a query reads only the groups whose statistics match
+
+
+class SequenceRows:
+    """The sequence table of one analysis, in an unnamed Parquet file. Thread-safe reads."""
+
+    def __init__(self, f, num_rows: int, schema: pa.Schema):
+        self._f, self.num_rows, self.schema = f, num_rows, schema
+        self._lock = threading.Lock()
+
+    def table(self, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
+        """The rows matching `filter` (all: the whole table), `columns` only."""
+        with self._lock:
+            self._f.seek(0)
+            return pq.read_table(self._f, columns=columns, filters=filter)
+
+    def steps(self, first: int, last: int) -> pa.Table:
+        """Every sequence of steps first..last (inclusive): only their row groups are read."""
+        return self.table(filter=(pc.field("step") >= first) & (pc.field("step") <= last))
+
+    def sequence(self, step: int, seq: int) -> pa.Table:
+        """One sequence's row (empty when absent)."""
+        return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq))
+
+    def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
+        """The n rows with the largest `by` (nulls last, ties in table order), read a row group at a
+        time: memory holds n rows and one group, whatever the run's length."""
+        best: pa.Table | None = None
+        with self._lock:
+            self._f.seek(0)
+            pf = pq.ParquetFile(self._f)
+            for g in range(pf.num_row_groups):
+                part = pf.read_row_group(g)
+                best = part if best is None else pa.concat_tables([best, part])
+                best = _top(best, n, by)
+        return best if best is not None else self.schema.empty_table()
+
+
+def _top(t: pa.Table, n: int, by: str) -> pa.Table:
+    v = np.nan_to_num(t.column(by).to_numpy(zero_copy_only=False).astype(np.float64), nan=-np.inf)
+    order = np.argsort(-v, kind="stable")[:n]
+    return t.take(pa.array(order))
+
+
+def sequence_chunks(seq_chunks: list[keyed.Keyed]) -> list[keyed.Keyed]:
+    return [c for c in seq_chunks if c and keyed.rows(c)]
+
+
+def build(seq_chunks: list[keyed.Keyed], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
+          whole: Callable[[keyed.Keyed], pa.Table]) -> pa.Table | SequenceRows:
+    """The sequence table of the chunks (step-ordered, step-disjoint, consumed: the list is emptied
+    as they are written): in memory up to SPILL_ROWS rows (`whole` of their concatenation, the
+    exact in-memory table), else a SequenceRows of to_table(chunk) for each chunk in order."""
+    total = sum(keyed.rows(c) for c in seq_chunks)
+    if total <= SPILL_ROWS:
+        return whole(keyed.concat(seq_chunks))
+    f = _temp_file(spill_dir)
+    writer, schema = None, None
+    while seq_chunks:
+        chunk = seq_chunks.pop(0)
+        if not chunk or not keyed.rows(chunk):
+            continue
+        t = to_table(chunk)
+        del chunk
+        if writer is None:
+            schema = t.schema
+            writer = pq.ParquetWriter(f, schema, compression="lz4", write_statistics=True)
+        writer.write_table(t, row_group_size=ROW_GROUP)
+    writer.close()
+    return SequenceRows(f, total, schema)
+
+
+def _temp_file(spill_dir: Path | None):
+    """An unnamed temporary file (gone when closed), in spill_dir when it is writable."""
+    if spill_dir is not None:
+        try:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            return tempfile.TemporaryFile(dir=spill_dir)
+        except OSError:
+            pass
+    return tempfile.TemporaryFile()
+
+
+def spill_dir(cache_dir) -> Path | None:
+    return Path(cache_dir) / "sequences" if cache_dir is not None and os.access(cache_dir, os.W_OK) else None
