@@ -3,6 +3,7 @@ in-memory table bit for bit (cold, cached, grown part by part), and its queries 
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -10,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, prefix, reduce, seqrows
+from kldiag.analysis import AnalysisConfig, analyze, prefix, reduce, seqrows, spill
 from kldiag.tools.synth import SynthConfig, make_run
 
 CFG = AnalysisConfig(use_cache=False, per_rank=True, trainer_compatible=True)
@@ -65,3 +66,35 @@ def test_chunks_are_saved_as_one_array(tmp_path):
     np.testing.assert_array_equal(got["a"], np.concatenate(chunks))
     np.testing.assert_array_equal(got["h"], h)
     assert got["rows"].tolist() == [2]
+
+
+def test_a_prefix_whose_chunk_file_is_gone_is_recomputed(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 1)
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)
+    want = analyze(run, CFG)
+    assert_same_analysis(analyze(copy, cfg), want)  # cold: writes the prefix and its chunk files
+    files = list((copy / ".kldiag" / "prefix" / "seqs").glob("*.seqs"))
+    assert files
+    files[0].unlink()  # another process's cleanup, or a user
+    assert_same_analysis(analyze(copy, cfg), want)
+
+
+def test_unlisted_chunk_files_are_removed_once_stale(tmp_path):
+    for name in ("listed.seqs", "old.seqs", "new.seqs", "other.part"):
+        (tmp_path / name).write_bytes(b"x")
+    for name in ("listed.seqs", "old.seqs", "other.part"):
+        os.utime(tmp_path / name, (1, 1))
+    spill.remove_unlisted(tmp_path, {"listed.seqs"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["listed.seqs", "new.seqs", "other.part"]
+
+
+def test_spilled_chunks_read_back_equal(tmp_path):
+    table = {"step": np.arange(5), "seq": np.arange(5) * 2, "sum_k3": np.linspace(0, 1, 5), "h_d": np.ones((5, 3))}
+    for folder in (tmp_path, None):
+        h = spill.spill(table, folder)
+        assert isinstance(h, spill.Spilled) and h.rows == 5 and h.step_max == 4
+        got = h.load()
+        assert all(np.array_equal(got[c], table[c]) for c in table)

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from kldiag.analysis import alerts, keyed, lost, partials, prefix, runner, seqrows, tables, worker
+from kldiag.analysis import alerts, keyed, lost, partials, prefix, runner, seqrows, spill, tables, worker
 from kldiag.analysis.kernel import Thresholds, clip_range
 from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
@@ -110,7 +110,8 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
     pre = prefix.load(cache_dir, parts, th) if cfg.use_cache else None
     k = pre.k if pre else 0
     opened = {i for i in range(k) if parts[i].step_max >= pre.step_cut} if pre else set()
-    stream, tail = (prefix.Stream(parts, th.top_k) if pre is None else None), {}
+    spill_to = prefix.spill_folder(cache_dir) if cfg.use_cache else None  # None: unnamed temporary files
+    stream, tail = (prefix.Stream(parts, th.top_k, spill_to) if pre is None else None), {}
     before_gap: list[partials.Partial] = []  # the merge of the parts before the first unreadable one
 
     def analysis_sink(i: int, arrays) -> None:
@@ -159,7 +160,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
     trainer_kl = tables.trainer_kl(chunks, run.manifest.config, run) if cfg.trainer_compatible else None
     whole = lambda s: tables.sequence_table(s, cfg)  # noqa: E731
     if cfg.top_k_sequences is not None or not merged.seq_chunks:  # a selection over every row: in memory
-        sequences = whole(keyed.concat(chunks))
+        sequences = whole(keyed.concat(list(spill.loaded(chunks))))
     else:
         sequences = seqrows.build(merged.seq_chunks, whole, spill_dir, whole)
     return Analysis(

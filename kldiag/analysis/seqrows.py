@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kldiag.analysis import keyed
+from kldiag.analysis import keyed, spill
 
 SPILL_ROWS = 100_000  # sequence rows above which the table goes to disk (about 12 MB in memory)
 ROW_GROUP = 65_536  # rows a Parquet row group: a query reads only the groups whose statistics match
@@ -72,25 +72,21 @@ def _top(t: pa.Table, n: int, by: str) -> pa.Table:
     return t.take(pa.array(order))
 
 
-def sequence_chunks(seq_chunks: list[keyed.Keyed]) -> list[keyed.Keyed]:
-    return [c for c in seq_chunks if c and keyed.rows(c)]
-
-
-def build(seq_chunks: list[keyed.Keyed], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
+def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
           whole: Callable[[keyed.Keyed], pa.Table]) -> pa.Table | SequenceRows:
     """The sequence table of the chunks (step-ordered, step-disjoint, consumed: the list is emptied
     as they are written): in memory up to SPILL_ROWS rows (`whole` of their concatenation, the
     exact in-memory table), else a SequenceRows of to_table(chunk) for each chunk in order."""
-    total = sum(keyed.rows(c) for c in seq_chunks)
+    total = sum(spill.rows(c) for c in seq_chunks)
     if total <= SPILL_ROWS:
-        return whole(keyed.concat(seq_chunks))
+        return whole(keyed.concat(list(spill.loaded(seq_chunks))))
     f = _temp_file(spill_dir)
     writer, schema = None, None
     while seq_chunks:
         chunk = seq_chunks.pop(0)
-        if not chunk or not keyed.rows(chunk):
+        if not spill.rows(chunk):
             continue
-        t = to_table(chunk)
+        t = to_table(spill.materialize(chunk))
         del chunk
         if writer is None:
             schema = t.schema

@@ -6,13 +6,14 @@ a null, never a zero and never NaN. Quantiles come from the merged histograms.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from kldiag import estimators as E
-from kldiag.analysis import bins, keyed, slime_kl, verl_kl
+from kldiag.analysis import bins, keyed, slime_kl, spill, verl_kl
 from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
@@ -93,19 +94,19 @@ def blame_share(sum_flagged: np.ndarray, sum_w: np.ndarray, n_w: np.ndarray) -> 
     return np.where((n_w > 0) & (sum_w == 0), 0.0, share)
 
 
-def chunks_of(seqs: keyed.Keyed | list[keyed.Keyed]) -> list[keyed.Keyed]:
-    """Per-(step, seq) rows as step-ordered, step-disjoint chunks (prefix.Stream hands them over so)."""
-    return [c for c in (seqs if isinstance(seqs, list) else [seqs]) if c and keyed.rows(c)]
+def chunks_of(seqs: keyed.Keyed | list) -> Iterator[keyed.Keyed]:
+    """Per-(step, seq) rows as step-ordered, step-disjoint chunks (prefix.Stream hands them over so),
+    a spilled one read only when reached (spill.py)."""
+    return spill.loaded(seqs if isinstance(seqs, list) else [seqs])
 
 
 def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: AnalysisConfig,
                     keys) -> tuple[np.ndarray, np.ndarray]:
     """Per-row number of sequences and the fraction the off-policy sequence mask drops. `seqs`: one
     table or step-disjoint chunks in step order (each reduced alone: integer counts, the same result)."""
-    chunks = chunks_of(seqs)
-    if not chunks:
+    red = keyed.concat([_counts(c, cfg, keys) for c in chunks_of(seqs)])
+    if not red:
         return np.zeros(len(p["step"]), np.int64), np.full(len(p["step"]), np.nan)
-    red = keyed.concat([_counts(c, cfg, keys) for c in chunks])
     # Align with p's rows (same keys, both sorted); a step may have no sequence row.
     want = np.stack([p[k] for k in keys], 1)
     have = np.stack([red[k] for k in keys], 1)
@@ -225,13 +226,12 @@ def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], ru
         return slime_kl.trainer_kl(run, config)
     if config.get("kl_semantics") == "verl" and run is not None:  # runs of kldiag.integrations.verl
         return verl_kl.trainer_kl(run, config)
-    chunks = chunks_of(seqs)
-    if not chunks:
-        return empty
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
     sequence_level = corrected and config.get("importance_sampling_level") == "sequence"
     # a micro-batch's key leads with its step: step-disjoint chunks reduce alone to the same rows
-    micro = keyed.concat([_micro_sums(c, corrected, sequence_level) for c in chunks])
+    micro = keyed.concat([_micro_sums(c, corrected, sequence_level) for c in chunks_of(seqs)])
+    if not micro:
+        return empty
     with np.errstate(invalid="ignore"):
         value = micro["sum_num"] / np.maximum(micro["n_den"], 1)
     ok = ~np.isnan(value) & (micro["n_ref"] > 0)
