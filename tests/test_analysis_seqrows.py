@@ -50,6 +50,7 @@ def test_queries_read_only_what_they_show(run, monkeypatch):
     w = np.nan_to_num(table.column("weight_k3_abs_max").to_numpy(zero_copy_only=False), nan=-np.inf)
     order = np.argsort(-w, kind="stable")[:7]
     assert rows.worst(7).equals(table.take(order))
+    assert rows.worst(10**6).equals(table.take(np.argsort(-w, kind="stable")))  # every row; ties in table order
     step, seq = table.column("step")[20].as_py(), table.column("seq")[20].as_py()
     assert rows.sequence(step, seq).equals(table.slice(20, 1))
     assert rows.sequence(step, -5).num_rows == 0

@@ -53,23 +53,29 @@ class SequenceRows:
         return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq))
 
     def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
-        """The n rows with the largest `by` (nulls last, ties in table order), read a row group at a
-        time: memory holds n rows and one group, whatever the run's length."""
-        best: pa.Table | None = None
+        """The n rows with the largest `by` (nulls last, ties in table order): the `by` column read a
+        row group at a time, then only the row groups that hold the n rows."""
         with self._lock:
             self._f.seek(0)
             pf = pq.ParquetFile(self._f)
+            best_v, best_i, start = np.zeros(0), np.zeros(0, np.int64), 0
             for g in range(pf.num_row_groups):
-                part = pf.read_row_group(g)
-                best = part if best is None else pa.concat_tables([best, part])
-                best = _top(best, n, by)
-        return best if best is not None else self.schema.empty_table()
+                v = _key(pf.read_row_group(g, columns=[by]).column(by))
+                keep = np.argsort(-v, kind="stable")[:n]
+                best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
+                top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
+                best_v, best_i, start = best_v[top], best_i[top], start + len(v)
+            if not len(best_i):
+                return self.schema.empty_table()
+            bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+            groups = sorted(set(np.searchsorted(bounds, best_i, side="right") - 1))
+            t = pa.concat_tables([pf.read_row_group(int(g)) for g in groups])
+            offsets = np.concatenate([np.arange(bounds[g], bounds[g + 1]) for g in groups])
+        return t.take(pa.array(np.searchsorted(offsets, best_i)))
 
 
-def _top(t: pa.Table, n: int, by: str) -> pa.Table:
-    v = np.nan_to_num(t.column(by).to_numpy(zero_copy_only=False).astype(np.float64), nan=-np.inf)
-    order = np.argsort(-v, kind="stable")[:n]
-    return t.take(pa.array(order))
+def _key(col) -> np.ndarray:
+    return np.nan_to_num(col.to_numpy(zero_copy_only=False).astype(np.float64), nan=-np.inf)
 
 
 def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
