@@ -8,7 +8,7 @@ Parquet file (in RUN/.kldiag/sequences when the cache is writable, else the syst
 directory; the file disappears with the last reference to it) and each chunk's rows are freed once
 written. `Analysis.sequences` reads the whole table only when a face asks for it (types.py);
 `SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
-their statistics (pyarrow.dataset predicate pushdown).
+their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from kldiag.analysis import keyed, spill
 
@@ -38,23 +37,32 @@ class SequenceRows:
         self._f, self.num_rows, self.schema = f, num_rows, schema
         self._lock = threading.Lock()
 
-    def table(self, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
-        """The rows matching `filter` (all: the whole table), `columns` only."""
+    def table(self, columns: list[str] | None = None, filter: Any = None) -> pa.Table:
+        """The rows matching `filter` (a pyarrow.compute expression; None: every row), `columns` only:
+        row groups whose statistics exclude the filter are not read (pyarrow.dataset's pushdown)."""
+        import pyarrow.parquet as pq  # pyarrow's Parquet and dataset modules: about 40 MB, only once queried
+
         with self._lock:
             self._f.seek(0)
             return pq.read_table(self._f, columns=columns, filters=filter)
 
     def steps(self, first: int, last: int) -> pa.Table:
         """Every sequence of steps first..last (inclusive): only their row groups are read."""
+        import pyarrow.compute as pc
+
         return self.table(filter=(pc.field("step") >= first) & (pc.field("step") <= last))
 
     def sequence(self, step: int, seq: int) -> pa.Table:
         """One sequence's row (empty when absent)."""
+        import pyarrow.compute as pc
+
         return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq))
 
     def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
         """The n rows with the largest `by` (nulls last, ties in table order): the `by` column read a
         row group at a time, then only the row groups that hold the n rows."""
+        import pyarrow.parquet as pq
+
         with self._lock:
             self._f.seek(0)
             pf = pq.ParquetFile(self._f)
@@ -86,6 +94,8 @@ def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Ta
     total = sum(spill.rows(c) for c in seq_chunks)
     if total <= SPILL_ROWS:
         return whole(keyed.concat(list(spill.loaded(seq_chunks))))
+    import pyarrow.parquet as pq
+
     f = _temp_file(spill_dir)
     writer, schema = None, None
     while seq_chunks:
