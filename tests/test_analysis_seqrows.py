@@ -39,7 +39,7 @@ def test_spilled_table_equals_the_in_memory_one(run, tmp_path, monkeypatch):
             rows = got.sequence_rows
             assert rows is not None and got.sequence_count == want.sequences.num_rows
             assert_same_analysis(got, want)
-            assert got.sequence_rows is rows  # kept: queries still go to the file after the whole read
+            assert got.sequence_rows is rows  # queries still go to the file after a whole read
 
 
 def test_queries_read_only_what_they_show(run, monkeypatch):

@@ -74,8 +74,9 @@ class Histograms:
 
 class _SequenceTable:
     """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.seqrows.SequenceRows),
-    read whole on first access and kept; `Analysis.sequence_rows` gives the file itself, to query
-    only what a face shows (the worst N, one sequence, a step range) without reading the rest."""
+    read whole at each access and not kept (the caller keeps what it needs: a dashboard holds its own
+    pandas copy); `Analysis.sequence_rows` gives the file itself, to query only what a face shows
+    (the worst N, one sequence, a step range) without reading the rest."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.slot = f"_{name}"
@@ -84,14 +85,10 @@ class _SequenceTable:
         if obj is None:
             raise AttributeError(self.slot)  # no class-level default: the field stays required
         value = obj.__dict__[self.slot]
-        if not isinstance(value, pa.Table):
-            obj.__dict__["_sequence_rows"] = value
-            value = obj.__dict__[self.slot] = value.table()
-        return value
+        return value if isinstance(value, pa.Table) else value.table()
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.slot] = value
-        obj.__dict__.pop("_sequence_rows", None)
 
 
 @dataclass
@@ -137,7 +134,7 @@ class Analysis:
         """The sequence table on disk (analysis.seqrows.SequenceRows: .worst(n), .sequence(step, seq),
         .steps(first, last), .table(columns, filter)) when the run's was spilled there, else None."""
         value = self.__dict__.get("_sequences")
-        return value if not isinstance(value, pa.Table) else self.__dict__.get("_sequence_rows")
+        return None if isinstance(value, pa.Table) else value
 
     @property
     def sequence_count(self) -> int:
