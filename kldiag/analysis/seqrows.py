@@ -109,6 +109,7 @@ def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Ta
             writer = pq.ParquetWriter(f, schema, compression="lz4", write_statistics=True)
         writer.write_table(t, row_group_size=ROW_GROUP)
     writer.close()
+    f.flush()
     return SequenceRows(f, total, schema)
 
 
