@@ -42,11 +42,20 @@ def test_spilled_table_equals_the_in_memory_one(run, tmp_path, monkeypatch):
             assert got.sequence_rows is rows  # queries still go to the file after a whole read
 
 
-def test_queries_read_only_what_they_show(run, monkeypatch):
+@pytest.mark.parametrize("pieces", ["one", "several"])
+def test_queries_read_only_what_they_show(run, tmp_path, monkeypatch, pieces):
+    table = analyze(run, CFG).sequences
     monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
     monkeypatch.setattr(seqrows, "ROW_GROUP", 16)
-    a = analyze(run, CFG)
-    rows, table = a.sequence_rows, analyze(run, CFG).sequences
+    cfg = CFG
+    if pieces == "several":  # chunk files in the cache: a piece each, shared with the next analysis
+        monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 40)
+        monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+        shutil.copytree(run, tmp_path / "run")
+        run, cfg = tmp_path / "run", AnalysisConfig(per_rank=True, trainer_compatible=True)
+        analyze(run, cfg)
+    rows = analyze(run, cfg).sequence_rows
+    assert (len(rows.pieces) > 2) == (pieces == "several")
     w = np.nan_to_num(table.column("weight_k3_abs_max").to_numpy(zero_copy_only=False), nan=-np.inf)
     order = np.argsort(-w, kind="stable")[:7]
     assert rows.worst(7).equals(table.take(order))

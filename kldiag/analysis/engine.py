@@ -162,7 +162,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
     if cfg.top_k_sequences is not None or not merged.seq_chunks:  # a selection over every row: in memory
         sequences = whole(keyed.concat(list(spill.loaded(chunks))))
     else:
-        sequences = seqrows.build(merged.seq_chunks, whole, spill_dir, whole)
+        sequences = seqrows.build(merged.seq_chunks, whole, spill_dir, whole, (cfg.opsm_delta,))
     return Analysis(
         run_dir=run.path, manifest=run.manifest, config=cfg, steps=steps,
         sequences=sequences, flags=flags,

@@ -30,56 +30,84 @@ SPILL_ROWS = 100_000  # sequence rows above which the table goes to disk (about 
 ROW_GROUP = 65_536  # rows a Parquet row group: a query reads only the groups whose statistics match
 
 
-class SequenceRows:
-    """The sequence table of one analysis, in an unnamed Parquet file. Thread-safe reads."""
+class Piece:
+    """A part of the sequence table in an unnamed Parquet file: its rows in steps first..last."""
 
-    def __init__(self, f, num_rows: int, schema: pa.Schema):
-        self._f, self.num_rows, self.schema = f, num_rows, schema
-        self._lock = threading.Lock()
+    def __init__(self, f, num_rows: int, first: int, last: int, schema: pa.Schema):
+        self.f, self.num_rows, self.first, self.last, self.schema = f, num_rows, first, last, schema
+        self.lock = threading.Lock()  # one file position: one reader at a time
 
-    def table(self, columns: list[str] | None = None, filter: Any = None) -> pa.Table:
-        """The rows matching `filter` (a pyarrow.compute expression; None: every row), `columns` only:
-        row groups whose statistics exclude the filter are not read (pyarrow.dataset's pushdown)."""
+    def read(self, fn: Callable):
         import pyarrow.parquet as pq  # pyarrow's Parquet and dataset modules: about 40 MB, only once queried
 
-        with self._lock:
-            self._f.seek(0)
-            return pq.read_table(self._f, columns=columns, filters=filter)
+        with self.lock:
+            self.f.seek(0)
+            return fn(pq.ParquetFile(self.f))
+
+
+class SequenceRows:
+    """The sequence table of one analysis: Parquet pieces in step order (those of the prefix's chunk
+    files are shared by the analyses of a growing run). Thread-safe reads."""
+
+    def __init__(self, pieces: list[Piece], schema: pa.Schema):
+        self.pieces, self.schema = pieces, schema
+        self.num_rows = sum(p.num_rows for p in pieces)
+
+    def table(self, columns: list[str] | None = None, filter: Any = None, steps: tuple[int, int] | None = None
+              ) -> pa.Table:
+        """The rows matching `filter` (a pyarrow.compute expression; None: every row), `columns` only:
+        row groups whose statistics exclude the filter are not read (pyarrow.dataset's pushdown), nor
+        pieces outside `steps` (first, last)."""
+        import pyarrow.parquet as pq
+
+        out = []
+        for p in self.pieces:
+            if steps is not None and (p.last < steps[0] or p.first > steps[1]):
+                continue
+            with p.lock:
+                p.f.seek(0)
+                out.append(pq.read_table(p.f, columns=columns, filters=filter))
+        schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
+        return pa.concat_tables(out) if out else schema.empty_table()
 
     def steps(self, first: int, last: int) -> pa.Table:
         """Every sequence of steps first..last (inclusive): only their row groups are read."""
         import pyarrow.compute as pc
 
-        return self.table(filter=(pc.field("step") >= first) & (pc.field("step") <= last))
+        return self.table(filter=(pc.field("step") >= first) & (pc.field("step") <= last), steps=(first, last))
 
     def sequence(self, step: int, seq: int) -> pa.Table:
         """One sequence's row (empty when absent)."""
         import pyarrow.compute as pc
 
-        return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq))
+        return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq), steps=(step, step))
 
     def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
         """The n rows with the largest `by` (nulls last, ties in table order): the `by` column read a
         row group at a time, then only the row groups that hold the n rows."""
-        import pyarrow.parquet as pq
-
-        with self._lock:
-            self._f.seek(0)
-            pf = pq.ParquetFile(self._f)
-            best_v, best_i, start = np.zeros(0), np.zeros(0, np.int64), 0
-            for g in range(pf.num_row_groups):
-                v = _key(pf.read_row_group(g, columns=[by]).column(by))
+        best_v, best_i, start, groups = np.zeros(0), np.zeros(0, np.int64), 0, []  # groups: (piece, group, first row)
+        for p in self.pieces:
+            def ranks(pf):
+                return [(g, _key(pf.read_row_group(g, columns=[by]).column(by))) for g in range(pf.num_row_groups)]
+            for g, v in p.read(ranks):
                 keep = np.argsort(-v, kind="stable")[:n]
                 best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
                 top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
-                best_v, best_i, start = best_v[top], best_i[top], start + len(v)
-            if not len(best_i):
-                return self.schema.empty_table()
-            bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-            groups = sorted(set(np.searchsorted(bounds, best_i, side="right") - 1))
-            t = pa.concat_tables([pf.read_row_group(int(g)) for g in groups])
-            offsets = np.concatenate([np.arange(bounds[g], bounds[g + 1]) for g in groups])
-        return t.take(pa.array(np.searchsorted(offsets, best_i)))
+                best_v, best_i = best_v[top], best_i[top]
+                groups.append((p, g, start))
+                start += len(v)
+        if not len(best_i):
+            return self.schema.empty_table()
+        starts = np.array([s for _, _, s in groups])
+        need = sorted(set(np.searchsorted(starts, best_i, side="right") - 1))
+        tables, offsets = [], []
+        for k in need:
+            p, g, first = groups[k]
+            t = p.read(lambda pf, g=g: pf.read_row_group(g))
+            tables.append(t)
+            offsets.append(np.arange(first, first + t.num_rows))
+        t = pa.concat_tables(tables)
+        return t.take(pa.array(np.searchsorted(np.concatenate(offsets), best_i)))
 
 
 def _key(col) -> np.ndarray:
@@ -87,30 +115,58 @@ def _key(col) -> np.ndarray:
 
 
 def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
-          whole: Callable[[keyed.Keyed], pa.Table]) -> pa.Table | SequenceRows:
+          whole: Callable[[keyed.Keyed], pa.Table], tag: tuple = ()) -> pa.Table | SequenceRows:
     """The sequence table of the chunks (step-ordered, step-disjoint, consumed: the list is emptied
     as they are written): in memory up to SPILL_ROWS rows (`whole` of their concatenation, the
-    exact in-memory table), else a SequenceRows of to_table(chunk) for each chunk in order."""
+    exact in-memory table), else a SequenceRows of to_table(chunk) for each chunk in order. A named
+    chunk file's piece is written once and shared (spill.derived, under `tag`: what to_table depends on);
+    the other chunks go to one piece, each written as it comes."""
     total = sum(spill.rows(c) for c in seq_chunks)
     if total <= SPILL_ROWS:
         return whole(keyed.concat(list(spill.loaded(seq_chunks))))
-    import pyarrow.parquet as pq
-
-    f = _temp_file(spill_dir)
-    writer, schema = None, None
+    pieces: list[Piece] = []
+    out = _Writer(spill_dir)
     while seq_chunks:
         chunk = seq_chunks.pop(0)
         if not spill.rows(chunk):
             continue
-        t = to_table(spill.materialize(chunk))
+        if isinstance(chunk, spill.Spilled) and chunk.name is not None:
+            pieces += out.close()
+            pieces.append(spill.derived(chunk, ("table", *tag), lambda c: _Writer(spill_dir).add(to_table(c)).close()[0]))
+        else:
+            out.add(to_table(spill.materialize(chunk)))
         del chunk
-        if writer is None:
-            schema = t.schema
-            writer = pq.ParquetWriter(f, schema, compression="lz4", write_statistics=True)
-        writer.write_table(t, row_group_size=ROW_GROUP)
-    writer.close()
-    f.flush()
-    return SequenceRows(f, total, schema)
+    pieces += out.close()
+    return SequenceRows(pieces, pieces[0].schema)
+
+
+class _Writer:
+    """Tables (one schema, step order) written to one unnamed Parquet file as they come: a Piece."""
+
+    def __init__(self, spill_dir: Path | None):
+        self.spill_dir, self.f, self.writer = spill_dir, None, None
+        self.rows, self.first, self.last, self.schema = 0, 0, 0, None
+
+    def add(self, t: pa.Table) -> _Writer:
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.f, self.schema = _temp_file(self.spill_dir), t.schema
+            self.writer = pq.ParquetWriter(self.f, t.schema, compression="lz4", write_statistics=True)
+            self.first = t.column("step")[0].as_py()
+        self.writer.write_table(t, row_group_size=ROW_GROUP)
+        self.rows, self.last = self.rows + t.num_rows, t.column("step")[-1].as_py()
+        return self
+
+    def close(self) -> list[Piece]:
+        """[the piece written] (none when nothing was), and a fresh start."""
+        if self.writer is None:
+            return []
+        self.writer.close()
+        self.f.flush()
+        piece = Piece(self.f, self.rows, self.first, self.last, self.schema)
+        self.__init__(self.spill_dir)
+        return [piece]
 
 
 def _temp_file(spill_dir: Path | None):

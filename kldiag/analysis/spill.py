@@ -17,8 +17,10 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kldiag.analysis import keyed, reduce
 
@@ -57,6 +59,25 @@ def loaded(chunks: Iterable[Chunk]) -> Iterator[keyed.Keyed]:
     for c in chunks:
         if rows(c):
             yield materialize(c)
+
+
+_memo: OrderedDict[tuple, Any] = OrderedDict()
+MEMO_ENTRIES = 4096  # what was derived from named chunk files (small: per-step sums, Parquet pieces on disk)
+
+
+def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any]) -> Any:
+    """fn(the chunk's rows), remembered for a named chunk file (its rows never change: a new name is
+    a new file), so that an analysis of a grown run derives again only the rows after the prefix."""
+    if not isinstance(c, Spilled) or c.name is None:
+        return fn(materialize(c))
+    key = (c.name, tag)
+    if key in _memo:
+        _memo.move_to_end(key)
+        return _memo[key]
+    value = _memo[key] = fn(c.load())
+    while len(_memo) > MEMO_ENTRIES:
+        _memo.popitem(last=False)
+    return value
 
 
 def spill(table: keyed.Keyed, folder: Path | None) -> Chunk:

@@ -6,7 +6,6 @@ a null, never a zero and never NaN. Quantiles come from the merged histograms.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -94,17 +93,18 @@ def blame_share(sum_flagged: np.ndarray, sum_w: np.ndarray, n_w: np.ndarray) -> 
     return np.where((n_w > 0) & (sum_w == 0), 0.0, share)
 
 
-def chunks_of(seqs: keyed.Keyed | list) -> Iterator[keyed.Keyed]:
+def raw_chunks(seqs: keyed.Keyed | list) -> list:
     """Per-(step, seq) rows as step-ordered, step-disjoint chunks (prefix.Stream hands them over so),
-    a spilled one read only when reached (spill.py)."""
-    return spill.loaded(seqs if isinstance(seqs, list) else [seqs])
+    the non-empty ones; a spilled one (spill.py) is read only by what derives from it, when it must."""
+    return [c for c in (seqs if isinstance(seqs, list) else [seqs]) if spill.rows(c)]
 
 
 def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: AnalysisConfig,
                     keys) -> tuple[np.ndarray, np.ndarray]:
     """Per-row number of sequences and the fraction the off-policy sequence mask drops. `seqs`: one
     table or step-disjoint chunks in step order (each reduced alone: integer counts, the same result)."""
-    red = keyed.concat([_counts(c, cfg, keys) for c in chunks_of(seqs)])
+    red = keyed.concat([spill.derived(c, ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys))
+                        for c in raw_chunks(seqs)])
     if not red:
         return np.zeros(len(p["step"]), np.int64), np.full(len(p["step"]), np.nan)
     # Align with p's rows (same keys, both sorted); a step may have no sequence row.
@@ -229,7 +229,8 @@ def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], ru
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
     sequence_level = corrected and config.get("importance_sampling_level") == "sequence"
     # a micro-batch's key leads with its step: step-disjoint chunks reduce alone to the same rows
-    micro = keyed.concat([_micro_sums(c, corrected, sequence_level) for c in chunks_of(seqs)])
+    micro = keyed.concat([spill.derived(c, ("micro", corrected, sequence_level),
+                                        lambda k: _micro_sums(k, corrected, sequence_level)) for c in raw_chunks(seqs)])
     if not micro:
         return empty
     with np.errstate(invalid="ignore"):
