@@ -93,8 +93,8 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds) -> Prefix |
 
 
 def _load_data(path: Path) -> partials.Partial | None:
-    """partials.load, read each time: the sealed sequence rows (most of the file, growing with the
-    run) are not kept in memory between two analyses; the engine frees them once their table is built."""
+    """partials.load, read each time (small: the sealed sequence rows are in the chunk files, but for
+    fewer than spill.SPILL_CHUNK_ROWS; what derives from the chunk files is remembered, spill.derived)."""
     raw = reduce.load_arrays(path)
     return partials.from_arrays(raw) if raw is not None else None
 
@@ -196,7 +196,7 @@ def combine(pre: Prefix | None, opened: Sequence[partials.Partial], tail: Sequen
     out.steps = keyed.concat([pre.sealed.steps, keyed.merge([p.steps for p in rest])])
     chunks = [*pre.sealed.seq_rows(), keyed.merge([p.seqs for p in rest])]
     if chunked:
-        out.seq_chunks = [c for c in chunks if spill.rows(c)] if any(map(spill.rows, chunks)) else []
+        out.seq_chunks = [c for c in chunks if spill.rows(c)]
     else:
         out.seqs = keyed.concat(list(spill.loaded(chunks)))
     return out

@@ -1,12 +1,14 @@
 """The per-sequence table kept on disk: written chunk by chunk as the merge hands rows over, queried.
 
 A run of 10B tokens has about 20M sequences: their table (SEQUENCE_COLUMNS, about 120 bytes a row)
-is more than a driver or a dashboard should hold. `build(chunks, cfg)` turns the merged per-(step,
+is more than a driver or a dashboard should hold. `build(chunks, ...)` turns the merged per-(step,
 seq) partial rows, handed over as step-ordered chunks (prefix.Stream, prefix.combine), into the
-sequence table one chunk at a time; past SPILL_ROWS rows the table goes to an unnamed temporary
-Parquet file (in RUN/.kldiag/sequences when the cache is writable, else the system's temporary
-directory; the file disappears with the last reference to it) and each chunk's rows are freed once
-written. `Analysis.sequences` reads the whole table only when a face asks for it (types.py);
+sequence table one chunk at a time; past SPILL_ROWS rows the table goes to unnamed temporary
+Parquet files, "pieces" (in RUN/.kldiag/sequences when the cache is writable, else the system's
+temporary directory; a file disappears with the last reference to it), each chunk's rows freed once
+written. The piece of a chunk file the merged prefix lists (spill.py) is written once per process and
+shared by the analyses of a growing run. `Analysis.sequences` reads the whole table only when a face
+asks for it (types.py);
 `SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
 their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB).
 """
@@ -18,7 +20,6 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np
@@ -132,7 +133,8 @@ def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Ta
             continue
         if isinstance(chunk, spill.Spilled) and chunk.name is not None:
             pieces += out.close()
-            pieces.append(spill.derived(chunk, ("table", *tag), lambda c: _Writer(spill_dir).add(to_table(c)).close()[0]))
+            pieces.append(spill.derived(chunk, ("table", *tag),
+                                        lambda c: _Writer(spill_dir).add(to_table(c)).close()[0]))
         else:
             out.add(to_table(spill.materialize(chunk)))
         del chunk

@@ -49,7 +49,8 @@ def quantiles(h: np.ndarray, vmax: np.ndarray, q: float) -> np.ndarray:
                      for i in range(len(h))])
 
 
-def step_table(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: AnalysisConfig, keys: tuple[str, ...] = ("step",)) -> pa.Table:
+def step_table(p: keyed.Keyed, seqs: keyed.Keyed | list, cfg: AnalysisConfig,
+               keys: tuple[str, ...] = ("step",)) -> pa.Table:
     """One row per key (step, or step and rank) with the columns of STEP_COLUMNS (+ rows)."""
     n_d = p["n_d"]
     has_d = n_d > 0
