@@ -49,7 +49,7 @@ def main() -> None:
     dset = ds.dataset(path, format="parquet")
     con = duckdb.connect()
     con.execute("SET threads=1")
-    sql = lambda q: lambda: con.execute(q.replace("T", f"'{path}'")).to_arrow_table()  # noqa: E731
+    sql = lambda q: lambda: con.execute(q.replace("{T}", f"'{path}'")).to_arrow_table()  # noqa: E731
 
     def pa_worst():
         col = dset.to_table(columns=["weight_k3_abs_max"])
@@ -57,13 +57,13 @@ def main() -> None:
 
     queries = {
         "worst 50": (lambda: rows.worst(50), pa_worst,
-                     sql("SELECT * FROM T ORDER BY weight_k3_abs_max DESC NULLS LAST LIMIT 50")),
+                     sql("SELECT * FROM {T} ORDER BY weight_k3_abs_max DESC NULLS LAST LIMIT 50")),
         "one sequence": (lambda: rows.sequence(step, seq),
                          lambda: dset.to_table(filter=(pc.field("step") == step) & (pc.field("seq") == seq)),
-                         sql(f"SELECT * FROM T WHERE step = {step} AND seq = {seq}")),
+                         sql(f"SELECT * FROM {{T}} WHERE step = {step} AND seq = {seq}")),
         "ten steps": (lambda: rows.steps(lo, lo + 9),
                       lambda: dset.to_table(filter=(pc.field("step") >= lo) & (pc.field("step") <= lo + 9)),
-                      sql(f"SELECT * FROM T WHERE step BETWEEN {lo} AND {lo + 9}")),
+                      sql(f"SELECT * FROM {{T}} WHERE step BETWEEN {lo} AND {lo + 9}")),
     }
     print(f"{n:,} sequence rows, {pq.ParquetFile(path).num_row_groups} row groups; ms, best of 5; "
           f"DuckDB {duckdb.__version__}, one thread")

@@ -39,11 +39,14 @@ class Piece:
         self.lock = threading.Lock()  # one file position: one reader at a time
 
     def read(self, fn: Callable):
-        import pyarrow.parquet as pq  # pyarrow's Parquet and dataset modules: about 40 MB, only once queried
-
+        """fn(the piece as a Parquet source): natively, its path in /proc/self/fd where there is one
+        (pyarrow opens its own descriptor), else the file object, one reader at a time."""
+        native = f"/proc/self/fd/{self.f.fileno()}"
+        if os.path.exists(native):
+            return fn(native)
         with self.lock:
             self.f.seek(0)
-            return fn(pq.ParquetFile(self.f))
+            return fn(self.f)
 
 
 class SequenceRows:
@@ -65,9 +68,7 @@ class SequenceRows:
         for p in self.pieces:
             if steps is not None and (p.last < steps[0] or p.first > steps[1]):
                 continue
-            with p.lock:
-                p.f.seek(0)
-                out.append(pq.read_table(p.f, columns=columns, filters=filter))
+            out.append(p.read(lambda src: pq.read_table(src, columns=columns, filters=filter)))
         schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
         return pa.concat_tables(out) if out else schema.empty_table()
 
@@ -84,19 +85,21 @@ class SequenceRows:
         return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq), steps=(step, step))
 
     def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
-        """The n rows with the largest `by` (nulls last, ties in table order): the `by` column read a
-        row group at a time, then only the row groups that hold the n rows."""
+        """The n rows with the largest `by` (nulls last, ties in table order): each piece's `by` column,
+        then only the row groups that hold the n rows."""
+        import pyarrow.parquet as pq
+
         best_v, best_i, start, groups = np.zeros(0), np.zeros(0, np.int64), 0, []  # groups: (piece, group, first row)
         for p in self.pieces:
-            def ranks(pf):
-                return [(g, _key(pf.read_row_group(g, columns=[by]).column(by))) for g in range(pf.num_row_groups)]
-            for g, v in p.read(ranks):
-                keep = np.argsort(-v, kind="stable")[:n]
-                best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
-                top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
-                best_v, best_i = best_v[top], best_i[top]
+            v = p.read(lambda src: _key(pq.read_table(src, columns=[by]).column(by)))
+            keep = _top(v, n)
+            best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
+            top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
+            best_v, best_i = best_v[top], best_i[top]
+            sizes = p.read(lambda src: [g.num_rows for g in _groups(pq.ParquetFile(src).metadata)])
+            for g, size in enumerate(sizes):
                 groups.append((p, g, start))
-                start += len(v)
+                start += size
         if not len(best_i):
             return self.schema.empty_table()
         starts = np.array([s for _, _, s in groups])
@@ -104,11 +107,23 @@ class SequenceRows:
         tables, offsets = [], []
         for k in need:
             p, g, first = groups[k]
-            t = p.read(lambda pf, g=g: pf.read_row_group(g))
+            t = p.read(lambda src, g=g: pq.ParquetFile(src).read_row_group(g))
             tables.append(t)
             offsets.append(np.arange(first, first + t.num_rows))
         t = pa.concat_tables(tables)
         return t.take(pa.array(np.searchsorted(np.concatenate(offsets), best_i)))
+
+
+def _top(v: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest of v, every tie with the n-th included, in index order."""
+    if len(v) <= n:
+        return np.arange(len(v))
+    nth = np.partition(v, len(v) - n)[len(v) - n]
+    return np.flatnonzero(v >= nth)
+
+
+def _groups(meta) -> list:
+    return [meta.row_group(g) for g in range(meta.num_row_groups)]
 
 
 def _key(col) -> np.ndarray:
