@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -62,6 +63,7 @@ def loaded(chunks: Iterable[Chunk]) -> Iterator[keyed.Keyed]:
 
 
 _memo: OrderedDict[tuple, Any] = OrderedDict()
+_lock = threading.Lock()
 MEMO_ENTRIES = 4096  # what was derived from named chunk files (small: per-step sums, Parquet pieces on disk)
 
 
@@ -71,12 +73,15 @@ def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any]) -> Any:
     if not isinstance(c, Spilled) or c.name is None:
         return fn(materialize(c))
     key = (c.name, tag)
-    if key in _memo:
-        _memo.move_to_end(key)
-        return _memo[key]
-    value = _memo[key] = fn(c.load())
-    while len(_memo) > MEMO_ENTRIES:
-        _memo.popitem(last=False)
+    with _lock:  # a dashboard analyses in several threads
+        if key in _memo:
+            _memo.move_to_end(key)
+            return _memo[key]
+    value = fn(c.load())
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > MEMO_ENTRIES:
+            _memo.popitem(last=False)
     return value
 
 
