@@ -97,7 +97,8 @@ class Analysis:
 
     steps:      one row per step (columns in STEP_COLUMNS, more allowed), sorted by step
     steps_by_rank: one row per (step, rank) when config.per_rank, else None
-    sequences:  one row per sequence (SEQUENCE_COLUMNS)
+    sequences:  one row per sequence (SEQUENCE_COLUMNS); past 100k rows kept on disk, read at each access
+                (`sequence_rows` queries part of it)
     flags:      worst tokens by |k3 weight| plus every non-finite/invalid one (FLAG_COLUMNS)
     histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
     alerts:     ALERT_COLUMNS, one row per episode (kldiag.analysis.episodes), sorted by start
@@ -113,7 +114,7 @@ class Analysis:
     manifest: Manifest
     config: AnalysisConfig
     steps: pa.Table
-    sequences: pa.Table = _SequenceTable()  # type: ignore[assignment]  # read from disk when first used
+    sequences: pa.Table = _SequenceTable()  # type: ignore[assignment]  # a long run's: read from disk at each access
     flags: pa.Table
     histograms: Histograms
     alerts: pa.Table
