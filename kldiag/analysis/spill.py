@@ -27,7 +27,7 @@ from kldiag.analysis import keyed, reduce
 
 SPILL_CHUNK_ROWS = 1 << 16  # sealed sequence rows gathered before they go to one file (about 12 MB)
 SUFFIX = ".seqs"
-STALE_SECONDS = 300  # an unlisted chunk file older than this is an orphan (a killed analysis): removed
+STALE_SECONDS = 3600  # an unlisted chunk file older than this is an orphan (a killed analysis): removed
 
 
 class Spilled:
