@@ -98,6 +98,7 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     a.spans = lost.read_spans(parts, a.lost)
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
+    worker.release_freed_memory()
     return a
 
 
