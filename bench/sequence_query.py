@@ -41,7 +41,7 @@ def main() -> None:
         raise SystemExit(f"{sys.argv[1]}: {a.sequences.num_rows} sequences, below seqrows.SPILL_ROWS: kept in memory")
     t = rows.table()
     path = tempfile.mkdtemp() + "/sequences.parquet"
-    pq.write_table(t, path, compression="lz4", row_group_size=seqrows.ROW_GROUP)
+    pq.write_table(t, path, compression="lz4", use_dictionary=False, row_group_size=seqrows.ROW_GROUP)
     n = t.num_rows
     step, seq = t.column("step")[n // 2].as_py(), t.column("seq")[n // 2].as_py()
     lo = t.column("step")[n // 2].as_py()

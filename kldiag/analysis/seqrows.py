@@ -169,7 +169,8 @@ class _Writer:
 
         if self.writer is None:
             self.f, self.schema = _temp_file(self.spill_dir), t.schema
-            self.writer = pq.ParquetWriter(self.f, t.schema, compression="lz4", write_statistics=True)
+            self.writer = pq.ParquetWriter(self.f, t.schema, compression="lz4", use_dictionary=False,  # half the time
+                                             write_statistics=True)
             self.first = t.column("step")[0].as_py()
         self.writer.write_table(t, row_group_size=ROW_GROUP)
         self.rows, self.last = self.rows + t.num_rows, t.column("step")[-1].as_py()
