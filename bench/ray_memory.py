@@ -21,7 +21,8 @@ checked to be the checkout's). Printed per run: the driver's RSS after ray.init 
 its peak during the analysis (VmHWM of /proc/self/status: ru_maxrss would include the parent's RSS at
 fork, which Linux keeps across exec) and the growth between them; sampled every 5 ms, how much of it
 was anonymous memory and how much shared memory (Ray's object store, mapped by ray.get).
-Partial sizes come from this tree (kldiag.analysis.partials), by table.
+Partial sizes come from this tree (kldiag.analysis.partials), by table; with the cache, the bytes of the
+sequence rows the merge spilled to chunk files (kldiag/analysis/spill.py) come with each measurement.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DRIVER = """
 import json, os, re, shutil, sys, threading, time
+from pathlib import Path
 run, spec = sys.argv[1], json.loads(sys.argv[2])
 import kldiag, ray
 
@@ -75,7 +77,9 @@ print(json.dumps({"kldiag": kldiag.__file__, "worker_kldiag": worker_kldiag, "ba
                   "base_anon": base["RssAnon"], "base_shmem": base["RssShmem"],
                   "base_hwm_mb": base["VmHWM"], "peak_mb": end["VmHWM"], "sampled": peak, "end": end,
                   "seconds": seconds, "rows": a.info["rows"], "steps": a.steps.num_rows,
-                  "sequences": a.sequences.num_rows, "files": a.files}))
+                  "sequences": a.sequence_count if hasattr(type(a), "sequence_count") else a.sequences.num_rows,
+                  "files": a.files, "chunk_files_mb": sum(f.stat().st_size for f in
+                                                          Path(run, ".kldiag", "prefix", "seqs").glob("*.seqs")) / 1e6}))
 ray.shutdown()
 """
 
@@ -253,7 +257,8 @@ def main() -> None:
                           f"+{f['peak_mb'] - f['base_mb']:.0f} MB (sampled every 5 ms: anonymous "
                           f"+{f['sampled']['RssAnon'] - f['base_anon']:.0f}, shared memory (Ray's object store) "
                           f"+{f['sampled']['RssShmem'] - f['base_shmem']:.0f}) in {f['seconds']:.1f} s; "
-                          f"load {f['load']}", flush=True)
+                          f"sequence rows in chunk files {f.get('chunk_files_mb', 0):.0f} MB; load {f['load']}",
+                          flush=True)
     print("\n| run | parts | rows | per_rank | use_cache | merged partial MB (this tree) | " +
           " | ".join(f"{c}: driver peak growth MB (min / median)" for c, _ in checkouts) + " |")
     print("|---|---|---|---|---|---|" + "---|" * len(checkouts))

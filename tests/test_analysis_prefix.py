@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, partials, prefix, reduce
+from kldiag.analysis import AnalysisConfig, analyze, partials, prefix, reduce, seqrows, spill
 from kldiag.errors import CorruptPartError
 from kldiag.format import open_run, part_name, publish_part, rank_dir
 from kldiag.tools.synth import SynthConfig, make_run
@@ -52,8 +52,13 @@ def source(tmp_path_factory) -> Path:
     return run
 
 
-def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
+@pytest.mark.parametrize("spilled", [False, True])
+def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch, spilled):
     monkeypatch.setattr(prefix, "PREFIX_TAIL", 2)  # rewrite the prefix often
+    if spilled:  # every sealed sequence row to a chunk file, every sequence table to Parquet
+        monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 1)
+        monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+        monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
     loads = []
     real_load = reduce.load_arrays
     monkeypatch.setattr(reduce, "load_arrays", lambda path: loads.append(path) or real_load(path))
@@ -77,7 +82,11 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch):
             assert len(part_loads) == opened + n - pre.k  # tried: the new part has none yet
     assert used >= len(staged) - 3
     assert len(part_loads) < len(staged) // 2  # the last refresh read a few partials, not all of them
-    assert len(loads) - len(part_loads) <= 1  # the prefix file: read once after each rewrite, else remembered
+    # the prefix file: read by the load above and by the analysis, not kept in memory between two
+    # analyses (its sealed sequence rows grow with the run)
+    assert len(loads) - len(part_loads) == 2
+    chunk_files = list((tmp_path / "run" / ".kldiag" / "prefix" / "seqs").glob("*.seqs"))
+    assert bool(chunk_files) == spilled
 
 
 def prefix_th(run: Path, cfg: AnalysisConfig = AnalysisConfig()):

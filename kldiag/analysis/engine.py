@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from kldiag.analysis import alerts, lost, partials, prefix, runner, tables, worker
+from kldiag.analysis import alerts, keyed, lost, partials, prefix, runner, seqrows, spill, tables, worker
 from kldiag.analysis.kernel import Thresholds, clip_range
 from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
@@ -91,12 +91,14 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     if merged.rows == 0:
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")
-    a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0)
+    a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0,
+              seqrows.spill_dir(run.cache_dir()))
     empty = lost.empty_parts(run.cache_dir() if cfg.use_cache else None, empty)
     a.lost = lost.lost_parts(parts, skipped, empty)  # the facts behind the diagnosis's data_missing
     a.spans = lost.read_spans(parts, a.lost)
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
+    worker.release_freed_memory()
     return a
 
 
@@ -109,7 +111,8 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
     pre = prefix.load(cache_dir, parts, th) if cfg.use_cache else None
     k = pre.k if pre else 0
     opened = {i for i in range(k) if parts[i].step_max >= pre.step_cut} if pre else set()
-    stream, tail = (prefix.Stream(parts, th.top_k) if pre is None else None), {}
+    spill_to = prefix.spill_folder(cache_dir) if cfg.use_cache else None  # None: unnamed temporary files
+    stream, tail = (prefix.Stream(parts, th.top_k, spill_to) if pre is None else None), {}
     before_gap: list[partials.Partial] = []  # the merge of the parts before the first unreadable one
 
     def analysis_sink(i: int, arrays) -> None:
@@ -133,30 +136,39 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
         merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped, empty)
         return merged, reduced, done.computed + more
     if stream is not None:
-        merged = stream.result()
+        merged = stream.result(chunked=True)
         end = min(done.failed, default=len(parts))  # a prefix never covers an unreadable part
         if cfg.use_cache and end > 0:
             covered = before_gap[0] if before_gap else merged
             prefix.save(cache_dir, parts, th, prefix.seal(covered, end, parts[end - 1].step_min))
         return merged, reduced, done.computed
     after = [tail[i] for i in range(k, len(parts)) if i in tail]
-    merged = prefix.combine(pre, [tail[i] for i in sorted(opened)], after, th.top_k)
+    merged = prefix.combine(pre, [tail[i] for i in sorted(opened)], after, th.top_k, chunked=True)
     if cfg.use_cache:
         prefix.refresh(cache_dir, parts, th, pre, tail, merged)
     return merged, reduced, done.computed
 
 
 def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, computed: int,
-          skipped: list[str], seconds: float) -> Analysis:
+          skipped: list[str], seconds: float, spill_dir=None) -> Analysis:
+    """The Analysis from the merged partial. Its seqs rows are consumed (merged.seq_chunks emptied):
+    the per-step figures that need them first, then the sequence table chunk by chunk (seqrows.py)."""
     per_step = tables.by_step(merged.steps)
-    steps = tables.step_table(per_step, merged.seqs, cfg)
+    chunks = merged.seq_rows()
+    steps = tables.step_table(per_step, chunks, cfg)
     flags = tables.flag_table(merged.top, merged.bad, run.vocab(), cfg)
+    by_rank = tables.step_table(merged.steps, chunks, cfg, ("step", "rank")) if cfg.per_rank else None
+    trainer_kl = tables.trainer_kl(chunks, run.manifest.config, run) if cfg.trainer_compatible else None
+    whole = lambda s: tables.sequence_table(s, cfg)  # noqa: E731
+    if cfg.top_k_sequences is not None or not merged.seq_chunks:  # a selection over every row: in memory
+        sequences = whole(keyed.concat(list(spill.loaded(chunks))))
+    else:
+        sequences = seqrows.build(merged.seq_chunks, whole, spill_dir, whole, (cfg.opsm_delta,))
     return Analysis(
         run_dir=run.path, manifest=run.manifest, config=cfg, steps=steps,
-        sequences=tables.sequence_table(merged.seqs, cfg), flags=flags,
+        sequences=sequences, flags=flags,
         histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg, run.manifest),
-        steps_by_rank=tables.step_table(merged.steps, merged.seqs, cfg, ("step", "rank")) if cfg.per_rank else None,
-        trainer_kl=tables.trainer_kl(merged.seqs, run.manifest.config, run) if cfg.trainer_compatible else None,
+        steps_by_rank=by_rank, trainer_kl=trainer_kl,
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
         info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
               "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0,

@@ -40,6 +40,14 @@ class Partial:
     bad: keyed.Keyed = field(default_factory=dict)
     superseded: keyed.Keyed = field(default_factory=dict)  # rank, attempt, n_rows
     rows: int = 0
+    # the merge's seqs rows as step-ordered, step-disjoint chunks, not concatenated (prefix.Stream,
+    # prefix.combine with chunked=True; `seqs` is then empty): the engine builds the sequence table
+    # chunk by chunk and frees each one (seqrows.py)
+    seq_chunks: list = field(default_factory=list)
+
+    def seq_rows(self) -> list[keyed.Keyed]:
+        """The seqs rows as chunks, whichever way this partial holds them."""
+        return self.seq_chunks if self.seq_chunks else ([self.seqs] if self.seqs else [])
 
 
 def merge(partials: Sequence[Partial], top_k: int) -> Partial:

@@ -76,34 +76,53 @@ def save_arrays(path: Path, arrays: Arrays) -> bool:
 
     Layout: magic, 8-byte header length, 4-byte CRC32 of the header, a JSON header of (name, dtype,
     shape, offset) and the total data length, then the arrays' raw bytes: loading is one read and
-    one json.loads (np.savez's per-array headers made a cached re-analysis 5x slower).
+    one json.loads (np.savez's per-array headers made a cached re-analysis 5x slower). A list value:
+    chunks of one array, written one after the other (no concatenated copy in memory).
     """
-    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-    if any(a.dtype.hasobject for a in arrays.values()):  # raw bytes of pointers mean nothing
-        return False
-    header, offset = [], 0
-    for name, a in arrays.items():
-        header.append([name, a.dtype.str, list(a.shape), offset])
-        offset += a.nbytes
-    head = json.dumps({"arrays": header, "bytes": offset}).encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
-            crc = zlib.crc32(head).to_bytes(4, "little")
-            f.write(CACHE_MAGIC + len(head).to_bytes(8, "little") + crc + head)
-            for a in arrays.values():
-                f.write(a.tobytes())
+            ok = write_arrays(f, arrays)
+        if not ok:
+            tmp.unlink(missing_ok=True)
+            return False
         os.replace(tmp, path)
         return True
     except OSError:
         return False
 
 
+def write_arrays(f, arrays: Arrays) -> bool:
+    """save_arrays's layout into an open binary file; False (nothing written) for object arrays."""
+    arrays = {k: [np.ascontiguousarray(c) for c in v] if isinstance(v, list) else [np.ascontiguousarray(v)]
+              for k, v in arrays.items()}
+    if any(c.dtype.hasobject or c.dtype != v[0].dtype for v in arrays.values() for c in v):
+        return False  # raw bytes of pointers mean nothing
+    header, offset = [], 0
+    for name, v in arrays.items():
+        shape = list(v[0].shape) if len(v) == 1 else [sum(len(c) for c in v), *v[0].shape[1:]]
+        header.append([name, v[0].dtype.str, shape, offset])
+        offset += sum(c.nbytes for c in v)
+    head = json.dumps({"arrays": header, "bytes": offset}).encode()
+    f.write(CACHE_MAGIC + len(head).to_bytes(8, "little") + zlib.crc32(head).to_bytes(4, "little") + head)
+    for v in arrays.values():
+        for c in v:
+            f.write(memoryview(c).cast("B") if c.nbytes else b"")
+    return True
+
+
 def load_arrays(path: Path) -> Arrays | None:
     """Named arrays written by save_arrays, or None when absent or unreadable (then recomputed)."""
     try:
-        buf = path.read_bytes()
+        return parse_arrays(path.read_bytes())
+    except OSError:
+        return None
+
+
+def parse_arrays(buf: bytes) -> Arrays | None:
+    """The arrays of a save_arrays file's bytes (views of `buf`), or None when they are not one."""
+    try:
         if buf[:8] != CACHE_MAGIC:
             return None
         body = 20 + int.from_bytes(buf[8:16], "little")
@@ -118,7 +137,7 @@ def load_arrays(path: Path) -> Arrays | None:
             count = int(np.prod(shape))
             out[name] = np.frombuffer(buf, np.dtype(dtype), count, body + offset).reshape(shape)
         return out
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 

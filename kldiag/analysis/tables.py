@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag import estimators as E
-from kldiag.analysis import bins, keyed, slime_kl, verl_kl
+from kldiag.analysis import bins, keyed, slime_kl, spill, verl_kl
 from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
@@ -49,7 +49,8 @@ def quantiles(h: np.ndarray, vmax: np.ndarray, q: float) -> np.ndarray:
                      for i in range(len(h))])
 
 
-def step_table(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys: tuple[str, ...] = ("step",)) -> pa.Table:
+def step_table(p: keyed.Keyed, seqs: keyed.Keyed | list, cfg: AnalysisConfig,
+               keys: tuple[str, ...] = ("step",)) -> pa.Table:
     """One row per key (step, or step and rank) with the columns of STEP_COLUMNS (+ rows)."""
     n_d = p["n_d"]
     has_d = n_d > 0
@@ -93,15 +94,20 @@ def blame_share(sum_flagged: np.ndarray, sum_w: np.ndarray, n_w: np.ndarray) -> 
     return np.where((n_w > 0) & (sum_w == 0), 0.0, share)
 
 
-def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row number of sequences and the fraction the off-policy sequence mask drops."""
-    if not seqs:
+def raw_chunks(seqs: keyed.Keyed | list) -> list:
+    """Per-(step, seq) rows as step-ordered, step-disjoint chunks (prefix.Stream hands them over so),
+    the non-empty ones; a spilled one (spill.py) is read only by what derives from it, when it must."""
+    return [c for c in (seqs if isinstance(seqs, list) else [seqs]) if spill.rows(c)]
+
+
+def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: AnalysisConfig,
+                    keys) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row number of sequences and the fraction the off-policy sequence mask drops. `seqs`: one
+    table or step-disjoint chunks in step order (each reduced alone: integer counts, the same result)."""
+    red = keyed.concat([spill.derived(c, ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys))
+                        for c in raw_chunks(seqs)])
+    if not red:
         return np.zeros(len(p["step"]), np.int64), np.full(len(p["step"]), np.nan)
-    masked, known = opsm_masked(seqs, cfg.opsm_delta)
-    table = {"step": seqs["step"], **({"rank": seqs["first_rank"]} if "rank" in keys else {}),
-             "n_seq": np.ones(len(masked), np.int64), "n_known": known.astype(np.int64),
-             "n_masked": (masked & known).astype(np.int64)}
-    red = keyed.reduce_by_key(table)
     # Align with p's rows (same keys, both sorted); a step may have no sequence row.
     want = np.stack([p[k] for k in keys], 1)
     have = np.stack([red[k] for k in keys], 1)
@@ -113,6 +119,14 @@ def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed, cfg: AnalysisConfig, keys
             out_n[j] = red["n_seq"][i]
             out_m[j] = ratio(red["n_masked"][i], red["n_known"][i])
     return out_n, out_m
+
+
+def _counts(seqs: keyed.Keyed, cfg: AnalysisConfig, keys) -> keyed.Keyed:
+    masked, known = opsm_masked(seqs, cfg.opsm_delta)
+    table = {"step": seqs["step"], **({"rank": seqs["first_rank"]} if "rank" in keys else {}),
+             "n_seq": np.ones(len(masked), np.int64), "n_known": known.astype(np.int64),
+             "n_masked": (masked & known).astype(np.int64)}
+    return keyed.reduce_by_key(table)
 
 
 def opsm_masked(seqs: keyed.Keyed, delta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +209,7 @@ def flag_table(top: keyed.Keyed, bad: keyed.Keyed, vocab: dict[int, str] | None,
     return table.take(pa.array(order))
 
 
-def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa.Table:
+def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], run: Any = None) -> pa.Table:
     """The KL the trainer logs. config["kl_semantics"] == "slime" (runs from slime): slime's
     train/kl_loss, computed from the run's rows by analysis.slime_kl. Otherwise TRL's:
     per micro-batch masked mean of per-token kl, then mean over micro-batches.
@@ -213,17 +227,13 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa
         return slime_kl.trainer_kl(run, config)
     if config.get("kl_semantics") == "verl" and run is not None:  # runs of kldiag.integrations.verl
         return verl_kl.trainer_kl(run, config)
-    if not seqs:
-        return empty
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
-    if corrected and config.get("importance_sampling_level") == "sequence":
-        coef = np.exp(seqs["sum_trl_x"] / np.maximum(seqs["n_tokens"], 1))
-        num = coef * seqs["sum_trl_k3"]
-    else:
-        num = seqs["sum_trl_k3_is"] if corrected else seqs["sum_trl_k3"]
-    micro = keyed.reduce_by_key({"step": seqs["step"], "micro": seqs["first_micro"],
-                                 "iteration": seqs["first_iteration"], "sum_num": num,
-                                 "n_den": seqs["n_tokens"], "n_ref": seqs["n_trl_ref"]})
+    sequence_level = corrected and config.get("importance_sampling_level") == "sequence"
+    # a micro-batch's key leads with its step: step-disjoint chunks reduce alone to the same rows
+    micro = keyed.concat([spill.derived(c, ("micro", corrected, sequence_level),
+                                        lambda k: _micro_sums(k, corrected, sequence_level)) for c in raw_chunks(seqs)])
+    if not micro:
+        return empty
     with np.errstate(invalid="ignore"):
         value = micro["sum_num"] / np.maximum(micro["n_den"], 1)
     ok = ~np.isnan(value) & (micro["n_ref"] > 0)
@@ -233,6 +243,17 @@ def trainer_kl(seqs: keyed.Keyed, config: dict[str, Any], run: Any = None) -> pa
     table = pa.table({"step": pa.array(per_step["step"]), "kl": _nullable(kl),
                       "micro_batches": pa.array(per_step["n_micro"]), "kl_sum": pa.array(per_step["sum_kl"])})
     return with_logging_windows(table, int(config.get("logging_steps") or 1))
+
+
+def _micro_sums(seqs: keyed.Keyed, corrected: bool, sequence_level: bool) -> keyed.Keyed:
+    if sequence_level:
+        coef = np.exp(seqs["sum_trl_x"] / np.maximum(seqs["n_tokens"], 1))
+        num = coef * seqs["sum_trl_k3"]
+    else:
+        num = seqs["sum_trl_k3_is"] if corrected else seqs["sum_trl_k3"]
+    return keyed.reduce_by_key({"step": seqs["step"], "micro": seqs["first_micro"],
+                                "iteration": seqs["first_iteration"], "sum_num": num,
+                                "n_den": seqs["n_tokens"], "n_ref": seqs["n_trl_ref"]})
 
 
 def with_logging_windows(table: pa.Table, logging_steps: int) -> pa.Table:

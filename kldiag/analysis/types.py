@@ -72,13 +72,33 @@ class Histograms:
     counts: dict[str, np.ndarray]  # int64 [n_steps, n_bins]
 
 
+class _SequenceTable:
+    """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.seqrows.SequenceRows),
+    read whole at each access and not kept (the caller keeps what it needs: a dashboard holds its own
+    pandas copy); `Analysis.sequence_rows` gives the file itself, to query only what a face shows
+    (the worst N, one sequence, a step range) without reading the rest."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError(self.slot)  # no class-level default: the field stays required
+        value = obj.__dict__[self.slot]
+        return value if isinstance(value, pa.Table) else value.table()
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class Analysis:
     """Result of `kldiag.analyze(run_dir)`.
 
     steps:      one row per step (columns in STEP_COLUMNS, more allowed), sorted by step
     steps_by_rank: one row per (step, rank) when config.per_rank, else None
-    sequences:  one row per sequence (SEQUENCE_COLUMNS)
+    sequences:  one row per sequence (SEQUENCE_COLUMNS); past 100k rows kept on disk, read at each access
+                (`sequence_rows` queries part of it)
     flags:      worst tokens by |k3 weight| plus every non-finite/invalid one (FLAG_COLUMNS)
     histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
     alerts:     ALERT_COLUMNS, one row per episode (kldiag.analysis.episodes), sorted by start
@@ -94,7 +114,7 @@ class Analysis:
     manifest: Manifest
     config: AnalysisConfig
     steps: pa.Table
-    sequences: pa.Table
+    sequences: pa.Table = _SequenceTable()  # type: ignore[assignment]  # a long run's: read from disk at each access
     flags: pa.Table
     histograms: Histograms
     alerts: pa.Table
@@ -109,6 +129,19 @@ class Analysis:
     info: dict[str, Any] = field(default_factory=dict)
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)
+
+    @property
+    def sequence_rows(self) -> Any:
+        """The sequence table on disk (analysis.seqrows.SequenceRows: .worst(n), .sequence(step, seq),
+        .steps(first, last), .table(columns, filter)) when the run's was spilled there, else None."""
+        value = self.__dict__.get("_sequences")
+        return None if isinstance(value, pa.Table) else value
+
+    @property
+    def sequence_count(self) -> int:
+        """Rows of `sequences`, without reading them."""
+        value = self.__dict__.get("_sequences")
+        return value.num_rows
 
 
 STEP_COLUMNS = (

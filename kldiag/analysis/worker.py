@@ -50,6 +50,19 @@ def keep_freed_memory() -> None:
         pass
 
 
+def release_freed_memory() -> None:
+    """Give the freed memory that keep_freed_memory kept back to the OS, once a pass is over: the
+    reader threads' heaps hold up to M_TRIM_THRESHOLD each, which the caller's next allocations
+    (the diagnosis, a dashboard's tables) cannot reuse (measured: 400 MB after a warm analysis of a
+    300M-row run with the dashboard's reducers)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def compute(part: PartInfo, reducers: Sequence[reduce.Reducer], batch_size: int) -> dict | Exception:
     """Worker entry point: {reducer name: the part's partial}, or the error that made the part unreadable."""
     keep_freed_memory()

@@ -1,0 +1,202 @@
+"""The per-sequence table kept on disk: written chunk by chunk as the merge hands rows over, queried.
+
+A run of 10B tokens has about 20M sequences: their table (SEQUENCE_COLUMNS, about 120 bytes a row)
+is more than a driver or a dashboard should hold. `build(chunks, ...)` turns the merged per-(step,
+seq) partial rows, handed over as step-ordered chunks (prefix.Stream, prefix.combine), into the
+sequence table one chunk at a time; past SPILL_ROWS rows the table goes to unnamed temporary
+Parquet files, "pieces" (in RUN/.kldiag/sequences when the cache is writable, else the system's
+temporary directory; a file disappears with the last reference to it), each chunk's rows freed once
+written. The piece of a chunk file the merged prefix lists (spill.py) is written once per process and
+shared by the analyses of a growing run. `Analysis.sequences` reads the whole table only when a face
+asks for it (types.py);
+`SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
+their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag.analysis import keyed, spill
+
+SPILL_ROWS = 100_000  # sequence rows above which the table goes to disk (about 12 MB in memory)
+ROW_GROUP = 65_536  # rows a Parquet row group: a query reads only the groups whose statistics match
+
+
+class Piece:
+    """A part of the sequence table in an unnamed Parquet file: its rows in steps first..last."""
+
+    def __init__(self, f, num_rows: int, first: int, last: int, schema: pa.Schema):
+        self.f, self.num_rows, self.first, self.last, self.schema = f, num_rows, first, last, schema
+        self.lock = threading.Lock()  # one file position: one reader at a time
+
+    def read(self, fn: Callable):
+        """fn(the piece as a Parquet source): natively, its path in /proc/self/fd where there is one
+        (pyarrow opens its own descriptor), else the file object, one reader at a time."""
+        native = f"/proc/self/fd/{self.f.fileno()}"
+        if os.path.exists(native):
+            return fn(native)
+        with self.lock:
+            self.f.seek(0)
+            return fn(self.f)
+
+
+class SequenceRows:
+    """The sequence table of one analysis: Parquet pieces in step order (those of the prefix's chunk
+    files are shared by the analyses of a growing run). Thread-safe reads."""
+
+    def __init__(self, pieces: list[Piece], schema: pa.Schema):
+        self.pieces, self.schema = pieces, schema
+        self.num_rows = sum(p.num_rows for p in pieces)
+
+    def table(self, columns: list[str] | None = None, filter: Any = None, steps: tuple[int, int] | None = None
+              ) -> pa.Table:
+        """The rows matching `filter` (a pyarrow.compute expression; None: every row), `columns` only:
+        row groups whose statistics exclude the filter are not read (pyarrow.dataset's pushdown), nor
+        pieces outside `steps` (first, last)."""
+        import pyarrow.parquet as pq
+
+        out = []
+        for p in self.pieces:
+            if steps is not None and (p.last < steps[0] or p.first > steps[1]):
+                continue
+            out.append(p.read(lambda src: pq.read_table(src, columns=columns, filters=filter)))
+        schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
+        return pa.concat_tables(out) if out else schema.empty_table()
+
+    def steps(self, first: int, last: int) -> pa.Table:
+        """Every sequence of steps first..last (inclusive): only their row groups are read."""
+        import pyarrow.compute as pc
+
+        return self.table(filter=(pc.field("step") >= first) & (pc.field("step") <= last), steps=(first, last))
+
+    def sequence(self, step: int, seq: int) -> pa.Table:
+        """One sequence's row (empty when absent)."""
+        import pyarrow.compute as pc
+
+        return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq), steps=(step, step))
+
+    def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
+        """The n rows with the largest `by` (nulls last, ties in table order): each piece's `by` column,
+        then only the row groups that hold the n rows."""
+        import pyarrow.parquet as pq
+
+        best_v, best_i, start, groups = np.zeros(0), np.zeros(0, np.int64), 0, []  # groups: (piece, group, first row)
+        for p in self.pieces:
+            v = p.read(lambda src: _key(pq.read_table(src, columns=[by]).column(by)))
+            keep = _top(v, n)
+            best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
+            top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
+            best_v, best_i = best_v[top], best_i[top]
+            sizes = p.read(lambda src: [g.num_rows for g in _groups(pq.ParquetFile(src).metadata)])
+            for g, size in enumerate(sizes):
+                groups.append((p, g, start))
+                start += size
+        if not len(best_i):
+            return self.schema.empty_table()
+        starts = np.array([s for _, _, s in groups])
+        need = sorted(set(np.searchsorted(starts, best_i, side="right") - 1))
+        tables, offsets = [], []
+        for k in need:
+            p, g, first = groups[k]
+            t = p.read(lambda src, g=g: pq.ParquetFile(src).read_row_group(g))
+            tables.append(t)
+            offsets.append(np.arange(first, first + t.num_rows))
+        t = pa.concat_tables(tables)
+        return t.take(pa.array(np.searchsorted(np.concatenate(offsets), best_i)))
+
+
+def _top(v: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n largest of v, every tie with the n-th included, in index order."""
+    if len(v) <= n:
+        return np.arange(len(v))
+    nth = np.partition(v, len(v) - n)[len(v) - n]
+    return np.flatnonzero(v >= nth)
+
+
+def _groups(meta) -> list:
+    return [meta.row_group(g) for g in range(meta.num_row_groups)]
+
+
+def _key(col) -> np.ndarray:
+    return np.nan_to_num(col.to_numpy(zero_copy_only=False).astype(np.float64), nan=-np.inf)
+
+
+def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Table], spill_dir: Path | None,
+          whole: Callable[[keyed.Keyed], pa.Table], tag: tuple = ()) -> pa.Table | SequenceRows:
+    """The sequence table of the chunks (step-ordered, step-disjoint, consumed: the list is emptied
+    as they are written): in memory up to SPILL_ROWS rows (`whole` of their concatenation, the
+    exact in-memory table), else a SequenceRows of to_table(chunk) for each chunk in order. A named
+    chunk file's piece is written once and shared (spill.derived, under `tag`: what to_table depends on);
+    the other chunks go to one piece, each written as it comes."""
+    total = sum(spill.rows(c) for c in seq_chunks)
+    if total <= SPILL_ROWS:
+        return whole(keyed.concat(list(spill.loaded(seq_chunks))))
+    pieces: list[Piece] = []
+    out = _Writer(spill_dir)
+    while seq_chunks:
+        chunk = seq_chunks.pop(0)
+        if not spill.rows(chunk):
+            continue
+        if isinstance(chunk, spill.Spilled) and chunk.name is not None:
+            pieces += out.close()
+            pieces.append(spill.derived(chunk, ("table", *tag),
+                                        lambda c: _Writer(spill_dir).add(to_table(c)).close()[0]))
+        else:
+            out.add(to_table(spill.materialize(chunk)))
+        del chunk
+    pieces += out.close()
+    return SequenceRows(pieces, pieces[0].schema)
+
+
+class _Writer:
+    """Tables (one schema, step order) written to one unnamed Parquet file as they come: a Piece."""
+
+    def __init__(self, spill_dir: Path | None):
+        self.spill_dir, self.f, self.writer = spill_dir, None, None
+        self.rows, self.first, self.last, self.schema = 0, 0, 0, None
+
+    def add(self, t: pa.Table) -> _Writer:
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.f, self.schema = _temp_file(self.spill_dir), t.schema
+            self.writer = pq.ParquetWriter(self.f, t.schema, compression="lz4", use_dictionary=False,  # half the time
+                                             write_statistics=True)
+            self.first = t.column("step")[0].as_py()
+        self.writer.write_table(t, row_group_size=ROW_GROUP)
+        self.rows, self.last = self.rows + t.num_rows, t.column("step")[-1].as_py()
+        return self
+
+    def close(self) -> list[Piece]:
+        """[the piece written] (none when nothing was), and a fresh start."""
+        if self.writer is None:
+            return []
+        self.writer.close()
+        self.f.flush()
+        piece = Piece(self.f, self.rows, self.first, self.last, self.schema)
+        self.__init__(self.spill_dir)
+        return [piece]
+
+
+def _temp_file(spill_dir: Path | None):
+    """An unnamed temporary file (gone when closed), in spill_dir when it is writable."""
+    if spill_dir is not None:
+        try:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            return tempfile.TemporaryFile(dir=spill_dir)
+        except OSError:
+            pass
+    return tempfile.TemporaryFile()
+
+
+def spill_dir(cache_dir) -> Path | None:
+    return Path(cache_dir) / "sequences" if cache_dir is not None and os.access(cache_dir, os.W_OK) else None

@@ -1,0 +1,133 @@
+"""Sealed sequence rows kept on disk, not in memory, until the tables are built from them.
+
+The merged per-(step, seq) rows (192 bytes a sequence) are the one part of the merge that grows with
+the run: 20M sequences for 10B tokens. `prefix.Stream` seals rows no later part can change; once
+SPILL_CHUNK_ROWS of them wait, it writes them to a file (`spill`) and keeps a `Spilled` handle: the
+file stays open, so a handle reads it even after another process's prefix rewrite removed its name.
+The engine then loads one chunk at a time (`load`), builds its share of the tables and drops it; the
+prefix cache lists the named chunk files instead of copying their rows (prefix.py).
+
+Files: CACHE/prefix/seqs/<uuid>.seqs (reduce.save_arrays' layout, one keyed table), or an unnamed
+temporary file when the cache is off or read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kldiag.analysis import keyed, reduce
+
+SPILL_CHUNK_ROWS = 1 << 16  # sealed sequence rows gathered before they go to one file (about 12 MB)
+SUFFIX = ".seqs"
+STALE_SECONDS = 3600  # an unlisted chunk file older than this is an orphan (a killed analysis): removed
+
+
+class Spilled:
+    """A keyed table of sequence rows in a file: its rows and last step known without reading it."""
+
+    def __init__(self, f, rows: int, step_max: int, name: str | None = None):
+        self.f, self.rows, self.step_max, self.name = f, rows, step_max, name
+
+    def load(self) -> keyed.Keyed:
+        self.f.seek(0)
+        arrays = reduce.parse_arrays(self.f.read())
+        if arrays is None:
+            raise OSError(f"sequence rows spilled to {self.name or 'a temporary file'} are unreadable")
+        return arrays
+
+
+Chunk = keyed.Keyed | Spilled
+
+
+def rows(c: Chunk) -> int:
+    return c.rows if isinstance(c, Spilled) else keyed.rows(c)
+
+
+def materialize(c: Chunk) -> keyed.Keyed:
+    return c.load() if isinstance(c, Spilled) else c
+
+
+def loaded(chunks: Iterable[Chunk]) -> Iterator[keyed.Keyed]:
+    """The non-empty chunks, each read only when reached (one spilled chunk in memory at a time)."""
+    for c in chunks:
+        if rows(c):
+            yield materialize(c)
+
+
+_memo: OrderedDict[tuple, Any] = OrderedDict()
+_lock = threading.Lock()
+MEMO_ENTRIES = 4096  # what was derived from named chunk files (small: per-step sums, Parquet pieces on disk)
+
+
+def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any]) -> Any:
+    """fn(the chunk's rows), remembered for a named chunk file (its rows never change: a new name is
+    a new file), so that an analysis of a grown run derives again only the rows after the prefix."""
+    if not isinstance(c, Spilled) or c.name is None:
+        return fn(materialize(c))
+    key = (c.name, tag)
+    with _lock:  # a dashboard analyses in several threads
+        if key in _memo:
+            _memo.move_to_end(key)
+            return _memo[key]
+    value = fn(c.load())
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > MEMO_ENTRIES:
+            _memo.popitem(last=False)
+    return value
+
+
+def spill(table: keyed.Keyed, folder: Path | None) -> Chunk:
+    """`table` written to a file in `folder` (None or unwritable: an unnamed temporary file), as a
+    handle; the table itself when no file can be written."""
+    step_max = int(table["step"][-1])
+    if folder is not None:
+        name = f"{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            if reduce.save_arrays(Path(folder) / name, table):
+                return Spilled(open(Path(folder) / name, "rb"), keyed.rows(table), step_max, name)
+        except OSError:
+            pass
+    try:
+        f = tempfile.TemporaryFile()
+        if reduce.write_arrays(f, table):
+            return Spilled(f, keyed.rows(table), step_max)
+        f.close()
+    except OSError:
+        pass
+    return table
+
+
+def open_named(folder: Path, name: str, n_rows: int, step_max: int) -> Spilled | None:
+    """The handle of a chunk file a prefix lists, or None when it is gone (the prefix is then unusable)."""
+    if os.path.basename(name) != name or not name.endswith(SUFFIX):
+        return None
+    try:
+        return Spilled(open(Path(folder) / name, "rb"), n_rows, step_max, name)
+    except OSError:
+        return None
+
+
+def remove_unlisted(folder: Path, keep: set[str]) -> None:
+    """Remove the chunk files no prefix lists any more (open handles still read theirs); a file
+    written in the last STALE_SECONDS may belong to an analysis still running, and stays."""
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for e in entries:
+        if e.name.endswith(SUFFIX) and e.name not in keep:
+            try:
+                if now - e.stat().st_mtime > STALE_SECONDS:
+                    os.unlink(e.path)
+            except OSError:
+                pass

@@ -1,0 +1,110 @@
+"""The sequence table on disk (kldiag/analysis/seqrows.py): spilled past SPILL_ROWS rows, it equals the
+in-memory table bit for bit (cold, cached, grown part by part), and its queries read what they show."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+from analysis_same import assert_same_analysis
+
+from kldiag.analysis import AnalysisConfig, analyze, prefix, reduce, seqrows, spill
+from kldiag.tools.synth import SynthConfig, make_run
+
+CFG = AnalysisConfig(use_cache=False, per_rank=True, trainer_compatible=True)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("seqrows") / "run"
+    make_run(path, SynthConfig(steps=12, seqs_per_step=9, seq_len=(5, 40), ranks=2, blowup_step=6,
+                               blowup_frac=0.05, nonfinite=((7, "logp"),), vocab_size=0, rows_per_file=500))
+    return path
+
+
+def test_spilled_table_equals_the_in_memory_one(run, tmp_path, monkeypatch):
+    want = analyze(run, CFG)
+    assert want.sequence_rows is None  # a small run's table stays in memory
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 16)  # several row groups: the queries skip some
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)  # several sealed chunks
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for cfg in (CFG, AnalysisConfig(per_rank=True, trainer_compatible=True)):  # no cache; cold then warm cache
+        for _ in range(2):
+            got = analyze(copy, cfg)
+            rows = got.sequence_rows
+            assert rows is not None and got.sequence_count == want.sequences.num_rows
+            assert_same_analysis(got, want)
+            assert got.sequence_rows is rows  # queries still go to the file after a whole read
+
+
+@pytest.mark.parametrize("pieces", ["one", "several"])
+def test_queries_read_only_what_they_show(run, tmp_path, monkeypatch, pieces):
+    table = analyze(run, CFG).sequences
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 16)
+    cfg = CFG
+    if pieces == "several":  # chunk files in the cache: a piece each, shared with the next analysis
+        monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 40)
+        monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+        shutil.copytree(run, tmp_path / "run")
+        run, cfg = tmp_path / "run", AnalysisConfig(per_rank=True, trainer_compatible=True)
+        analyze(run, cfg)
+    rows = analyze(run, cfg).sequence_rows
+    assert (len(rows.pieces) > 2) == (pieces == "several")
+    w = np.nan_to_num(table.column("weight_k3_abs_max").to_numpy(zero_copy_only=False), nan=-np.inf)
+    order = np.argsort(-w, kind="stable")[:7]
+    assert rows.worst(7).equals(table.take(order))
+    assert rows.worst(10**6).equals(table.take(np.argsort(-w, kind="stable")))  # every row; ties in table order
+    step, seq = table.column("step")[20].as_py(), table.column("seq")[20].as_py()
+    assert rows.sequence(step, seq).equals(table.slice(20, 1))
+    assert rows.sequence(step, -5).num_rows == 0
+    mask = pc.and_(pc.greater_equal(table.column("step"), 3), pc.less_equal(table.column("step"), 5))
+    assert rows.steps(3, 5).equals(table.filter(mask))
+    assert rows.table(columns=["step", "seq"]).equals(table.select(["step", "seq"]))
+
+
+def test_chunks_are_saved_as_one_array(tmp_path):
+    chunks = [np.arange(5, dtype=np.int64), np.arange(3, dtype=np.int64) + 9]
+    h = np.ones((4, 3))
+    assert reduce.save_arrays(tmp_path / "x.part", {"a": chunks, "h": [h[:1], h[1:]], "rows": np.array([2])})
+    got = reduce.load_arrays(tmp_path / "x.part")
+    np.testing.assert_array_equal(got["a"], np.concatenate(chunks))
+    np.testing.assert_array_equal(got["h"], h)
+    assert got["rows"].tolist() == [2]
+
+
+def test_a_prefix_whose_chunk_file_is_gone_is_recomputed(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 1)
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)
+    want = analyze(run, CFG)
+    assert_same_analysis(analyze(copy, cfg), want)  # cold: writes the prefix and its chunk files
+    files = list((copy / ".kldiag" / "prefix" / "seqs").glob("*.seqs"))
+    assert files
+    files[0].unlink()  # another process's cleanup, or a user
+    assert_same_analysis(analyze(copy, cfg), want)
+
+
+def test_unlisted_chunk_files_are_removed_once_stale(tmp_path):
+    for name in ("listed.seqs", "old.seqs", "new.seqs", "other.part"):
+        (tmp_path / name).write_bytes(b"x")
+    for name in ("listed.seqs", "old.seqs", "other.part"):
+        os.utime(tmp_path / name, (1, 1))
+    spill.remove_unlisted(tmp_path, {"listed.seqs"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["listed.seqs", "new.seqs", "other.part"]
+
+
+def test_spilled_chunks_read_back_equal(tmp_path):
+    table = {"step": np.arange(5), "seq": np.arange(5) * 2, "sum_k3": np.linspace(0, 1, 5), "h_d": np.ones((5, 3))}
+    for folder in (tmp_path, None):
+        h = spill.spill(table, folder)
+        assert isinstance(h, spill.Spilled) and h.rows == 5 and h.step_max == 4
+        got = h.load()
+        assert all(np.array_equal(got[c], table[c]) for c in table)
