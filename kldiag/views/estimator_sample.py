@@ -141,8 +141,10 @@ def _merge_seq_arrays(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
     first = np.minimum.reduceat(at, starts)
     adv = np.where(first < len(order), col["advantage"][np.minimum(first, len(order) - 1)], np.nan)
     gap = col["gap_sum"]  # NaN where +inf and -inf met in one part
+    with np.errstate(invalid="ignore"):  # +inf and -inf of two parts meet: NaN, as pandas' sum gives
+        gap_sum = np.add.reduceat(np.where(np.isnan(gap), 0.0, gap), starts)  # pandas' sum skips NaN
     return {"seqs/step": col["step"][starts], "seqs/seq": col["seq"][starts], "seqs/advantage": adv,
-            "seqs/gap_sum": np.add.reduceat(np.where(np.isnan(gap), 0.0, gap), starts),  # pandas' sum skips NaN
+            "seqs/gap_sum": gap_sum,
             "seqs/n": np.add.reduceat(col["n"], starts)}
 
 
