@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kldiag.analysis import reduce, worker
+from kldiag.analysis import reduce, reducer_prefix, worker
 from kldiag.analysis.kernel import clip_range
 from kldiag.analysis.reduce import Arrays, Reducer
 from kldiag.errors import CorruptPartError, RunFormatError
@@ -40,15 +40,24 @@ def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> 
 class Accumulator:
     """A sink that merges partials as they arrive, in part order, `reducer.merge_every` at a time
     (default MERGE_EVERY; 0: once at the end, for a reducer whose merge is a concatenation, which
-    merging in steps would copy again and again)."""
+    merging in steps would copy again and again).
 
-    def __init__(self, reducer: Reducer, every: int | None = None):
+    `state` (reducer_prefix.State) starts it where the merge of parts[0:state.k] left off: it is then
+    handed only the partials of the later parts, and its result equals the merge of every part's."""
+
+    def __init__(self, reducer: Reducer, every: int | None = None, state: reducer_prefix.State | None = None):
         self.reducer = reducer
         self.every = every if every is not None else getattr(reducer, "merge_every", MERGE_EVERY)
-        self.acc: Arrays | None = None
-        self.buf: list[Arrays] = []
+        self.acc: Arrays | None = state.acc if state else None
+        self.buf: list[Arrays] = list(state.buf) if state else []
+        self.done: Arrays | None = state.result if state else None  # parts[0:k] merged, nothing after
+        self.start = self.next = state.k if state else 0  # the index the next partial should have
+        self.gap: reducer_prefix.State | None = None  # the state before the first unreadable part
 
     def __call__(self, i: int, arrays: Arrays) -> None:
+        if i != self.next and self.gap is None:  # parts next..i-1 were unreadable: a prefix stops there
+            self.gap = self.state()
+        self.next, self.done = i + 1, None
         self.buf.append(arrays)
         if self.every and len(self.buf) >= self.every:
             self.flush()
@@ -58,9 +67,36 @@ class Accumulator:
             self.acc = self.reducer.merge(([self.acc] if self.acc is not None else []) + self.buf)
             self.buf = []
 
+    def state(self) -> reducer_prefix.State:
+        """What a merge that goes on from here needs: acc and the unmerged partials (merged into one
+        for a reducer whose merge is a concatenation)."""
+        buf = [self.reducer.merge(self.buf)] if not self.every and len(self.buf) > 1 else list(self.buf)
+        return reducer_prefix.State(self.next, self.acc, buf)
+
     def result(self) -> Arrays:
+        if self.done is not None:
+            return self.done
         self.flush()
         return self.acc if self.acc is not None else self.reducer.merge([])
+
+    def keep(self, cache_dir: Path, parts: Sequence[PartInfo]) -> Arrays:
+        """The result, after saving the state of the readable parts that lead the listing when it is due
+        (reducer_prefix.due); the result is saved with it when it covers every part."""
+        state = self.gap or (self.state() if self.done is None else None)
+        if state is None or not reducer_prefix.due(self.start, state.k):
+            return self.result()
+        out = self.result()
+        if self.gap is None and state.k == len(parts):
+            state.result = out
+        reducer_prefix.save(cache_dir, parts, self.reducer, state)
+        return out
+
+
+def accumulators(cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer],
+                 use_cache: bool) -> dict[str, Accumulator]:
+    """An Accumulator per reducer, started from its cached prefix state when there is one."""
+    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r) if use_cache else None)
+            for r in reducers}
 
 
 class Pass:
@@ -129,10 +165,16 @@ class Pass:
             yield from reduce.fold_parts(jobs, size, worker.PART_ERRORS, threads=worker.threads(self.cfg.threads))
 
     def merged(self, r: Reducer) -> Arrays:
-        """r's merge of every readable part's partial (a pass for this one reducer)."""
-        acc = Accumulator(r)
-        self.run({r.name: acc})
-        return acc.result()
+        """r's merge of every readable part's partial (a pass for this one reducer; from its cached
+        prefix state, reducer_prefix.py, and the parts after it)."""
+        acc = accumulators(self.cache_dir, self.parts, [r], self.cfg.use_cache)[r.name]
+        wanted = self.wanted
+        self.wanted = lambda i, red: i >= acc.start and wanted(i, red)
+        try:
+            self.run({r.name: acc})
+        finally:
+            self.wanted = wanted
+        return acc.keep(self.cache_dir, self.parts) if self.cfg.use_cache else acc.result()
 
 
 def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float] | None = None) -> Reducer:
