@@ -19,9 +19,10 @@ and is rewritten once PREFIX_TAIL parts follow it. Beside the state, `result` ho
 of parts[0:k] when the pass that wrote it read exactly those parts: a warm read of an unchanged run
 loads that one file and merges nothing.
 
-Files: CACHE/reducers/<namespace>.json (k, digest of the k keys, whether a result was written) and
-CACHE/reducers/<namespace>-<digest>.state / .result (reduce.save_arrays's layout); the namespace is a
-digest of the reducer's name, version and settings.
+Files: CACHE/reducers/<namespace>.json (k, digest of the k keys, whether a result was written, or
+"state" when the state's one partial is the result: a concatenation's) and
+CACHE/reducers/<namespace>-<digest>.state / .result (reduce.save_arrays's layout); the namespace is
+a digest of the reducer's name, version and settings.
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
     meta = _meta(folder, ns)
     try:
         k, want, has_acc, n_buf = int(meta["k"]), str(meta["digest"]), bool(meta["acc"]), int(meta["buf"])
-        with_result = bool(meta["result"])
+        with_result = bool(meta["result"]) and n_buf >= (meta["result"] == "state")
     except (TypeError, KeyError, ValueError):
         return None
     if not 0 < k <= len(parts) or digest(parts[:k]) != want:
         return None
-    if k == len(parts) and with_result:
+    if k == len(parts) and with_result and meta["result"] != "state":
         result = reduce.load_arrays(folder / f"{ns}-{want}.result")
         if result is not None:
             return State(k, None, [], result)
@@ -106,6 +107,8 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
     if raw is None:
         return None
     acc, buf = from_arrays(raw, has_acc, n_buf)
+    if k == len(parts) and meta["result"] == "state":  # the state's one partial is the result
+        return State(k, None, [], buf[0])
     return State(k, acc, buf)
 
 
@@ -116,7 +119,10 @@ def save(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, state: State) -
     ns, dig = namespace(r), digest(parts[:state.k])
     if not reduce.save_arrays(folder / f"{ns}-{dig}.state", to_arrays(state.acc, state.buf)):
         return False
-    with_result = state.result is not None and reduce.save_arrays(folder / f"{ns}-{dig}.result", state.result)
+    if state.result is not None and state.acc is None and len(state.buf) == 1 and state.buf[0] is state.result:
+        with_result: bool | str = "state"  # a concatenation's state is its result: not written twice
+    else:
+        with_result = state.result is not None and reduce.save_arrays(folder / f"{ns}-{dig}.result", state.result)
     old = _meta(folder, ns)
     tmp = folder / f".{ns}.json.{os.getpid()}.tmp"
     meta = {"k": state.k, "digest": dig, "acc": state.acc is not None, "buf": len(state.buf), "result": with_result}

@@ -70,12 +70,15 @@ class Accumulator:
     def state(self) -> reducer_prefix.State:
         """What a merge that goes on from here needs: acc and the unmerged partials (merged into one
         for a reducer whose merge is a concatenation)."""
-        buf = [self.reducer.merge(self.buf)] if not self.every and len(self.buf) > 1 else list(self.buf)
-        return reducer_prefix.State(self.next, self.acc, buf)
+        if not self.every and len(self.buf) > 1:
+            self.buf = [self.reducer.merge(self.buf)]
+        return reducer_prefix.State(self.next, self.acc, list(self.buf))
 
     def result(self) -> Arrays:
         if self.done is not None:
             return self.done
+        if not self.every and self.acc is None and len(self.buf) == 1:
+            return self.buf[0]  # a concatenation of one partial: itself (no copy of a large sample)
         self.flush()
         return self.acc if self.acc is not None else self.reducer.merge([])
 
