@@ -99,6 +99,19 @@ def _first_iteration(seq: np.ndarray, it: np.ndarray) -> np.ndarray | None:
     return np.flatnonzero(it == first[inv])
 
 
+def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(key, return_inverse=True) (inverse flat), without its sort when key is already
+    sorted (a TokenSet's step, or its (step, seq) key): one pass instead of an O(N log N) sort."""
+    key = np.asarray(key).reshape(-1)
+    if len(key) < 2 or not bool(np.all(key[1:] >= key[:-1])):
+        uniq, inv = np.unique(key, return_inverse=True)
+        return uniq, inv.reshape(-1)
+    new = np.empty(len(key), bool)
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    return key[new], np.cumsum(new, dtype=np.int64) - 1
+
+
 def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
     ds, dq, dp = np.diff(step), np.diff(seq), np.diff(pos)
     return bool(np.all((ds > 0) | ((ds == 0) & ((dq > 0) | ((dq == 0) & (dp > 0))))))
@@ -272,9 +285,16 @@ class Sample:
 
 def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
     """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
-    else one more read of the parts that lack a cached sample partial."""
+    else one more read of the parts that lack a cached sample partial; kept in `analysis.memo`."""
     run = open_run(analysis.run_dir)
     meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
             "trainer": dict(run.manifest.trainer or {})}
     red = SampleReducer(max_tokens).bind(run.parts())
-    return Sample(runner.reduced(analysis, red), red.stride, meta)
+    memo = getattr(analysis, "memo", None)
+    key = ("sample", red)
+    if memo is not None and key in memo:  # one Sample per analysis: its TokenSets are made once for every face
+        return memo[key]
+    sample = Sample(runner.reduced(analysis, red), red.stride, meta)
+    if memo is not None:
+        memo[key] = sample
+    return sample

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.mismatch.tokenset import TokenSet
+from kldiag.mismatch.tokenset import TokenSet, unique_inverse
 
 METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm")
 CONVENTIONS = ("trainer", "sampler")
@@ -55,10 +55,10 @@ def log_ratio(ts: TokenSet, convention: str) -> np.ndarray:
     return ts.logp - b
 
 
-def _seq_index(ts: TokenSet) -> tuple[np.ndarray, int]:
-    key = ts.step * (1 << 40) + ts.seq
-    _, inv = np.unique(key, return_inverse=True)
-    return inv.reshape(-1), int(inv.max(initial=-1)) + 1
+def _seq_index(step: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each token's sequence index (sequences ordered by step, then seq) and the number of sequences."""
+    _, inv = unique_inverse(step * (1 << 40) + seq)  # a TokenSet is sorted by (step, seq): no sort
+    return inv, int(inv.max(initial=-1)) + 1
 
 
 def _seq_mean(x: np.ndarray, sidx: np.ndarray, k: int) -> np.ndarray:
@@ -101,11 +101,10 @@ def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
     """Per step (COLUMNS): what correction `w` does to the recorded tokens in the loss."""
     lr = log_ratio(ts, w.convention)
     keep = ts.mask & np.isfinite(lr) & np.isfinite(ts.advantage)
-    sub = ts.take(np.flatnonzero(keep))
-    lr, adv = lr[keep], sub.advantage
-    sidx, k = _seq_index(sub)
+    step, lr, adv = ts.step[keep], lr[keep], ts.advantage[keep]  # only the columns it reads
+    sidx, k = _seq_index(step, ts.seq[keep])
     r, wt, tok_hit, seq_hit = corrected_weights(lr, adv, sidx, k, w)
-    steps, stidx = np.unique(sub.step, return_inverse=True)
+    steps, stidx = unique_inverse(step)
     s = len(steps)
     seq_step = np.zeros(k, np.int64)
     seq_step[sidx] = stidx
