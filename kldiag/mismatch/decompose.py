@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from numba import njit
 
 from kldiag import estimators as E
 from kldiag.mismatch.tokenset import TokenSet, unique_inverse
@@ -36,35 +37,46 @@ def terms(ts: TokenSet) -> dict[str, np.ndarray]:
     return {"drift": drift, "mismatch": mismatch, "total": drift + mismatch, "keep": keep}
 
 
-MEANS = ("drift_abs", "mismatch_abs", "mismatch_mean", "mismatch_k3", "total_abs")
+MEANS = ("drift_abs", "mismatch_abs", "mismatch_mean", "mismatch_k3", "total_abs")  # columns 2..6 of _group_sums
 
 
 def weights(ts: TokenSet) -> dict[str, np.ndarray]:
-    """Per token [N], for every grouping at once: each mean's summand where it counts and 0.0 elsewhere
-    ("drift_abs" over kept tokens, the mismatch terms over kept tokens with a sampler log-prob), and
-    the two counts as 0/1 ("n_keep", "n_m"). A group's sum then runs over every token in index order,
-    adding 0.0 for the others: the same float64 sum, bit for bit, as over its selected tokens alone."""
+    """What every grouping sums, per token [N]: drift, mismatch d, its K3, keep and has_m (kept with a
+    sampler log-prob: the tokens of the mismatch terms)."""
     t = terms(ts)
-    keep = t["keep"]
-    has_m = keep & np.isfinite(t["mismatch"])
     d = t["mismatch"]
-    k3 = E.k3_of_log_ratio(d)  # the expm1 form: exp(d) - d - 1 is 0 near d = 0
-    return {"drift_abs": np.where(keep, np.abs(t["drift"]), 0.0), "mismatch_abs": np.where(has_m, np.abs(d), 0.0),
-            "mismatch_mean": np.where(has_m, d, 0.0), "mismatch_k3": np.where(has_m, k3, 0.0),
-            "total_abs": np.where(has_m, np.abs(t["total"]), 0.0),
-            "n_keep": keep.astype(np.float64), "n_m": has_m.astype(np.float64)}
+    return {"drift": t["drift"], "mismatch": d, "k3": E.k3_of_log_ratio(d),  # expm1 form: 0 near d = 0
+            "keep": t["keep"], "has_m": t["keep"] & np.isfinite(d)}
+
+
+@njit(nogil=True, cache=True)
+def _group_sums(idx, k, drift, d, k3, keep, has_m):  # pragma: no cover - compiled
+    """[k + 1, 7] per group: n_keep, n_m, then the sums of MEANS, each over its tokens in index order
+    (the order np.bincount adds in: the same float64 sums); group k collects tokens of no group."""
+    out = np.zeros((k + 1, 7))
+    for i in range(len(idx)):
+        if not keep[i]:
+            continue
+        g = idx[i]
+        out[g, 0] += 1.0
+        out[g, 2] += abs(drift[i])
+        if has_m[i]:
+            out[g, 1] += 1.0
+            out[g, 3] += abs(d[i])
+            out[g, 4] += d[i]
+            out[g, 5] += k3[i]
+            out[g, 6] += abs(drift[i] + d[i])
+    return out
 
 
 def _grouped(idx: np.ndarray, k: int, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """COLUMNS of groups 0..k-1 (idx [N]: a token's group; k: a token in no group)."""
-    def total(x):
-        return np.bincount(idx, weights=x, minlength=k + 1)[:k]
-
-    n_keep, n_m = total(w["n_keep"]), total(w["n_m"])
+    """COLUMNS of groups 0..k-1 (idx [N]: a token's group; k: a token in no group), one pass over the tokens."""
+    sums = _group_sums(np.asarray(idx, np.int64), k, w["drift"], w["mismatch"], w["k3"], w["keep"], w["has_m"])[:k]
+    n_keep, n_m = sums[:, 0], sums[:, 1]
     out: dict[str, np.ndarray] = {"tokens": n_keep.astype(np.int64)}
     with np.errstate(invalid="ignore", divide="ignore"):
-        for c in MEANS:
-            out[c] = total(w[c]) / (n_keep if c == "drift_abs" else n_m)
+        for j, c in enumerate(MEANS):
+            out[c] = sums[:, 2 + j] / (n_keep if c == "drift_abs" else n_m)
         out["mismatch_share"] = out["mismatch_abs"] / (out["drift_abs"] + out["mismatch_abs"])
     return out
 
