@@ -288,7 +288,9 @@ def profile(run: Path, args) -> None:
     if not list(run.glob(".kldiag/prefix/*.json")):
         child(COLD, str(run), "dashboard", "freshcache")
     if args.profile == "refresh":
-        spec = {"first": "overview", "refresh": dict(synth_config(args).__dict__), "profile": "refresh"}
+        # the scale figure's flow: every page visited, then one part published and the Overview rerun
+        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(synth_config(args).__dict__),
+                "profile": "refresh"}
     else:
         spec = {"first": args.profile, "profile": args.profile}
     f = child(APP, str(MAIN), json.dumps(spec), env=env)

@@ -5,6 +5,7 @@ merge of every part, while a warm read loads one cache file per reducer and the 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import os
 import warnings
 from pathlib import Path
@@ -145,3 +146,24 @@ def test_rewritten_part_invalidates_the_state(source, tmp_path):
     assert all(reducer_prefix.load(open_run(run).cache_dir(), parts, runner.bound(r, parts)) is None
                for r in VD.reducers())
     assert_same(analyze(run, AnalysisConfig(), VD.reducers()).reduced, analyze(run, NOCACHE, VD.reducers()).reduced)
+
+
+def test_reduced_merges_on_first_use(source, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:-1]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    publish(run, staged[-1])  # one more part: each reducer's state and the new partial wait to be merged
+    merged = []
+    real = runner.Accumulator.result
+    monkeypatch.setattr(runner.Accumulator, "result", lambda self: merged.append(self.reducer.name) or real(self))
+    warm = analyze(run, AnalysisConfig(), VD.reducers())
+    assert merged == []  # nothing merged until a face reads it
+    assert set(warm.reduced) == {r.name for r in VD.reducers()}
+    cold = dict(analyze(run, NOCACHE, VD.reducers()).reduced)
+    merged.clear()
+    assert_same({"scan": warm.reduced["scan"]}, {"scan": cold["scan"]})
+    assert merged == ["scan"]
+    copy = pickle.loads(pickle.dumps(warm.reduced))  # every result merged, then pickled
+    assert_same(dict(copy), cold)

@@ -127,7 +127,7 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
     done = runner.Pass(cache_dir, parts, [red, *others], cfg, skipped,
                        wanted=lambda i, r: i >= k or i in opened if r.name == red.name else i >= accs[r.name].start)
     done.run({red.name: analysis_sink, **accs})
-    reduced = {name: acc.keep(cache_dir, parts) if cfg.use_cache else acc.result() for name, acc in accs.items()}
+    reduced = runner.results(accs, cache_dir, parts, cfg.use_cache)  # merged when a face first reads one
     if pre is not None and opened & done.failed:  # a prefix part unreadable now: merge without the prefix
         del skipped[:]
         merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped, empty)

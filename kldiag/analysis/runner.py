@@ -10,8 +10,10 @@ analysis's sealing merge). `opened_parts` counts the parts read, for tests and b
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kldiag.analysis import reduce, reducer_prefix, worker
@@ -82,17 +84,62 @@ class Accumulator:
         self.flush()
         return self.acc if self.acc is not None else self.reducer.merge([])
 
+    def due(self) -> bool:
+        """Whether keep() saves a state (reducer_prefix.due)."""
+        end = self.gap.k if self.gap is not None else (self.next if self.done is None else self.start)
+        return reducer_prefix.due(self.start, end) and end > self.start
+
     def keep(self, cache_dir: Path, parts: Sequence[PartInfo]) -> Arrays:
         """The result, after saving the state of the readable parts that lead the listing when it is due
         (reducer_prefix.due); the result is saved with it when it covers every part."""
-        state = self.gap or (self.state() if self.done is None else None)
-        if state is None or not reducer_prefix.due(self.start, state.k):
+        if not self.due():
             return self.result()
+        state = self.gap or self.state()
         out = self.result()
         if self.gap is None and state.k == len(parts):
             state.result = out
         reducer_prefix.save(cache_dir, parts, self.reducer, state)
         return out
+
+
+class Reduced(Mapping):
+    """Reducer name -> merged partial (Analysis.reduced), each merged on first use: a page that shows one
+    reducer's figures does not merge the others' (a refresh after a new part merges what is shown)."""
+
+    def __init__(self, make: dict[str, Callable[[], Arrays]]):
+        self._make, self._done, self._lock = dict(make), {}, threading.Lock()
+
+    def __getitem__(self, name: str) -> Arrays:
+        if name not in self._done:
+            make = self._make[name]
+            with self._lock:  # the app's sessions share an Analysis: merged once
+                if name not in self._done:
+                    self._done[name] = make()
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+    def __reduce__(self):
+        return _ready, (dict(self.items()),)
+
+
+def _ready(done: dict[str, Arrays]) -> Reduced:
+    return Reduced({name: (lambda v=v: v) for name, v in done.items()})
+
+
+def results(accs: dict[str, Accumulator], cache_dir: Path, parts: Sequence[PartInfo], use_cache: bool) -> Reduced:
+    """Each accumulator's result, merged when first used; those whose prefix state is due to be saved
+    (Accumulator.keep) are merged and saved now."""
+    out = Reduced({name: functools.partial(acc.keep, cache_dir, parts) if use_cache else acc.result
+                   for name, acc in accs.items()})
+    for name, acc in accs.items():
+        if use_cache and acc.due():
+            out[name]
+    return out
 
 
 def accumulators(cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer],
