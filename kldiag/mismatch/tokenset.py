@@ -267,11 +267,20 @@ class Sample:
         self._sets: dict[bool, TokenSet] = {}
 
     def tokens(self, all_iterations: bool = False) -> TokenSet:
+        if all_iterations not in self._sets and not self.reused():  # every row is its first iteration
+            if self._sets:
+                return next(iter(self._sets.values()))
+            all_iterations = False
         if all_iterations not in self._sets:
             ts = from_columns(self.cols, all_iterations, self.stride)
             ts.meta = dict(self.meta)
             self._sets[all_iterations] = ts
         return self._sets[all_iterations]
+
+    def reused(self) -> bool:
+        """Whether a sequence of the sample has a second reuse iteration (else both TokenSets are one)."""
+        it = self.cols.get("iteration")
+        return it is not None and len(it) > 0 and bool(it.min() != it.max())
 
     def has_values(self, column: str) -> bool:
         """Whether the sample holds a non-null value of `column` (a log-prob or the entropy); for
