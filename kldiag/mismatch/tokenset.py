@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from numba import njit
 
 from kldiag.analysis import runner
 from kldiag.format import open_run
@@ -113,8 +114,22 @@ def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
-    ds, dq, dp = np.diff(step), np.diff(seq), np.diff(pos)
-    return bool(np.all((ds > 0) | ((ds == 0) & ((dq > 0) | ((dq == 0) & (dp > 0))))))
+    """Whether the rows are strictly increasing in (step, seq, pos)."""
+    return bool(_sorted_kernel(np.asarray(step, np.int64), np.asarray(seq, np.int64), np.asarray(pos, np.int64)))
+
+
+@njit(nogil=True, cache=True)
+def _sorted_kernel(step, seq, pos):  # pragma: no cover - compiled
+    for i in range(1, len(step)):
+        if step[i] != step[i - 1]:
+            if step[i] < step[i - 1]:
+                return False
+        elif seq[i] != seq[i - 1]:
+            if seq[i] < seq[i - 1]:
+                return False
+        elif pos[i] <= pos[i - 1]:
+            return False
+    return True
 
 
 INT_COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "micro", "rank")
@@ -144,8 +159,11 @@ def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step
         order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
         ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
         mask, has_old = mask[order], has_old[order]
-    floats["logp_old"] = np.where(has_old, floats["logp_old"], floats["logp"])
-    floats["logp_sampler"] = np.where(mask, floats["logp_sampler"], np.nan)  # mu exists only where it sampled
+    for c in ("logp_old", "logp_sampler"):  # written in place below: never the caller's array
+        if np.may_share_memory(floats[c], cols[c]):
+            floats[c] = floats[c].copy()
+    np.copyto(floats["logp_old"], floats["logp"], where=~has_old)
+    np.copyto(floats["logp_sampler"], np.nan, where=~mask)  # mu exists only where it sampled
     return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
 
 
