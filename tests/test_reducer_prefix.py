@@ -167,3 +167,18 @@ def test_reduced_merges_on_first_use(source, tmp_path, monkeypatch):
     assert merged == ["scan"]
     copy = pickle.loads(pickle.dumps(warm.reduced))  # every result merged, then pickled
     assert_same(dict(copy), cold)
+
+
+def test_unreadable_state_files_fall_back(source, tmp_path):
+    run = tmp_path / "run"
+    for item in split_run(source, run, rows=70):
+        publish(run, item)
+    cold = dict(analyze(run, NOCACHE, VD.reducers()).reduced)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    folder = open_run(run).cache_dir() / reducer_prefix.FOLDER
+    for path in folder.glob("*.result"):  # a result cut short: the state is merged instead
+        path.write_bytes(path.read_bytes()[:-3])
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
+    for path in folder.glob("*.state"):  # the state too: the per-part partials are merged again
+        path.write_bytes(b"")
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
