@@ -104,6 +104,9 @@ def test_warm_read_opens_a_file_per_reducer(source, tmp_path, monkeypatch):
     bare = analyze(run, AnalysisConfig())
     loads.clear()  # runner.reduced of a reducer the analysis did not read along: from its state too
     assert_same({"e": runner.reduced(bare, VD.estimator_reducer())}, {"e": cold.reduced["estimators"]})
+    assert loads == []  # the file read above, remembered while it stays the same
+    reducer_prefix._memo.clear()
+    assert_same({"e": runner.reduced(bare, VD.estimator_reducer())}, {"e": cold.reduced["estimators"]})
     assert [p.suffix for p in loads] == [".result"]
 
 

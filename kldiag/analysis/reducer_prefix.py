@@ -78,6 +78,29 @@ def from_arrays(raw: Arrays, has_acc: bool, n_buf: int) -> tuple[Arrays | None, 
     return acc, buf
 
 
+_memo: dict[Path, tuple[tuple[int, int], Arrays]] = {}
+MEMO_ENTRIES = 32  # files kept in memory (seven reducers, a few runs): a refresh does not read them again
+
+
+def _load(path: Path) -> Arrays | None:
+    """reduce.load_arrays, remembered while the file's (mtime, size) stay the same: a refresh after a
+    new part goes on from the state the first render read (the token sample's is its result)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    hit = _memo.get(path)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    raw = reduce.load_arrays(path)
+    if raw is not None:
+        if len(_memo) >= MEMO_ENTRIES:
+            _memo.pop(next(iter(_memo)))
+        _memo[path] = (stamp, raw)
+    return raw
+
+
 def _meta(folder: Path, ns: str) -> dict | None:
     try:
         meta = json.loads((folder / f"{ns}.json").read_text())
@@ -100,10 +123,10 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
     if not 0 < k <= len(parts) or digest(parts[:k]) != want:
         return None
     if k == len(parts) and with_result and meta["result"] != "state":
-        result = reduce.load_arrays(folder / f"{ns}-{want}.result")
+        result = _load(folder / f"{ns}-{want}.result")
         if result is not None:
             return State(k, None, [], result)
-    raw = reduce.load_arrays(folder / f"{ns}-{want}.state")
+    raw = _load(folder / f"{ns}-{want}.state")
     if raw is None:
         return None
     acc, buf = from_arrays(raw, has_acc, n_buf)
