@@ -11,6 +11,7 @@ Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -265,22 +266,23 @@ def empty_columns() -> dict[str, np.ndarray]:
 
 
 class Sample:
-    """The merged sample of a run, with its TokenSets made on first use (first iterations or all)."""
+    """The merged sample of a run, with its TokenSets made on first use (first iterations or all).
+
+    A TokenSet is kept only while a face holds it (weakly: the Mismatch page's view, a parity fit in
+    progress), so that a refresh's new analysis reuses the freed memory instead of touching new pages."""
 
     def __init__(self, cols: dict[str, np.ndarray], stride: int, meta: dict | None = None):
         self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
-        self._sets: dict[bool, TokenSet] = {}
+        self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
 
     def tokens(self, all_iterations: bool = False) -> TokenSet:
-        if all_iterations not in self._sets and not self.reused():  # every row is its first iteration
-            if self._sets:
-                return next(iter(self._sets.values()))
-            all_iterations = False
-        if all_iterations not in self._sets:
-            ts = from_columns(self.cols, all_iterations, self.stride)
+        key = all_iterations and self.reused()  # without reuse iterations both sets are the same tokens
+        ts = self._sets.get(key)
+        if ts is None:
+            ts = from_columns(self.cols, key, self.stride)
             ts.meta = dict(self.meta)
-            self._sets[all_iterations] = ts
-        return self._sets[all_iterations]
+            self._sets[key] = ts
+        return ts
 
     def reused(self) -> bool:
         """Whether a sequence of the sample has a second reuse iteration (else both TokenSets are one)."""
