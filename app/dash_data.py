@@ -53,10 +53,10 @@ def analysis_of(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
     return _analysis(path, keys)
 
 
-@st.cache_resource(max_entries=16)
-def _tables(path: str, keys: tuple[str, ...]) -> dict[str, pd.DataFrame]:
-    a = _analysis(path, keys)
-    return {name: getattr(a, name).to_pandas() for name in ("steps", "sequences", "flags", "alerts")}
+@st.cache_resource(max_entries=64)
+def _table(path: str, keys: tuple[str, ...], name: str) -> pd.DataFrame:
+    # one table at a time: a page that shows no sequence never converts the run's sequence rows
+    return getattr(_analysis(path, keys), name).to_pandas()
 
 
 @st.cache_resource(max_entries=16, show_spinner="Diagnosing the run ...")
@@ -98,14 +98,18 @@ def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
 
 
 class Loaded:
-    """A run that analysed: its path, part keys, Analysis and pandas tables."""
+    """A run that analysed: its path, part keys, Analysis and pandas tables (steps, sequences, flags,
+    alerts: each converted when a page first reads it)."""
 
     def __init__(self, path: str, keys: tuple[str, ...]):
         self.path, self.keys = path, keys
         self.analysis = _analysis(path, keys)
-        t = _tables(path, keys)
-        self.steps, self.sequences, self.flags, self.alerts = t["steps"], t["sequences"], t["flags"], t["alerts"]
         self.present = present(path, keys)
+
+    steps = property(lambda self: _table(self.path, self.keys, "steps"))
+    sequences = property(lambda self: _table(self.path, self.keys, "sequences"))
+    flags = property(lambda self: _table(self.path, self.keys, "flags"))
+    alerts = property(lambda self: _table(self.path, self.keys, "alerts"))
 
 
 def load(path: str) -> Loaded | None:

@@ -21,10 +21,11 @@ switches.
 - the Estimators page's first visit ever (its reducer is in the dashboard's first pass: it reads no part;
   before it was, one more pass over every part);
 - with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
-  Estimators, Mismatch), that page its first render (target <= 2 s each); then one process that
+  Estimators, Mismatch), that page its first render (target <= 1.5 s each); then one process that
   renders Overview and switches through every page, publishes one more part (one more step), and
-  reruns the Overview (the refresh, target <= 1 s); the part is removed afterwards;
+  reruns the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
+--scale --warm-only: only those warm figures (the cache filled once if it has no reducer states).
 --breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
@@ -116,12 +117,15 @@ if spec.get("profile"):  # the script runs in AppTest's script thread: profile i
 def timed_run(at, label):
     if spec.get("profile") == label:
         PROF["active"] = cProfile.Profile()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     at.run()
     s = time.perf_counter() - t
+    CPU[label] = time.process_time() - c  # CPU seconds of the process (every thread): less noisy under load
     if PROF.get("active"):
         PROF.pop("active").dump_stats(f"/tmp/kldiag_dash_{label}.prof")
     return s
+
+CPU = {}
 
 at = AppTest.from_file(main, default_timeout=3600)
 out = {"renders": []}
@@ -158,7 +162,21 @@ if spec.get("refresh"):
         for p in new:
             Path(p).unlink()
 out["rss_mb"] = peak_mb()
+out["cpu"] = CPU
 print(json.dumps(out))
+"""
+# A warm analyze with the dashboard's reducers in a fresh process: its seconds and the cache files it opens.
+WARM = """
+import json, sys, time
+import kldiag
+from kldiag.analysis import reduce
+from kldiag.views import dashboard
+opened, load = [], reduce.load_arrays
+reduce.load_arrays = lambda path: opened.append(str(path)) or load(path)
+t = time.perf_counter()
+a = kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(), dashboard.reducers())
+merged = {name: a.reduced[name] for name in a.reduced}
+print(json.dumps({"analyze_s": time.perf_counter() - t, "files": len(opened), "parts_read": a.files_new}))
 """
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PAGES = ("distributions", "tokens", "sequence", "estimators", "overview", "tokens", "sequence", "estimators")
@@ -288,7 +306,9 @@ def profile(run: Path, args) -> None:
     if not list(run.glob(".kldiag/prefix/*.json")):
         child(COLD, str(run), "dashboard", "freshcache")
     if args.profile == "refresh":
-        spec = {"first": "overview", "refresh": dict(synth_config(args).__dict__), "profile": "refresh"}
+        # the scale figure's flow: every page visited, then one part published and the Overview rerun
+        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(synth_config(args).__dict__),
+                "profile": "refresh"}
     else:
         spec = {"first": args.profile, "profile": args.profile}
     f = child(APP, str(MAIN), json.dumps(spec), env=env)
@@ -303,6 +323,11 @@ def scale(run: Path, args) -> None:
     print(f"kldiag {tree()}")
     print(f"run {run}: {sum(p.stat().st_size for p in run.glob('tokens/rank-*/*.parquet')) / 1e9:.2f} GB in "
           f"{len(list(run.glob('tokens/rank-*/*.parquet')))} parts; load average at start {load()}", flush=True)
+    env = {"KLDIAG_RUNS": str(run)}
+    if args.warm_only:  # the warm figures only, on the cache as the dashboard leaves it
+        if not list(run.glob(".kldiag/reducers/*.json")):
+            child(COLD, str(run), "dashboard", "freshcache")
+        return warm(run, args, env)
     cold: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeat):  # interleaved: alone, dashboard, alone, dashboard, ...
         for cache in ("nocache", "freshcache"):
@@ -324,19 +349,29 @@ def scale(run: Path, args) -> None:
     # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
     # the Estimators page's first visit (timed: a tree whose first pass lacks its reducer reads every part)
     child(COLD, str(run), "dashboard", "freshcache")
-    env = {"KLDIAG_RUNS": str(run)}
     f = child(APP, str(MAIN), json.dumps({"first": "overview", "then": ["estimators"]}), env=env)
     print(f"\nafter a cold first pass: Overview {f['renders'][0][1]:.2f} s, then the Estimators page's first visit "
           f"ever {f['renders'][1][1]:.2f} s; "
           f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
-    print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 2 s):")
+    warm(run, args, env)
+
+
+def warm(run: Path, args, env: dict) -> None:
+    """Each page's first render in a fresh app process on a warm cache, then the refresh."""
+    f = child(WARM, str(run))
+    print(f"\nwarm analyze with the dashboard's reducers (fresh process, every reducer merged): {f['analyze_s']:.2f} s, "
+          f"{f['files']} cache files opened, {f['parts_read']} parts read; load {load()}", flush=True)
+    print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 1.5 s):")
     firsts: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     for r in range(args.repeat):
         for page in SCALE_PAGES:
             f = child(APP, str(MAIN), json.dumps({"first": page}), env=env)
             name, s, title, exc = f["renders"][0]
             firsts.setdefault(page, []).append(s)
-            print(f"  {page:14s} #{r + 1}: {s:6.2f} s  ({title}{'; EXCEPTION ' + str(exc) if exc else ''}); "
+            cpus.setdefault(page, []).append(f["cpu"][page])
+            print(f"  {page:14s} #{r + 1}: {s:6.2f} s, CPU {f['cpu'][page]:5.2f} s  ({title}"
+                  f"{'; EXCEPTION ' + str(exc) if exc else ''}); "
                   f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
@@ -345,12 +380,13 @@ def scale(run: Path, args) -> None:
         f = child(APP, str(MAIN), json.dumps(spec), env=env)
         line = ", ".join(f"{name} {s:.2f}" + (" (EXCEPTION)" if exc else "") for name, s, _, exc in f["renders"])
         s, title, exc, n = f["refresh"]
-        print(f"  #{r + 1}: {line}; refresh after {n} new part: {s:.2f} s ({title}"
+        print(f"  #{r + 1}: {line}; refresh after {n} new part: {s:.2f} s, CPU {f['cpu']['refresh']:.2f} s ({title}"
               f"{'; EXCEPTION ' + str(exc) if exc else ''}); peak RSS {f['rss_mb']:.0f} MB; load {load()}",
               flush=True)
     print("\nsummary (s):")
     for page in SCALE_PAGES:
-        print(f"  {page:14s} first render (fresh process, warm cache): {stats(firsts[page])}")
+        print(f"  {page:14s} first render (fresh process, warm cache): {stats(firsts[page])}; "
+              f"CPU {stats(cpus[page])}")
 
 
 def main() -> None:
@@ -360,6 +396,8 @@ def main() -> None:
     ap.add_argument("--run", default="/tmp/kldiag_bench_dash")
     ap.add_argument("--scale", action="store_true", help="the fresh-process figures above instead of the default")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--warm-only", action="store_true",
+                    help="with --scale: only the warm first renders and the refresh (no cold analyses)")
     ap.add_argument("--breakdown", action="store_true",
                     help="only: each reducer's read + reduce time per row, one thread (--parts N: the first N)")
     ap.add_argument("--parts", type=int, default=0)

@@ -126,11 +126,11 @@ def read_run(cache_dir, parts, th: Thresholds, cfg: AnalysisConfig, others: Sequ
             before_gap.append(stream.result())
         stream.add(i, p)
 
-    accs = {r.name: runner.Accumulator(r) for r in others}
+    accs = runner.accumulators(cache_dir, parts, others, cfg.use_cache)  # from their prefix (reducer_prefix.py)
     done = runner.Pass(cache_dir, parts, [red, *others], cfg, skipped,
-                       wanted=lambda i, r: r.name != red.name or i >= k or i in opened)
+                       wanted=lambda i, r: i >= k or i in opened if r.name == red.name else i >= accs[r.name].start)
     done.run({red.name: analysis_sink, **accs})
-    reduced = {name: acc.result() for name, acc in accs.items()}
+    reduced = runner.results(accs, cache_dir, parts, cfg.use_cache)  # merged when a face first reads one
     if pre is not None and opened & done.failed:  # a prefix part unreadable now: merge without the prefix
         del skipped[:]
         merged, _, more = read_run(cache_dir, parts, th, dataclasses.replace(cfg, use_cache=False), [], skipped, empty)

@@ -10,11 +10,13 @@ analysis's sealing merge). `opened_parts` counts the parts read, for tests and b
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from kldiag.analysis import reduce, worker
+from kldiag.analysis import reduce, reducer_prefix, worker
 from kldiag.analysis.kernel import clip_range
 from kldiag.analysis.reduce import Arrays, Reducer
 from kldiag.errors import CorruptPartError, RunFormatError
@@ -40,15 +42,24 @@ def skip(part: PartInfo, error: Exception, strict: bool, skipped: list[str]) -> 
 class Accumulator:
     """A sink that merges partials as they arrive, in part order, `reducer.merge_every` at a time
     (default MERGE_EVERY; 0: once at the end, for a reducer whose merge is a concatenation, which
-    merging in steps would copy again and again)."""
+    merging in steps would copy again and again).
 
-    def __init__(self, reducer: Reducer, every: int | None = None):
+    `state` (reducer_prefix.State) starts it where the merge of parts[0:state.k] left off: it is then
+    handed only the partials of the later parts, and its result equals the merge of every part's."""
+
+    def __init__(self, reducer: Reducer, every: int | None = None, state: reducer_prefix.State | None = None):
         self.reducer = reducer
         self.every = every if every is not None else getattr(reducer, "merge_every", MERGE_EVERY)
-        self.acc: Arrays | None = None
-        self.buf: list[Arrays] = []
+        self.acc: Arrays | None = state.acc if state else None
+        self.buf: list[Arrays] = list(state.buf) if state else []
+        self.done: Arrays | None = state.result if state else None  # parts[0:k] merged, nothing after
+        self.start = self.next = state.k if state else 0  # the index the next partial should have
+        self.gap: reducer_prefix.State | None = None  # the state before the first unreadable part
 
     def __call__(self, i: int, arrays: Arrays) -> None:
+        if i != self.next and self.gap is None:  # parts next..i-1 were unreadable: a prefix stops there
+            self.gap = self.state()
+        self.next, self.done = i + 1, None
         self.buf.append(arrays)
         if self.every and len(self.buf) >= self.every:
             self.flush()
@@ -58,9 +69,84 @@ class Accumulator:
             self.acc = self.reducer.merge(([self.acc] if self.acc is not None else []) + self.buf)
             self.buf = []
 
+    def state(self) -> reducer_prefix.State:
+        """What a merge that goes on from here needs: acc and the unmerged partials (merged into one
+        for a reducer whose merge is a concatenation)."""
+        if not self.every and len(self.buf) > 1:
+            self.buf = [self.reducer.merge(self.buf)]
+        return reducer_prefix.State(self.next, self.acc, list(self.buf))
+
     def result(self) -> Arrays:
+        if self.done is not None:
+            return self.done
+        if not self.every and self.acc is None and len(self.buf) == 1:
+            return self.buf[0]  # a concatenation of one partial: itself (no copy of a large sample)
         self.flush()
         return self.acc if self.acc is not None else self.reducer.merge([])
+
+    def due(self) -> bool:
+        """Whether keep() saves a state (reducer_prefix.due)."""
+        end = self.gap.k if self.gap is not None else (self.next if self.done is None else self.start)
+        return reducer_prefix.due(self.start, end) and end > self.start
+
+    def keep(self, cache_dir: Path, parts: Sequence[PartInfo]) -> Arrays:
+        """The result, after saving the state of the readable parts that lead the listing when it is due
+        (reducer_prefix.due); the result is saved with it when it covers every part."""
+        if not self.due():
+            return self.result()
+        state = self.gap or self.state()
+        out = self.result()
+        if self.gap is None and state.k == len(parts):
+            state.result = out
+        reducer_prefix.save(cache_dir, parts, self.reducer, state)
+        return out
+
+
+class Reduced(Mapping):
+    """Reducer name -> merged partial (Analysis.reduced), each merged on first use: a page that shows one
+    reducer's figures does not merge the others' (a refresh after a new part merges what is shown)."""
+
+    def __init__(self, make: dict[str, Callable[[], Arrays]]):
+        self._make, self._done, self._lock = dict(make), {}, threading.Lock()
+
+    def __getitem__(self, name: str) -> Arrays:
+        if name not in self._done:
+            make = self._make[name]
+            with self._lock:  # the app's sessions share an Analysis: merged once
+                if name not in self._done:
+                    self._done[name] = make()
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+    def __reduce__(self):
+        return _ready, (dict(self.items()),)
+
+
+def _ready(done: dict[str, Arrays]) -> Reduced:
+    return Reduced({name: (lambda v=v: v) for name, v in done.items()})
+
+
+def results(accs: dict[str, Accumulator], cache_dir: Path, parts: Sequence[PartInfo], use_cache: bool) -> Reduced:
+    """Each accumulator's result, merged when first used; those whose prefix state is due to be saved
+    (Accumulator.keep) are merged and saved now."""
+    out = Reduced({name: functools.partial(acc.keep, cache_dir, parts) if use_cache else acc.result
+                   for name, acc in accs.items()})
+    for name, acc in accs.items():
+        if use_cache and acc.due():
+            out[name]
+    return out
+
+
+def accumulators(cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer],
+                 use_cache: bool) -> dict[str, Accumulator]:
+    """An Accumulator per reducer, started from its cached prefix state when there is one."""
+    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r) if use_cache else None)
+            for r in reducers}
 
 
 class Pass:
@@ -129,10 +215,16 @@ class Pass:
             yield from reduce.fold_parts(jobs, size, worker.PART_ERRORS, threads=worker.threads(self.cfg.threads))
 
     def merged(self, r: Reducer) -> Arrays:
-        """r's merge of every readable part's partial (a pass for this one reducer)."""
-        acc = Accumulator(r)
-        self.run({r.name: acc})
-        return acc.result()
+        """r's merge of every readable part's partial (a pass for this one reducer; from its cached
+        prefix state, reducer_prefix.py, and the parts after it)."""
+        acc = accumulators(self.cache_dir, self.parts, [r], self.cfg.use_cache)[r.name]
+        wanted = self.wanted
+        self.wanted = lambda i, red: i >= acc.start and wanted(i, red)
+        try:
+            self.run({r.name: acc})
+        finally:
+            self.wanted = wanted
+        return acc.keep(self.cache_dir, self.parts) if self.cfg.use_cache else acc.result()
 
 
 def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float] | None = None) -> Reducer:

@@ -121,8 +121,16 @@ def context_ids(ts: TS.TokenSet) -> np.ndarray:
     return np.where(bad, -1, ids)
 
 
+def _dense(ids: np.ndarray) -> np.ndarray:
+    """ids as indices for np.bincount: themselves when small non-negative ints (context_ids' numbering),
+    else their rank (np.unique's inverse). A group's sums are the same either way (same rows, same order)."""
+    if len(ids) and ids.dtype.kind in "iu" and ids.min() >= 0 and ids.max() < 4 * len(ids) + 1024:
+        return ids
+    return np.unique(ids, return_inverse=True)[1].reshape(-1)
+
+
 def _demean(ids: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
-    _, inv = np.unique(ids, return_inverse=True)
+    inv = _dense(ids)
     cnt = np.bincount(inv)
     return tuple(x - (np.bincount(inv, weights=x) / cnt)[inv] for x in xs)
 
@@ -133,8 +141,8 @@ def shared_rows(ctx: np.ndarray) -> np.ndarray:
     known = ctx >= 0
     if not known.any():
         return np.zeros(0, np.int64)
-    _, inv, cnt = np.unique(ctx[known], return_inverse=True, return_counts=True)
-    return np.flatnonzero(known)[cnt[inv] >= 2]
+    inv = _dense(ctx[known])
+    return np.flatnonzero(known)[np.bincount(inv)[inv] >= 2]
 
 
 def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndarray | None = None) -> TemperatureFit:
@@ -157,7 +165,7 @@ def fit_temperature(logp_old: np.ndarray, logp_sampler: np.ndarray, ctx: np.ndar
         if len(sel):
             do, dm = _demean(c[sel], o[sel], m[sel])
             varied = np.abs(do) > 1e-9
-            contexts = int(len(np.unique(c[sel][varied])))
+            contexts = int(np.count_nonzero(np.bincount(_dense(c[sel][varied])))) if varied.any() else 0
             if contexts >= 2:
                 method = "shared-context"
                 x, y = do, dm
@@ -210,7 +218,7 @@ def step_parity(ts: TS.TokenSet, ctx: np.ndarray | None = None, slope_fit: float
     ctx = context_ids(ts) if ctx is None else ctx
     o, m, s = ts.logp_old, ts.logp_sampler, ts.logp
     ok = np.isfinite(o) & np.isfinite(m)
-    steps, sidx = np.unique(ts.step[ok], return_inverse=True)
+    steps, sidx = TS.unique_inverse(ts.step[ok])  # sorted by step: no sort
     k = len(steps)
     o, m, s, c = o[ok], m[ok], s[ok], ctx[ok]
     n = np.bincount(sidx, minlength=k).astype(np.float64)

@@ -11,6 +11,7 @@ Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -99,7 +100,22 @@ def _first_iteration(seq: np.ndarray, it: np.ndarray) -> np.ndarray | None:
     return np.flatnonzero(it == first[inv])
 
 
+def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(key, return_inverse=True) (inverse flat), without its sort when key is already
+    sorted (a TokenSet's step, or its (step, seq) key): one pass instead of an O(N log N) sort."""
+    key = np.asarray(key).reshape(-1)
+    if len(key) < 2 or not bool(np.all(key[1:] >= key[:-1])):
+        uniq, inv = np.unique(key, return_inverse=True)
+        return uniq, inv.reshape(-1)
+    new = np.empty(len(key), bool)
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    return key[new], np.cumsum(new, dtype=np.int64) - 1
+
+
 def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
+    # numpy, not a compiled loop: the Overview's diagnosis makes a TokenSet, and the first compiled
+    # function a process calls costs 0.1-0.2 s to load
     ds, dq, dp = np.diff(step), np.diff(seq), np.diff(pos)
     return bool(np.all((ds > 0) | ((ds == 0) & ((dq > 0) | ((dq == 0) & (dp > 0))))))
 
@@ -131,8 +147,11 @@ def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step
         order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
         ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
         mask, has_old = mask[order], has_old[order]
-    floats["logp_old"] = np.where(has_old, floats["logp_old"], floats["logp"])
-    floats["logp_sampler"] = np.where(mask, floats["logp_sampler"], np.nan)  # mu exists only where it sampled
+    for c in ("logp_old", "logp_sampler"):  # written in place below: never the caller's array
+        if np.may_share_memory(floats[c], cols[c]):
+            floats[c] = floats[c].copy()
+    np.copyto(floats["logp_old"], floats["logp"], where=~has_old)
+    np.copyto(floats["logp_sampler"], np.nan, where=~mask)  # mu exists only where it sampled
     return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
 
 
@@ -252,19 +271,29 @@ def empty_columns() -> dict[str, np.ndarray]:
 
 
 class Sample:
-    """The merged sample of a run, with its TokenSets made on first use (first iterations or all)."""
+    """The merged sample of a run, with its TokenSets made on first use (first iterations or all).
+
+    A TokenSet is kept only while a face holds it (weakly: the Mismatch page's view, a parity fit in
+    progress), so that a refresh's new analysis reuses the freed memory instead of touching new pages."""
 
     def __init__(self, cols: dict[str, np.ndarray], stride: int, meta: dict | None = None):
         self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
-        self._sets: dict[bool, TokenSet] = {}
-        self._thin: dict[tuple[bool, int], TokenSet] = {}
+        self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
+        self._thin: dict[tuple[bool, int], TokenSet] = {}  # at most max_tokens tokens each: kept
 
     def tokens(self, all_iterations: bool = False) -> TokenSet:
-        if all_iterations not in self._sets:
-            ts = from_columns(self.cols, all_iterations, self.stride)
+        key = all_iterations and self.reused()  # without reuse iterations both sets are the same tokens
+        ts = self._sets.get(key)
+        if ts is None:
+            ts = from_columns(self.cols, key, self.stride)
             ts.meta = dict(self.meta)
-            self._sets[all_iterations] = ts
-        return self._sets[all_iterations]
+            self._sets[key] = ts
+        return ts
+
+    def reused(self) -> bool:
+        """Whether a sequence of the sample has a second reuse iteration (else both TokenSets are one)."""
+        it = self.cols.get("iteration")
+        return it is not None and len(it) > 0 and bool(it.min() != it.max())
 
     def thinned(self, max_tokens: int, all_iterations: bool = False) -> TokenSet:
         """thin(self.tokens(all_iterations), max_tokens), made from the kept steps' rows only: the float64
@@ -275,8 +304,9 @@ class Sample:
         return self._thin[key]
 
     def _thinned(self, max_tokens: int, all_iterations: bool) -> TokenSet:
-        if all_iterations in self._sets:
-            return thin(self._sets[all_iterations], max_tokens)
+        whole = self._sets.get(all_iterations and self.reused())
+        if whole is not None:
+            return thin(whole, max_tokens)
         cols = self.cols
         idx = None if all_iterations else _first_iteration(np.asarray(cols["seq"], np.int64),
                                                             np.asarray(cols["iteration"], np.int64))
@@ -307,9 +337,16 @@ class Sample:
 
 def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
     """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
-    else one more read of the parts that lack a cached sample partial."""
+    else one more read of the parts that lack a cached sample partial; kept in `analysis.memo`."""
     run = open_run(analysis.run_dir)
     meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
             "trainer": dict(run.manifest.trainer or {})}
     red = SampleReducer(max_tokens).bind(run.parts())
-    return Sample(runner.reduced(analysis, red), red.stride, meta)
+    memo = getattr(analysis, "memo", None)
+    key = ("sample", red)
+    if memo is not None and key in memo:  # one Sample per analysis: its TokenSets are made once for every face
+        return memo[key]
+    sample = Sample(runner.reduced(analysis, red), red.stride, meta)
+    if memo is not None:
+        memo[key] = sample
+    return sample

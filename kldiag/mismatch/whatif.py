@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+from numba import njit
 
-from kldiag.mismatch.tokenset import TokenSet
+from kldiag.mismatch.tokenset import TokenSet, unique_inverse
 
 METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm")
 CONVENTIONS = ("trainer", "sampler")
@@ -55,10 +56,10 @@ def log_ratio(ts: TokenSet, convention: str) -> np.ndarray:
     return ts.logp - b
 
 
-def _seq_index(ts: TokenSet) -> tuple[np.ndarray, int]:
-    key = ts.step * (1 << 40) + ts.seq
-    _, inv = np.unique(key, return_inverse=True)
-    return inv.reshape(-1), int(inv.max(initial=-1)) + 1
+def _seq_index(step: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each token's sequence index (sequences ordered by step, then seq) and the number of sequences."""
+    _, inv = unique_inverse(step * (1 << 40) + seq)  # a TokenSet is sorted by (step, seq): no sort
+    return inv, int(inv.max(initial=-1)) + 1
 
 
 def _seq_mean(x: np.ndarray, sidx: np.ndarray, k: int) -> np.ndarray:
@@ -101,33 +102,45 @@ def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
     """Per step (COLUMNS): what correction `w` does to the recorded tokens in the loss."""
     lr = log_ratio(ts, w.convention)
     keep = ts.mask & np.isfinite(lr) & np.isfinite(ts.advantage)
-    sub = ts.take(np.flatnonzero(keep))
-    lr, adv = lr[keep], sub.advantage
-    sidx, k = _seq_index(sub)
+    step, lr, adv = ts.step[keep], lr[keep], ts.advantage[keep]  # only the columns it reads
+    sidx, k = _seq_index(step, ts.seq[keep])
     r, wt, tok_hit, seq_hit = corrected_weights(lr, adv, sidx, k, w)
-    steps, stidx = np.unique(sub.step, return_inverse=True)
+    steps, stidx = unique_inverse(step)
     s = len(steps)
     seq_step = np.zeros(k, np.int64)
     seq_step[sidx] = stidx
 
-    def per_step(x, idx=stidx):
-        return np.bincount(idx, weights=x, minlength=s)
-
-    n, nseq = per_step(np.ones(len(lr))), np.bincount(seq_step, minlength=s).astype(np.float64)
-    sw, sw2 = per_step(wt), per_step(wt**2)
-    full, kept = np.abs(r * adv), np.abs(wt * adv)
-    pos, neg = adv > 0, adv < 0
+    n, sw, sw2, hit, removed_pos, removed_neg, full_pos, full_neg = _step_sums(
+        stidx, s, r, wt, np.asarray(tok_hit, np.float64), adv).T
+    nseq = np.bincount(seq_step, minlength=s).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         cols = {
             "step": steps, "tokens": n.astype(np.int64), "sequences": nseq.astype(np.int64),
-            "token_frac": per_step(tok_hit) / n, "seq_frac": np.bincount(seq_step, weights=seq_hit, minlength=s) / nseq,
+            "token_frac": hit / n, "seq_frac": np.bincount(seq_step, weights=seq_hit, minlength=s) / nseq,
             "ess": sw**2 / (n * sw2), "chi2": sw2 / n - 1.0,
-            "mass_removed_pos": per_step(np.where(pos, full - kept, 0.0)),
-            "mass_removed_neg": per_step(np.where(neg, full - kept, 0.0)),
+            "mass_removed_pos": removed_pos, "mass_removed_neg": removed_neg,
+            "mass_removed_pos_share": removed_pos / full_pos, "mass_removed_neg_share": removed_neg / full_neg,
         }
-        cols["mass_removed_pos_share"] = cols["mass_removed_pos"] / per_step(np.where(pos, full, 0.0))
-        cols["mass_removed_neg_share"] = cols["mass_removed_neg"] / per_step(np.where(neg, full, 0.0))
-    return pa.table({c: cols[c] for c in COLUMNS})
+    return pa.table({c: np.ascontiguousarray(cols[c]) for c in COLUMNS})
+
+
+@njit(nogil=True, cache=True)
+def _step_sums(stidx, s, r, wt, hit, adv):  # pragma: no cover - compiled
+    """[s, 8] per step: tokens, sum w, sum w^2, tokens hit, |r A| - |w A| for A > 0 and A < 0, |r A| for
+    A > 0 and A < 0; each summed over the step's tokens in index order (np.bincount's order: its sums)."""
+    out = np.zeros((s, 8))
+    for i in range(len(stidx)):
+        g, w, a = stidx[i], wt[i], adv[i]
+        full, kept = abs(r[i] * a), abs(w * a)
+        out[g, 0] += 1.0
+        out[g, 1] += w
+        out[g, 2] += w * w
+        out[g, 3] += hit[i]
+        out[g, 4] += full - kept if a > 0 else 0.0
+        out[g, 5] += full - kept if a < 0 else 0.0
+        out[g, 6] += full if a > 0 else 0.0
+        out[g, 7] += full if a < 0 else 0.0
+    return out
 
 
 def sweep(ts: TokenSet, base: WhatIf, name: str, values) -> pa.Table:

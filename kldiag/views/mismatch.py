@@ -45,10 +45,10 @@ def load(analysis) -> MismatchView:
     if not hasattr(analysis, "reduced"):
         analysis = analyze(analysis, AnalysisConfig(), reducers())
     ts = TS.sample_of(analysis).tokens()
-    ent = DC.by_entropy(ts)
-    return MismatchView(ts, P.report_for(analysis), DC.by_step(ts).to_pandas(), DC.by_sampler_prob(ts).to_pandas(),
-                        DC.by_position(ts).to_pandas(), ent.to_pandas() if ent is not None else None,
-                        DC.summary(ts))
+    d = DC.every_view(ts)
+    ent = d["by_entropy"]
+    return MismatchView(ts, P.report_for(analysis), d["by_step"].to_pandas(), d["by_prob"].to_pandas(),
+                        d["by_pos"].to_pandas(), ent.to_pandas() if ent is not None else None, d["summary"])
 
 
 def view_of(analysis) -> MismatchView:

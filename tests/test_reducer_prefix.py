@@ -1,0 +1,187 @@
+"""The reducers' merged-prefix cache (kldiag/analysis/reducer_prefix.py): a run read with the dashboard's
+reducers as it grows, part by part, gives every reducer's merged partial equal bit for bit to a cold
+merge of every part, while a warm read loads one cache file per reducer and the partials after the prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_analysis_prefix import publish, split_run
+
+from kldiag.analysis import AnalysisConfig, analyze, reduce, reducer_prefix, runner
+from kldiag.format import open_run
+from kldiag.tools.synth import SynthConfig, make_run
+from kldiag.views import dashboard as VD
+
+NOCACHE = AnalysisConfig(use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("rprefix") / "src"
+    make_run(run, SynthConfig(steps=8, seqs_per_step=6, seq_len=(5, 40), ranks=2, blowup_step=4,
+                              blowup_frac=0.05, nonfinite=((5, "logp"),), vocab_size=0))
+    return run
+
+
+def small_chunks() -> list:
+    """The dashboard's reducers, each merging every 3 partials: the state then holds acc and a buffer."""
+    out = []
+    for r in VD.reducers():
+        every = getattr(r, "merge_every", runner.MERGE_EVERY)
+        out.append(dataclasses.replace(r, merge_every=3) if every and hasattr(r, "merge_every") else r)
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert set(a[name]) == set(b[name]), name
+        for col in a[name]:
+            x, y = np.asarray(a[name][col]), np.asarray(b[name][col])
+            assert x.dtype == y.dtype and x.shape == y.shape, (name, col)
+            assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), (name, col)
+
+
+def counting(monkeypatch) -> list[Path]:
+    loads: list[Path] = []
+    real = reduce.load_arrays
+    monkeypatch.setattr(reduce, "load_arrays", lambda path: loads.append(Path(path)) or real(path))
+    return loads
+
+
+def test_growing_run_equals_cold_merge(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MERGE_EVERY", 3)
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 2)  # rewrite the states often
+    loads = counting(monkeypatch)
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=110)
+    assert len(staged) >= 8
+    reducers = small_chunks()
+    used = 0
+    for n, item in enumerate(staged, 1):
+        publish(run, item)
+        parts = open_run(run).parts()
+        states = {r.name: reducer_prefix.load(open_run(run).cache_dir(), parts, runner.bound(r, parts))
+                  for r in reducers}
+        loads.clear()
+        grown = analyze(run, AnalysisConfig(), reducers)
+        tail = {r.name: [p for p in loads if p.parent.name == r.name] for r in reducers}
+        assert_same(grown.reduced, analyze(run, NOCACHE, reducers).reduced)
+        for name, state in states.items():
+            if state is not None:  # a prefix: only the parts after it are loaded
+                used += 1
+                assert len(tail[name]) == n - state.k, name  # tried: the new part has none yet
+    assert used > len(staged) * len(reducers) // 2
+    loads.clear()
+    again = analyze(run, AnalysisConfig(), reducers)  # the listing the last states were written for
+    assert_same(again.reduced, grown.reduced)
+    folders = {p.parent.name for p in loads}
+    assert not folders & {r.name for r in reducers}  # no per-part partial of any reducer
+    assert len([p for p in loads if p.parent.name == reducer_prefix.FOLDER]) == len(reducers)
+    # the result file, or the state of a reducer whose merge is a concatenation (the token sample): its result
+    assert sorted(p.suffix for p in loads if p.parent.name == reducer_prefix.FOLDER) == \
+        [".result"] * (len(reducers) - 1) + [".state"]
+
+
+def test_warm_read_opens_a_file_per_reducer(source, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for item in split_run(source, run, rows=70):
+        publish(run, item)
+    cold = analyze(run, AnalysisConfig(), VD.reducers())
+    loads = counting(monkeypatch)
+    warm = analyze(run, AnalysisConfig(), VD.reducers())
+    assert warm.files_new == 0
+    assert_same(warm.reduced, cold.reduced)
+    assert len([p for p in loads if p.parent.name == reducer_prefix.FOLDER]) == len(VD.reducers())
+    assert not {p.parent.name for p in loads} & {r.name for r in VD.reducers()}
+    bare = analyze(run, AnalysisConfig())
+    loads.clear()  # runner.reduced of a reducer the analysis did not read along: from its state too
+    assert_same({"e": runner.reduced(bare, VD.estimator_reducer())}, {"e": cold.reduced["estimators"]})
+    assert loads == []  # the file read above, remembered while it stays the same
+    reducer_prefix._memo.clear()
+    assert_same({"e": runner.reduced(bare, VD.estimator_reducer())}, {"e": cold.reduced["estimators"]})
+    assert [p.suffix for p in loads] == [".result"]
+
+
+def test_corrupt_part_is_never_inside_a_state(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MERGE_EVERY", 3)
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 1)
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    reducers = small_chunks()
+    for item in staged[:6]:
+        publish(run, item)
+    parts = open_run(run).parts()
+    Path(parts[3].path).write_bytes(b"not parquet")  # unreadable (its key changes with its size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = analyze(run, AnalysisConfig(), reducers)
+        for item in staged[6:9]:
+            publish(run, item)
+        grown = analyze(run, AnalysisConfig(), reducers)
+        cold = analyze(run, NOCACHE, reducers)
+    assert first.skipped and grown.skipped == cold.skipped
+    assert_same(grown.reduced, cold.reduced)
+    parts = open_run(run).parts()
+    for r in reducers:
+        state = reducer_prefix.load(open_run(run).cache_dir(), parts, runner.bound(r, parts))
+        assert state is None or state.k <= 3, r.name
+
+
+def test_rewritten_part_invalidates_the_state(source, tmp_path):
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:5]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    parts = open_run(run).parts()
+    assert all(reducer_prefix.load(open_run(run).cache_dir(), parts, runner.bound(r, parts)) is not None
+               for r in VD.reducers())
+    os.utime(parts[0].path, ns=(Path(parts[0].path).stat().st_mtime_ns + 10**9,) * 2)  # rewritten: a new key
+    parts = open_run(run).parts()
+    assert all(reducer_prefix.load(open_run(run).cache_dir(), parts, runner.bound(r, parts)) is None
+               for r in VD.reducers())
+    assert_same(analyze(run, AnalysisConfig(), VD.reducers()).reduced, analyze(run, NOCACHE, VD.reducers()).reduced)
+
+
+def test_reduced_merges_on_first_use(source, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:-1]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    publish(run, staged[-1])  # one more part: each reducer's state and the new partial wait to be merged
+    merged = []
+    real = runner.Accumulator.result
+    monkeypatch.setattr(runner.Accumulator, "result", lambda self: merged.append(self.reducer.name) or real(self))
+    warm = analyze(run, AnalysisConfig(), VD.reducers())
+    assert merged == []  # nothing merged until a face reads it
+    assert set(warm.reduced) == {r.name for r in VD.reducers()}
+    cold = dict(analyze(run, NOCACHE, VD.reducers()).reduced)
+    merged.clear()
+    assert_same({"scan": warm.reduced["scan"]}, {"scan": cold["scan"]})
+    assert merged == ["scan"]
+    copy = pickle.loads(pickle.dumps(warm.reduced))  # every result merged, then pickled
+    assert_same(dict(copy), cold)
+
+
+def test_unreadable_state_files_fall_back(source, tmp_path):
+    run = tmp_path / "run"
+    for item in split_run(source, run, rows=70):
+        publish(run, item)
+    cold = dict(analyze(run, NOCACHE, VD.reducers()).reduced)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    folder = open_run(run).cache_dir() / reducer_prefix.FOLDER
+    for path in folder.glob("*.result"):  # a result cut short: the state is merged instead
+        path.write_bytes(path.read_bytes()[:-3])
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
+    for path in folder.glob("*.state"):  # the state too: the per-part partials are merged again
+        path.write_bytes(b"")
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
