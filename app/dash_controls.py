@@ -39,12 +39,13 @@ def chart_controls(page: str, steps: np.ndarray | pd.Series) -> ChartControls:
     return ChartControls(smoothing=float(smoothing), x_range=x_range)
 
 
-def downloads(table: pd.DataFrame, name: str, key: str) -> None:
-    """CSV and Parquet download buttons for a table. The bytes are made on click, in a thread
-    of their own (a large table costs nothing until then); downloading does not rerun the page."""
+def downloads(table, name: str, key: str) -> None:
+    """CSV and Parquet download buttons for a table (a DataFrame, or a function that reads it: a long
+    run's sequence table is read from disk only then). The bytes are made on click, in a thread of
+    their own (a large table costs nothing until then); downloading does not rerun the page."""
     cols = st.columns([1, 1, 6])
     for col, fmt in zip(cols, VD.DOWNLOAD_FORMATS, strict=False):
-        col.download_button(f"{fmt.upper()}", lambda f=fmt: VD.table_bytes(table, f), file_name=f"{name}.{fmt}",
+        col.download_button(f"{fmt.upper()}", lambda f=fmt: VD.table_bytes(table() if callable(table) else table, f), file_name=f"{name}.{fmt}",
                             mime=VD.DOWNLOAD_FORMATS[fmt], key=f"{key}_{fmt}", on_click="ignore",
                             icon=":material/download:", help=f"Download {name} as {fmt.upper()}")
 

@@ -19,6 +19,8 @@ from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
+from kldiag.views import numbers as VN
+from kldiag.views import sequences as VS
 from kldiag.analysis import engines, runner
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
@@ -89,6 +91,29 @@ def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFr
     return V.read_sequence(path, step, seq, vocab=_vocab(path, F.vocab_stamp(path)))
 
 
+@st.cache_data(max_entries=8, show_spinner=False)
+def worst_sequences(path: str, keys: tuple[str, ...], n: int) -> pd.DataFrame:
+    """The n sequences with the largest max |k3 weight| (a long run's: only their row groups read)."""
+    return VS.worst(_analysis(path, keys), n)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def step_sequences(path: str, keys: tuple[str, ...], step: int) -> pd.DataFrame:
+    """Every sequence of one step, in the order the Sequence page offers them (faults, then worst first)."""
+    return VN.fault_first(VS.of_step(_analysis(path, keys), step))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def sequence_steps(path: str, keys: tuple[str, ...]) -> list[int]:
+    return VS.steps_with_sequences(_analysis(path, keys))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def first_sequence(path: str, keys: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where the Sequence page opens: the most faulty sequence, else the worst."""
+    return VS.first_to_show(_analysis(path, keys))
+
+
 @st.cache_data(max_entries=64)
 def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
     return V.present_in(_analysis(path, keys))
@@ -98,8 +123,8 @@ def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
 
 
 class Loaded:
-    """A run that analysed: its path, part keys, Analysis and pandas tables (steps, sequences, flags,
-    alerts: each converted when a page first reads it)."""
+    """A run that analysed: its path, part keys, Analysis and pandas tables (steps, flags, alerts: each
+    converted when a page first reads it; sequences are read a step or the worst N at a time)."""
 
     def __init__(self, path: str, keys: tuple[str, ...]):
         self.path, self.keys = path, keys
@@ -107,7 +132,6 @@ class Loaded:
         self.present = present(path, keys)
 
     steps = property(lambda self: _table(self.path, self.keys, "steps"))
-    sequences = property(lambda self: _table(self.path, self.keys, "sequences"))
     flags = property(lambda self: _table(self.path, self.keys, "flags"))
     alerts = property(lambda self: _table(self.path, self.keys, "alerts"))
 

@@ -24,14 +24,16 @@ def group_tokens(path: str, step: int, seqs: tuple[int, ...], keys: tuple[str, .
 
 
 def show(run: D.Loaded, step: int, seq: int, quantity: str) -> None:
-    sib = VG.siblings(run.sequences, step, seq)
+    # the step's sequences only (a long run's stay on disk), in table order (seq ascending)
+    at = D.step_sequences(run.path, run.keys, step).sort_values("seq", kind="stable")
+    sib = VG.siblings(at, step, seq)
     if sib.empty:
         return
-    group = int(run.sequences.loc[(run.sequences["step"] == step) & (run.sequences["seq"] == seq), "group"].iloc[0])
-    spread = VG.group_spread(run.sequences[run.sequences["step"] == step])
+    group = int(at.loc[at["seq"] == seq, "group"].iloc[0])
+    spread = VG.group_spread(at)
     zero = int(spread["zero_spread"].sum())
     st.subheader(f"Group {group}: {len(sib)} completion{'s' if len(sib) > 1 else ''} of the same prompt")
-    of = VG.spread_column(run.sequences)
+    of = VG.spread_column(at)
     st.caption(f"{zero} of {len(spread)} groups at step {step} have zero {of} spread.")
     if bool(sib["zero_spread"].iloc[0]):
         st.warning(f"Zero {of} spread: every completion of this group got the same reward, so GRPO's advantage "

@@ -10,6 +10,7 @@ from kldiag.views import diagnosis as DV
 from kldiag.views import charts as VC
 from kldiag.views import tasks as VK
 from kldiag.views import numbers as VN
+from kldiag.views import sequences as VS
 
 SEQUENCES_SHOWN = 1000
 
@@ -62,8 +63,8 @@ with st.expander("Steps table"):
     st.dataframe(s, hide_index=True, width="stretch")
     K.downloads(s, "steps", "ov_steps")
 with st.expander("Sequences table"):
-    worst = run.sequences.nlargest(SEQUENCES_SHOWN, "weight_k3_abs_max")
-    st.caption(f"The {len(worst):,} sequences with the largest |k3 weight| of {len(run.sequences):,}; "
+    worst = D.worst_sequences(run.path, run.keys, SEQUENCES_SHOWN)  # only their row groups read
+    st.caption(f"The {len(worst):,} sequences with the largest |k3 weight| of {VS.count(run.analysis):,}; "
                "the downloads hold every one.")
     st.dataframe(worst, hide_index=True, width="stretch")
-    K.downloads(run.sequences, "sequences", "ov_sequences")
+    K.downloads(lambda: run.analysis.sequences, "sequences", "ov_sequences")  # read whole on click only

@@ -7,48 +7,44 @@ import numpy as np
 import dash_groups
 import streamlit as st
 
-from kldiag.views import numbers as VN
 from kldiag.views import pages as V
 from kldiag.views import turns as VT
 
 WINDOW = 2000  # tokens rendered as text at once
 
 run = D.page("Sequence")
-seqs = run.sequences
-if seqs.empty:
+steps = D.sequence_steps(run.path, run.keys)  # a long run's sequence rows stay on disk: read a step at a time
+if not steps:
     st.info("This run has no sequences yet.")
     st.stop()
 
-ordered = VN.fault_first(seqs)  # non-finite log-probs first, then the largest |k3 weight|
-steps = np.unique(seqs["step"].to_numpy()).tolist()
 pick = st.session_state.pop("seq_pick", None)
 if pick and pick.get("path") == run.path:  # a deep link, or a row of the Tokens page
     step_ok = pick["step"] in steps
-    in_pick = seqs.loc[seqs["step"] == pick["step"], "seq"].astype(int).tolist()
-    seq_ok = pick["seq"] is None or pick["seq"] in in_pick
+    at_pick = D.step_sequences(run.path, run.keys, int(pick["step"])) if step_ok else None
+    seq_ok = step_ok and (pick["seq"] is None or pick["seq"] in at_pick["seq"].astype(int).tolist())
     if step_ok and seq_ok:
-        first = int(ordered.loc[ordered["step"] == pick["step"], "seq"].iloc[0])
+        first = int(at_pick["seq"].iloc[0])
         st.session_state["seq_step"] = pick["step"]
         st.session_state["seq_seq"] = first if pick["seq"] is None else pick["seq"]
         st.session_state["seq_start"] = max(0, pick.get("pos", 0) - WINDOW // 4)
         st.session_state["seq_focus"] = (pick["step"], pick["seq"], pick["pos"]) if pick.get("focus") else None
     else:
-        top = ordered.iloc[0]
+        top_step, top_seq = D.first_sequence(run.path, run.keys)
         asked = f"sequence {pick['seq']} at step {pick['step']}" if pick["seq"] is not None else f"step {pick['step']}"
         why = f"the run has no step {pick['step']} (steps {steps[0]}-{steps[-1]})" if not step_ok else \
             f"step {pick['step']} has no sequence {pick['seq']}"
         K.notice(f"The link asks for {asked}, but {why}: showing the worst sequence instead, "
-                 f"{int(top['seq'])} at step {int(top['step'])}.")
-        st.session_state["seq_step"], st.session_state["seq_seq"] = int(top["step"]), int(top["seq"])
+                 f"{top_seq} at step {top_step}.")
+        st.session_state["seq_step"], st.session_state["seq_seq"] = top_step, top_seq
         st.session_state["seq_focus"] = None
     K.show_notices()
 
-if st.session_state.get("seq_step") not in steps:
-    top = ordered.iloc[0]  # start on a faulty sequence, else the worst
-    st.session_state["seq_step"], st.session_state["seq_seq"] = int(top["step"]), int(top["seq"])
+if st.session_state.get("seq_step") not in steps:  # start on a faulty sequence, else the worst
+    st.session_state["seq_step"], st.session_state["seq_seq"] = D.first_sequence(run.path, run.keys)
 c1, c2, c3 = st.columns([1, 2, 3])
 step = c1.selectbox("Step", steps, key="seq_step")
-in_step = ordered[ordered["step"] == step]
+in_step = D.step_sequences(run.path, run.keys, int(step))  # faults first, then the largest |k3 weight|
 choices = in_step["seq"].astype(int).tolist()
 if st.session_state.get("seq_seq") not in choices:
     st.session_state["seq_seq"] = choices[0]

@@ -1,0 +1,80 @@
+"""What the pages show of the per-sequence table, read without holding it whole.
+
+A long run's sequence table lives on disk (`Analysis.sequence_rows`, analysis/seqrows.py: about 20M
+rows at 10B tokens); a page shows a few of its rows: the worst N (Overview), the sequences of one step
+(Sequence page, group view), the run's first faulty or worst sequence (where the Sequence page opens).
+Each function here reads only those rows (predicate pushdown on the Parquet pieces) and falls back to
+the in-memory table of a short run, with the same result either way (tests/test_views_sequences.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kldiag.views.numbers import fault_first
+
+WORST_BY = "weight_k3_abs_max"
+
+
+def count(analysis) -> int:
+    """How many sequences the run has (no row read)."""
+    return int(analysis.sequence_count)
+
+
+def worst(analysis, n: int, by: str = WORST_BY) -> pd.DataFrame:
+    """The n sequences with the largest `by`, largest first (NaN rows left out, ties in table order):
+    `sequences.nlargest(n, by)` as pandas gives it, from the few row groups that hold them."""
+    rows = analysis.sequence_rows
+    if rows is None:
+        return analysis.sequences.to_pandas().nlargest(n, by)
+    got = rows.worst(n, by).to_pandas()
+    got = got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
+    return got.sort_values(by, ascending=False, kind="stable").head(n)
+
+
+def of_step(analysis, step: int) -> pd.DataFrame:
+    """Every sequence of `step`, in table order (seq ascending)."""
+    rows = analysis.sequence_rows
+    if rows is None:
+        t = analysis.sequences
+        return t.filter(pc.equal(t.column("step"), step)).to_pandas()
+    return rows.steps(step, step).to_pandas()
+
+
+def steps_with_sequences(analysis) -> list[int]:
+    """The steps that have at least one sequence, ascending (from the per-step table)."""
+    s = analysis.steps
+    if "sequences" not in s.column_names:
+        return sorted(set(analysis.sequences.column("step").to_pylist()))
+    keep = np.asarray(s.column("sequences").to_numpy(zero_copy_only=False), np.float64) > 0
+    return [int(x) for x in np.asarray(s.column("step").to_numpy())[keep]]
+
+
+def first_to_show(analysis) -> tuple[int, int] | None:
+    """(step, seq) of `fault_first(sequences)`'s first row: the sequence with the most non-finite
+    log-probs, else the largest max |k3 weight|; None when empty. Reads the faulty rows (usually
+    none), else the worst one."""
+    rows = analysis.sequence_rows
+    if rows is None:
+        t = analysis.sequences.to_pandas()
+        if t.empty:
+            return None
+        top = fault_first(t).iloc[0]
+        return int(top["step"]), int(top["seq"])
+    if rows.num_rows == 0:
+        return None
+    cols = ["step", "seq", "nonfinite_count", WORST_BY]
+    if "nonfinite_count" in rows.schema.names:
+        faulty = rows.table(cols, pc.field("nonfinite_count") > 0)
+        if faulty.num_rows:
+            return _first(faulty)
+    # a NaN weight needs a non-finite log-prob, so the faulty rows above hold every NaN weight
+    return _first(rows.worst(1, WORST_BY))
+
+
+def _first(t: pa.Table) -> tuple[int, int]:
+    top = fault_first(t.to_pandas()).iloc[0]
+    return int(top["step"]), int(top["seq"])

@@ -1,0 +1,80 @@
+"""kldiag/views/sequences.py: what the pages show of the sequence table is the same whether the table is
+in memory (a short run) or on disk (a long run's, read with predicate pushdown)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kldiag.analysis import AnalysisConfig, analyze, prefix, seqrows
+from kldiag.tools.synth import SynthConfig, make_run
+from kldiag.views import sequences as VS
+from kldiag.views.numbers import fault_first
+
+CFG = AnalysisConfig(use_cache=False)
+
+
+def _run(path, nonfinite=()):
+    make_run(path, SynthConfig(steps=10, seqs_per_step=8, seq_len=(5, 30), ranks=2, blowup_step=5,
+                               blowup_frac=0.05, nonfinite=nonfinite, vocab_size=0, rows_per_file=400))
+    return path
+
+
+@pytest.fixture(scope="module", params=["healthy", "faulty"])
+def both(request, tmp_path_factory):
+    """(in-memory analysis, on-disk analysis) of one run."""
+    path = _run(tmp_path_factory.mktemp(request.param) / "run",
+                ((6, "logp"), (3, "logp_ref")) if request.param == "faulty" else ())
+    mem = analyze(path, CFG)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(seqrows, "SPILL_ROWS", 0)
+    mp.setattr(seqrows, "ROW_GROUP", 8)  # many row groups: the queries skip most
+    mp.setattr(prefix, "SEAL_EVERY", 2)
+    try:
+        disk = analyze(path, CFG)
+    finally:
+        mp.undo()
+    assert mem.sequence_rows is None and disk.sequence_rows is not None
+    return mem, disk
+
+
+def test_worst_is_nlargest(both):
+    mem, disk = both
+    whole = mem.sequences.to_pandas()
+    for n in (1, 5, len(whole), len(whole) + 3):
+        want = whole.nlargest(n, VS.WORST_BY).reset_index(drop=True)
+        for a in both:
+            pd.testing.assert_frame_equal(VS.worst(a, n).reset_index(drop=True), want)
+
+
+def test_of_step_count_and_steps(both):
+    mem, disk = both
+    whole = mem.sequences.to_pandas()
+    assert VS.count(mem) == VS.count(disk) == len(whole)
+    steps = sorted(whole["step"].unique().tolist())
+    assert VS.steps_with_sequences(mem) == VS.steps_with_sequences(disk) == steps
+    for step in (steps[0], steps[len(steps) // 2], steps[-1], steps[-1] + 100):
+        want = whole[whole["step"] == step].reset_index(drop=True)
+        for a in both:
+            pd.testing.assert_frame_equal(VS.of_step(a, step).reset_index(drop=True), want, check_dtype=False)
+
+
+def test_first_to_show_is_fault_first(both):
+    mem, _ = both
+    top = fault_first(mem.sequences.to_pandas()).iloc[0]
+    want = (int(top["step"]), int(top["seq"]))
+    assert VS.first_to_show(mem) == VS.first_to_show(both[1]) == want
+
+
+def test_empty_first_to_show():
+    class Empty:
+        sequence_rows = None
+
+        class sequences:  # noqa: N801 - a stand-in for a pa.Table
+            @staticmethod
+            def to_pandas():
+                return pd.DataFrame({"step": np.zeros(0, np.int64), "seq": np.zeros(0, np.int64),
+                                     "nonfinite_count": np.zeros(0), VS.WORST_BY: np.zeros(0)})
+
+    assert VS.first_to_show(Empty()) is None
