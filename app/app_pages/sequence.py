@@ -3,7 +3,6 @@
 import dash_charts as C
 import dash_controls as K
 import dash_data as D
-import numpy as np
 import dash_groups
 import streamlit as st
 
