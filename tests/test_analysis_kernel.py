@@ -200,3 +200,27 @@ def test_kernel_sums_do_not_depend_on_where_the_arrays_live():
             np.testing.assert_array_equal(again.steps[name], col, err_msg=name)
         for name, col in first.seqs.items():
             np.testing.assert_array_equal(again.seqs[name], col, err_msg=name)
+
+
+def test_quantile_rows_equals_quantile_per_row():
+    """The vectorised per-step quantile gives `quantile`'s value on every row: empty rows, rows whose
+    quantile falls in the first or past the last edge, NaN and small vmax."""
+    from kldiag.analysis import bins
+    from kldiag.analysis.types import ABS_EDGES
+
+    rng = np.random.default_rng(3)
+    nb = len(ABS_EDGES) + 1
+    counts = rng.integers(0, 5, (300, nb)) * (rng.random((300, nb)) < 0.3)
+    counts[0] = 0
+    counts[1, :] = 0
+    counts[1, 0] = 7  # everything below the first edge
+    counts[2, :] = 0
+    counts[2, -1] = 3  # everything past the last edge
+    vmax = rng.lognormal(0, 3, 300)
+    vmax[3] = np.nan
+    vmax[4] = 1e-9
+    for q in (0.5, 0.9, 0.99, 1.0):
+        got = bins.quantile_rows(counts, ABS_EDGES, q, vmax)
+        want = np.array([np.nan if np.isnan(v) else bins.quantile(c, ABS_EDGES, q, v) for c, v in zip(counts, vmax)])
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+        assert np.array_equal(np.isnan(got), np.isnan(want))

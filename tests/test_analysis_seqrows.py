@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pyarrow.compute as pc
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, prefix, reduce, seqrows, spill
+from kldiag.analysis import AnalysisConfig, analyze, keyed, prefix, reduce, seqrows, spill
 from kldiag.tools.synth import SynthConfig, make_run
 
 CFG = AnalysisConfig(use_cache=False, per_rank=True, trainer_compatible=True)
@@ -108,3 +109,40 @@ def test_spilled_chunks_read_back_equal(tmp_path):
         assert isinstance(h, spill.Spilled) and h.rows == 5 and h.step_max == 4
         got = h.load()
         assert all(np.array_equal(got[c], table[c]) for c in table)
+
+
+def test_a_fresh_process_opens_the_pieces_an_earlier_one_wrote(run, tmp_path, monkeypatch):
+    """A chunk file's sequence rows are written once, beside it, for every later process: a warm analysis
+    with nothing remembered in memory (a fresh process) builds no table row and gives the same table."""
+    from kldiag.analysis import tables
+
+    want = analyze(run, CFG).sequences
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 40)
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+    shutil.copytree(run, tmp_path / "run")
+    cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)
+    analyze(tmp_path / "run", cfg)  # cold: chunk files; the prefix lists them
+    analyze(tmp_path / "run", cfg)  # warm: their pieces written beside them
+    folder = tmp_path / "run" / ".kldiag" / "prefix" / "seqs"
+    written = sorted(p.name for p in folder.glob("*.seqs.*.parquet"))
+    assert written and all(p.split(".seqs.")[0] + ".seqs" in os.listdir(folder) for p in written)
+    spill._memo.clear()  # what a fresh process remembers
+    built = []
+    real = tables.sequence_table
+    monkeypatch.setattr(tables, "sequence_table", lambda s, c: built.append(keyed.rows(s)) or real(s, c))
+    got = analyze(tmp_path / "run", cfg)
+    assert got.sequences.equals(want)
+    assert sum(built) < want.num_rows  # only rows after the prefix's chunk files are built again
+    assert sorted(p.name for p in folder.glob("*.seqs.*.parquet")) == written
+
+
+def test_a_chunk_files_piece_goes_with_it(tmp_path):
+    (tmp_path / "a.seqs").write_bytes(b"x")
+    (tmp_path / "a.seqs.0123.parquet").write_bytes(b"x")
+    (tmp_path / "b.seqs.0123.parquet").write_bytes(b"x")  # its chunk file is gone
+    old = time.time() - spill.STALE_SECONDS - 10
+    for p in tmp_path.iterdir():
+        os.utime(p, (old, old))
+    spill.remove_unlisted(tmp_path, {"a.seqs"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.seqs", "a.seqs.0123.parquet"]

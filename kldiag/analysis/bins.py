@@ -61,6 +61,29 @@ def d_grid() -> np.ndarray:
     return np.array([1.0 / _D_STEP, _D_OFFSET, float(len(D_EDGES))])
 
 
+def quantile_rows(counts: np.ndarray, edges: np.ndarray, q: float, vmax: np.ndarray) -> np.ndarray:
+    """`quantile` of every row of counts [n_rows, n_bins] against vmax [n_rows], vectorised (one call,
+    not one per step): the same float operations per row, equal to `quantile` up to the last bit of
+    pow; NaN where a row is empty or its vmax is NaN."""
+    counts = np.asarray(counts)
+    vmax = np.asarray(vmax, np.float64)
+    n = counts.sum(axis=1)
+    cum = np.cumsum(counts, axis=1)
+    target = q * n
+    i = (cum < target[:, None]).sum(axis=1)  # searchsorted(cum, target, "left"): cum is nondecreasing
+    rows = np.arange(len(counts))
+    inner = (i > 0) & (i < len(edges))
+    j = np.where(inner, i, 1)
+    before = np.where(inner, cum[rows, j - 1], 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = (target - before) / counts[rows, np.minimum(j, counts.shape[1] - 1)]
+        lo, hi = edges[j - 1], edges[np.minimum(j, len(edges) - 1)]
+        out = np.minimum(lo * (hi / lo) ** frac, vmax)
+    out = np.where(i == 0, np.minimum(edges[0], vmax), out)
+    out = np.where(i >= len(edges), vmax, out)
+    return np.where((n == 0) | np.isnan(vmax), np.nan, out)
+
+
 def quantile(counts: np.ndarray, edges: np.ndarray, q: float, vmax: float) -> float:
     """q-quantile from log-spaced histogram counts [n_bins], interpolated geometrically.
 

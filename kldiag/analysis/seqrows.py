@@ -15,6 +15,7 @@ their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py co
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -148,13 +149,59 @@ def build(seq_chunks: list[spill.Chunk], to_table: Callable[[keyed.Keyed], pa.Ta
             continue
         if isinstance(chunk, spill.Spilled) and chunk.name is not None:
             pieces += out.close()
-            pieces.append(spill.derived(chunk, ("table", *tag),
-                                        lambda c: _Writer(spill_dir).add(to_table(c)).close()[0]))
+            pieces.append(spill.derived(chunk, ("table", *tag), lambda c: named_piece(c, tag, to_table, spill_dir),
+                                        handle=True))
         else:
             out.add(to_table(spill.materialize(chunk)))
         del chunk
     pieces += out.close()
     return SequenceRows(pieces, pieces[0].schema)
+
+
+PIECE_VERSION = 1  # bump when the sequence table's columns or their meaning change (tables.sequence_table)
+
+
+def named_piece(chunk: spill.Spilled, tag: tuple, to_table: Callable[[keyed.Keyed], pa.Table],
+                spill_dir: Path | None) -> Piece:
+    """The piece of a named chunk file, kept beside it for every later process (NAME.seqs.<digest of
+    tag>.parquet, written once, atomically): a warm analysis in a fresh process opens it instead of
+    building and writing its rows again. An unnamed piece when the folder is read-only."""
+    import pyarrow.parquet as pq
+
+    digest = hashlib.sha1(repr((PIECE_VERSION, tag)).encode()).hexdigest()[:16]
+    path = Path(chunk.f.name).with_name(f"{chunk.name}.{digest}.parquet")
+    piece = _open_piece(path)
+    if piece is not None:
+        return piece
+    table = to_table(chunk.load())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP, compression="lz4", use_dictionary=False,
+                       write_statistics=True)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        return _Writer(spill_dir).add(table).close()[0]
+    return _open_piece(path) or _Writer(spill_dir).add(table).close()[0]
+
+
+def _open_piece(path: Path) -> Piece | None:
+    """A Piece of a named Parquet file (held open: a later removal of its name does not cut a reader
+    off), or None when it is absent or unreadable."""
+    import pyarrow.parquet as pq
+
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    try:
+        meta = pq.ParquetFile(f).metadata
+        steps = pq.ParquetFile(f).read_row_groups([0, meta.num_row_groups - 1], columns=["step"]).column("step")
+        piece = Piece(f, meta.num_rows, steps[0].as_py(), steps[-1].as_py(), meta.schema.to_arrow_schema())
+    except (OSError, ValueError, IndexError, pa.ArrowException):
+        f.close()
+        return None
+    return piece if piece.num_rows else None
 
 
 class _Writer:

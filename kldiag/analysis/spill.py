@@ -8,7 +8,9 @@ The engine then loads one chunk at a time (`load`), builds its share of the tabl
 prefix cache lists the named chunk files instead of copying their rows (prefix.py).
 
 Files: CACHE/prefix/seqs/<uuid>.seqs (reduce.save_arrays' layout, one keyed table), or an unnamed
-temporary file when the cache is off or read-only.
+temporary file when the cache is off or read-only; beside a chunk file, what is derived from it for
+every process (<uuid>.seqs.<digest>.parquet: its rows of the sequence table, seqrows.py), removed
+with it.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ _lock = threading.Lock()
 MEMO_ENTRIES = 4096  # what was derived from named chunk files (small: per-step sums, Parquet pieces on disk)
 
 
-def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any]) -> Any:
+def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any], handle: bool = False) -> Any:
     """fn(the chunk's rows), remembered for a named chunk file (its rows never change: a new name is
-    a new file), so that an analysis of a grown run derives again only the rows after the prefix."""
+    a new file), so that an analysis of a grown run derives again only the rows after the prefix.
+    handle: fn gets the Spilled handle of a named chunk instead (it reads the rows only if it must)."""
     if not isinstance(c, Spilled) or c.name is None:
         return fn(materialize(c))
     key = (c.name, tag)
@@ -77,7 +80,7 @@ def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any]) -> Any:
         if key in _memo:
             _memo.move_to_end(key)
             return _memo[key]
-    value = fn(c.load())
+    value = fn(c if handle else c.load())
     with _lock:
         _memo[key] = value
         while len(_memo) > MEMO_ENTRIES:
@@ -125,7 +128,8 @@ def remove_unlisted(folder: Path, keep: set[str]) -> None:
     except OSError:
         return
     for e in entries:
-        if e.name.endswith(SUFFIX) and e.name not in keep:
+        chunk = e.name.split(SUFFIX)[0] + SUFFIX  # a chunk file, or what was derived from it (NAME.seqs.*)
+        if SUFFIX in e.name and not e.name.startswith(".") and chunk not in keep:
             try:
                 if now - e.stat().st_mtime > STALE_SECONDS:
                     os.unlink(e.path)

@@ -45,8 +45,8 @@ def by_step(steps: keyed.Keyed) -> keyed.Keyed:
 
 
 def quantiles(h: np.ndarray, vmax: np.ndarray, q: float) -> np.ndarray:
-    return np.array([np.nan if np.isnan(vmax[i]) else bins.quantile(h[i], ABS_EDGES, q, vmax[i])
-                     for i in range(len(h))])
+    """bins.quantile of each step's |weight| histogram h [n_steps, n_bins] (NaN where vmax is NaN)."""
+    return bins.quantile_rows(h, ABS_EDGES, q, vmax) if len(h) else np.zeros(0)
 
 
 def step_table(p: keyed.Keyed, seqs: keyed.Keyed | list, cfg: AnalysisConfig,
