@@ -11,23 +11,15 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
+import test_analysis_prefix
 from test_analysis_prefix import publish, split_run
 
 from kldiag.analysis import AnalysisConfig, analyze, reduce, reducer_prefix, runner
 from kldiag.format import open_run
-from kldiag.tools.synth import SynthConfig, make_run
 from kldiag.views import dashboard as VD
 
 NOCACHE = AnalysisConfig(use_cache=False)
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("rprefix") / "src"
-    make_run(run, SynthConfig(steps=8, seqs_per_step=6, seq_len=(5, 40), ranks=2, blowup_step=4,
-                              blowup_frac=0.05, nonfinite=((5, "logp"),), vocab_size=0))
-    return run
+source = test_analysis_prefix.source  # the same synthetic run (a module-scoped fixture)
 
 
 def small_chunks() -> list:
