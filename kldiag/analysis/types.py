@@ -74,9 +74,9 @@ class Histograms:
 
 class _SequenceTable:
     """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.seqrows.SequenceRows),
-    read whole at each access and not kept (the caller keeps what it needs: a dashboard holds its own
-    pandas copy); `Analysis.sequence_rows` gives the file itself, to query only what a face shows
-    (the worst N, one sequence, a step range) without reading the rest."""
+    read whole at each access and not kept (the caller keeps what it needs); `Analysis.sequence_rows`
+    gives the file itself, to query only what a face shows (the worst N, one sequence, a step range)
+    without reading the rest, as the dashboard does (kldiag.views.sequences)."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.slot = f"_{name}"
