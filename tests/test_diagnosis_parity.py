@@ -189,3 +189,15 @@ def test_sample_reducer_keeps_every_stride_th_step(stride):
     np.testing.assert_array_equal(got["logp"], np.linspace(-3, 0, n, dtype=np.float32)[keep])
     red.add(state := [], batch.filter(pa.array(step % 64 == 1)))  # no kept row: nothing added
     assert stride == 1 or state == []
+
+
+def test_demean_of_sparse_context_ids_warns_nothing():
+    """Context ids used as bincount indices leave unused ids with a count of 0: their 0/0 is never read,
+    and no "invalid value encountered in divide" reaches the user (the demo printed one)."""
+    from kldiag.mismatch import parity
+
+    ids = np.array([7, 7, 40, 40, 40, 3])
+    x = np.array([1.0, 3.0, 2.0, 4.0, 6.0, 5.0])
+    with np.errstate(all="raise"):
+        (got,) = parity._demean(ids, x)
+    np.testing.assert_allclose(got, [-1.0, 1.0, -2.0, 0.0, 2.0, 0.0])

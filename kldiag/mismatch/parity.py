@@ -131,7 +131,7 @@ def _dense(ids: np.ndarray) -> np.ndarray:
 
 def _demean(ids: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
     inv = _dense(ids)
-    cnt = np.bincount(inv)
+    cnt = np.maximum(np.bincount(inv), 1)  # an id _dense leaves unused counts 0: its 0/0 is never read
     return tuple(x - (np.bincount(inv, weights=x) / cnt)[inv] for x in xs)
 
 
