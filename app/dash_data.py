@@ -19,7 +19,6 @@ from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
-from kldiag.views import numbers as VN
 from kldiag.views import sequences as VS
 from kldiag.analysis import engines, runner
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
@@ -99,8 +98,8 @@ def worst_sequences(path: str, keys: tuple[str, ...], n: int) -> pd.DataFrame:
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def step_sequences(path: str, keys: tuple[str, ...], step: int) -> pd.DataFrame:
-    """Every sequence of one step, in the order the Sequence page offers them (faults, then worst first)."""
-    return VN.fault_first(VS.of_step(_analysis(path, keys), step))
+    """Every sequence of one step, in table order (seq ascending)."""
+    return VS.of_step(_analysis(path, keys), step)
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -24,8 +24,7 @@ def group_tokens(path: str, step: int, seqs: tuple[int, ...], keys: tuple[str, .
 
 
 def show(run: D.Loaded, step: int, seq: int, quantity: str) -> None:
-    # the step's sequences only (a long run's stay on disk), in table order (seq ascending)
-    at = D.step_sequences(run.path, run.keys, step).sort_values("seq", kind="stable")
+    at = D.step_sequences(run.path, run.keys, step)  # the step's sequences only (a long run's stay on disk)
     sib = VG.siblings(at, step, seq)
     if sib.empty:
         return

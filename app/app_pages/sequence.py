@@ -6,6 +6,7 @@ import dash_data as D
 import dash_groups
 import streamlit as st
 
+from kldiag.views import numbers as VN
 from kldiag.views import pages as V
 from kldiag.views import turns as VT
 
@@ -20,7 +21,7 @@ if not steps:
 pick = st.session_state.pop("seq_pick", None)
 if pick and pick.get("path") == run.path:  # a deep link, or a row of the Tokens page
     step_ok = pick["step"] in steps
-    at_pick = D.step_sequences(run.path, run.keys, int(pick["step"])) if step_ok else None
+    at_pick = VN.fault_first(D.step_sequences(run.path, run.keys, int(pick["step"]))) if step_ok else None
     seq_ok = step_ok and (pick["seq"] is None or pick["seq"] in at_pick["seq"].astype(int).tolist())
     if step_ok and seq_ok:
         first = int(at_pick["seq"].iloc[0])
@@ -43,7 +44,7 @@ if st.session_state.get("seq_step") not in steps:  # start on a faulty sequence,
     st.session_state["seq_step"], st.session_state["seq_seq"] = D.first_sequence(run.path, run.keys)
 c1, c2, c3 = st.columns([1, 2, 3])
 step = c1.selectbox("Step", steps, key="seq_step")
-in_step = D.step_sequences(run.path, run.keys, int(step))  # faults first, then the largest |k3 weight|
+in_step = VN.fault_first(D.step_sequences(run.path, run.keys, int(step)))  # faults, then the largest |k3 weight|
 choices = in_step["seq"].astype(int).tolist()
 if st.session_state.get("seq_seq") not in choices:
     st.session_state["seq_seq"] = choices[0]

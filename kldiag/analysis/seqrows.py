@@ -195,8 +195,9 @@ def _open_piece(path: Path) -> Piece | None:
     except OSError:
         return None
     try:
-        meta = pq.ParquetFile(f).metadata
-        steps = pq.ParquetFile(f).read_row_groups([0, meta.num_row_groups - 1], columns=["step"]).column("step")
+        pf = pq.ParquetFile(f)
+        meta = pf.metadata
+        steps = pf.read_row_groups([0, meta.num_row_groups - 1], columns=["step"]).column("step")
         piece = Piece(f, meta.num_rows, steps[0].as_py(), steps[-1].as_py(), meta.schema.to_arrow_schema())
     except (OSError, ValueError, IndexError, pa.ArrowException):
         f.close()

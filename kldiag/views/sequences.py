@@ -30,9 +30,8 @@ def worst(analysis, n: int, by: str = WORST_BY) -> pd.DataFrame:
     rows = analysis.sequence_rows
     if rows is None:
         return analysis.sequences.to_pandas().nlargest(n, by)
-    got = rows.worst(n, by).to_pandas()
-    got = got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
-    return got.sort_values(by, ascending=False, kind="stable").head(n)
+    got = rows.worst(n, by).to_pandas()  # largest first, ties in table order, as nlargest
+    return got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
 
 
 def of_step(analysis, step: int) -> pd.DataFrame:
