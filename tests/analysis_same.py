@@ -25,5 +25,7 @@ def assert_same_analysis(a, b) -> None:
     np.testing.assert_array_equal(a.histograms.steps, b.histograms.steps)
     for k, v in b.histograms.counts.items():
         np.testing.assert_array_equal(a.histograms.counts[k], v, err_msg=k)
+    for f in ("step", "sequences", "known", "masked"):  # the off-policy mask at every delta of the grid
+        np.testing.assert_array_equal(getattr(a.opsm, f), getattr(b.opsm, f), err_msg=f"opsm.{f}")
     assert a.skipped == b.skipped and a.files == b.files
     assert a.info["rows"] == b.info["rows"]

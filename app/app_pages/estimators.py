@@ -8,8 +8,7 @@ import streamlit as st
 from kldiag.views import charts as VC
 from kldiag.views import estimators as VE
 from kldiag.views import numbers as VN
-
-DELTAS = [0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
+from kldiag.views import opsm as VO
 
 run = D.page("Estimators")
 p = D.estimator_partial(run.path, run.keys)
@@ -41,19 +40,20 @@ else:
 st.subheader("Off-policy sequence mask (DeepSeek-V3.2)")
 st.caption("A sequence is masked when its advantage is negative and the mean over its tokens of "
            "log mu - log pi_theta exceeds delta (mu: the sampler's log-prob, else pi_old's).")
-if p.seqs.empty:
+counts = run.analysis.opsm
+if counts is None or not counts.sequences.sum():
     st.info("No sequences yet.")
     st.stop()
-delta = st.select_slider("delta", DELTAS, value=1e-4, key="opsm_delta", format_func=lambda v: f"{v:g}")
-masked = VE.opsm_masked(p.seqs, delta)
-st.metric(f"Sequences masked at delta = {delta:g}", f"{masked.mean():.2%}",
-          help=f"{int(masked.sum())} of {len(masked)}")
-by_step = VE.opsm_by_step(p.seqs, delta)
+delta = st.select_slider("delta", list(counts.deltas), value=1e-4, key="opsm_delta", format_func=lambda v: f"{v:g}")
+masked, known = VO.summary(counts, delta)
+st.metric(f"Sequences masked at delta = {delta:g}", f"{masked / known if known else 0.0:.2%}",
+          help=f"{masked} of the {known} sequences with an advantage")
+by_step = VO.by_step(counts, delta)
 ctl = K.chart_controls("est", by_step["step"])  # above the charts it zooms
 left, right = st.columns(2)
-curve = VE.opsm_curve(p.seqs, [d for d in DELTAS if d > 0])
+curve = VO.curve(counts)
 fig = C.lines(curve, ["masked_frac"], "Masked fraction as delta slides", x="delta",
-              y_title="share of sequences (0 to 1)", subtitle="over every sequence of the run")
+              y_title="share of sequences (0 to 1)", subtitle="over the run's sequences with an advantage")
 VC.decade_ticks(fig, curve["delta"].to_numpy(), axis="x")
 if delta > 0:
     fig.add_vline(x=delta, line_dash="dot")

@@ -156,6 +156,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
     per_step = tables.by_step(merged.steps)
     chunks = merged.seq_rows()
     steps = tables.step_table(per_step, chunks, cfg)
+    opsm = tables.opsm_counts(chunks)
     flags = tables.flag_table(merged.top, merged.bad, run.vocab(), cfg)
     by_rank = tables.step_table(merged.steps, chunks, cfg, ("step", "rank")) if cfg.per_rank else None
     trainer_kl = tables.trainer_kl(chunks, run.manifest.config, run) if cfg.trainer_compatible else None
@@ -168,7 +169,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
         run_dir=run.path, manifest=run.manifest, config=cfg, steps=steps,
         sequences=sequences, flags=flags,
         histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg, run.manifest),
-        steps_by_rank=by_rank, trainer_kl=trainer_kl,
+        steps_by_rank=by_rank, trainer_kl=trainer_kl, opsm=opsm,
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
         info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
               "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0,

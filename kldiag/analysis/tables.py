@@ -17,10 +17,12 @@ from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
     HIST_EDGES,
+    OPSM_DELTAS,
     SEQUENCE_COLUMNS,
     STEP_COLUMNS,
     AnalysisConfig,
     Histograms,
+    OpsmCounts,
 )
 
 HIST_NAMES = ("d", "weight_k3_abs", "weight_k3_is_abs", "rho")
@@ -137,6 +139,25 @@ def opsm_masked(seqs: keyed.Keyed, delta: float) -> tuple[np.ndarray, np.ndarray
     """
     adv = ratio(seqs["sum_adv"], seqs["n_adv"])
     return E.opsm_drop(adv, seqs["sum_opsm"], seqs["n_opsm"], delta), ~np.isnan(adv)
+
+
+def opsm_counts(seqs: keyed.Keyed | list, deltas: tuple[float, ...] = OPSM_DELTAS) -> OpsmCounts:
+    """The off-policy sequence mask per step at every delta, from the per-(step, seq) rows (one table or
+    step-disjoint chunks, each counted alone and remembered with its chunk file: integer counts)."""
+    red = keyed.concat([spill.derived(c, ("opsm", tuple(deltas)), lambda k: _opsm_rows(k, deltas))
+                        for c in raw_chunks(seqs)])
+    if not red:
+        z = np.zeros(0, np.int64)
+        return OpsmCounts(tuple(deltas), z, z, z, np.zeros((0, len(deltas)), np.int64))
+    red = keyed.reduce_by_key(red)
+    return OpsmCounts(tuple(deltas), red["step"], red["n_seq"], red["n_known"], red["n_masked"])
+
+
+def _opsm_rows(seqs: keyed.Keyed, deltas: tuple[float, ...]) -> keyed.Keyed:
+    known = ~np.isnan(ratio(seqs["sum_adv"], seqs["n_adv"]))
+    masked = np.stack([opsm_masked(seqs, d)[0] for d in deltas], 1).astype(np.int64)
+    return keyed.reduce_by_key({"step": seqs["step"], "n_seq": np.ones(len(known), np.int64),
+                                "n_known": known.astype(np.int64), "n_masked": masked.reshape(len(known), -1)})
 
 
 def sequence_table(s: keyed.Keyed, cfg: AnalysisConfig) -> pa.Table:

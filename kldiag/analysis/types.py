@@ -91,6 +91,26 @@ class _SequenceTable:
         obj.__dict__[self.slot] = value
 
 
+# The off-policy sequence mask's delta grid (DeepSeek-V3.2; TRL's off_policy_mask_threshold) that every
+# analysis counts per step: what the Estimators page slides over without holding a row per sequence.
+OPSM_DELTAS = (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+@dataclass
+class OpsmCounts:
+    """Sequences the off-policy sequence mask drops, per step, at each delta of `deltas`.
+
+    step, sequences, known [n_steps] (known: sequences with an advantage, the mask's denominator, as
+    the step table's opsm_masked_frac); masked [n_steps, len(deltas)]: known sequences with advantage < 0
+    and mean(log mu - logp) > delta (kldiag.estimators.opsm_drop)."""
+
+    deltas: tuple[float, ...]
+    step: np.ndarray
+    sequences: np.ndarray
+    known: np.ndarray
+    masked: np.ndarray
+
+
 @dataclass
 class Analysis:
     """Result of `kldiag.analyze(run_dir)`.
@@ -129,6 +149,7 @@ class Analysis:
     info: dict[str, Any] = field(default_factory=dict)
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)
+    opsm: OpsmCounts | None = None  # the off-policy sequence mask per step at every delta of OPSM_DELTAS
 
     @property
     def sequence_rows(self) -> Any:
