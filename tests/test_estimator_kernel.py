@@ -26,7 +26,6 @@ def _numpy_partial(batch, config: AnalysisConfig, sample_size: int, seed: int) -
     absent = nulls(batch)
     keep = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool) & ~absent["logp_ref"]
     part = VE.EstimatorPartial(rows=batch.num_rows, tokens=int(keep.sum()))
-    part.seqs = _numpy_seq_gaps(batch, cols, absent)
     q = derive({c: v[keep] for c, v in cols.items()}, config, {c: v[keep] for c, v in absent.items()})
     part.flagged = int(q["flagged"].sum())
     part.clamp_saturated = int(q["clamp_saturated"].sum())
@@ -48,18 +47,6 @@ def _numpy_partial(batch, config: AnalysisConfig, sample_size: int, seed: int) -
     part.sample = pd.DataFrame({**ids, **{c: q[c][pick] for c in VE.SAMPLE_COLUMNS if c not in ids and c != "kind"},
                                 "kind": kind})
     return part
-
-
-def _numpy_seq_gaps(batch, cols, absent) -> pd.DataFrame:
-    s = cols["logp"]
-    mu = np.where(absent["logp_sampler"], cols["logp_old"], cols["logp_sampler"])
-    mu = np.where(absent["logp_sampler"] & absent["logp_old"], s, mu)
-    in_loss = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), dtype=bool)
-    df = pd.DataFrame({"step": batch.column("step").to_numpy(), "seq": batch.column("seq").to_numpy(),
-                       "advantage": E.as_f64(batch.column("advantage")),
-                       "gap_sum": np.where(in_loss, mu - s, 0.0), "n": in_loss.astype(np.int64)})
-    g = df.groupby(["step", "seq"], sort=False)
-    return g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
 
 
 def _batch(seed: int, n: int = 3000, absent: tuple[str, ...] = (), repeat_keys: bool = False) -> pa.RecordBatch:
@@ -99,8 +86,6 @@ def _assert_equal(got: VE.EstimatorPartial, want: VE.EstimatorPartial) -> None:
         np.testing.assert_array_equal(got.weight_hist[name], want.weight_hist[name])
         for k in ("value_sum", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max"):
             np.testing.assert_allclose(getattr(got, k)[name], getattr(want, k)[name], rtol=1e-12, err_msg=k)
-    pd.testing.assert_frame_equal(got.seqs.drop(columns="gap_sum"), want.seqs.drop(columns="gap_sum"))
-    np.testing.assert_allclose(got.seqs["gap_sum"], want.seqs["gap_sum"], rtol=1e-12, atol=1e-12)
     pd.testing.assert_frame_equal(got.sample, want.sample)  # derive's values at the same rows: exact
 
 
@@ -132,15 +117,13 @@ def _pass(batch, tau=20.0, limit=10.0, clamp=10.0):
     absent, n = nulls(batch), batch.num_rows
     mask = np.asarray(batch.column("mask").to_numpy(zero_copy_only=False), bool)
     w_k3, flagged, rows = np.empty(n), np.empty(n, bool), np.empty(n, np.int64)
-    scal = np.zeros(6, np.int64)
+    scal = np.zeros(5, np.int64)
     sums = np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64)
     kept = np.empty(VE.KEEP_TOP), np.empty(VE.KEEP_TOP, np.int64), np.empty(VE.KEEP_FLAGGED), \
         np.empty(VE.KEEP_FLAGGED, np.int64)
-    step, seq = batch.column("step").to_numpy(), batch.column("seq").to_numpy()
     K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
                  *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(tau), limit,
-                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows, step, seq,
-                 batch.column("advantage").to_numpy(zero_copy_only=False), *VE._run_arrays(n, step.dtype, seq.dtype))
+                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows)
     m = scal[K.S_TOKENS]
     top, worst = kept[1][: scal[K.S_TOP]], kept[3][: scal[K.S_WORST]]
     return m, top, worst, w_k3[:m], flagged[:m], mask, absent, rows[:m]

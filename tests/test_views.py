@@ -213,8 +213,6 @@ def test_partials_merge_exactly_and_samples_are_bounded(tmp_path):
         assert merged.value_sum[name] == pytest.approx(whole.value_sum[name], rel=1e-9)
         assert merged.weight_abs_max[name] == whole.weight_abs_max[name]
         assert (merged.weight_hist[name] == whole.weight_hist[name]).all()
-    pd.testing.assert_frame_equal(merged.seqs.reset_index(drop=True),
-                                  whole.seqs.sort_values(["step", "seq"]).reset_index(drop=True), check_dtype=False)
     kinds = merged.sample["kind"].value_counts()
     assert kinds[VE.SAMPLED] == 100  # the random part stays bounded
     # ... and the tokens that matter are always in: every flagged one, the largest |k3 weight| first
@@ -237,16 +235,6 @@ def test_estimator_table_shows_the_k3_blowup_and_the_clamp(app_runs):
     assert empty.tokens == 0 and VE.estimator_table(empty)["|weight| mean"].eq(0).all()
 
 
-def test_opsm_mask_known_truth_and_slide():
-    seqs = pd.DataFrame({"step": [0, 0, 1, 1], "seq": [0, 1, 2, 3], "advantage": [-1.0, -1.0, 1.0, -0.5],
-                         "gap_sum": [0.4, 0.004, 5.0, 0.02], "n": [4, 4, 4, 2]})  # mean gaps .1 .001 1.25 .01
-    assert VE.opsm_masked(seqs, 1e-4).tolist() == [True, True, False, True]
-    assert VE.opsm_masked(seqs, 0.05).tolist() == [True, False, False, False]
-    curve = VE.opsm_curve(seqs, [1e-4, 5e-3, 0.05, 1.0])
-    assert curve["masked_frac"].tolist() == [0.75, 0.5, 0.25, 0.0]
-    assert VE.opsm_by_step(seqs, 0.05).set_index("step")["masked_frac"].to_dict() == {0: 0.5, 1: 0.0}
-
-
 def test_corrupt_part_is_skipped_by_name(tmp_path):
     make_run(tmp_path, SynthConfig(steps=2, seqs_per_step=4))
     bad = F.rank_dir(tmp_path, 0) / F.part_name(5, 5, 9)
@@ -265,7 +253,7 @@ def test_batch_partial_accepts_tables_with_nulls():
                   "logp_old": pa.nulls(2, pa.float32()), "logp_ref": pa.array([-0.5, None], pa.float32()),
                   "logp_sampler": pa.nulls(2, pa.float32())})
     p = VE._batch_partial(t, AnalysisConfig(), 10, 0)
-    assert p.tokens == 1 and p.seqs["n"].tolist() == [1] and p.seqs["gap_sum"].tolist() == [0.0]
+    assert p.tokens == 1 and p.rows == 2
 
 
 def test_sequence_and_columns_skip_a_corrupt_part_by_name(tmp_path):

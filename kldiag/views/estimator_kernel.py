@@ -5,8 +5,7 @@ It gives, from the same float64 values, what numpy gives from `views.pages.deriv
 k3, k3_is, k3_clamped) the sum and non-finite count of its value, the sum, flagged sum, maximum and
 histogram of its |gradient weight|; the flag counts; the token sample's always-kept tokens (the
 KEEP_TOP largest |k3 weight| and the KEEP_FLAGGED worst flagged ones, selected in the pass with a running
-threshold: no per-token array leaves it); and per run of equal (step, seq) rows the sequence's advantage
-and its sum of log mu - s. The per-token maths are kldiag.estimators' (Schulman 2020's k1, k2, k3;
+threshold: no per-token array leaves it). The per-token maths are kldiag.estimators' (Schulman 2020's k1, k2, k3;
 DeepSeek-V3.2 eq. 7 and 9 for k3_is and its weight), with its convention that a 0 * inf product of
 non-NaN factors is +-inf, never NaN. Counts, maxima, histograms and selections equal numpy's exactly; sums
 are taken in row order, so they differ from numpy's pairwise sums by rounding only
@@ -34,7 +33,7 @@ N_EST = 5  # COMPARED's order: k1, k2, k3, k3_is, k3_clamped
 F_VALUE, F_WABS, F_WFLAG, F_WMAX = range(4)
 I_NONFINITE = 0
 # Counts (`scal`): tokens, flagged, clamp_saturated, then the kept tokens of the two selections.
-S_TOKENS, S_FLAGGED, S_CLAMP, S_TOP, S_WORST, S_RUNS = range(6)
+S_TOKENS, S_FLAGGED, S_CLAMP, S_TOP, S_WORST = range(5)
 TOKEN, FLAGGED = 1, 2  # bits of a row's code in the chunk loop
 
 
@@ -189,44 +188,9 @@ def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no
     return j
 
 
-@njit(inline="always", **JIT)
-def seq_chunk(i0, i1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
-              r_n):  # pragma: no cover - compiled
-    """Per run of equal consecutive (step, seq) over rows i0:i1: the first non-NaN advantage (else NaN), the
-    sum of non-NaN log mu - s over rows in the loss (mu the sampler's log-prob, else pi_old's, else s) and
-    their count, as pandas' groupby first/sum give, into the runs' rows of r_*. The current run (runs[0];
-    -1: none yet) goes on from the chunk before; its sums stay in registers within the chunk, whose columns
-    token_pass has just read (still in cache: no second pass over the batch)."""
-    k = runs[0]
-    gap_k, n_k, adv_k = (r_gap[k], r_n[k], r_adv[k]) if k >= 0 else (0.0, 0, np.nan)
-    st_k, sq_k = (r_step[k], r_seq[k]) if k >= 0 else (step[i0], seq[i0])
-    for i in range(i0, i1):
-        if k < 0 or step[i] != st_k or seq[i] != sq_k:
-            if k >= 0:
-                r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
-            k += 1
-            st_k, sq_k = step[i], seq[i]
-            r_step[k], r_seq[k] = st_k, sq_k
-            gap_k, n_k, adv_k = 0.0, 0, np.nan
-        a = np.float64(advantage[i])
-        if adv_k != adv_k and a == a:
-            adv_k = a
-        if mask[i]:
-            sv = np.float64(s[i])
-            mu = np.float64(m[i]) if not m_null[i] else (np.float64(o[i]) if not o_null[i] else sv)
-            gap = mu - sv
-            if gap == gap:
-                gap_k += gap
-            n_k += 1
-    if k >= 0:
-        r_gap[k], r_n[k], r_adv[k] = gap_k, n_k, adv_k
-    runs[0] = k
-
-
 @njit(**SUMS)
 def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit, clamp, abs_grid,
-               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out,
-               step, seq, advantage, r_step, r_seq, r_adv, r_gap, r_n):  # pragma: no cover
+               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out):  # pragma: no cover
     """One pass over a batch's rows [n] (log-probs as stored, NaN at nulls; null masks bool [n]).
 
     Tokens are the rows in the loss (mask) with a reference log-prob, numbered j = 0, 1, ... in row
@@ -234,12 +198,10 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     flagged |weight| sum, |weight| max), icount [1, N_EST], hist [N_EST, len(ABS_EDGES) + 1]. Keeps in
     top_w, top_j [KEEP_TOP] the tokens of largest |k3 weight| (NaN as +inf, of equal ones the first) and
     in worst_w, worst_j [KEEP_FLAGGED] the same among flagged tokens (estimators.largest's sets). Writes
-    (tokens, flagged, clamp_saturated, kept top, kept worst, runs) to scal, each token's row to rows_out
-    [n]; with w_out, fl_out of length n (else 0: not written) each token's K3 weight and flagged bit. Per
-    run of equal (step, seq) rows (seq_chunk): r_step, r_seq, r_adv, r_gap, r_n [n].
+    (tokens, flagged, clamp_saturated, kept top, kept worst) to scal, each token's row to rows_out [n];
+    with w_out, fl_out of length n (else 0: not written) each token's K3 weight and flagged bit.
     Returns k3_weight_lost."""
     n_abs = abs_grid[2]
-    runs = np.full(1, -1, np.int64)
     params = np.array([log_tau, limit, clamp])
     packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
     h = np.zeros((BIN_COPIES, 4, n_abs + 2), np.int64)  # the last bin: not binned
@@ -265,8 +227,6 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
         lost += lo
         count_bins(packed, c1 - c0, h)
         j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
-        seq_chunk(c0, c1, step, seq, advantage, s, o, m, o_null, m_null, mask, runs, r_step, r_seq, r_adv, r_gap,
-                  r_n)
     # counts: tokens, flagged, saturated, then non-finite values of k1 .. k3_clamped
     fsum[F_VALUE] += vs
     icount[I_NONFINITE] += cnt[3:8]
@@ -283,5 +243,4 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
             hist[e + 1, k] += h[0, e, k] + h[1, e, k] + h[2, e, k] + h[3, e, k]
     scal[S_TOKENS], scal[S_FLAGGED], scal[S_CLAMP], scal[S_TOP], scal[S_WORST] = cnt[0], cnt[1], cnt[2], \
         n_kept[0], n_kept[1]
-    scal[S_RUNS] = runs[0] + 1
     return lost

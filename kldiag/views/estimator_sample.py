@@ -18,7 +18,6 @@ SAMPLE_COLUMNS = ("step", "seq", "d", "rho", "weight_k2", "weight_k3", "weight_k
 KEEP_TOP = 200  # tokens with the largest |k3 weight| ("top |k3 weight|"), per part and merged
 KEEP_FLAGGED = 1000  # flagged tokens kept, the worst first ("flagged")
 SAMPLED = "sampled"
-SEQ_COLUMNS = ("step", "seq", "advantage", "gap_sum", "n")
 
 
 KINDS = (SAMPLED, "top |k3 weight|", "flagged")  # the sample's `kind`, stored as its index
@@ -33,7 +32,7 @@ def kind_index(kind: np.ndarray) -> np.ndarray:
 
 
 SCALARS = ("rows", "tokens", "flagged", "clamp_saturated", "k3_weight_lost")
-DTYPES = {"step": np.int64, "seq": np.int64, "n": np.int64, "kind": np.int8, "flagged": bool}  # else float64
+DTYPES = {"step": np.int64, "seq": np.int64, "kind": np.int8, "flagged": bool}  # else float64
 PER_ESTIMATOR = ("value_sum", "value_nonfinite", "weight_abs_sum", "weight_abs_flagged", "weight_abs_max")
 
 
@@ -122,30 +121,8 @@ def merge_arrays(parts: Sequence[dict[str, np.ndarray]], sample_size: int = 5000
             out[f"{k}/{name}"] = np.array([v])
     for name in names:
         out[f"weight_hist/{name}"] = sum((p[f"weight_hist/{name}"] for p in parts if f"weight_hist/{name}" in p), 0)
-    out.update(_merge_seq_arrays([p for p in parts if len(p["seqs/step"])]))
     out.update(_merge_sample_arrays([p for p in parts if len(p["sample/step"])], sample_size, seed))
     return out
-
-
-def _merge_seq_arrays(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """merge_partials' per-sequence rows: one per (step, seq), sorted; the first non-NaN advantage, the sums."""
-    if not parts:
-        return {f"seqs/{c}": np.zeros(0, DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS}
-    col = {c: np.concatenate([p[f"seqs/{c}"] for p in parts]) for c in SEQ_COLUMNS}
-    order = np.lexsort((col["seq"], col["step"]))  # stable: a key's rows stay in part order
-    col = {c: v[order] for c, v in col.items()}
-    new = np.ones(len(order), bool)
-    new[1:] = (col["step"][1:] != col["step"][:-1]) | (col["seq"][1:] != col["seq"][:-1])
-    starts = np.flatnonzero(new)
-    at = np.where(np.isnan(col["advantage"]), len(order), np.arange(len(order)))
-    first = np.minimum.reduceat(at, starts)
-    adv = np.where(first < len(order), col["advantage"][np.minimum(first, len(order) - 1)], np.nan)
-    gap = col["gap_sum"]  # NaN where +inf and -inf met in one part
-    with np.errstate(invalid="ignore"):  # +inf and -inf of two parts meet: NaN, as pandas' sum gives
-        gap_sum = np.add.reduceat(np.where(np.isnan(gap), 0.0, gap), starts)  # pandas' sum skips NaN
-    return {"seqs/step": col["step"][starts], "seqs/seq": col["seq"][starts], "seqs/advantage": adv,
-            "seqs/gap_sum": gap_sum,
-            "seqs/n": np.add.reduceat(col["n"], starts)}
 
 
 def _merge_sample_arrays(parts: Sequence[dict[str, np.ndarray]], n: int, seed: int) -> dict[str, np.ndarray]:

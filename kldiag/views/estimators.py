@@ -27,12 +27,12 @@ from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
 from kldiag.views import estimator_kernel as K
 from kldiag.views.estimator_sample import (  # noqa: F401 - the sample's names, read as estimators.X too
-    DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, SEQ_COLUMNS, kept_pick,
+    DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, kept_pick,
     kept_pick_index, kind_index, largest, merge_arrays, sample_pick)
 from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
-READ_COLUMNS = ["step", "seq", "advantage", "mask", *LOGP_COLUMNS]
+READ_COLUMNS = ["step", "seq", "mask", *LOGP_COLUMNS]
 
 
 @dataclass
@@ -50,7 +50,6 @@ class EstimatorPartial:
     weight_abs_flagged: dict[str, float] = field(default_factory=dict)
     weight_abs_max: dict[str, float] = field(default_factory=dict)
     weight_hist: dict[str, np.ndarray] = field(default_factory=dict)  # counts over ABS_EDGES bins
-    seqs: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(SEQ_COLUMNS)))
     sample: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(SAMPLE_COLUMNS)))
     skipped: list[str] = field(default_factory=list)
 
@@ -88,16 +87,15 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
     fsum = np.zeros((4, len(COMPARED)))
     icount = np.zeros((1, len(COMPARED)), np.int64)
     hist = np.zeros((len(COMPARED), len(ABS_EDGES) + 1), np.int64)
-    scal = np.zeros(6, np.int64)
+    scal = np.zeros(5, np.int64)
     top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
         np.empty(KEEP_FLAGGED, np.int64)
     step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
-    adv = batch.column("advantage").to_numpy(zero_copy_only=False)
-    rows, runs = np.empty(n, np.int64), _run_arrays(n, step.dtype, seq.dtype)
+    rows = np.empty(n, np.int64)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
-                        worst_w, worst_j, np.empty(0), np.empty(0, bool), rows, step, seq, adv, *runs)
+                        worst_w, worst_j, np.empty(0), np.empty(0, bool), rows)
     m = int(scal[K.S_TOKENS])
     out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
            "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
@@ -106,7 +104,6 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
                    ("weight_abs_max", fsum[K.F_WMAX])):
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
-    out.update({f"seqs/{c}": v for c, v in _seq_gaps(runs, int(scal[K.S_RUNS])).items()})
     pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
     at = rows[pick]
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
@@ -130,33 +127,6 @@ def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
     return out
 
 
-def _run_arrays(n: int, step_dtype, seq_dtype) -> tuple[np.ndarray, ...]:
-    """token_pass's per-run outputs (r_step, r_seq, r_adv, r_gap, r_n) for n rows: at most n runs."""
-    return tuple(np.empty(n, t) for t in (step_dtype, seq_dtype, np.float64, np.float64, np.int64))
-
-
-def _seq_gaps(runs: tuple[np.ndarray, ...], k: int) -> dict[str, np.ndarray]:
-    """SEQ_COLUMNS per (step, seq), in order of first appearance: advantage and the sum/count of log mu - s
-    over tokens in the loss, from token_pass's k runs of equal rows (runs of one key merged).
-
-    mu is the sampler's log-prob, else pi_old's (DeepSeek-V3.2 off-policy sequence masking).
-    """
-    r_step, r_seq, r_adv, r_gap, r_n = runs
-    out = {"step": r_step[:k].astype(np.int64), "seq": r_seq[:k].astype(np.int64), "advantage": r_adv[:k].copy(),
-           "gap_sum": r_gap[:k].copy(), "n": r_n[:k].copy()}
-    if _rising(out["step"], out["seq"]) or pd.MultiIndex.from_arrays([out["step"], out["seq"]]).is_unique:
-        return out  # rising: the recorder's order, every key once (told without pandas)
-    df = pd.DataFrame(out)
-    g = df.groupby(["step", "seq"], sort=False)
-    df = g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
-    return {c: df[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS}
-
-
-def _rising(step: np.ndarray, seq: np.ndarray) -> bool:
-    """Whether the (step, seq) keys strictly rise (so each is unique)."""
-    return len(step) < 2 or bool(np.all((step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (seq[1:] > seq[:-1]))))
-
-
 @dataclass(frozen=True)
 class EstimatorReducer:
     """The Estimators page's partial as a reducer (kldiag.analysis.reduce): read in the analysis's
@@ -167,7 +137,7 @@ class EstimatorReducer:
     clamp: float = DEFAULT_CONFIG.clamp
     sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
     name: str = "estimators"
-    version: int = 2  # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does
+    version: int = 3  # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does; 3: no per-sequence rows (Analysis.opsm)
     merge_every: int = 256  # its per-sequence table grows with the run: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 
@@ -198,7 +168,6 @@ def to_arrays(p: EstimatorPartial) -> dict[str, np.ndarray]:
     for k in PER_ESTIMATOR:
         out.update({f"{k}/{name}": np.array([v]) for name, v in getattr(p, k).items()})
     out.update({f"weight_hist/{name}": np.asarray(v) for name, v in p.weight_hist.items()})
-    out.update({f"seqs/{c}": p.seqs[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SEQ_COLUMNS})
     sample = p.sample.assign(kind=p.sample["kind"].map(KINDS.index)) if len(p.sample) else p.sample
     out.update({f"sample/{c}": sample[c].to_numpy(dtype=DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
     return out
@@ -212,7 +181,6 @@ def from_arrays(a: dict[str, np.ndarray]) -> EstimatorPartial:
             getattr(p, table)[name] = v[0].item()
         elif table == "weight_hist":
             p.weight_hist[name] = np.asarray(v)
-    p.seqs = pd.DataFrame({c: a[f"seqs/{c}"] for c in SEQ_COLUMNS})
     sample = pd.DataFrame({c: a[f"sample/{c}"] for c in SAMPLE_COLUMNS})
     p.sample = sample.assign(kind=np.array([KINDS[int(k)] for k in sample["kind"]], dtype=object))
     return p
@@ -251,10 +219,6 @@ def merge_partials(parts: Sequence[EstimatorPartial], sample_size: int = 5000, s
             out.weight_abs_flagged[name] = out.weight_abs_flagged.get(name, 0.0) + p.weight_abs_flagged[name]
             out.weight_abs_max[name] = max(out.weight_abs_max.get(name, 0.0), p.weight_abs_max[name])
             out.weight_hist[name] = out.weight_hist.get(name, 0) + p.weight_hist[name]
-    seqs = [p.seqs for p in parts if len(p.seqs)]
-    if seqs:
-        g = pd.concat(seqs, ignore_index=True).groupby(["step", "seq"], sort=True)
-        out.seqs = g.agg(advantage=("advantage", "first"), gap_sum=("gap_sum", "sum"), n=("n", "sum")).reset_index()
     out.sample = _merge_samples([p for p in parts if len(p.sample)], sample_size, seed)
     return out
 
@@ -318,23 +282,3 @@ def clamp_summary(p: EstimatorPartial) -> dict[str, float]:
         "clamp_saturated_frac": p.clamp_saturated / p.tokens if p.tokens else 0.0,
         "k3_weight_lost_share": p.k3_weight_lost / total if total > 0 else 0.0,
     }
-
-
-def opsm_masked(seqs: pd.DataFrame, delta: float) -> np.ndarray:
-    """Which sequences DeepSeek's off-policy sequence mask drops: advantage < 0 and
-    mean over the sequence's loss tokens of (log mu - s) > delta."""
-    return E.opsm_drop(seqs["advantage"].to_numpy(), seqs["gap_sum"].to_numpy(), seqs["n"].to_numpy(), delta)
-
-
-def opsm_curve(seqs: pd.DataFrame, deltas: Sequence[float]) -> pd.DataFrame:
-    """Fraction of sequences masked for each delta (the slide of the threshold)."""
-    n = max(len(seqs), 1)
-    return pd.DataFrame({"delta": list(deltas), "masked_frac": [opsm_masked(seqs, d).sum() / n for d in deltas]})
-
-
-def opsm_by_step(seqs: pd.DataFrame, delta: float) -> pd.DataFrame:
-    """Per step: fraction of its sequences the mask drops at `delta`."""
-    if seqs.empty:
-        return pd.DataFrame({"step": pd.Series(dtype=np.int64), "masked_frac": pd.Series(dtype=np.float64)})
-    df = pd.DataFrame({"step": seqs["step"].to_numpy(), "masked": opsm_masked(seqs, delta)})
-    return df.groupby("step", sort=True)["masked"].mean().rename("masked_frac").reset_index()
