@@ -113,6 +113,20 @@ def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return key[new], np.cumsum(new, dtype=np.int64) - 1
 
 
+def dense_inverse(key: np.ndarray) -> np.ndarray:
+    """np.unique(key, return_inverse=True)[1] (flat) of an integer key, without its sort when the key's
+    range is at most a few times its length (sequence ids, steps): a table of the values present, ranked."""
+    key = np.asarray(key).reshape(-1)
+    if not len(key) or key.dtype.kind not in "iu":
+        return np.unique(key, return_inverse=True)[1].reshape(-1)
+    lo, hi = int(key.min()), int(key.max())
+    if hi - lo > 4 * len(key) + 1024:
+        return np.unique(key, return_inverse=True)[1].reshape(-1)
+    present = np.zeros(hi - lo + 1, bool)
+    present[key - lo] = True
+    return (np.cumsum(present) - 1)[key - lo]
+
+
 def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
     # numpy, not a compiled loop: the Overview's diagnosis makes a TokenSet, and the first compiled
     # function a process calls costs 0.1-0.2 s to load
