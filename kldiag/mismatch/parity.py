@@ -54,7 +54,9 @@ class ParityConfig:
     growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
     drift_growth_max: float = 1.5  # ... while the drift grew less than this
     min_steps_growth: int = 8
-    max_tokens: int = 1_000_000  # fit on about this many tokens of the shared sample (every k-th of its steps)
+    max_tokens: int = 1_000_000  # fit on about this many tokens of the shared sample (every k-th of its steps) ...
+    fit_tokens: int = 250_000  # ... and past this many, on the whole prompt groups of a share that leaves about
+    # this many (every step kept, fewer groups each; 0: no bound): the diagnosis's sample-based detectors in ~0.1 s
 
 
 @dataclass
@@ -333,13 +335,14 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
 
 
 def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet | None:
-    """The tokens the parity fits read: the shared sample thinned to config.max_tokens (kept in
+    """The tokens the parity fits read: the shared sample thinned to config.max_tokens, then to about
+    config.fit_tokens by whole prompt groups (TS.Sample.thinned; kept in
     `analysis.memo`; kldiag.mismatch.signatures reads the same); None without sampler log-probs."""
-    key = ("parity-tokens", config.max_tokens)
+    key = ("parity-tokens", config.max_tokens, config.fit_tokens)
     if key not in analysis.memo:
         sample = TS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
-        analysis.memo[key] = sample.thinned(config.max_tokens) if fit else None
+        analysis.memo[key] = sample.thinned(config.max_tokens, fit_tokens=config.fit_tokens) if fit else None
     return analysis.memo[key]
 
 

@@ -246,6 +246,14 @@ def thin(ts: TokenSet, max_tokens: int) -> TokenSet:
     return out
 
 
+def fit_share(ts: TokenSet, fit_tokens: int) -> TokenSet:
+    """ts cut to about fit_tokens rows by whole prompt groups (keep_groups), every step kept; ts itself
+    when it is no larger (fit_tokens 0: no bound)."""
+    if not fit_tokens or len(ts) <= fit_tokens:
+        return ts
+    return ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, fit_tokens / len(ts))))
+
+
 def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
          steps: tuple[int, int] | None = None, columns: tuple[str, ...] | None = None) -> TokenSet:
     """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range;
@@ -355,6 +363,25 @@ def empty_columns() -> dict[str, np.ndarray]:
     return out
 
 
+def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
+    """bool [N]: the rows of about `share` of the prompt groups (a sequence without a group id is its own),
+    chosen by a hash of the id alone: whole groups (the contexts a within-context fit needs), the same
+    prompts at every step (the contexts a lag scan matches across steps), the same choice on every call."""
+    key = np.where(np.asarray(group) >= 0, group, ~np.asarray(seq, np.int64))
+    if not len(key):
+        return np.zeros(0, bool)
+    new = np.empty(len(key), bool)  # a sequence's rows are consecutive: hash each run's id once
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    with np.errstate(over="ignore"):  # splitmix64's finaliser: wrapping uint64 arithmetic
+        z = (key[starts].astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    hit = (z >> np.uint64(11)) < np.uint64(min(max(share, 0.0), 1.0) * float(1 << 53))
+    return np.repeat(hit, np.diff(np.r_[starts, len(key)]))
+
+
 class Sample:
     """The merged sample of a run (columns as arrays or chunk lists), with its TokenSets made on first use
     (first iterations or all).
@@ -387,12 +414,14 @@ class Sample:
         its = [c for c in chunks(self.cols.get("iteration", [])) if len(c)]
         return bool(its) and min(int(c.min()) for c in its) != max(int(c.max()) for c in its)
 
-    def thinned(self, max_tokens: int, all_iterations: bool = False) -> TokenSet:
+    def thinned(self, max_tokens: int, all_iterations: bool = False, fit_tokens: int = 0) -> TokenSet:
         """thin(self.tokens(all_iterations), max_tokens), made from the kept steps' rows only: the float64
-        TokenSet of the whole sample (its copies) is not built when only a thinned one is read."""
-        key = (all_iterations, max_tokens)
+        TokenSet of the whole sample (its copies) is not built when only a thinned one is read. With
+        `fit_tokens`, past that many rows only the rows of a share of the prompt groups (keep_groups) that
+        leaves about fit_tokens: every kept step stays, with fewer of its groups."""
+        key = (all_iterations, max_tokens, fit_tokens)
         if key not in self._thin:
-            self._thin[key] = self._thinned(max_tokens, all_iterations)
+            self._thin[key] = self._thinned(max_tokens, all_iterations, fit_tokens)
         return self._thin[key]
 
     def _first(self) -> list[np.ndarray] | None:
@@ -406,19 +435,23 @@ class Sample:
         cut = np.cumsum([len(c) for c in chunks(self.cols["seq"])])[:-1]
         return np.split(first, cut)
 
-    def _thinned(self, max_tokens: int, all_iterations: bool) -> TokenSet:
+    def _thinned(self, max_tokens: int, all_iterations: bool, fit_tokens: int = 0) -> TokenSet:
         whole = self._sets.get(all_iterations and self.reused())
         if whole is not None:
-            return thin(whole, max_tokens)
+            return fit_share(thin(whole, max_tokens), fit_tokens)
         first = None if all_iterations else self._first()
         n = len(self) if first is None else int(sum(int(f.sum()) for f in first))
-        if n <= max_tokens:
-            return self.tokens(all_iterations)
-        k = 1 << int(np.ceil(np.log2(n / max(max_tokens, 1))))
+        k = 1 << int(np.ceil(np.log2(n / max(max_tokens, 1)))) if n > max_tokens else 1
         # thin's steps; rows keep their order, so from_columns sorts alike
         keep = [_keep_every(c, self.stride * k) for c in chunks(self.cols["step"])]
         if first is not None:  # the first iterations among the whole sample's, as from_columns finds them
             keep = [a & b for a, b in zip(keep, first, strict=True)]
+        kept = int(sum(int(c.sum()) for c in keep))
+        if fit_tokens and kept > fit_tokens:
+            keep = [c & keep_groups(g, q, fit_tokens / kept)
+                    for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
+        elif k == 1:
+            return self.tokens(all_iterations)
         ts = from_columns(self.cols, True, self.stride * k, keep)
         ts.meta = dict(self.meta)
         return ts
