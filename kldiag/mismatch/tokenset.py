@@ -472,13 +472,18 @@ class Sample:
 def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
     """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
     else one more read of the parts that lack a cached sample partial; kept in `analysis.memo`."""
+    memo = getattr(analysis, "memo", None)
+    red = memo.get(("reducer", SampleReducer.name)) if memo is not None else None  # the one read along: bound
+    if not (isinstance(red, SampleReducer) and red.max_tokens == max_tokens and red.stride > 0):
+        red = None
+    elif ("sample", red) in memo:  # one Sample per analysis: its TokenSets are made once for every face
+        return memo[("sample", red)]
     run = open_run(analysis.run_dir)
     meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
             "trainer": dict(run.manifest.trainer or {})}
-    red = SampleReducer(max_tokens).bind(run.parts())
-    memo = getattr(analysis, "memo", None)
+    red = red or SampleReducer(max_tokens).bind(run.parts())
     key = ("sample", red)
-    if memo is not None and key in memo:  # one Sample per analysis: its TokenSets are made once for every face
+    if memo is not None and key in memo:
         return memo[key]
     cols = runner.reduced(analysis, red)
     if rows(cols) > red.cap:  # one part's partial is the result as it was read: capped here
