@@ -71,12 +71,12 @@ class Signatures:
     onset_fire: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per step of the parity report
 
 
-def clustered_mean(x: np.ndarray, seq: np.ndarray) -> tuple[float, float]:
+def clustered_mean(x: np.ndarray, seq: np.ndarray, inv: np.ndarray | None = None) -> tuple[float, float]:
     """Mean of x over tokens and its standard error with the sequences as clusters (tokens of a sequence
-    are not independent)."""
+    are not independent); `inv`: TS.dense_inverse(seq), when the caller has it."""
     if not len(x):
         return math.nan, math.nan
-    inv = TS.dense_inverse(seq)  # np.unique's inverse, no sort
+    inv = TS.dense_inverse(seq) if inv is None else inv  # np.unique's inverse, no sort
     mean = float(x.mean())
     resid = np.bincount(inv, weights=x - mean)
     return mean, float(math.sqrt(float(np.dot(resid, resid))) / len(x))

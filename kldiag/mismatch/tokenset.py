@@ -115,12 +115,12 @@ def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dense_inverse(key: np.ndarray) -> np.ndarray:
     """np.unique(key, return_inverse=True)[1] (flat) of an integer key, without its sort when the key's
-    range is at most a few times its length (sequence ids, steps): a table of the values present, ranked."""
+    range is at most a few times its length or 2M (sequence ids, steps): a table of the values present, ranked."""
     key = np.asarray(key).reshape(-1)
     if not len(key) or key.dtype.kind not in "iu":
         return np.unique(key, return_inverse=True)[1].reshape(-1)
     lo, hi = int(key.min()), int(key.max())
-    if hi - lo > 4 * len(key) + 1024:
+    if hi - lo > max(8 * len(key), 1 << 21):
         return np.unique(key, return_inverse=True)[1].reshape(-1)
     present = np.zeros(hi - lo + 1, bool)
     present[key - lo] = True
