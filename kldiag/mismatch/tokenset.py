@@ -169,8 +169,13 @@ def _select(keep: np.ndarray | None):
     return runs if len(runs) * 64 < len(keep) else np.flatnonzero(keep)
 
 
-def _gather(col, sels: list, n: int, dtype) -> np.ndarray:
-    """The selected rows of a column's chunks, in order, in a new array of `dtype` (one copy, cast in place)."""
+def _gather(col, sels: list, n: int, dtype, copy: bool = False) -> np.ndarray:
+    """The selected rows of a column's chunks, in order, as `dtype`: the column itself when it is one chunk
+    of that dtype, all of it taken and not `copy` (as np.asarray; a sample's int64 ids are not copied), else
+    a new array (one copy, cast in place)."""
+    parts = chunks(col)
+    if len(parts) == 1 and sels[0] is None and parts[0].dtype == dtype and not copy:
+        return parts[0]
     out, at = np.empty(n, dtype), 0
     for v, sel in zip(chunks(col), sels, strict=True):
         if sel is None:
@@ -196,10 +201,12 @@ def _selection(cols: dict, keep: list | None) -> tuple[list, int]:
 def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
                  keep: list | None = None) -> TokenSet:
     """A TokenSet from columns_of's arrays (of one table, or a merged sample's chunks); `keep`: a bool mask
-    per chunk of the rows to take (all when None). Every array is the TokenSet's own (never the caller's)."""
+    per chunk of the rows to take (all when None). An array already of the TokenSet's dtype may be the
+    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are."""
     sels, n = _selection(cols, keep)
     ints = {c: _gather(cols[c], sels, n, np.int64) for c in INT_COLUMNS}
-    floats = {c: _gather(cols[c], sels, n, np.float64) for c in FLOAT_COLUMNS}
+    # logp_old and logp_sampler are written below: never the caller's arrays
+    floats = {c: _gather(cols[c], sels, n, np.float64, c in ("logp_old", "logp_sampler")) for c in FLOAT_COLUMNS}
     mask, has_old = _gather(cols["mask"], sels, n, bool), _gather(cols["old_valid"], sels, n, bool)
     idx = None if all_iterations else _first_iteration(ints["seq"], ints["iteration"])
     if idx is not None:
