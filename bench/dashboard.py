@@ -30,6 +30,7 @@ switches.
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
 in ns per row.
+--diagnose, instead: diagnose() alone on the warm cache, a fresh process each --repeat (wall and CPU s).
 --profile PAGE (or refresh), instead: a cProfile of that page's warm first render in a fresh process
 (or of the refresh), written to /tmp/kldiag_dash_<PAGE>.prof, its top functions printed.
 
@@ -82,6 +83,21 @@ t2 = time.perf_counter()
 print(json.dumps({"analyze_s": t1 - t0, "diagnose_s": t2 - t1, "total_s": t2 - t0, "rows": a.info["rows"],
                   "steps": a.steps.num_rows, "sequences": a.sequences.num_rows,
                   "rss_mb": peak_mb()}))
+"""
+# diagnose() on a warm cache in a fresh process: argv run. Prints JSON: wall and CPU seconds, the fit's tokens.
+DIAGNOSE = """
+import json, sys, time
+import kldiag
+from kldiag.diagnosis import diagnose
+from kldiag.mismatch import parity
+from kldiag.views import dashboard
+a = kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(), dashboard.reducers())
+t0, c0 = time.perf_counter(), time.process_time()
+d = diagnose(a)
+t1, c1 = time.perf_counter(), time.process_time()
+ts = parity.tokens_for(a)
+print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "causes": [c.cause for c in d.causes],
+                  "fit_tokens": len(ts) if ts is not None else 0}))
 """
 # The app in a fresh process: argv main.py, JSON {"first": page, "then": [pages], "refresh": synth
 # config or null, "profile": page or "refresh" or null}. Prints one JSON line of timings.
@@ -319,6 +335,17 @@ def profile(run: Path, args) -> None:
     pstats.Stats(path).sort_stats("cumulative").print_stats(r"kldiag/|/app/|_find_and_load\b", 45)
 
 
+def diagnose_only(run: Path, args) -> None:
+    """diagnose() alone on a warm cache (the Overview's detectors, the sample-based ones included), a fresh
+    process per repeat."""
+    if not list(run.glob(".kldiag/reducers/*.json")):
+        child(COLD, str(run), "dashboard", "freshcache")
+    for r in range(args.repeat):
+        f = child(DIAGNOSE, str(run))
+        print(f"diagnose #{r + 1}: {f['wall_s']:.3f} s, CPU {f['cpu_s']:.3f} s (fit on {f['fit_tokens']:,} tokens; "
+              f"causes {', '.join(f['causes']) or 'none'}); load {load()}", flush=True)
+
+
 def scale(run: Path, args) -> None:
     print(f"kldiag {tree()}")
     print(f"run {run}: {sum(p.stat().st_size for p in run.glob('tokens/rank-*/*.parquet')) / 1e9:.2f} GB in "
@@ -403,6 +430,8 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=0)
     ap.add_argument("--profile", choices=[*SCALE_PAGES, "refresh"],
                     help="only a cProfile of this page's warm first render in a fresh process (or of the refresh)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="only: diagnose() on a warm cache in a fresh process, --repeat times (wall and CPU)")
     args = ap.parse_args()
     run = Path(args.run)
     if not run.exists():
@@ -411,6 +440,8 @@ def main() -> None:
         print(f"wrote {run} in {time.perf_counter() - t:.0f} s")
     if args.breakdown:
         breakdown(run, args)
+    elif args.diagnose:
+        diagnose_only(run, args)
     elif args.profile:
         profile(run, args)
     elif args.scale:

@@ -31,12 +31,17 @@ def small_chunks() -> list:
     return out
 
 
+def flat(v) -> np.ndarray:
+    """A merged column: an array, or a chunk list (the token sample's merge appends the parts' arrays)."""
+    return np.concatenate(v) if isinstance(v, list) else np.asarray(v)
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert set(a) == set(b)
     for name in a:
         assert set(a[name]) == set(b[name]), name
         for col in a[name]:
-            x, y = np.asarray(a[name][col]), np.asarray(b[name][col])
+            x, y = flat(a[name][col]), flat(b[name][col])
             assert x.dtype == y.dtype and x.shape == y.shape, (name, col)
             assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), (name, col)
 

@@ -99,8 +99,8 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float, float]:
     return float(slope), float(md - slope * mx), float(sxd / math.sqrt(sxx * sdd))
 
 
-def _bins(x: np.ndarray, d: np.ndarray, k: int) -> list[dict]:
-    """Quantile bins of x: their x range, mean d, mean kept mass exp(-d) and token count."""
+def _bins(x: np.ndarray, d: np.ndarray, k: int, r: np.ndarray | None = None) -> list[dict]:
+    """Quantile bins of x: their x range, mean d, mean kept mass exp(-d) (r, when given) and token count."""
     edges = np.unique(np.quantile(x, np.linspace(0.0, 1.0, k + 1))) if len(x) else np.zeros(0)
     if len(edges) < 2:
         return []
@@ -108,7 +108,7 @@ def _bins(x: np.ndarray, d: np.ndarray, k: int) -> list[dict]:
     nb = len(edges) - 1
     count = np.bincount(idx, minlength=nb)
     with np.errstate(over="ignore"):  # mu << pi_old: an infinite kept mass, as the mean gives it
-        off, kept = np.bincount(idx, d, nb), np.bincount(idx, np.exp(-d), nb)
+        off, kept = np.bincount(idx, d, nb), np.bincount(idx, np.exp(-d) if r is None else r, nb)
     return [{"x_low": float(edges[b]), "x_high": float(edges[b + 1]), "offset": float(off[b] / count[b]),
              "kept_mass": float(kept[b] / count[b]), "tokens": int(count[b])} for b in range(nb) if count[b]]
 
@@ -126,13 +126,14 @@ def _pairs(inv: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(new), np.cumsum(new) - 1
 
 
-def _per_step(step: np.ndarray, seq: np.ndarray, d: np.ndarray, cfg: TruncationConfig):
+def _per_step(step: np.ndarray, seq: np.ndarray, d: np.ndarray, cfg: TruncationConfig, r: np.ndarray | None = None):
     """(steps, mean d, mean kept mass, firing) per step; a step fires on its deficit and offset."""
-    steps, inv = np.unique(step, return_inverse=True)
+    steps, inv = TS.unique_inverse(step)  # a TokenSet is step-sorted: no sort
     k = len(steps)
     n = np.maximum(np.bincount(inv, minlength=k), 1)
-    with np.errstate(over="ignore"):  # mu << pi_old: an infinite ratio, a step that cannot fire
-        r = np.exp(-d)
+    if r is None:
+        with np.errstate(over="ignore"):  # mu << pi_old: an infinite ratio, a step that cannot fire
+            r = np.exp(-d)
     off, kept = np.bincount(inv, weights=d, minlength=k) / n, np.bincount(inv, weights=r, minlength=k) / n
     first, pair = _pairs(inv, seq)
     cl = np.bincount(pair.reshape(-1), weights=r - kept[inv])  # each sequence's sum: the clusters of the SE
@@ -153,16 +154,17 @@ def check(ts: TS.TokenSet, config: TruncationConfig = TruncationConfig()) -> Tru
     fin = np.isfinite(x)
     with np.errstate(over="ignore"):
         r = np.exp(-d)
-    offset, offset_se = clustered_mean(d, seq)
-    kept, kept_se = clustered_mean(r, seq)
+    inv = TS.dense_inverse(seq)  # the sequences, as clusters of both means
+    offset, offset_se = clustered_mean(d, seq, inv)
+    kept, kept_se = clustered_mean(r, seq, inv)
     slope, intercept, corr = _line(x[fin], d[fin])
-    steps, s_off, s_kept, s_fire = _per_step(step, seq, d, config)
+    steps, s_off, s_kept, s_fire = _per_step(step, seq, d, config, r)
     deficit = 1.0 - kept
     fires = bool(deficit > config.deficit_min and deficit > config.se_k * (kept_se or 0.0)
                  and offset > config.offset_min and math.isfinite(corr) and corr >= config.corr_min
                  and s_fire.any())
     return TruncationReport(int(ok.sum()), offset, offset_se, kept, kept_se, float((d > 0).mean()), x_name, slope,
-                            intercept, corr, _bins(x[fin], d[fin], config.bins), steps, s_off, s_kept, s_fire, fires,
+                            intercept, corr, _bins(x[fin], d[fin], config.bins, r[fin]), steps, s_off, s_kept, s_fire, fires,
                             config)
 
 

@@ -54,7 +54,9 @@ class ParityConfig:
     growth_ratio: float = 2.0  # last-quarter mismatch / first-quarter mismatch above this ...
     drift_growth_max: float = 1.5  # ... while the drift grew less than this
     min_steps_growth: int = 8
-    max_tokens: int = 1_000_000  # fit on about this many tokens of the shared sample (every k-th of its steps)
+    max_tokens: int = 1_000_000  # fit on about this many tokens of the shared sample (every k-th of its steps) ...
+    fit_tokens: int = 250_000  # ... and past this many, on the whole prompt groups of a share that leaves about
+    # this many (every step kept, fewer groups each; 0: no bound): the diagnosis's sample-based detectors in ~0.1 s
 
 
 @dataclass
@@ -104,15 +106,28 @@ def mix(h: np.ndarray, x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(29))
 
 
+def scrambled_prefix(ts: TS.TokenSet) -> np.ndarray:
+    """mix(prefix_hash of the token ids (-1 read as 0), 0): the start of both the context ids and the
+    signatures' cross-step keys, computed once per TokenSet (kept on it: its arrays are never written)."""
+    h = getattr(ts, "_scrambled_prefix", None)
+    if h is None:
+        h = prefix_hash(ts.seq, ts.pos, np.where(ts.token_id < 0, 0, ts.token_id))
+        # scrambled first: a short prefix's small hash XOR a small key collides ((id + 1) ^ step), which
+        # merged the position-1 contexts of different steps sharing a group id
+        h = mix(h, np.zeros(len(h), np.uint64))
+        ts._scrambled_prefix = h
+    return h
+
+
 def context_ids(ts: TS.TokenSet) -> np.ndarray:
     """An int64 id per token: equal ids share (step, group, pos, prefix); -1 where group or ids are null.
 
     The four keys are folded into one 64-bit hash (a collision between two of a run's contexts has
-    probability ~ n**2 / 2**64), then numbered with a 1-D np.unique.
+    probability ~ n**2 / 2**64), then numbered with a 1-D np.unique (a compiled hash table numbers them in
+    one pass, but its random reads over a table of 2N keys cost as much as the sort on a million tokens,
+    and its first call loads the compiler).
     """
-    h = prefix_hash(ts.seq, ts.pos, np.where(ts.token_id < 0, 0, ts.token_id))
-    h = mix(h, np.zeros(len(h), np.uint64))  # scrambled first: a short prefix's small hash XOR a small key
-    # collides ((id + 1) ^ step), which merged the position-1 contexts of different steps sharing a group id
+    h = scrambled_prefix(ts)
     for key in (ts.step, ts.group, ts.pos):
         h = mix(h, key)
     _, ids = np.unique(h, return_inverse=True)
@@ -320,13 +335,14 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
 
 
 def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet | None:
-    """The tokens the parity fits read: the shared sample thinned to config.max_tokens (kept in
+    """The tokens the parity fits read: the shared sample thinned to config.max_tokens, then to about
+    config.fit_tokens by whole prompt groups (TS.Sample.thinned; kept in
     `analysis.memo`; kldiag.mismatch.signatures reads the same); None without sampler log-probs."""
-    key = ("parity-tokens", config.max_tokens)
+    key = ("parity-tokens", config.max_tokens, config.fit_tokens)
     if key not in analysis.memo:
         sample = TS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
-        analysis.memo[key] = sample.thinned(config.max_tokens) if fit else None
+        analysis.memo[key] = sample.thinned(config.max_tokens, fit_tokens=config.fit_tokens) if fit else None
     return analysis.memo[key]
 
 

@@ -113,6 +113,20 @@ def unique_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return key[new], np.cumsum(new, dtype=np.int64) - 1
 
 
+def dense_inverse(key: np.ndarray) -> np.ndarray:
+    """np.unique(key, return_inverse=True)[1] (flat) of an integer key, without its sort when the key's
+    range is at most a few times its length or 2M (sequence ids, steps): a table of the values present, ranked."""
+    key = np.asarray(key).reshape(-1)
+    if not len(key) or key.dtype.kind not in "iu":
+        return np.unique(key, return_inverse=True)[1].reshape(-1)
+    lo, hi = int(key.min()), int(key.max())
+    if hi - lo > max(8 * len(key), 1 << 21):
+        return np.unique(key, return_inverse=True)[1].reshape(-1)
+    present = np.zeros(hi - lo + 1, bool)
+    present[key - lo] = True
+    return (np.cumsum(present) - 1)[key - lo]
+
+
 def _sorted(step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> bool:
     # numpy, not a compiled loop: the Overview's diagnosis makes a TokenSet, and the first compiled
     # function a process calls costs 0.1-0.2 s to load
@@ -134,11 +148,66 @@ def columns_of(t: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
     return out
 
 
-def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
-    """A TokenSet from columns_of's arrays (of one table or of merged sample partials)."""
-    ints = {c: np.asarray(cols[c], np.int64) for c in INT_COLUMNS}
-    floats = {c: np.asarray(cols[c], np.float64) for c in FLOAT_COLUMNS}
-    mask, has_old = np.asarray(cols["mask"], bool), np.asarray(cols["old_valid"], bool)
+def chunks(v) -> list[np.ndarray]:
+    """A sample column as its list of chunks (a merged sample keeps each part's arrays, never concatenated)."""
+    return v if isinstance(v, list) else [v]
+
+
+def rows(cols: dict) -> int:
+    """Rows of columns_of's arrays or of a merged sample's chunks."""
+    return sum(len(c) for c in chunks(cols["step"]))
+
+
+def _select(keep: np.ndarray | None):
+    """What to copy of a chunk: None (all of it), a list of (start, end) runs when the kept rows come in
+    few runs (whole steps of a step-ordered part: slice copies), else their indices."""
+    if keep is None or keep.all():
+        return None
+    edge = np.flatnonzero(keep[1:] != keep[:-1]) + 1
+    bounds = np.r_[0, edge, len(keep)]
+    runs = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if keep[a]]
+    return runs if len(runs) * 64 < len(keep) else np.flatnonzero(keep)
+
+
+def _gather(col, sels: list, n: int, dtype, copy: bool = False) -> np.ndarray:
+    """The selected rows of a column's chunks, in order, as `dtype`: the column itself when it is one chunk
+    of that dtype, all of it taken and not `copy` (as np.asarray; a sample's int64 ids are not copied), else
+    a new array (one copy, cast in place)."""
+    parts = chunks(col)
+    if len(parts) == 1 and sels[0] is None and parts[0].dtype == dtype and not copy:
+        return parts[0]
+    out, at = np.empty(n, dtype), 0
+    for v, sel in zip(chunks(col), sels, strict=True):
+        if sel is None:
+            out[at:at + len(v)] = v
+            at += len(v)
+        elif isinstance(sel, list):
+            for a, b in sel:
+                out[at:at + b - a] = v[a:b]
+                at += b - a
+        else:
+            out[at:at + len(sel)] = v[sel]
+            at += len(sel)
+    return out
+
+
+def _selection(cols: dict, keep: list | None) -> tuple[list, int]:
+    """(_select of each chunk's keep mask, rows kept); keep None: every row."""
+    if keep is None:
+        return [None] * len(chunks(cols["step"])), rows(cols)
+    return [_select(k) for k in keep], int(sum(int(k.sum()) for k in keep))
+
+
+def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
+                 keep: list | None = None) -> TokenSet:
+    """A TokenSet from columns_of's arrays (of one table, or a merged sample's chunks); `keep`: a bool mask
+    per chunk of the rows to take (all when None). An array already of the TokenSet's dtype may be the
+    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are."""
+    sels, n = _selection(cols, keep)
+    ints = {c: _gather(cols[c], sels, n, np.int64) for c in INT_COLUMNS}
+    # logp_old and logp_sampler are written below: never the caller's arrays
+    floats = {c: _gather(cols[c], sels, n, np.float64, c in ("logp_old", "logp_sampler")) for c in FLOAT_COLUMNS}
+    mask, has_old = _gather(cols["mask"], sels, n, bool), _gather(cols["old_valid"], sels, n, bool)
     idx = None if all_iterations else _first_iteration(ints["seq"], ints["iteration"])
     if idx is not None:
         ints, floats = {k: v[idx] for k, v in ints.items()}, {k: v[idx] for k, v in floats.items()}
@@ -147,9 +216,6 @@ def from_columns(cols: dict[str, np.ndarray], all_iterations: bool = False, step
         order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
         ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
         mask, has_old = mask[order], has_old[order]
-    for c in ("logp_old", "logp_sampler"):  # written in place below: never the caller's array
-        if np.may_share_memory(floats[c], cols[c]):
-            floats[c] = floats[c].copy()
     np.copyto(floats["logp_old"], floats["logp"], where=~has_old)
     np.copyto(floats["logp_sampler"], np.nan, where=~mask)  # mu exists only where it sampled
     return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
@@ -187,6 +253,14 @@ def thin(ts: TokenSet, max_tokens: int) -> TokenSet:
     return out
 
 
+def fit_share(ts: TokenSet, fit_tokens: int) -> TokenSet:
+    """ts cut to about fit_tokens rows by whole prompt groups (keep_groups), every step kept; ts itself
+    when it is no larger (fit_tokens 0: no bound)."""
+    if not fit_tokens or len(ts) <= fit_tokens:
+        return ts
+    return ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, fit_tokens / len(ts))))
+
+
 def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
          steps: tuple[int, int] | None = None, columns: tuple[str, ...] | None = None) -> TokenSet:
     """The run's tokens (a kldiag.format Run, a path or a URI). steps=(first, last) limits the range;
@@ -215,7 +289,13 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
     return ts
 
 
-SAMPLE_TOKENS = 4_000_000  # tokens kept by the shared sample (every k-th step beyond)
+SAMPLE_TOKENS = 4_000_000  # the bound stride aims at this many tokens (estimated from the parts' bytes)
+SAMPLE_CAP = 2_000_000  # tokens the merged sample holds at most, whatever the estimate (every 2k-th step beyond)
+
+
+def _keep_every(step: np.ndarray, every: int) -> np.ndarray:
+    # a power of two (sample_stride doubles it): step % every == 0 as a bit test, 5x faster
+    return (step & (every - 1)) == 0 if (every & (every - 1)) == 0 else step % every == 0
 
 
 @dataclass(frozen=True)
@@ -224,43 +304,63 @@ class SampleReducer:
     parity fits, the decomposition, the what-if replays and the crosswalk of every face share.
 
     `bind(parts)` fixes the stride from the run's size (sample_stride); the sample keeps every
-    reuse iteration (the crosswalk needs them) and float log-probs as stored (float32)."""
+    reuse iteration (the crosswalk needs them) and float log-probs as stored (float32). The merge keeps
+    each part's arrays as chunks (a list per column: never a concatenated copy; the cache writes them one
+    after the other) and at most `cap` rows: past it, every 2k-th step of the bound stride, the stride
+    it kept in "stride" ([1] int64). A row a merge drops never comes back, so merging in any grouping of
+    the parts in order keeps the same rows."""
 
     max_tokens: int = SAMPLE_TOKENS
     stride: int = 0  # 0: not bound yet
     name: str = "tokens"
-    version: int = 1
+    version: int = 2
     columns: tuple[str, ...] = tuple(COLUMNS)
-    merge_every: int = 0  # a concatenation: merged once, at the end (the sample is bounded)
+    merge_every: int = 0  # chunks appended: merged once, at the end (nothing is copied)
+    cap: int = SAMPLE_CAP
 
     def bind(self, parts) -> SampleReducer:
-        return SampleReducer(self.max_tokens, sample_stride(parts, self.max_tokens))
+        return SampleReducer(self.max_tokens, sample_stride(parts, self.max_tokens), cap=self.cap)
 
     def settings(self) -> dict:
-        return {"stride": self.stride}
+        return {"stride": self.stride, "cap": self.cap}
 
     def start(self, part) -> list:
         return []
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
         if self.stride > 1:
-            step = batch.column("step").to_numpy(zero_copy_only=False)
-            # stride is a power of two (sample_stride): step % stride == 0 as a bit test, 5x faster
-            pow2 = (self.stride & (self.stride - 1)) == 0
-            keep = (step & (self.stride - 1)) == 0 if pow2 else step % self.stride == 0
+            keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
             if not keep.all():
                 batch = batch.filter(pa.array(keep)) if keep.any() else batch.slice(0, 0)
         if batch.num_rows:
             state.append(columns_of(batch))
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        return self.merge(state) if state else empty_columns()
+        """The part's rows, one array per column (a part is small: its batches concatenated)."""
+        if not state:
+            return empty_columns()
+        out = state[0] if len(state) == 1 else {c: np.concatenate([p[c] for p in state]) for c in state[0]}
+        return {**out, "stride": np.array([max(self.stride, 1)], np.int64)}
 
-    def merge(self, partials) -> dict[str, np.ndarray]:
-        partials = [p for p in partials if len(p["step"])]
+    def merge(self, partials) -> dict:
+        """The partials' chunks in order, thinned to every `s`-th step, s the smallest power-of-two
+        multiple of their strides that leaves at most `cap` rows."""
+        partials = [p for p in partials if rows(p)]
         if not partials:
             return empty_columns()
-        return {c: np.concatenate([p[c] for p in partials]) for c in partials[0]}
+        every = max(int(p["stride"][0]) if "stride" in p else max(self.stride, 1) for p in partials)
+        steps = [c for p in partials for c in chunks(p["step"])]
+        while sum(int(np.count_nonzero(_keep_every(c, every))) for c in steps) > self.cap:
+            every *= 2
+        keep = [_keep_every(c, every) for c in steps]
+        names = [c for c in partials[0] if c != "stride"]
+        out: dict = {c: [] for c in names}
+        for c in names:
+            vs = [v for p in partials for v in chunks(p[c])]
+            out[c] = [v if k.all() else v[k] for v, k in zip(vs, keep, strict=True) if k.any()]
+        if not out["step"]:
+            return {**empty_columns(), "stride": np.array([every], np.int64)}
+        return {**out, "stride": np.array([every], np.int64)}
 
 
 def empty_columns() -> dict[str, np.ndarray]:
@@ -270,16 +370,42 @@ def empty_columns() -> dict[str, np.ndarray]:
     return out
 
 
+def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
+    """bool [N]: the rows of about `share` of the prompt groups (a sequence without a group id is its own),
+    chosen by a hash of the id alone: whole groups (the contexts a within-context fit needs), the same
+    prompts at every step (the contexts a lag scan matches across steps), the same choice on every call."""
+    key = np.where(np.asarray(group) >= 0, group, ~np.asarray(seq, np.int64))
+    if not len(key):
+        return np.zeros(0, bool)
+    new = np.empty(len(key), bool)  # a sequence's rows are consecutive: hash each run's id once
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    with np.errstate(over="ignore"):  # splitmix64's finaliser: wrapping uint64 arithmetic
+        z = (key[starts].astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    hit = (z >> np.uint64(11)) < np.uint64(min(max(share, 0.0), 1.0) * float(1 << 53))
+    return np.repeat(hit, np.diff(np.r_[starts, len(key)]))
+
+
 class Sample:
-    """The merged sample of a run, with its TokenSets made on first use (first iterations or all).
+    """The merged sample of a run (columns as arrays or chunk lists), with its TokenSets made on first use
+    (first iterations or all).
 
     A TokenSet is kept only while a face holds it (weakly: the Mismatch page's view, a parity fit in
     progress), so that a refresh's new analysis reuses the freed memory instead of touching new pages."""
 
-    def __init__(self, cols: dict[str, np.ndarray], stride: int, meta: dict | None = None):
+    def __init__(self, cols: dict, stride: int, meta: dict | None = None):
+        if "stride" in cols:  # the stride the merge kept (a multiple of the bound one past the cap)
+            stride = max(stride, int(np.asarray(cols["stride"]).reshape(-1)[0]))
+            cols = {c: v for c, v in cols.items() if c != "stride"}
         self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
         self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
         self._thin: dict[tuple[bool, int], TokenSet] = {}  # at most max_tokens tokens each: kept
+
+    def __len__(self) -> int:
+        return rows(self.cols)
 
     def tokens(self, all_iterations: bool = False) -> TokenSet:
         key = all_iterations and self.reused()  # without reuse iterations both sets are the same tokens
@@ -292,36 +418,48 @@ class Sample:
 
     def reused(self) -> bool:
         """Whether a sequence of the sample has a second reuse iteration (else both TokenSets are one)."""
-        it = self.cols.get("iteration")
-        return it is not None and len(it) > 0 and bool(it.min() != it.max())
+        its = [c for c in chunks(self.cols.get("iteration", [])) if len(c)]
+        return bool(its) and min(int(c.min()) for c in its) != max(int(c.max()) for c in its)
 
-    def thinned(self, max_tokens: int, all_iterations: bool = False) -> TokenSet:
+    def thinned(self, max_tokens: int, all_iterations: bool = False, fit_tokens: int = 0) -> TokenSet:
         """thin(self.tokens(all_iterations), max_tokens), made from the kept steps' rows only: the float64
-        TokenSet of the whole sample (its copies) is not built when only a thinned one is read."""
-        key = (all_iterations, max_tokens)
+        TokenSet of the whole sample (its copies) is not built when only a thinned one is read. With
+        `fit_tokens`, past that many rows only the rows of a share of the prompt groups (keep_groups) that
+        leaves about fit_tokens: every kept step stays, with fewer of its groups."""
+        key = (all_iterations, max_tokens, fit_tokens)
         if key not in self._thin:
-            self._thin[key] = self._thinned(max_tokens, all_iterations)
+            self._thin[key] = self._thinned(max_tokens, all_iterations, fit_tokens)
         return self._thin[key]
 
-    def _thinned(self, max_tokens: int, all_iterations: bool) -> TokenSet:
+    def _first(self) -> list[np.ndarray] | None:
+        """Per chunk, its rows that are their sequence's first iteration (None: every row is)."""
+        if not self.reused():
+            return None
+        seq = np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["seq"])])
+        idx = _first_iteration(seq, np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["iteration"])]))
+        first = np.zeros(len(seq), bool)
+        first[idx] = True
+        cut = np.cumsum([len(c) for c in chunks(self.cols["seq"])])[:-1]
+        return np.split(first, cut)
+
+    def _thinned(self, max_tokens: int, all_iterations: bool, fit_tokens: int = 0) -> TokenSet:
         whole = self._sets.get(all_iterations and self.reused())
         if whole is not None:
-            return thin(whole, max_tokens)
-        cols = self.cols
-        idx = None if all_iterations else _first_iteration(np.asarray(cols["seq"], np.int64),
-                                                            np.asarray(cols["iteration"], np.int64))
-        n = len(cols["step"]) if idx is None else len(idx)
-        if n <= max_tokens:
+            return fit_share(thin(whole, max_tokens), fit_tokens)
+        first = None if all_iterations else self._first()
+        n = len(self) if first is None else int(sum(int(f.sum()) for f in first))
+        k = 1 << int(np.ceil(np.log2(n / max(max_tokens, 1)))) if n > max_tokens else 1
+        # thin's steps; rows keep their order, so from_columns sorts alike
+        keep = [_keep_every(c, self.stride * k) for c in chunks(self.cols["step"])]
+        if first is not None:  # the first iterations among the whole sample's, as from_columns finds them
+            keep = [a & b for a, b in zip(keep, first, strict=True)]
+        kept = int(sum(int(c.sum()) for c in keep))
+        if fit_tokens and kept > fit_tokens:
+            keep = [c & keep_groups(g, q, fit_tokens / kept)
+                    for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
+        elif k == 1:
             return self.tokens(all_iterations)
-        k = 1 << int(np.ceil(np.log2(n / max(max_tokens, 1))))
-        step = np.asarray(cols["step"], np.int64)
-        keep = step % (self.stride * k) == 0  # thin's steps; rows keep their order, so from_columns sorts alike
-        if idx is not None:  # the first iterations among the whole sample's, as from_columns finds them
-            first = np.zeros(len(step), bool)
-            first[idx] = True
-            keep &= first
-        rows = np.flatnonzero(keep)
-        ts = from_columns({c: v[rows] for c, v in cols.items()}, True, self.stride * k)
+        ts = from_columns(self.cols, True, self.stride * k, keep)
         ts.meta = dict(self.meta)
         return ts
 
@@ -331,22 +469,33 @@ class Sample:
         v = self.cols.get(column)
         if v is None:
             return False
-        ok = np.isfinite(v)
-        return bool((ok & self.cols["mask"]).any() if column in ("logp_sampler", "logp_old") else ok.any())
+        for c, m in zip(chunks(v), chunks(self.cols["mask"]), strict=True):
+            ok = np.isfinite(c)
+            if bool((ok & m).any() if column in ("logp_sampler", "logp_old") else ok.any()):
+                return True
+        return False
 
 
 def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
     """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
     else one more read of the parts that lack a cached sample partial; kept in `analysis.memo`."""
+    memo = getattr(analysis, "memo", None)
+    red = memo.get(("reducer", SampleReducer.name)) if memo is not None else None  # the one read along: bound
+    if not (isinstance(red, SampleReducer) and red.max_tokens == max_tokens and red.stride > 0):
+        red = None
+    elif ("sample", red) in memo:  # one Sample per analysis: its TokenSets are made once for every face
+        return memo[("sample", red)]
     run = open_run(analysis.run_dir)
     meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
             "trainer": dict(run.manifest.trainer or {})}
-    red = SampleReducer(max_tokens).bind(run.parts())
-    memo = getattr(analysis, "memo", None)
+    red = red or SampleReducer(max_tokens).bind(run.parts())
     key = ("sample", red)
-    if memo is not None and key in memo:  # one Sample per analysis: its TokenSets are made once for every face
+    if memo is not None and key in memo:
         return memo[key]
-    sample = Sample(runner.reduced(analysis, red), red.stride, meta)
+    cols = runner.reduced(analysis, red)
+    if rows(cols) > red.cap:  # one part's partial is the result as it was read: capped here
+        cols = red.merge([cols])
+    sample = Sample(cols, red.stride, meta)
     if memo is not None:
         memo[key] = sample
     return sample
