@@ -98,6 +98,7 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     a.spans = lost.read_spans(parts, a.lost)
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
+    a.memo["parts"] = (run, parts)  # what it read: a later reducer binds to these, without listing the run again
     worker.release_freed_memory()
     return a
 
