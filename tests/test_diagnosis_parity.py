@@ -13,6 +13,7 @@ import kldiag
 from kldiag.diagnosis import parity as DP
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 from kldiag.format.schema import TOKEN_SCHEMA
 
 
@@ -167,8 +168,8 @@ def test_sample_thinned_equals_thin_of_its_tokens(shuffled):
         cols = {c: v[order] for c, v in cols.items()}
     for all_iterations in (False, True):
         for max_tokens in (n * 2, 1500, 300):
-            got = TS.Sample(cols, 2, {"run": "x"}).thinned(max_tokens, all_iterations)
-            want = TS.thin(TS.Sample(cols, 2, {"run": "x"}).tokens(all_iterations), max_tokens)
+            got = SS.Sample(cols, 2, {"run": "x"}).thinned(max_tokens, all_iterations)
+            want = TS.thin(SS.Sample(cols, 2, {"run": "x"}).tokens(all_iterations), max_tokens)
             assert got.step_stride == want.step_stride and got.meta == want.meta and len(got) == len(want)
             for f in ("step", "seq", "pos", "iteration", "logp", "logp_old", "logp_sampler", "mask", "has_old"):
                 np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
@@ -181,7 +182,7 @@ def test_sample_reducer_keeps_every_stride_th_step(stride):
     step = np.repeat(np.arange(-5, 45), 10)
     batch = TS._fill(pa.record_batch({"step": pa.array(step), "seq": pa.array(np.arange(n)),
                                       "logp": pa.array(np.linspace(-3, 0, n, dtype=np.float32))}))
-    red, state = TS.SampleReducer(stride=stride), []
+    red, state = SS.SampleReducer(stride=stride), []
     red.add(state, batch)
     got = red.finish(state, 0)
     keep = step % stride == 0

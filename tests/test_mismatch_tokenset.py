@@ -1,92 +1,15 @@
-"""The shared token sample (kldiag.mismatch.tokenset): its merge keeps the parts' arrays as chunks (no
-concatenated copy) and at most `cap` rows whatever the bound stride; TokenSets made from chunks equal those
-made from one concatenated table; the bounded fit sample keeps whole prompt groups at every step."""
+"""TokenSets (kldiag.mismatch.tokenset): dense_inverse equals np.unique's inverse, and the bounded fit sample
+keeps whole prompt groups at every step and finds what the whole sample finds."""
 
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from kldiag.analysis import reduce
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
 
 from test_diagnosis_parity import engine_table
-
-
-def partial(steps: np.ndarray, seed: int, stride: int = 1) -> dict:
-    """A part's sample partial (SampleReducer.finish's layout): 10 rows a step, 2 sequences of 5 tokens."""
-    rng = np.random.default_rng(seed)
-    step = np.repeat(steps, 10)
-    n = len(step)
-    cols = {c: rng.integers(0, 50, n) for c in TS.INT_COLUMNS}
-    cols.update(step=step, seq=np.repeat(np.arange(len(steps) * 2) + 1000 * seed, 5), pos=np.tile(np.arange(5), 2 * len(steps)),
-                group=np.repeat(np.arange(len(steps)) + 100 * seed, 10), iteration=np.zeros(n, np.int64))
-    cols.update({c: rng.normal(-1.0, 0.5, n).astype(np.float32) for c in TS.FLOAT_COLUMNS})
-    cols.update(mask=rng.random(n) < 0.9, old_valid=rng.random(n) < 0.8, stride=np.array([stride], np.int64))
-    return cols
-
-
-def concat(parts: list[dict]) -> dict:
-    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0] if c != "stride"}
-
-
-def test_merge_keeps_the_parts_arrays_without_copying_them():
-    parts = [partial(np.arange(8 * i, 8 * i + 8), i) for i in range(4)]
-    red = TS.SampleReducer(stride=1, cap=10_000)
-    got = red.merge(parts)
-    assert int(got["stride"][0]) == 1
-    for c in ("step", "logp", "mask"):
-        assert all(a is p[c] for a, p in zip(got[c], parts, strict=True)), c  # the same arrays: no copy
-    again = red.merge([red.merge(parts[:2]), red.merge(parts[2:3]), parts[3]])  # any grouping, in order
-    for c in concat(parts):
-        np.testing.assert_array_equal(np.concatenate(again[c]), concat(parts)[c], err_msg=c)
-
-
-@pytest.mark.parametrize("grouping", [[4], [1, 1, 1, 1], [3, 1], [1, 3]])
-def test_merge_caps_the_sample_at_every_2k_th_step(grouping):
-    """Past `cap` rows the merge keeps every 2k-th step of the bound stride (the smallest k under the cap),
-    and merging the parts in any grouping, in order, keeps the same rows and stride."""
-    parts = [partial(np.arange(0, 64, 2) + 64 * i, i, stride=2) for i in range(4)]  # 4 x 32 steps x 10 rows
-    red = TS.SampleReducer(stride=2, cap=300)
-    merged, at = None, 0
-    for size in grouping:
-        merged = red.merge(([merged] if merged is not None else []) + parts[at:at + size])
-        at += size
-    every = int(merged["stride"][0])
-    assert every == 16  # 1280 rows at stride 2, 640 at 4, 320 at 8, 160 at 16 <= 300
-    step = np.concatenate(merged["step"])
-    assert len(step) <= red.cap and np.all(step % every == 0)
-    want = concat(parts)
-    keep = want["step"] % every == 0
-    for c in want:
-        np.testing.assert_array_equal(np.concatenate(merged[c]), want[c][keep], err_msg=c)
-    sample = TS.Sample(merged, 2)
-    assert sample.stride == 16 and len(sample) == keep.sum() and sample.tokens().step_stride == 16
-
-
-def test_sample_of_chunks_equals_sample_of_one_table(tmp_path):
-    """TokenSets and thinned sets made from a merged sample's chunks equal those made from the concatenated
-    columns, and from the cache file the chunks are written to (one after the other, never concatenated)."""
-    parts = [partial(np.arange(10 * i, 10 * i + 10), i) for i in range(3)]
-    parts[1]["iteration"][::3] = 1  # reuse iterations: first iterations found across chunks
-    merged = TS.SampleReducer(stride=1, cap=10_000).merge(parts)
-    path = tmp_path / "sample.part"
-    assert reduce.save_arrays(path, merged)
-    loaded = reduce.load_arrays(path)
-    flat = TS.Sample(concat(parts), 1)
-    for other in (TS.Sample(merged, 1), TS.Sample(loaded, 1)):
-        for all_iterations in (False, True):
-            for got, want in ((other.tokens(all_iterations), flat.tokens(all_iterations)),
-                              (other.thinned(120, all_iterations), flat.thinned(120, all_iterations)),
-                              (other.thinned(1000, all_iterations, 60), flat.thinned(1000, all_iterations, 60))):
-                assert len(got) == len(want) and got.step_stride == want.step_stride
-                for f in ("step", "seq", "group", "pos", "logp", "logp_old", "logp_sampler", "mask", "has_old"):
-                    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-                    assert getattr(got, f).dtype == getattr(want, f).dtype
-    for c in ("logp_sampler", "entropy"):
-        assert TS.Sample(merged, 1).has_values(c) == flat.has_values(c)
 
 
 def test_dense_inverse_is_np_unique_inverse():
@@ -123,17 +46,3 @@ def test_bounded_fit_finds_the_temperature_of_the_whole_sample():
     assert part.fit.tokens < len(ts) // 2
     assert part.fit.implied_temperature == pytest.approx(1.3, abs=0.02)
     assert part.fit.implied_temperature == pytest.approx(whole.fit.implied_temperature, abs=0.02)
-
-
-def test_sample_reducer_finish_then_merge_round_trip():
-    """finish() gives one array per column and the bound stride; merge() of finished parts caps them."""
-    step = np.repeat(np.arange(0, 40), 10)
-    batch = TS._fill(pa.record_batch({"step": pa.array(step), "seq": pa.array(np.arange(len(step)))}))
-    red = TS.SampleReducer(stride=4, cap=50)
-    state: list = []
-    red.add(state, batch.slice(0, 200))
-    red.add(state, batch.slice(200))
-    one = red.finish(state, 0)
-    assert isinstance(one["step"], np.ndarray) and int(one["stride"][0]) == 4 and len(one["step"]) == 100
-    merged = red.merge([one])
-    assert int(merged["stride"][0]) == 8 and len(TS.chunks(merged["step"])[0]) == 50

@@ -28,6 +28,7 @@ from kldiag.errors import KldiagError
 from kldiag.format import open_run
 from kldiag.frameworks import family
 from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf, "skyrl": skyrl,
               "areal": areal}
@@ -158,7 +159,7 @@ def _step_reasons(mod, names, b: StepBatch, calls, values, why) -> dict[str, str
     return out
 
 
-def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: TS.Sample | None = None,
+def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: SS.Sample | None = None,
               **settings: Any) -> pa.Table:
     """Per step, `framework`'s metrics under its exact names (float64, null where the run lacks the data).
 

@@ -29,7 +29,7 @@ from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_r
 from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
 from kldiag.diagnosis import tasks as _tasks  # noqa: F401 - names the task that carries a cause
 from kldiag.diagnosis.scan import ScanReducer, scan_of
-from kldiag.mismatch.tokenset import SampleReducer
+from kldiag.mismatch.sample import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
 
 

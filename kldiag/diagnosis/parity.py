@@ -24,7 +24,7 @@ from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import signatures as S
-from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 
 
 def _onset(rep: P.ParityReport, fire: np.ndarray) -> int | None:
@@ -283,7 +283,7 @@ def parity_causes(run, config: P.ParityConfig = P.ParityConfig()) -> list[dict]:
     """The parity causes as section-6 dicts for a run path or URI, without a diagnosis (tests, notebooks):
     the KL(mu||pi_old) rule of the built-in engine_mismatch is not applied (no steps table at hand)."""
     r = open_run(run)
-    analysis = analyze(run, AnalysisConfig(), [TS.SampleReducer()])
+    analysis = analyze(run, AnalysisConfig(), [SS.SampleReducer()])
     rep = P.report_for(analysis, config)
     if rep is None:
         return []

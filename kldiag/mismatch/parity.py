@@ -34,6 +34,7 @@ from kldiag.analysis.engine import analyze
 from kldiag.analysis.episodes import Persistence, sustained
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 
 COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "logp", "logp_old", "logp_sampler")
 
@@ -325,7 +326,7 @@ def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityRepor
 
 
 def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
-    """check() on the analysed run's shared token sample (TS.sample_of), kept in `analysis.memo`:
+    """check() on the analysed run's shared token sample (SS.sample_of), kept in `analysis.memo`:
     both parity detectors, the report and the dashboard's Mismatch page share one fit."""
     key = ("parity", config)
     if key not in analysis.memo:
@@ -336,11 +337,11 @@ def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport 
 
 def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet | None:
     """The tokens the parity fits read: the shared sample thinned to config.max_tokens, then to about
-    config.fit_tokens by whole prompt groups (TS.Sample.thinned; kept in
+    config.fit_tokens by whole prompt groups (SS.Sample.thinned; kept in
     `analysis.memo`; kldiag.mismatch.signatures reads the same); None without sampler log-probs."""
     key = ("parity-tokens", config.max_tokens, config.fit_tokens)
     if key not in analysis.memo:
-        sample = TS.sample_of(analysis)
+        sample = SS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
         analysis.memo[key] = sample.thinned(config.max_tokens, fit_tokens=config.fit_tokens) if fit else None
     return analysis.memo[key]
@@ -348,4 +349,4 @@ def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet |
 
 def check_run(run, config: ParityConfig) -> ParityReport | None:
     """check() on a run path or URI, read here (no analysis at hand: tests, notebooks)."""
-    return report_for(analyze(run, AnalysisConfig(), [TS.SampleReducer()]), config)
+    return report_for(analyze(run, AnalysisConfig(), [SS.SampleReducer()]), config)

@@ -11,14 +11,12 @@ Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag.analysis import runner
 from kldiag.format import open_run
 from kldiag.format.schema import TOKEN_SCHEMA
 
@@ -234,14 +232,6 @@ def stride_for(run, max_tokens: int) -> int:
     return max(1, int(np.ceil(est_rows / max(max_tokens, 1))))
 
 
-def sample_stride(parts, max_tokens: int) -> int:
-    """A power of two k such that every k-th step of `parts` is about max_tokens rows at most: the
-    stride of a growing run changes only when its size doubles (each change recomputes the sample)."""
-    est_rows = sum(p.size for p in parts) / 12.0  # the recorder's parts are ~12 bytes a token
-    need = est_rows / max(max_tokens, 1)
-    return 1 if need <= 1 else 1 << int(np.ceil(np.log2(need)))
-
-
 def thin(ts: TokenSet, max_tokens: int) -> TokenSet:
     """ts cut to about max_tokens by keeping every k-th of its steps (k a power of two: the steps a
     step % (stride * k) == 0 keeps stay the same as the run grows)."""
@@ -289,87 +279,6 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
     return ts
 
 
-SAMPLE_TOKENS = 4_000_000  # the bound stride aims at this many tokens (estimated from the parts' bytes)
-SAMPLE_CAP = 2_000_000  # tokens the merged sample holds at most, whatever the estimate (every 2k-th step beyond)
-
-
-def _keep_every(step: np.ndarray, every: int) -> np.ndarray:
-    # a power of two (sample_stride doubles it): step % every == 0 as a bit test, 5x faster
-    return (step & (every - 1)) == 0 if (every & (every - 1)) == 0 else step % every == 0
-
-
-@dataclass(frozen=True)
-class SampleReducer:
-    """The tokens of every `stride`-th step, all COLUMNS (reduce.py's protocol): one sample that the
-    parity fits, the decomposition, the what-if replays and the crosswalk of every face share.
-
-    `bind(parts)` fixes the stride from the run's size (sample_stride); the sample keeps every
-    reuse iteration (the crosswalk needs them) and float log-probs as stored (float32). The merge keeps
-    each part's arrays as chunks (a list per column: never a concatenated copy; the cache writes them one
-    after the other) and at most `cap` rows: past it, every 2k-th step of the bound stride, the stride
-    it kept in "stride" ([1] int64). A row a merge drops never comes back, so merging in any grouping of
-    the parts in order keeps the same rows."""
-
-    max_tokens: int = SAMPLE_TOKENS
-    stride: int = 0  # 0: not bound yet
-    name: str = "tokens"
-    version: int = 2
-    columns: tuple[str, ...] = tuple(COLUMNS)
-    merge_every: int = 0  # chunks appended: merged once, at the end (nothing is copied)
-    cap: int = SAMPLE_CAP
-
-    def bind(self, parts) -> SampleReducer:
-        return SampleReducer(self.max_tokens, sample_stride(parts, self.max_tokens), cap=self.cap)
-
-    def settings(self) -> dict:
-        return {"stride": self.stride, "cap": self.cap}
-
-    def start(self, part) -> list:
-        return []
-
-    def add(self, state: list, batch: pa.RecordBatch) -> None:
-        if self.stride > 1:
-            keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
-            if not keep.all():
-                batch = batch.filter(pa.array(keep)) if keep.any() else batch.slice(0, 0)
-        if batch.num_rows:
-            state.append(columns_of(batch))
-
-    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        """The part's rows, one array per column (a part is small: its batches concatenated)."""
-        if not state:
-            return empty_columns()
-        out = state[0] if len(state) == 1 else {c: np.concatenate([p[c] for p in state]) for c in state[0]}
-        return {**out, "stride": np.array([max(self.stride, 1)], np.int64)}
-
-    def merge(self, partials) -> dict:
-        """The partials' chunks in order, thinned to every `s`-th step, s the smallest power-of-two
-        multiple of their strides that leaves at most `cap` rows."""
-        partials = [p for p in partials if rows(p)]
-        if not partials:
-            return empty_columns()
-        every = max(int(p["stride"][0]) if "stride" in p else max(self.stride, 1) for p in partials)
-        steps = [c for p in partials for c in chunks(p["step"])]
-        while sum(int(np.count_nonzero(_keep_every(c, every))) for c in steps) > self.cap:
-            every *= 2
-        keep = [_keep_every(c, every) for c in steps]
-        names = [c for c in partials[0] if c != "stride"]
-        out: dict = {c: [] for c in names}
-        for c in names:
-            vs = [v for p in partials for v in chunks(p[c])]
-            out[c] = [v if k.all() else v[k] for v, k in zip(vs, keep, strict=True) if k.any()]
-        if not out["step"]:
-            return {**empty_columns(), "stride": np.array([every], np.int64)}
-        return {**out, "stride": np.array([every], np.int64)}
-
-
-def empty_columns() -> dict[str, np.ndarray]:
-    out = {c: np.zeros(0, np.int64) for c in INT_COLUMNS}
-    out.update({c: np.zeros(0, np.float32) for c in FLOAT_COLUMNS})
-    out.update(mask=np.zeros(0, bool), old_valid=np.zeros(0, bool))
-    return out
-
-
 def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
     """bool [N]: the rows of about `share` of the prompt groups (a sequence without a group id is its own),
     chosen by a hash of the id alone: whole groups (the contexts a within-context fit needs), the same
@@ -387,115 +296,3 @@ def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
         z ^= z >> np.uint64(31)
     hit = (z >> np.uint64(11)) < np.uint64(min(max(share, 0.0), 1.0) * float(1 << 53))
     return np.repeat(hit, np.diff(np.r_[starts, len(key)]))
-
-
-class Sample:
-    """The merged sample of a run (columns as arrays or chunk lists), with its TokenSets made on first use
-    (first iterations or all).
-
-    A TokenSet is kept only while a face holds it (weakly: the Mismatch page's view, a parity fit in
-    progress), so that a refresh's new analysis reuses the freed memory instead of touching new pages."""
-
-    def __init__(self, cols: dict, stride: int, meta: dict | None = None):
-        if "stride" in cols:  # the stride the merge kept (a multiple of the bound one past the cap)
-            stride = max(stride, int(np.asarray(cols["stride"]).reshape(-1)[0]))
-            cols = {c: v for c, v in cols.items() if c != "stride"}
-        self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
-        self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
-        self._thin: dict[tuple[bool, int], TokenSet] = {}  # at most max_tokens tokens each: kept
-
-    def __len__(self) -> int:
-        return rows(self.cols)
-
-    def tokens(self, all_iterations: bool = False) -> TokenSet:
-        key = all_iterations and self.reused()  # without reuse iterations both sets are the same tokens
-        ts = self._sets.get(key)
-        if ts is None:
-            ts = from_columns(self.cols, key, self.stride)
-            ts.meta = dict(self.meta)
-            self._sets[key] = ts
-        return ts
-
-    def reused(self) -> bool:
-        """Whether a sequence of the sample has a second reuse iteration (else both TokenSets are one)."""
-        its = [c for c in chunks(self.cols.get("iteration", [])) if len(c)]
-        return bool(its) and min(int(c.min()) for c in its) != max(int(c.max()) for c in its)
-
-    def thinned(self, max_tokens: int, all_iterations: bool = False, fit_tokens: int = 0) -> TokenSet:
-        """thin(self.tokens(all_iterations), max_tokens), made from the kept steps' rows only: the float64
-        TokenSet of the whole sample (its copies) is not built when only a thinned one is read. With
-        `fit_tokens`, past that many rows only the rows of a share of the prompt groups (keep_groups) that
-        leaves about fit_tokens: every kept step stays, with fewer of its groups."""
-        key = (all_iterations, max_tokens, fit_tokens)
-        if key not in self._thin:
-            self._thin[key] = self._thinned(max_tokens, all_iterations, fit_tokens)
-        return self._thin[key]
-
-    def _first(self) -> list[np.ndarray] | None:
-        """Per chunk, its rows that are their sequence's first iteration (None: every row is)."""
-        if not self.reused():
-            return None
-        seq = np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["seq"])])
-        idx = _first_iteration(seq, np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["iteration"])]))
-        first = np.zeros(len(seq), bool)
-        first[idx] = True
-        cut = np.cumsum([len(c) for c in chunks(self.cols["seq"])])[:-1]
-        return np.split(first, cut)
-
-    def _thinned(self, max_tokens: int, all_iterations: bool, fit_tokens: int = 0) -> TokenSet:
-        whole = self._sets.get(all_iterations and self.reused())
-        if whole is not None:
-            return fit_share(thin(whole, max_tokens), fit_tokens)
-        first = None if all_iterations else self._first()
-        n = len(self) if first is None else int(sum(int(f.sum()) for f in first))
-        k = 1 << int(np.ceil(np.log2(n / max(max_tokens, 1)))) if n > max_tokens else 1
-        # thin's steps; rows keep their order, so from_columns sorts alike
-        keep = [_keep_every(c, self.stride * k) for c in chunks(self.cols["step"])]
-        if first is not None:  # the first iterations among the whole sample's, as from_columns finds them
-            keep = [a & b for a, b in zip(keep, first, strict=True)]
-        kept = int(sum(int(c.sum()) for c in keep))
-        if fit_tokens and kept > fit_tokens:
-            keep = [c & keep_groups(g, q, fit_tokens / kept)
-                    for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
-        elif k == 1:
-            return self.tokens(all_iterations)
-        ts = from_columns(self.cols, True, self.stride * k, keep)
-        ts.meta = dict(self.meta)
-        return ts
-
-    def has_values(self, column: str) -> bool:
-        """Whether the sample holds a non-null value of `column` (a log-prob or the entropy); for
-        logp_sampler and logp_old, on a token in the loss (elsewhere a dump may hold placeholders)."""
-        v = self.cols.get(column)
-        if v is None:
-            return False
-        for c, m in zip(chunks(v), chunks(self.cols["mask"]), strict=True):
-            ok = np.isfinite(c)
-            if bool((ok & m).any() if column in ("logp_sampler", "logp_old") else ok.any()):
-                return True
-        return False
-
-
-def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
-    """The analysed run's shared token sample: the one its analysis read along (Analysis.reduced),
-    else one more read of the parts that lack a cached sample partial; kept in `analysis.memo`."""
-    memo = getattr(analysis, "memo", None)
-    red = memo.get(("reducer", SampleReducer.name)) if memo is not None else None  # the one read along: bound
-    if not (isinstance(red, SampleReducer) and red.max_tokens == max_tokens and red.stride > 0):
-        red = None
-    elif ("sample", red) in memo:  # one Sample per analysis: its TokenSets are made once for every face
-        return memo[("sample", red)]
-    run = open_run(analysis.run_dir)
-    meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
-            "trainer": dict(run.manifest.trainer or {})}
-    red = red or SampleReducer(max_tokens).bind(run.parts())
-    key = ("sample", red)
-    if memo is not None and key in memo:
-        return memo[key]
-    cols = runner.reduced(analysis, red)
-    if rows(cols) > red.cap:  # one part's partial is the result as it was read: capped here
-        cols = red.merge([cols])
-    sample = Sample(cols, red.stride, meta)
-    if memo is not None:
-        memo[key] = sample
-    return sample

@@ -17,6 +17,7 @@ from kldiag.analysis.types import AnalysisConfig
 from kldiag.crosswalk import crosswalk, framework_of, null_reasons
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 from kldiag.mismatch import whatif as W
 
 DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is none of the frameworks
@@ -40,11 +41,11 @@ class MismatchView:
 
 
 def load(analysis) -> MismatchView:
-    """The view of an analysed run, from its shared token sample (TS.sample_of: read along with the
+    """The view of an analysed run, from its shared token sample (SS.sample_of: read along with the
     analysis when it was made with `reducers()`); a path or URI is analysed here first."""
     if not hasattr(analysis, "reduced"):
         analysis = analyze(analysis, AnalysisConfig(), reducers())
-    ts = TS.sample_of(analysis).tokens()
+    ts = SS.sample_of(analysis).tokens()
     d = DC.every_view(ts)
     ent = d["by_entropy"]
     return MismatchView(ts, P.report_for(analysis), d["by_step"].to_pandas(), d["by_prob"].to_pandas(),
@@ -62,7 +63,7 @@ def view_of(analysis) -> MismatchView:
 
 def reducers() -> list:
     """What the Mismatch view reads besides the analysis: the shared token sample."""
-    return [TS.SampleReducer()]
+    return [SS.SampleReducer()]
 
 
 def parity_rows(view: MismatchView) -> list[tuple[str, str, str]]:
@@ -109,7 +110,7 @@ def crosswalk_frame(analysis, framework: str, **settings: Any) -> tuple[pd.DataF
     """The crosswalk table of an analysed run (on its shared token sample) and its null reasons."""
     if not hasattr(analysis, "reduced"):
         analysis = analyze(analysis, AnalysisConfig(), reducers())
-    t = crosswalk(analysis.run_dir, framework, sample=TS.sample_of(analysis), **settings)
+    t = crosswalk(analysis.run_dir, framework, sample=SS.sample_of(analysis), **settings)
     return t.to_pandas(), null_reasons(t)
 
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis.types import AnalysisConfig, Histograms
-from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch import sample as SS
 from kldiag.fmt import num
 
 DEFAULT_CONFIG = AnalysisConfig()
@@ -78,7 +78,7 @@ def run_label(path: str | os.PathLike, others: Sequence[str | os.PathLike] = ())
 
 def present_in(analysis) -> dict[str, bool]:
     """Which optional log-prob columns hold any value, judged on the analysis's token sample."""
-    sample = TS.sample_of(analysis)
+    sample = SS.sample_of(analysis)
     return {c: sample.has_values(c) for c in LOGP_COLUMNS}
 
 
