@@ -87,8 +87,14 @@ def _frame(v: Any, arrays: dict[str, np.ndarray]) -> dict:
         raise Uncacheable(type(v).__qualname__)
     cols = []
     for name in v.columns:
-        col = v[name]
-        if not isinstance(col.dtype, np.dtype):  # an extension dtype (category, nullable Int64, ...)
+        col = v.iloc[:, len(cols)]
+        if isinstance(col.dtype, pd.StringDtype):  # pandas 3's default for strings
+            na = col.dtype.na_value
+            cols.append([_enc(name, arrays), {"__str": [None if x is None else str(x)
+                                                         for x in col.to_numpy(dtype=object, na_value=None)],
+                                               "storage": col.dtype.storage, "nan": na is not pd.NA}])
+            continue
+        if not isinstance(col.dtype, np.dtype):  # another extension dtype (category, nullable Int64, ...)
             raise Uncacheable(f"DataFrame column of dtype {col.dtype}")
         cols.append([_enc(name, arrays), _array(col.to_numpy(), arrays)])
     idx = v.index
@@ -131,6 +137,11 @@ def _dec(t: Any, arrays: dict[str, np.ndarray]) -> Any:
         out = np.empty(len(body), object)
         out[:] = [_dec(x, arrays) for x in body]
         return out.reshape(t["shape"])
+    if tag == "__str":
+        import pandas as pd
+
+        dtype = pd.StringDtype(storage=t["storage"], na_value=np.nan if t["nan"] else pd.NA)
+        return pd.array(body, dtype=dtype)
     if tag == "__path":
         return Path(body)
     if tag == "__dc":
@@ -168,8 +179,8 @@ def _dec_frame(cols: list, index: dict, arrays: dict[str, np.ndarray]) -> Any:
         idx = pd.RangeIndex(*index["range"])
     else:
         idx = pd.Index(_dec(index["values"], arrays), name=_dec(index["name"], arrays))
-    data = {_dec(name, arrays): _dec(col, arrays) for name, col in cols}
     names = [_dec(name, arrays) for name, _ in cols]
     if len(set(map(repr, names))) != len(names):
         raise ValueError("duplicate column names")
+    data = {name: _dec(col, arrays) for name, (_, col) in zip(names, cols, strict=True)}
     return pd.DataFrame(data, index=idx, columns=pd.Index(names) if names else None)
