@@ -36,7 +36,7 @@ from kldiag.analysis.prefix import digest
 
 STORE_VERSION = 1
 FOLDER = "results"
-KEEP = 16  # entries kept per result name (a few configs of a what-if, a few runs of thresholds)
+KEEP = 32  # entries kept per result name (the report's dozen what-ifs, a few thresholds, a few part sets)
 MEMO = "result_store"  # Analysis.memo's key of the identity
 EXECUTION = ("threads", "workers", "strict", "batch_size", "use_cache", "engine", "ray_address")  # no effect on results
 T = TypeVar("T")
