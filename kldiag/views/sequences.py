@@ -9,11 +9,16 @@ the in-memory table of a short run, with the same result either way (tests/test_
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag.analysis import store
+from kldiag.views import groups as VG
+from kldiag.views import pages as V
 from kldiag.views.numbers import fault_first
 
 WORST_BY = "weight_k3_abs_max"
@@ -77,3 +82,18 @@ def first_to_show(analysis) -> tuple[int, int] | None:
 def _first(t: pa.Table) -> tuple[int, int]:
     top = fault_first(t.to_pandas()).iloc[0]
     return int(top["step"]), int(top["seq"])
+
+
+def tokens(analysis, step: int, seq: int, vocab: Mapping[int, str] | None = None) -> pd.DataFrame:
+    """pages.read_sequence of an analysed run: one sequence's tokens (`vocab`: the run's own, or None),
+    kept in the run's result store, so a fresh process that opens the Sequence page reads no part."""
+    return store.cached(analysis, "sequence", [int(step), int(seq), vocab is not None],
+                        lambda: V.read_sequence(analysis.run_dir, step, seq, vocab=vocab))
+
+
+def group_tokens(analysis, step: int, seqs: Sequence[int],
+                 vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
+    """groups.read_group of an analysed run (the Sequence page's group view), kept like `tokens`."""
+    seqs = [int(s) for s in seqs]
+    return store.cached(analysis, "group", [int(step), seqs, vocab is not None],
+                        lambda: VG.read_group(analysis.run_dir, step, seqs, vocab=vocab))
