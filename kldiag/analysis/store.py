@@ -81,7 +81,8 @@ def key(analysis, name: str, settings: Any) -> str | None:
 
 def cached(analysis, name: str, settings: Any, compute: Callable[[], T]) -> T:
     """compute()'s value, read from the store when an entry of this key is there, else computed and
-    stored. The warnings compute() gave are stored with it and given again on a hit."""
+    stored. The warnings compute() gave (kldiag's: "kldiag: ...") are stored with it and given again on
+    a hit."""
     k = key(analysis, name, settings)
     if k is None:
         return compute()
@@ -95,7 +96,8 @@ def cached(analysis, name: str, settings: Any, compute: Callable[[], T]) -> T:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = compute()
-    said = [[w.category.__name__, str(w.message)] for w in caught]
+    # kldiag's own warnings only: catch_warnings is process-wide, so another thread's may be among them
+    said = [[w.category.__name__, str(w.message)] for w in caught if str(w.message).startswith("kldiag")]
     for w in caught:  # given again to the caller's filters, as compute() would have
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     _write(path, value, said)
