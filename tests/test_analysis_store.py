@@ -199,6 +199,15 @@ def test_mismatch_views_from_the_store_equal_recomputed(run, monkeypatch):
         same(y, z)
         same(x, z)
     assert view.has_sampler and len(view.tokens) > 0
+    from kldiag.analysis import turns as TU
+    from kldiag.views import turns as VT
+
+    VT.view_of(a)
+    monkeypatch.setattr(TU, "turns_of", lambda *args: pytest.fail("recomputed on a hit"))
+    turns = VT.view_of(b)
+    monkeypatch.undo()
+    same(turns, VT.TurnsView(TU.turns_of(b)))
+    assert turns.summary["steps"]
 
 
 def test_old_entries_pruned(run, monkeypatch):

@@ -40,8 +40,9 @@ def encode(value: Any) -> dict[str, np.ndarray]:
 
 
 def decode(arrays: dict[str, np.ndarray]) -> Any:
-    """The value `encode` was given; raises ValueError/KeyError/TypeError on a file that is not one."""
-    return _dec(json.loads(bytes(arrays[TREE]).decode()), arrays)
+    """The value `encode` was given; raises ValueError/KeyError/TypeError on a file that is not one.
+    Tagged objects are rebuilt by json's object_hook, innermost first, as the parser meets them."""
+    return json.loads(bytes(arrays[TREE]).decode(), object_hook=lambda d: _dec(d, arrays))
 
 
 def _array(v: np.ndarray, arrays: dict[str, np.ndarray]) -> dict:
@@ -61,6 +62,8 @@ def _enc(v: Any, arrays: dict[str, np.ndarray]) -> Any:
         items = sorted(v, key=repr) if type(v) is not tuple else v
         return {f"__{type(v).__name__}": [_enc(x, arrays) for x in items]}
     if type(v) is dict:
+        if all(type(k) is str and not k.startswith("__") for k in v):  # a JSON object as it is
+            return {k: _enc(x, arrays) for k, x in v.items()}
         return {"__d": [[_enc(k, arrays), _enc(x, arrays)] for k, x in v.items()]}
     if isinstance(v, np.generic) and not v.dtype.hasobject:
         return {"__np": v.dtype.str, "v": v.item() if v.dtype.kind not in "mMV" else str(v.view(np.int64))}
@@ -71,7 +74,7 @@ def _enc(v: Any, arrays: dict[str, np.ndarray]) -> Any:
     if dataclasses.is_dataclass(v) and not isinstance(v, type) and type(v).__module__.startswith("kldiag."):
         cls = type(v)
         return {"__dc": f"{cls.__module__}:{cls.__qualname__}",
-                "f": {f.name: _enc(getattr(v, f.name), arrays) for f in dataclasses.fields(v)}}
+                "f": _enc({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, arrays)}
     mod = type(v).__module__.split(".")[0]
     if mod == "pandas":
         return _frame(v, arrays)
@@ -118,16 +121,16 @@ def _table(v: Any, arrays: dict[str, np.ndarray]) -> dict:
     return {"__pa": _array(np.frombuffer(sink.getvalue(), np.uint8), arrays)}
 
 
-def _dec(t: Any, arrays: dict[str, np.ndarray]) -> Any:
-    if isinstance(t, list):
-        return [_dec(x, arrays) for x in t]
-    if not isinstance(t, dict):
+def _dec(t: dict, arrays: dict[str, np.ndarray]) -> Any:
+    """One JSON object, its members already decoded: a plain dict, or the value its tag stands for."""
+    tag = next(iter(t), "")
+    if not tag.startswith("__"):
         return t
-    (tag, body), *rest = t.items()
+    body = t[tag]
     if tag == "__d":
-        return {_dec(k, arrays): _dec(x, arrays) for k, x in body}
+        return {k: x for k, x in body}
     if tag in ("__tuple", "__set", "__frozenset"):
-        return {"__tuple": tuple, "__set": set, "__frozenset": frozenset}[tag](_dec(x, arrays) for x in body)
+        return {"__tuple": tuple, "__set": set, "__frozenset": frozenset}[tag](body)
     if tag == "__np":
         dt = np.dtype(body)
         return np.array(t["v"], dt)[()] if dt.kind not in "mM" else np.int64(t["v"]).view(dt)
@@ -135,7 +138,7 @@ def _dec(t: Any, arrays: dict[str, np.ndarray]) -> Any:
         return np.array(arrays[body])  # a copy: the file's buffer is read-only
     if tag == "__ao":
         out = np.empty(len(body), object)
-        out[:] = [_dec(x, arrays) for x in body]
+        out[:] = body
         return out.reshape(t["shape"])
     if tag == "__str":
         import pandas as pd
@@ -145,17 +148,17 @@ def _dec(t: Any, arrays: dict[str, np.ndarray]) -> Any:
     if tag == "__path":
         return Path(body)
     if tag == "__dc":
-        return _dataclass(body, t["f"], arrays)
+        return _dataclass(body, t["f"])
     if tag == "__df":
-        return _dec_frame(body, t["index"], arrays)
+        return _dec_frame(body, t["index"])
     if tag == "__pa":
         import pyarrow as pa
 
-        return pa.ipc.open_stream(pa.py_buffer(_dec(body, arrays).tobytes())).read_all()
+        return pa.ipc.open_stream(pa.py_buffer(body.tobytes())).read_all()
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def _dataclass(name: str, fields: dict, arrays: dict[str, np.ndarray]) -> Any:
+def _dataclass(name: str, fields: dict) -> Any:
     module, _, qual = name.partition(":")
     if not module.startswith("kldiag."):  # never import a module a file names, but our own
         raise ValueError(f"not a kldiag class: {name}")
@@ -168,19 +171,16 @@ def _dataclass(name: str, fields: dict, arrays: dict[str, np.ndarray]) -> Any:
         raise ValueError(f"{name}'s fields changed")
     obj = object.__new__(cls)  # by field, as dataclasses.replace would not run __post_init__ twice
     for key, value in fields.items():
-        object.__setattr__(obj, key, _dec(value, arrays))
+        object.__setattr__(obj, key, value)
     return obj
 
 
-def _dec_frame(cols: list, index: dict, arrays: dict[str, np.ndarray]) -> Any:
+def _dec_frame(cols: list, index: dict) -> Any:
     import pandas as pd
 
-    if "range" in index:
-        idx = pd.RangeIndex(*index["range"])
-    else:
-        idx = pd.Index(_dec(index["values"], arrays), name=_dec(index["name"], arrays))
-    names = [_dec(name, arrays) for name, _ in cols]
+    idx = pd.RangeIndex(*index["range"]) if "range" in index else pd.Index(index["values"], name=index["name"])
+    names = [name for name, _ in cols]
     if len(set(map(repr, names))) != len(names):
         raise ValueError("duplicate column names")
-    data = {name: _dec(col, arrays) for name, (_, col) in zip(names, cols, strict=True)}
+    data = {name: col for name, col in cols}
     return pd.DataFrame(data, index=idx, columns=pd.Index(names) if names else None)
