@@ -108,3 +108,22 @@ def test_tokens_and_group_stored_equal_read(tmp_path, monkeypatch):
         pd.testing.assert_frame_equal(hit_group[s], want_group[s], check_exact=True)
     no_vocab = VS.tokens(again, 2, s3)  # another entry: pieces without the vocab
     pd.testing.assert_frame_equal(no_vocab, V.read_sequence(path, 2, s3), check_exact=True)
+
+
+def test_long_run_answers_stored(tmp_path, monkeypatch):
+    """worst, of_step and first_to_show of an on-disk sequence table: a fresh analysis of the same parts
+    reads them from the result store, equal to the query's."""
+    path = _run(tmp_path / "run", ((6, "logp"),))
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 8)
+    first = analyze(path)
+    assert first.sequence_rows is not None
+    want = (VS.worst(first, 5), VS.of_step(first, 3), VS.first_to_show(first))
+    for name in ("worst", "steps", "table"):
+        monkeypatch.setattr(seqrows.SequenceRows, name, lambda *a, **k: pytest.fail("queried again"))
+    again = analyze(path)
+    got = (VS.worst(again, 5), VS.of_step(again, 3), VS.first_to_show(again))
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(got[0], want[0], check_exact=True)
+    pd.testing.assert_frame_equal(got[1], want[1], check_exact=True)
+    assert got[2] == want[2] == VS.first_to_show(analyze(path, CFG)) and len(want[0]) == 5

@@ -5,6 +5,8 @@ rows at 10B tokens); a page shows a few of its rows: the worst N (Overview), the
 (Sequence page, group view), the run's first faulty or worst sequence (where the Sequence page opens).
 Each function here reads only those rows (predicate pushdown on the Parquet pieces) and falls back to
 the in-memory table of a short run, with the same result either way (tests/test_views_sequences.py).
+A long run's answers, and the tokens of the sequences a page shows, are kept in the run's result store
+(kldiag.analysis.store): a fresh process reads them, not the Parquet pieces or parts again.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ def worst(analysis, n: int, by: str = WORST_BY) -> pd.DataFrame:
     rows = analysis.sequence_rows
     if rows is None:
         return analysis.sequences.to_pandas().nlargest(n, by)
-    got = rows.worst(n, by).to_pandas()  # largest first, ties in table order, as nlargest
-    return got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
+
+    def query() -> pd.DataFrame:
+        got = rows.worst(n, by).to_pandas()  # largest first, ties in table order, as nlargest
+        return got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
+
+    return store.cached(analysis, "worst_sequences", [int(n), by], query)  # a long run's: kept (result store)
 
 
 def of_step(analysis, step: int) -> pd.DataFrame:
@@ -45,7 +51,7 @@ def of_step(analysis, step: int) -> pd.DataFrame:
     if rows is None:
         t = analysis.sequences
         return t.filter(pc.equal(t.column("step"), step)).to_pandas()
-    return rows.steps(step, step).to_pandas()
+    return store.cached(analysis, "step_sequences", [int(step)], lambda: rows.steps(step, step).to_pandas())
 
 
 def steps_with_sequences(analysis) -> list[int]:
@@ -70,6 +76,10 @@ def first_to_show(analysis) -> tuple[int, int] | None:
         return int(top["step"]), int(top["seq"])
     if rows.num_rows == 0:
         return None
+    return store.cached(analysis, "first_sequence", [], lambda: _first_on_disk(rows))
+
+
+def _first_on_disk(rows) -> tuple[int, int]:
     cols = ["step", "seq", "nonfinite_count", WORST_BY]
     if "nonfinite_count" in rows.schema.names:
         faulty = rows.table(cols, pc.field("nonfinite_count") > 0)
