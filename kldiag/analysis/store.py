@@ -7,7 +7,7 @@ A result is stored under a key of
   stamp; None (nothing stored or read) when a part was skipped as unreadable or the analysis ran
   without its cache (use_cache=False);
 - at lookup, the analysis's resolved settings (AnalysisConfig without the execution knobs) and its
-  manifest, as the face sees them (`kldiag analyze --settings` edits the manifest after the analysis);
+  manifest, as the face sees them (`kldiag analyze --set` edits the manifest after the analysis);
 - the result's name, its own settings (a JSON-able value), and the code: STORE_VERSION and a digest
   of the kldiag sources and the numpy/pandas/pyarrow versions (`code_version`).
 A new part, a rewritten one, other thresholds or other code make another key: the old entry is never
