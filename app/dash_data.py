@@ -87,7 +87,7 @@ def _vocab(path: str, mtime_ns: int) -> dict[int, str] | None:
 @st.cache_data(max_entries=64)
 def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFrame:
     """One sequence's tokens with every per-token quantity and decoded text."""
-    return V.read_sequence(path, step, seq, vocab=_vocab(path, F.vocab_stamp(path)))
+    return VS.tokens(_analysis(path, keys), step, seq, vocab=_vocab(path, F.vocab_stamp(path)))  # stored
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

@@ -12,6 +12,7 @@ import streamlit as st
 from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import groups as VG
+from kldiag.views import sequences as VS
 
 PER_ROW = 4
 TOKENS_SHOWN = 400  # tokens of each sibling rendered as coloured text
@@ -20,7 +21,7 @@ TOKENS_SHOWN = 400  # tokens of each sibling rendered as coloured text
 @st.cache_data(max_entries=32, show_spinner=False)
 def group_tokens(path: str, step: int, seqs: tuple[int, ...], keys: tuple[str, ...]) -> dict[int, pd.DataFrame]:
     """Tokens of the group's completions, read in one pass (keyed on the run's parts)."""
-    return VG.read_group(path, step, seqs, vocab=D._vocab(path, F.vocab_stamp(path)))
+    return VS.group_tokens(D.analysis_of(path, keys), step, seqs, vocab=D._vocab(path, F.vocab_stamp(path)))
 
 
 def show(run: D.Loaded, step: int, seq: int, quantity: str) -> None:

@@ -25,7 +25,9 @@ switches.
   renders Overview and switches through every page, publishes one more part (one more step), and
   reruns the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
---scale --warm-only: only those warm figures (the cache filled once if it has no reducer states).
+--scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
+states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
+kldiag.analysis.store; a change of kldiag's code makes those entries misses).
 --breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
@@ -188,7 +190,7 @@ import kldiag
 from kldiag.analysis import reduce
 from kldiag.views import dashboard
 opened, load = [], reduce.load_arrays
-reduce.load_arrays = lambda path: opened.append(str(path)) or load(path)
+reduce.load_arrays = lambda path, **kw: opened.append(str(path)) or load(path, **kw)
 t = time.perf_counter()
 a = kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(), dashboard.reducers())
 merged = {name: a.reduced[name] for name in a.reduced}
@@ -354,6 +356,7 @@ def scale(run: Path, args) -> None:
     if args.warm_only:  # the warm figures only, on the cache as the dashboard leaves it
         if not list(run.glob(".kldiag/reducers/*.json")):
             child(COLD, str(run), "dashboard", "freshcache")
+        child(APP, str(MAIN), json.dumps({"first": "overview", "then": list(SCALE_PAGES[1:])}), env=env)  # the store
         return warm(run, args, env)
     cold: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeat):  # interleaved: alone, dashboard, alone, dashboard, ...
@@ -375,8 +378,9 @@ def scale(run: Path, args) -> None:
               f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
     # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
     # the Estimators page's first visit (timed: a tree whose first pass lacks its reducer reads every part)
+    # and the Mismatch page's (its view stored: kldiag.analysis.store)
     child(COLD, str(run), "dashboard", "freshcache")
-    f = child(APP, str(MAIN), json.dumps({"first": "overview", "then": ["estimators"]}), env=env)
+    f = child(APP, str(MAIN), json.dumps({"first": "overview", "then": ["estimators", "mismatch"]}), env=env)
     print(f"\nafter a cold first pass: Overview {f['renders'][0][1]:.2f} s, then the Estimators page's first visit "
           f"ever {f['renders'][1][1]:.2f} s; "
           f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)

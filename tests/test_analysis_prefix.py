@@ -61,7 +61,7 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch, spille
         monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
     loads = []
     real_load = reduce.load_arrays
-    monkeypatch.setattr(reduce, "load_arrays", lambda path: loads.append(path) or real_load(path))
+    monkeypatch.setattr(reduce, "load_arrays", lambda path, **kw: loads.append(path) or real_load(path, **kw))
     staged = split_run(source, tmp_path / "run", rows=70)
     assert len(staged) > 12
     cfg = AnalysisConfig(per_rank=True, trainer_compatible=True)

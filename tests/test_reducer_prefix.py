@@ -5,6 +5,7 @@ merge of every part, while a warm read loads one cache file per reducer and the 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import pickle
 import os
 import warnings
@@ -49,7 +50,7 @@ def assert_same(a: dict, b: dict) -> None:
 def counting(monkeypatch) -> list[Path]:
     loads: list[Path] = []
     real = reduce.load_arrays
-    monkeypatch.setattr(reduce, "load_arrays", lambda path: loads.append(Path(path)) or real(path))
+    monkeypatch.setattr(reduce, "load_arrays", lambda path, **kw: loads.append(Path(path)) or real(path, **kw))
     return loads
 
 
@@ -105,6 +106,34 @@ def test_warm_read_opens_a_file_per_reducer(source, tmp_path, monkeypatch):
     reducer_prefix._memo.clear()
     assert_same({"e": runner.reduced(bare, VD.estimator_reducer())}, {"e": cold.reduced["estimators"]})
     assert [p.suffix for p in loads] == [".result"]
+
+
+def mapped(v) -> bool:
+    while isinstance(v, np.ndarray):
+        v = v.base
+    return isinstance(v.obj if isinstance(v, memoryview) else v, mmap.mmap)
+
+
+def test_mapped_state_files_equal_read_ones(source, tmp_path, monkeypatch):
+    """reducer_prefix reads its files memory-mapped (reduce.MMAP_BYTES and up): the same arrays, and a
+    state rewritten by a later read (a new file renamed over it) leaves the mapped one intact."""
+    monkeypatch.setattr(reduce, "MMAP_BYTES", 1)
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 1)  # the next read rewrites every state
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:-1]:
+        publish(run, item)
+    cold = analyze(run, AnalysisConfig(), VD.reducers())
+    reducer_prefix._memo.clear()
+    warm = analyze(run, AnalysisConfig(), VD.reducers())
+    assert_same(warm.reduced, cold.reduced)
+    held = {n: dict(warm.reduced[n]) for n in warm.reduced}  # views of the mapped files
+    assert any(mapped(v) for arrays in held.values() for v in arrays.values())
+    files = {p: p.stat().st_ino for p in (run / ".kldiag" / reducer_prefix.FOLDER).glob("*.state")}
+    publish(run, staged[-1])
+    analyze(run, AnalysisConfig(), VD.reducers())
+    assert all(not p.exists() or p.stat().st_ino != ino for p, ino in files.items())  # replaced
+    assert_same(held, cold.reduced)
 
 
 def test_corrupt_part_is_never_inside_a_state(source, tmp_path, monkeypatch):

@@ -78,3 +78,52 @@ def test_empty_first_to_show():
                                      "nonfinite_count": np.zeros(0), VS.WORST_BY: np.zeros(0)})
 
     assert VS.first_to_show(Empty()) is None
+
+
+def test_tokens_and_group_stored_equal_read(tmp_path, monkeypatch):
+    """tokens() and group_tokens() read the parts once: a fresh analysis of the same parts gets them from
+    the result store (kldiag.analysis.store), equal to pages.read_sequence / groups.read_group."""
+    from kldiag.format import open_run
+    from kldiag.views import groups as VG
+    from kldiag.views import pages as V
+
+    path = tmp_path / "run"
+    make_run(path, SynthConfig(steps=4, seqs_per_step=8, seq_len=(5, 30), nonfinite=((2, "logp"),)))
+    vocab = open_run(path).vocab()
+    first = analyze(path)
+    s3, s1, s2 = VS.of_step(first, 2)["seq"].tolist()[:3]
+    one, group = VS.tokens(first, 2, s3, vocab), VS.group_tokens(first, 2, [s3, s1, s2], vocab)
+    monkeypatch.setattr(V, "read_sequence", lambda *a, **k: pytest.fail("read again"))
+    monkeypatch.setattr(VG, "read_group", lambda *a, **k: pytest.fail("read again"))
+    again = analyze(path)
+    hit, hit_group = VS.tokens(again, 2, s3, vocab), VS.group_tokens(again, 2, [s3, s1, s2], vocab)
+    monkeypatch.undo()
+    want = V.read_sequence(path, 2, s3, vocab=vocab)
+    assert len(want) and (want["piece"] != "<" + want["token_id"].astype(str) + ">").all()
+    for got in (one, hit):
+        pd.testing.assert_frame_equal(got, want, check_exact=True)
+    want_group = VG.read_group(path, 2, [s3, s1, s2], vocab=vocab)
+    assert list(hit_group) == list(want_group) == list(group)
+    for s in want_group:
+        pd.testing.assert_frame_equal(hit_group[s], want_group[s], check_exact=True)
+    no_vocab = VS.tokens(again, 2, s3)  # another entry: pieces without the vocab
+    pd.testing.assert_frame_equal(no_vocab, V.read_sequence(path, 2, s3), check_exact=True)
+
+
+def test_long_run_answers_stored(tmp_path, monkeypatch):
+    """worst, of_step and first_to_show of an on-disk sequence table: a fresh analysis of the same parts
+    reads them from the result store, equal to the query's."""
+    path = _run(tmp_path / "run", ((6, "logp"),))
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 8)
+    first = analyze(path)
+    assert first.sequence_rows is not None
+    want = (VS.worst(first, 5), VS.of_step(first, 3), VS.first_to_show(first))
+    for name in ("worst", "steps", "table"):
+        monkeypatch.setattr(seqrows.SequenceRows, name, lambda *a, **k: pytest.fail("queried again"))
+    again = analyze(path)
+    got = (VS.worst(again, 5), VS.of_step(again, 3), VS.first_to_show(again))
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(got[0], want[0], check_exact=True)
+    pd.testing.assert_frame_equal(got[1], want[1], check_exact=True)
+    assert got[2] == want[2] == VS.first_to_show(analyze(path, CFG)) and len(want[0]) == 5

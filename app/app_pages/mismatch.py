@@ -169,8 +169,8 @@ def audit_section(run: D.Loaded, fw: str) -> None:
 # The page, section by section: a new section is a function above and one line here.
 run = D.page("Mismatch")
 view = _view(run.path, run.keys)
-if view.tokens.step_stride > 1:
-    st.caption(f"A large run: every {view.tokens.step_stride}th step is shown.")
+if view.step_stride > 1:
+    st.caption(f"A large run: every {view.step_stride}th step is shown.")
 parity_section(run, view)
 turns_section(run)
 routing_section(run)

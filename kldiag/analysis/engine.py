@@ -16,12 +16,12 @@ import os
 import time
 from collections.abc import Sequence
 
-from kldiag.analysis import alerts, keyed, lost, partials, prefix, runner, seqrows, spill, tables, worker
+from kldiag.analysis import alerts, keyed, lost, partials, prefix, runner, seqrows, spill, store, tables, worker
 from kldiag.analysis.kernel import Thresholds, clip_range
 from kldiag.analysis.reduce import Reducer
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.errors import EmptyRunError
-from kldiag.format import Manifest, open_run
+from kldiag.format import Manifest, open_run, vocab_stamp
 
 OPSM_DELTA = 1e-4  # TRL's default off_policy_mask_threshold
 WORKERS_GONE = ("AnalysisConfig.workers is gone: its process pool was 2-3x slower than the default, which reads and "
@@ -99,6 +99,7 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     a.reduced = reduced
     a.memo.update({("reducer", r.name): r for r in others})  # which settings each was read with
     a.memo["parts"] = (run, parts)  # what it read: a later reducer binds to these, without listing the run again
+    store.bind(a, run.cache_dir(), parts, skipped, cfg.use_cache, vocab_stamp(run.store))  # derived results' key
     worker.release_freed_memory()
     return a
 

@@ -93,7 +93,7 @@ def _load(path: Path) -> Arrays | None:
     hit = _memo.get(path)
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    raw = reduce.load_arrays(path)
+    raw = reduce.load_arrays(path, mapped=True)  # read when a face first uses it
     if raw is not None:
         if len(_memo) >= MEMO_ENTRIES:
             _memo.pop(next(iter(_memo)))

@@ -9,11 +9,13 @@ mismatch smaller than the policy drift, leave it healthy).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
+from kldiag.analysis import store
 from kldiag.analysis.alerts import rule_context
 from kldiag.analysis.routing import RoutingReducer
 from kldiag.analysis.staleness import StalenessReducer
@@ -82,13 +84,26 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
     dropped when another detector named the same cause, or ran and lists its name in its `replaces`; any cause is
     dropped when a detector that found a cause lists its name in its `absorbs` (a root cause that explains it).
+    The result is kept in the run's result store (kldiag.analysis.store: keyed by the parts read, the
+    analysis's settings, the manifest, `config` and the code), so a fresh process on an unchanged run
+    reads it; not when `detectors` is given or a detector of another package is registered (its code
+    is not in the key).
     """
+    dets = C.detectors() if detectors is None else list(detectors)
+    own = [f"{getattr(d, '__module__', '')}:{getattr(d, '__qualname__', d)}" for d in dets]
+    if detectors is None and config is not None and all(name.startswith("kldiag.") for name in own):
+        return store.cached(analysis, "diagnosis", [dataclasses.asdict(config), own],
+                            lambda: _diagnose(analysis, config, dets))
+    return _diagnose(analysis, config, dets)
+
+
+def _diagnose(analysis, config: DiagnosisConfig | None, dets: Sequence) -> Diagnosis:
     side = side_scan(analysis, config) if config is not None else {}
     eps, rctx, cols = run_episodes(analysis, config, side)
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
     found: list[tuple[bool, Cause]] = []
     replaced, absorbed = set(), set()
-    for det in C.detectors() if detectors is None else detectors:
+    for det in dets:
         try:
             builtin = getattr(det, "__module__", "") == C.__name__
             got = _call(det, analysis, ctx)

@@ -97,13 +97,14 @@ def name_of(column: str) -> str:
 
 
 def finish(fig: go.Figure, title: str, subtitle: str = "", x_title: str = "", y_title: str = "",
-           height: int = 340, legend_per_row: int = 2) -> go.Figure:
+           height: int = 340, legend_per_row: int = 2, extra: dict | None = None) -> go.Figure:
     """The layout every chart shares: title and subtitle above the plot, both axes titled, the
     legend under the x-axis title (its own rows at the bottom of the figure, never over a title;
-    `legend_per_row`: about how many entries fit a row, 2 on a half-width chart)."""
+    `legend_per_row`: about how many entries fit a row, 2 on a half-width chart). `extra`: more layout
+    set in the same update (each plotly update validates the whole layout again)."""
     legend_rows = _legend_rows(fig, legend_per_row)
     bottom = 58 + 22 * legend_rows  # tick labels and the x title, then the legend's rows
-    fig.update_layout(
+    layout = dict(
         title={"text": title, "subtitle": {"text": subtitle}, "x": 0.0, "xref": "paper", "xanchor": "left",
                "yref": "container", "y": 0.985, "yanchor": "top"},
         height=height + 22 * legend_rows, colorway=COLORWAY,
@@ -112,6 +113,9 @@ def finish(fig: go.Figure, title: str, subtitle: str = "", x_title: str = "", y_
                 "xanchor": "left", "title": {"text": ""}},
         xaxis={"title": {"text": x_title}, "automargin": True},
         yaxis={"title": {"text": y_title}, "automargin": True})
+    for key, value in (extra or {}).items():
+        layout[key] = {**layout[key], **value} if isinstance(layout.get(key), dict) else value
+    fig.update_layout(**layout)
     return fig
 
 
@@ -181,11 +185,10 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
     smoothing > 0 draws the time-weighted EMA (kldiag.views.dash.ema) over the raw line,
     which stays faint behind; hover lists every series at a step; x_range zooms the x axis.
     """
-    fig = go.Figure()
     if x == "step":
         df = VD.with_breaks(df, x)
     xs = df[x].to_numpy()
-    shown = []
+    shown, traces = [], []
     for i, c in enumerate(col for col in columns if col in df.columns):
         y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
         if log_y:
@@ -193,34 +196,40 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
         name, color = name_of(c), COLORWAY[i % len(COLORWAY)]
         mode = "lines+markers" if len(df) < 60 else "lines"
         if smoothing > 0:
-            fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
+            traces.append(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
                                      opacity=0.25, line={"color": color}, hoverinfo="skip"))
             y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
-        fig.add_trace(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color},
+        traces.append(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color},
                                  hovertemplate=f"%{{y:.4g}} <i>({c})</i>"))
         shown.append(y)
+    fig = go.Figure(traces)  # one figure of every trace and one layout update: plotly validates each call
     finite_x = xs[pd.notna(xs)].astype(np.float64) if len(xs) else np.array([])
     shown_x = x_range or ((float(finite_x.min()), float(finite_x.max())) if finite_x.size else (0.0, 1.0))
-    onset_marks(fig, [(step, label) for step, label in onsets if shown_x[0] <= step <= shown_x[1]], shown_x)
+    extra = {"hovermode": "x unified", **onset_layout([(step, label) for step, label in onsets
+                                                       if shown_x[0] <= step <= shown_x[1]], shown_x)}
+    if x_range is not None:
+        extra["xaxis"] = {"range": list(x_range)}
     title, subtitle = fit_title(title, subtitle)
     finish(fig, title, subtitle, AXIS_TITLES.get(x, x) if x_title is None else x_title, y_title, height,
-           legend_per_row)
-    fig.update_layout(hovermode="x unified")
-    if x_range is not None:
-        fig.update_xaxes(range=list(x_range))
+           legend_per_row, extra)
     if log_y:
         decade_ticks(fig, np.concatenate(shown) if shown else np.array([]))
     return fig
 
 
-def onset_marks(fig: go.Figure, onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> None:
-    """Dashed lines at alert onsets, their labels stacked in lanes so that none overlap."""
+def onset_layout(onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> dict[str, list]:
+    """Dashed lines at alert onsets, their labels stacked in lanes so that none overlap: the layout's
+    shapes and annotations (what fig.add_vline and add_annotation make, without their per-call
+    validation of the whole figure)."""
     lanes = VD.onset_lanes(onsets, *x_range)
+    shapes, notes = [], []
     for (step, label), lane in zip(onsets, lanes, strict=True):
-        fig.add_vline(x=step, line_dash="dash", line_color="crimson", opacity=0.7)
-        fig.add_annotation(x=step, y=1.0 - 0.11 * lane, xref="x", yref="paper", text=label, showarrow=False,
-                           xanchor="left", yanchor="top", font={"size": 10, "color": "crimson"},
-                           bgcolor="rgba(128,128,128,0.12)")
+        shapes.append({"type": "line", "x0": step, "x1": step, "xref": "x", "y0": 0, "y1": 1, "yref": "y domain",
+                       "line": {"dash": "dash", "color": "crimson"}, "opacity": 0.7})
+        notes.append({"x": step, "y": 1.0 - 0.11 * lane, "xref": "x", "yref": "paper", "text": label,
+                      "showarrow": False, "xanchor": "left", "yanchor": "top",
+                      "font": {"size": 10, "color": "crimson"}, "bgcolor": "rgba(128,128,128,0.12)"})
+    return {"shapes": shapes, "annotations": notes} if onsets else {}
 
 
 def trend_onsets(dg: Diagnosis) -> list[tuple[int, str]]:

@@ -6,12 +6,14 @@ only shapes it for display. One TokenSet per run feeds every view.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from kldiag.mismatch import decompose as DC
+from kldiag.analysis import store
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.crosswalk import crosswalk, framework_of, null_reasons
@@ -25,31 +27,49 @@ DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is non
 
 @dataclass
 class MismatchView:
-    """Everything the page draws before any widget is touched."""
+    """Everything the page draws before any widget is touched. Kept in the run's result store
+    (kldiag.analysis.store): a fresh process reads it, and reads the token sample (`tokens`) only
+    when a what-if that is not stored yet replays it."""
 
-    tokens: TS.TokenSet
     parity: P.ParityReport | None
     by_step: pd.DataFrame
     by_prob: pd.DataFrame
     by_pos: pd.DataFrame
     by_entropy: pd.DataFrame | None
     summary: dict[str, Any] = field(default_factory=dict)
+    has_sampler: bool = False
+    step_stride: int = 1  # 1: every step of the run is in the sample; k: every k-th
+    analysis: Any = field(default=None, repr=False, compare=False)  # where `tokens` come from; not stored
 
     @property
-    def has_sampler(self) -> bool:
-        return self.tokens.has_sampler
+    def tokens(self) -> TS.TokenSet:
+        """The run's shared token sample (SS.sample_of: kept by the analysis while a face holds it)."""
+        return SS.sample_of(self.analysis).tokens()
 
 
-def load(analysis) -> MismatchView:
+def _analysed(analysis):
+    """An Analysis with the Mismatch view's reducers: a path or URI is analysed here first."""
+    return analysis if hasattr(analysis, "reduced") else analyze(analysis, AnalysisConfig(), reducers())
+
+
+def compute(analysis) -> MismatchView:
     """The view of an analysed run, from its shared token sample (SS.sample_of: read along with the
-    analysis when it was made with `reducers()`); a path or URI is analysed here first."""
-    if not hasattr(analysis, "reduced"):
-        analysis = analyze(analysis, AnalysisConfig(), reducers())
+    analysis when it was made with `reducers()`)."""
     ts = SS.sample_of(analysis).tokens()
     d = DC.every_view(ts)
     ent = d["by_entropy"]
-    return MismatchView(ts, P.report_for(analysis), d["by_step"].to_pandas(), d["by_prob"].to_pandas(),
-                        d["by_pos"].to_pandas(), ent.to_pandas() if ent is not None else None, d["summary"])
+    return MismatchView(P.report_for(analysis), d["by_step"].to_pandas(), d["by_prob"].to_pandas(),
+                        d["by_pos"].to_pandas(), ent.to_pandas() if ent is not None else None, d["summary"],
+                        ts.has_sampler, ts.step_stride)
+
+
+def load(analysis) -> MismatchView:
+    """compute(analysis), read from the run's result store when it holds it (a path or URI is
+    analysed here first)."""
+    analysis = _analysed(analysis)
+    view = store.cached(analysis, "mismatch_view", [], lambda: compute(analysis))
+    view.analysis = analysis
+    return view
 
 
 def view_of(analysis) -> MismatchView:
@@ -93,7 +113,8 @@ def parity_findings(diagnosis) -> list[str]:
 
 
 def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:
-    return W.replay(view.tokens, w).to_pandas()
+    """W.replay of the view's tokens, per step (kept in the run's result store per correction)."""
+    return store.cached(view.analysis, "whatif", dataclasses.asdict(w), lambda: W.replay(view.tokens, w).to_pandas())
 
 
 def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:
@@ -107,11 +128,15 @@ def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:
 
 
 def crosswalk_frame(analysis, framework: str, **settings: Any) -> tuple[pd.DataFrame, dict[str, str]]:
-    """The crosswalk table of an analysed run (on its shared token sample) and its null reasons."""
-    if not hasattr(analysis, "reduced"):
-        analysis = analyze(analysis, AnalysisConfig(), reducers())
-    t = crosswalk(analysis.run_dir, framework, sample=SS.sample_of(analysis), **settings)
-    return t.to_pandas(), null_reasons(t)
+    """The crosswalk table of an analysed run (on its shared token sample) and its null reasons (kept in
+    the run's result store per framework and settings)."""
+    analysis = _analysed(analysis)
+
+    def compute_frame() -> tuple[pd.DataFrame, dict[str, str]]:
+        t = crosswalk(analysis.run_dir, framework, sample=SS.sample_of(analysis), **settings)
+        return t.to_pandas(), null_reasons(t)
+
+    return store.cached(analysis, "crosswalk", [framework, settings], compute_frame)
 
 
 def own_framework(manifest) -> str:

@@ -221,21 +221,29 @@ def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs", focus_pos: 
     if quantity not in SEQUENCE_QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; choose one of {sorted(SEQUENCE_QUANTITIES)}")
     strength = _intensity(df[quantity].to_numpy(dtype=np.float64, na_value=np.nan), quantity)
+    n = len(df)
+
+    def column(c: str) -> list:  # column by column (Python scalars, as rows give): no row tuple per token
+        return df[c].tolist() if c in df.columns else [None] * n
+
+    tips = ["\n".join(parts) for parts in zip(*([f"{k}: {num(v, missing='n/a', nan='n/a')}" for v in column(k)]
+                                                  for k in HOVER_FIELDS), strict=True)] if n else []
+    flagged = [[f for f, on in zip(FLAG_NAMES, row, strict=True) if bool(on)]
+               for row in zip(*(column(f) if f in df.columns else [False] * n for f in FLAG_NAMES), strict=True)]
+    pos, pieces = column("pos"), df["piece"].tolist()
     spans = []
-    for i, row in enumerate(df.itertuples(index=False)):
-        fields = row._asdict()
-        tip = "\n".join(f"{k}: {num(fields.get(k), missing='n/a', nan='n/a')}" for k in HOVER_FIELDS)
-        flags = [f for f in FLAG_NAMES if bool(fields.get(f, False))]
-        tip += "\nflags: " + (", ".join(flags) or "none")
+    for i in range(n):
+        flags = flagged[i]
+        tip = tips[i] + "\nflags: " + (", ".join(flags) or "none")
         a = strength[i]
         rgb = "220,38,38" if a >= 0 else "37,99,235"
         border = "2px solid #7f1d1d" if flags else "1px solid transparent"
         style = f"background: rgba({rgb},{abs(a) * 0.85:.3f}); border-bottom: {border}"
-        focus = focus_pos is not None and fields.get("pos") == focus_pos
+        focus = focus_pos is not None and pos[i] == focus_pos
         cls = "kldiag-tok kldiag-focus" if focus else "kldiag-tok"
         style += "; outline: 2px solid #f59e0b; outline-offset: 1px" if focus else ""
         spans.append(f'<span class="{cls}" style="{style}" title="{html.escape(tip, quote=True)}">'
-                     f"{html.escape(str(fields['piece']), quote=True)}</span>")
+                     f"{html.escape(str(pieces[i]), quote=True)}</span>")
     body = "".join(spans)
     return ('<div class="kldiag-seq" style="font-family: ui-monospace, monospace; white-space: pre-wrap; '
             f'line-height: 1.9; word-break: break-word">{body}</div>')

@@ -5,15 +5,22 @@ rows at 10B tokens); a page shows a few of its rows: the worst N (Overview), the
 (Sequence page, group view), the run's first faulty or worst sequence (where the Sequence page opens).
 Each function here reads only those rows (predicate pushdown on the Parquet pieces) and falls back to
 the in-memory table of a short run, with the same result either way (tests/test_views_sequences.py).
+A long run's answers, and the tokens of the sequences a page shows, are kept in the run's result store
+(kldiag.analysis.store): a fresh process reads them, not the Parquet pieces or parts again.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag.analysis import store
+from kldiag.views import groups as VG
+from kldiag.views import pages as V
 from kldiag.views.numbers import fault_first
 
 WORST_BY = "weight_k3_abs_max"
@@ -30,8 +37,12 @@ def worst(analysis, n: int, by: str = WORST_BY) -> pd.DataFrame:
     rows = analysis.sequence_rows
     if rows is None:
         return analysis.sequences.to_pandas().nlargest(n, by)
-    got = rows.worst(n, by).to_pandas()  # largest first, ties in table order, as nlargest
-    return got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
+
+    def query() -> pd.DataFrame:
+        got = rows.worst(n, by).to_pandas()  # largest first, ties in table order, as nlargest
+        return got[got[by].notna()]  # seqrows orders nulls last; nlargest drops them
+
+    return store.cached(analysis, "worst_sequences", [int(n), by], query)  # a long run's: kept (result store)
 
 
 def of_step(analysis, step: int) -> pd.DataFrame:
@@ -40,7 +51,7 @@ def of_step(analysis, step: int) -> pd.DataFrame:
     if rows is None:
         t = analysis.sequences
         return t.filter(pc.equal(t.column("step"), step)).to_pandas()
-    return rows.steps(step, step).to_pandas()
+    return store.cached(analysis, "step_sequences", [int(step)], lambda: rows.steps(step, step).to_pandas())
 
 
 def steps_with_sequences(analysis) -> list[int]:
@@ -65,6 +76,10 @@ def first_to_show(analysis) -> tuple[int, int] | None:
         return int(top["step"]), int(top["seq"])
     if rows.num_rows == 0:
         return None
+    return store.cached(analysis, "first_sequence", [], lambda: _first_on_disk(rows))
+
+
+def _first_on_disk(rows) -> tuple[int, int]:
     cols = ["step", "seq", "nonfinite_count", WORST_BY]
     if "nonfinite_count" in rows.schema.names:
         faulty = rows.table(cols, pc.field("nonfinite_count") > 0)
@@ -77,3 +92,18 @@ def first_to_show(analysis) -> tuple[int, int] | None:
 def _first(t: pa.Table) -> tuple[int, int]:
     top = fault_first(t.to_pandas()).iloc[0]
     return int(top["step"]), int(top["seq"])
+
+
+def tokens(analysis, step: int, seq: int, vocab: Mapping[int, str] | None = None) -> pd.DataFrame:
+    """pages.read_sequence of an analysed run: one sequence's tokens (`vocab`: the run's own, or None),
+    kept in the run's result store, so a fresh process that opens the Sequence page reads no part."""
+    return store.cached(analysis, "sequence", [int(step), int(seq), vocab is not None],
+                        lambda: V.read_sequence(analysis.run_dir, step, seq, vocab=vocab))
+
+
+def group_tokens(analysis, step: int, seqs: Sequence[int],
+                 vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
+    """groups.read_group of an analysed run (the Sequence page's group view), kept like `tokens`."""
+    seqs = [int(s) for s in seqs]
+    return store.cached(analysis, "group", [int(step), seqs, vocab is not None],
+                        lambda: VG.read_group(analysis.run_dir, step, seqs, vocab=vocab))

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from kldiag.analysis import store
 from kldiag.analysis import turns as TU
 from kldiag.views import charts as VC
 from kldiag.views import pages as V
@@ -38,8 +39,9 @@ class TurnsView:
 
 
 def view_of(analysis) -> TurnsView:
-    """The run's per-turn figures (read with the analysis when it was made with diagnosis.core.reducers())."""
-    return TurnsView(TU.turns_of(analysis))
+    """The run's per-turn figures (read with the analysis when it was made with diagnosis.core.reducers()),
+    kept in the run's result store (kldiag.analysis.store)."""
+    return store.cached(analysis, "turns_view", [], lambda: TurnsView(TU.turns_of(analysis)))
 
 
 def table(view: TurnsView) -> pd.DataFrame:
