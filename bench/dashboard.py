@@ -25,6 +25,7 @@ switches.
   renders Overview and switches through every page, publishes one more part (one more step), and
   reruns the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
+--scale --cold-only: only the cold figures and their ratio.
 --scale --warm-only: only those warm figures (the cache filled once if it has no reducer states).
 --breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
@@ -163,6 +164,7 @@ if spec.get("refresh"):
             Path(p).unlink()
 out["rss_mb"] = peak_mb()
 out["cpu"] = CPU
+out["numba"] = "numba" in sys.modules  # imported only when a compiled kernel ran (kldiag.jit)
 print(json.dumps(out))
 """
 # A warm analyze with the dashboard's reducers in a fresh process: its seconds and the cache files it opens.
@@ -338,14 +340,9 @@ def scale(run: Path, args) -> None:
                 print(f"  cold {mode:9s} {cache:10s} #{r + 1}: analyze {f['analyze_s']:.2f} s + diagnose "
                       f"{f['diagnose_s']:.2f} s = {f['total_s']:.2f} s; peak RSS {f['rss_mb']:.0f} MB; "
                       f"load {f['load']}", flush=True)
-    f0 = cold[("alone", "nocache")][0]
-    print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
-    for cache in ("nocache", "freshcache"):
-        alone = [f["total_s"] for f in cold[("alone", cache)]]
-        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
-        print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
-              f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
-              f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
+    cold_summary(cold)
+    if args.cold_only:
+        return
     # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
     # the Estimators page's first visit (timed: a tree whose first pass lacks its reducer reads every part)
     child(COLD, str(run), "dashboard", "freshcache")
@@ -354,6 +351,17 @@ def scale(run: Path, args) -> None:
           f"ever {f['renders'][1][1]:.2f} s; "
           f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
     warm(run, args, env)
+
+
+def cold_summary(cold: dict) -> None:
+    f0 = cold[("alone", "nocache")][0]
+    print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
+    for cache in ("nocache", "freshcache"):
+        alone = [f["total_s"] for f in cold[("alone", cache)]]
+        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
+        print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
+              f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
+              f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
 
 
 def warm(run: Path, args, env: dict) -> None:
@@ -372,7 +380,8 @@ def warm(run: Path, args, env: dict) -> None:
             cpus.setdefault(page, []).append(f["cpu"][page])
             print(f"  {page:14s} #{r + 1}: {s:6.2f} s, CPU {f['cpu'][page]:5.2f} s  ({title}"
                   f"{'; EXCEPTION ' + str(exc) if exc else ''}); "
-                  f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
+                  f"peak RSS {f['rss_mb']:.0f} MB; numba {'imported' if f.get('numba') else 'not imported'}; "
+                  f"load {load()}", flush=True)
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
@@ -398,6 +407,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--warm-only", action="store_true",
                     help="with --scale: only the warm first renders and the refresh (no cold analyses)")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="with --scale: only the cold analyses and their ratio (no Estimators visit, no warm renders)")
     ap.add_argument("--breakdown", action="store_true",
                     help="only: each reducer's read + reduce time per row, one thread (--parts N: the first N)")
     ap.add_argument("--parts", type=int, default=0)
