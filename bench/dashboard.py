@@ -27,8 +27,8 @@ switches.
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
 --scale --cold-only: only the cold figures and their ratio.
 --scale --warm-only: only those warm figures (the cache filled once if it has no reducer states).
---breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
-first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
+--breakdown, instead: one thread, part by part (wall and this thread's CPU time: the CPU figure
+holds on a loaded machine), the read of the analysis's columns and of the first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
 in ns per row.
 --profile PAGE (or refresh), instead: a cProfile of that page's warm first render in a fresh process
@@ -263,12 +263,12 @@ def breakdown(run: Path, args) -> None:
     reds = first + [x for x in extra if x.name not in {y.name for y in first}]
     print(f"{run}: {len(parts)} parts; one thread; kldiag {tree()}; load {load()}")
 
-    def read(columns) -> float:
-        t = time.perf_counter()
+    def read(columns) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.thread_time()
         for p in parts:
             for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
                 pass
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.thread_time() - c
 
     n = sum(open_part_rows(p) for p in parts)
     read(reduce.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
@@ -276,18 +276,20 @@ def breakdown(run: Path, args) -> None:
     base = None
     for label, columns in (("read the analysis's columns", reduce.union_columns(reds[:1])),
                            ("read the first pass's columns", reduce.union_columns(first))):
-        s = read(columns)
-        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  ({len(columns)} columns)")
+        s, c = read(columns)
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
+              f"({len(columns)} columns)")
     groups = [(f"{red.name} alone (read + reduce)", [red]) for red in reds]
     groups += [("the dashboard's first pass, one read", first),
                ("the same and the Estimators reducer, one read", reds)]
     for label, group in groups:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for p in parts:
             reduce.compute_part(p, group, runner.KERNEL_ROWS)
-        s = time.perf_counter() - t
-        base = base or s
-        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  {s / base:5.2f}x the analysis")
+        s, c = time.perf_counter() - t, time.thread_time() - c
+        base = base or c
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
+              f"{c / base:5.2f}x the analysis's CPU")
 
 
 def open_part_rows(part) -> int:
