@@ -25,11 +25,13 @@ switches.
   renders Overview and switches through every page, publishes one more part (one more step), and
   reruns the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
+--scale --cold-only: only the cold figures and their ratio.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
 states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
 kldiag.analysis.store; a change of kldiag's code makes those entries misses).
---breakdown, instead: one thread, part by part, the read of the analysis's columns and of the
-first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
+--breakdown, instead: one thread, part by part (wall and this thread's CPU time: the CPU figure
+holds on a loaded machine), the read of the analysis's columns and of the first pass's (the analysis and
+kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
 in ns per row.
 --diagnose, instead: diagnose() alone on the warm cache, a fresh process each --repeat (wall and CPU s).
@@ -181,6 +183,7 @@ if spec.get("refresh"):
             Path(p).unlink()
 out["rss_mb"] = peak_mb()
 out["cpu"] = CPU
+out["numba"] = "numba" in sys.modules  # imported only when a compiled kernel ran (kldiag.jit)
 print(json.dumps(out))
 """
 # A warm analyze with the dashboard's reducers in a fresh process: its seconds and the cache files it opens.
@@ -279,12 +282,12 @@ def breakdown(run: Path, args) -> None:
     reds = first + [x for x in extra if x.name not in {y.name for y in first}]
     print(f"{run}: {len(parts)} parts; one thread; kldiag {tree()}; load {load()}")
 
-    def read(columns) -> float:
-        t = time.perf_counter()
+    def read(columns) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.thread_time()
         for p in parts:
             for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
                 pass
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.thread_time() - c
 
     n = sum(open_part_rows(p) for p in parts)
     read(reduce.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
@@ -292,18 +295,20 @@ def breakdown(run: Path, args) -> None:
     base = None
     for label, columns in (("read the analysis's columns", reduce.union_columns(reds[:1])),
                            ("read the first pass's columns", reduce.union_columns(first))):
-        s = read(columns)
-        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  ({len(columns)} columns)")
+        s, c = read(columns)
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
+              f"({len(columns)} columns)")
     groups = [(f"{red.name} alone (read + reduce)", [red]) for red in reds]
     groups += [("the dashboard's first pass, one read", first),
                ("the same and the Estimators reducer, one read", reds)]
     for label, group in groups:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for p in parts:
             reduce.compute_part(p, group, runner.KERNEL_ROWS)
-        s = time.perf_counter() - t
-        base = base or s
-        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  {s / base:5.2f}x the analysis")
+        s, c = time.perf_counter() - t, time.thread_time() - c
+        base = base or c
+        print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
+              f"{c / base:5.2f}x the analysis's CPU")
 
 
 def open_part_rows(part) -> int:
@@ -368,14 +373,9 @@ def scale(run: Path, args) -> None:
                 print(f"  cold {mode:9s} {cache:10s} #{r + 1}: analyze {f['analyze_s']:.2f} s + diagnose "
                       f"{f['diagnose_s']:.2f} s = {f['total_s']:.2f} s; peak RSS {f['rss_mb']:.0f} MB; "
                       f"load {f['load']}", flush=True)
-    f0 = cold[("alone", "nocache")][0]
-    print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
-    for cache in ("nocache", "freshcache"):
-        alone = [f["total_s"] for f in cold[("alone", cache)]]
-        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
-        print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
-              f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
-              f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
+    cold_summary(cold)
+    if args.cold_only:
+        return
     # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
     # the Estimators page's first visit (timed: a tree whose first pass lacks its reducer reads every part)
     # and the Mismatch page's (its view stored: kldiag.analysis.store)
@@ -385,6 +385,17 @@ def scale(run: Path, args) -> None:
           f"ever {f['renders'][1][1]:.2f} s; "
           f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
     warm(run, args, env)
+
+
+def cold_summary(cold: dict) -> None:
+    f0 = cold[("alone", "nocache")][0]
+    print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
+    for cache in ("nocache", "freshcache"):
+        alone = [f["total_s"] for f in cold[("alone", cache)]]
+        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
+        print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
+              f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
+              f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
 
 
 def warm(run: Path, args, env: dict) -> None:
@@ -403,7 +414,8 @@ def warm(run: Path, args, env: dict) -> None:
             cpus.setdefault(page, []).append(f["cpu"][page])
             print(f"  {page:14s} #{r + 1}: {s:6.2f} s, CPU {f['cpu'][page]:5.2f} s  ({title}"
                   f"{'; EXCEPTION ' + str(exc) if exc else ''}); "
-                  f"peak RSS {f['rss_mb']:.0f} MB; load {load()}", flush=True)
+                  f"peak RSS {f['rss_mb']:.0f} MB; numba {'imported' if f.get('numba') else 'not imported'}; "
+                  f"load {load()}", flush=True)
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
@@ -429,6 +441,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--warm-only", action="store_true",
                     help="with --scale: only the warm first renders and the refresh (no cold analyses)")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="with --scale: only the cold analyses and their ratio (no Estimators visit, no warm renders)")
     ap.add_argument("--breakdown", action="store_true",
                     help="only: each reducer's read + reduce time per row, one thread (--parts N: the first N)")
     ap.add_argument("--parts", type=int, default=0)

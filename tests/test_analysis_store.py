@@ -193,7 +193,7 @@ def test_mismatch_views_from_the_store_equal_recomputed(run, monkeypatch):
     from kldiag.crosswalk import crosswalk, null_reasons
     from kldiag.mismatch import tokenset as TS
 
-    table = crosswalk(b.run_dir, "verl", sample=TS.sample_of(b))
+    table = crosswalk(b.run_dir, "verl", sample=SS.sample_of(b))
     again = [VM.compute(b), W.replay(view.tokens, W.WhatIf()).to_pandas(), (table.to_pandas(), null_reasons(table))]
     for x, y, z in zip(stored, hit, again, strict=True):
         same(y, z)

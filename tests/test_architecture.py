@@ -18,7 +18,7 @@ PKG = ROOT / "kldiag"
 
 # Each entry is a layer: the top-level names of kldiag (a package or a module) that live in it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "version", "estimators", "fmt", "_compat"),  # the maths reference, number formats, the exceptions
+    ("errors", "version", "estimators", "fmt", "_compat", "jit"),  # the maths reference, number formats, the exceptions
     ("format",),  # the run format and its storage
     ("frameworks",),  # what each RL framework computes, names and accepts (numpy only)
     ("record",),  # the recorder, its writer and rows

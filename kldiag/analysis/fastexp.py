@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from kldiag.jit import njit
 
 EXACT = {"contract"}  # fused multiply-adds only: no reassociation, NaN and inf kept
 JIT = dict(cache=True, nogil=True, error_model="numpy", fastmath=EXACT)

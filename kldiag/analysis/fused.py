@@ -25,9 +25,9 @@ and release the GIL, so other threads decode and reduce other parts meanwhile.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from kldiag.analysis import fastexp
+from kldiag.jit import njit
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 # Per-token helpers are inlined into the kernel by numba (inline="always"): left to LLVM,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from kldiag.analysis.fused import JIT
+from kldiag.jit import njit
 
 
 @njit(**JIT)

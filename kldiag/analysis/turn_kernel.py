@@ -9,9 +9,9 @@ numpy reference.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from kldiag.analysis import fastexp
+from kldiag.jit import njit
 
 MAX_TURN = 16  # turn buckets 0..15, then one overflow bucket for turn 16 and later
 N_TURN = MAX_TURN + 1

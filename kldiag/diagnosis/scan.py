@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
 
 from kldiag.analysis import fastexp, runner
 from kldiag.analysis.fused import finite
 from kldiag.analysis.kernel import bools
+from kldiag.jit import njit
 
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")

@@ -19,9 +19,9 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from kldiag import estimators as E
+from kldiag.jit import njit
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 LOG_TAU = math.log(E.TAU)

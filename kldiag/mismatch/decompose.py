@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from numba import njit
 
 from kldiag import estimators as E
+from kldiag.jit import njit
 from kldiag.mismatch.tokenset import TokenSet, unique_inverse
 
 PROB_EDGES = 10.0 ** np.arange(-8.0, 0.01, 0.5)  # mu's probability, half-decade buckets (1e-8 .. 1)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
 
+from kldiag.jit import njit
 from kldiag.mismatch.tokenset import TokenSet, unique_inverse
 
 METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm")

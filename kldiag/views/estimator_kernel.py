@@ -19,11 +19,11 @@ histogram is K3's, corrected there).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from kldiag.analysis import fastexp
 from kldiag.analysis.fused import (BIN_COPIES, COUNT_BITS, FIELD, NONE_BITS, abs_bin, bits, finite, from_bits,
                                   pack7)
+from kldiag.jit import njit
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 SUMS = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # as fused.py: vectorised sums, NaN and inf kept

@@ -1,0 +1,84 @@
+"""numba's `njit`, compiled on the first call: importing a kernel's module does not import numba.
+
+numba's import costs about a quarter of a second, and every process that imports kldiag.format or
+kldiag.analysis reached it through the kernels' modules; most (a warm page render, a CLI command
+that reads a cache) never call a kernel. `njit(**options)` here returns a `LazyKernel`: the plain
+Python function and the options, given to `numba.njit` on the first call (numba is imported then).
+
+Kernels call each other inside compiled code. numba resolves such a global by its type
+(`typeof` reads a `_numba_type_` attribute, numba/core/typing/typeof.py `typeof_impl`) and inlines
+a callee declared `inline="always"` by duck typing (`targetoptions` and `py_func`,
+numba/core/untyped_passes.py `InlineInlinables._do_work`, numba 0.68): a LazyKernel answers
+every attribute not its own from the compiled dispatcher, so to numba it is the dispatcher, and the
+caller's code (cached on disk with cache=True) is what an eager `numba.njit` would have produced.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_LOCK = threading.Lock()  # two threads calling a kernel first build one dispatcher
+
+
+class LazyKernel:
+    """A numba kernel made on first use: `numba.njit(**options)(py_func)`.
+
+    Calls and every attribute a numba dispatcher has (`py_func` aside, which needs no numba) go to
+    that dispatcher; pickles as a reference to its module's global, as a function does.
+    """
+
+    def __init__(self, py_func: Callable, options: dict[str, Any]):
+        functools.update_wrapper(self, py_func)
+        self.py_func, self.options = py_func, dict(options)
+        self._dispatcher = None
+
+    def dispatcher(self):
+        """The numba dispatcher (built, and numba imported, on the first call)."""
+        if self._dispatcher is None:
+            with _LOCK:
+                if self._dispatcher is None:
+                    import numba
+
+                    self._dispatcher = numba.njit(**self.options)(self.py_func)
+        return self._dispatcher
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the dispatcher exists (numba imported for it); not whether a signature is compiled."""
+        return self._dispatcher is not None
+
+    def __call__(self, *args, **kwargs):
+        return self.dispatcher()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        # Only attributes missing from the instance land here; dunders (pickle, copy, inspect probing
+        # them) must not import numba.
+        if name.startswith("__") or name in ("_dispatcher", "py_func", "options"):
+            raise AttributeError(name)
+        return getattr(self.dispatcher(), name)
+
+    def __reduce__(self):
+        return _global, (self.__module__, self.__qualname__)
+
+    def __repr__(self) -> str:
+        return f"<LazyKernel {self.__module__}.{self.__qualname__} {'compiled' if self.compiled else 'lazy'}>"
+
+
+def _global(module: str, qualname: str) -> Any:
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def njit(*args, **options):
+    """`numba.njit`, deferred: `@njit(**options)` or `@njit` on a function gives a LazyKernel."""
+    if args and callable(args[0]) and len(args) == 1 and not options:
+        return LazyKernel(args[0], {})
+    if args:
+        raise TypeError("kldiag.jit.njit takes options by keyword (no signatures)")
+    return lambda fn: LazyKernel(fn, options)

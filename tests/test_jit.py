@@ -1,0 +1,86 @@
+"""kldiag.jit: numba is imported when a kernel is first called, not with the package."""
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from kldiag.jit import LazyKernel, njit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_child(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          check=True, env=env, cwd=ROOT).stdout
+
+
+def test_package_import_does_not_import_numba():
+    out = run_child("""
+        import sys
+        import kldiag, kldiag.analysis, kldiag.views.pages, kldiag.format, kldiag.diagnosis, kldiag.mismatch
+        import kldiag.report, kldiag.cli, kldiag.views.dashboard, kldiag.views.estimators
+        import kldiag.analysis.fused, kldiag.views.estimator_kernel, kldiag.diagnosis.scan
+        print(sorted(m for m in sys.modules if m == "numba" or m.startswith("numba.")))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_kernel_imports_numba_on_first_call_and_matches_numpy():
+    out = run_child("""
+        import sys
+        import numpy as np
+        from kldiag.analysis import fastexp, scans
+        assert "numba" not in sys.modules and not fastexp.exp_array.compiled
+        x = np.linspace(-50.0, 50.0, 1001)
+        out = np.empty_like(x)
+        fastexp.exp_array(x, out)  # calls fastexp.exp, itself lazy, inside compiled code
+        assert "numba" in sys.modules and fastexp.exp_array.compiled
+        assert np.allclose(out, np.exp(x), rtol=4e-16, atol=0), "exp"
+        starts, ordered = scans.seq_starts(np.array([0, 0, 1, 1, 1]), np.array([3, 3, 3, 4, 4]))
+        print(starts.tolist(), ordered)
+    """)
+    assert out.strip() == "[0, 2, 3, 5] True"
+
+
+@njit(inline="always", cache=False)
+def _twice(v):
+    return 2.0 * v
+
+
+@njit(cache=False, nogil=True)
+def _sum_twice(x):
+    s = 0.0
+    for i in range(len(x)):
+        s += _twice(x[i])  # a lazy kernel called, and inlined, from compiled code
+    return s
+
+
+def test_lazy_kernel_compiles_with_its_options_and_calls_lazy_kernels():
+    x = np.arange(10.0)
+    assert isinstance(_sum_twice, LazyKernel) and _sum_twice.py_func(x) == 90.0
+    assert _sum_twice(x) == 90.0
+    assert _sum_twice.targetoptions["nogil"] is True  # numba's dispatcher behind it, with the options given
+    assert _twice.targetoptions["inline"] == "always"
+    assert len(_sum_twice.signatures) == 1
+    assert pickle.loads(pickle.dumps(_sum_twice)) is _sum_twice  # by reference, as a function
+    assert _sum_twice.__name__ == "_sum_twice" and "LazyKernel" in repr(_sum_twice)
+
+
+def test_bare_decorator_and_positional_signature():
+    @njit
+    def add(a, b):
+        return a + b
+
+    assert add(2, 3) == 5
+    try:
+        njit("int64(int64)")
+    except TypeError as e:
+        assert "keyword" in str(e)
+    else:
+        raise AssertionError("a signature should be refused")
