@@ -19,7 +19,9 @@ from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
+from kldiag.views import mismatch as VM
 from kldiag.views import sequences as VS
+from kldiag.views import topk as VT
 from kldiag.analysis import engines, runner
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
@@ -42,7 +44,31 @@ def labels(paths: list[str]) -> dict[str, str]:
 
 # ---- cached loaders (keyed on the part keys: a new file re-keys them) -----------------
 
+_CURRENT: dict[str, tuple[str, ...]] = {}  # run path -> the part keys its cached results are of
+_PER_ANALYSIS: dict = {}  # st.cache_resource loaders of (path, keys): what holds an Analysis alive
+TABLES = ("steps", "flags", "alerts")
 
+
+def per_analysis(loader):
+    """Register a st.cache_resource loader of (path, keys): once a run's parts re-key it, its entries for the
+    older keys are dropped, so a live run holds one Analysis, not one per refresh (each with its token
+    sample) until max_entries evicts them. Only this module's loaders: a page's would keep its script's
+    globals (the page's Loaded, so its Analysis) alive through the registry."""
+    _PER_ANALYSIS[loader.__qualname__] = loader
+    return loader
+
+
+def _forget_older(path: str, keys: tuple[str, ...]) -> None:
+    old, _CURRENT[path] = _CURRENT.get(path), keys
+    if old is None or old == keys:
+        return
+    for loader in list(_PER_ANALYSIS.values()):
+        loader.clear(path, old)
+    for name in TABLES:
+        _table.clear(path, old, name)
+
+
+@per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Analysing the run ...")
 def _analysis(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
     # every page's data in the analysis's one read of each part (the Sequence page aside)
@@ -60,6 +86,7 @@ def _table(path: str, keys: tuple[str, ...], name: str) -> pd.DataFrame:
     return getattr(_analysis(path, keys), name).to_pandas()
 
 
+@per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Diagnosing the run ...")
 def _diagnosis(path: str, keys: tuple[str, ...]):
     from kldiag.diagnosis import diagnose
@@ -72,11 +99,26 @@ def diagnosis(run: Loaded):
     return _diagnosis(run.path, run.keys)
 
 
+@per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
 def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
     """What each estimator does on the run's own tokens: read in the analysis's pass (VD.reducers() lists
     its reducer), so the page's first visit reads no part; a run analysed without it gets one pass."""
     return VE.from_arrays(runner.reduced(_analysis(path, keys), VD.estimator_reducer()))
+
+
+@per_analysis
+@st.cache_resource(max_entries=8, show_spinner="Reading the run's tokens ...")
+def mismatch_view(path: str, keys: tuple[str, ...]) -> VM.MismatchView:
+    """The Mismatch page's view: from the analysis's token sample (no extra read), or the result store."""
+    return VM.view_of(_analysis(path, keys))
+
+
+@per_analysis
+@st.cache_resource(max_entries=16, show_spinner="Reading the top-k lists ...")
+def topk_summary(path: str, keys: tuple[str, ...]):
+    """The Tokens page's top-k summary and the first token that has lists."""
+    return VT.summary(_analysis(path, keys)), VT.first_listed(path)
 
 
 @st.cache_resource(max_entries=8)
@@ -127,8 +169,11 @@ class Loaded:
 
     def __init__(self, path: str, keys: tuple[str, ...]):
         self.path, self.keys = path, keys
-        self.analysis = _analysis(path, keys)
-        self.present = present(path, keys)
+        _forget_older(path, keys)
+        self.present = present(path, keys)  # analyses the run on its first load
+
+    # a cache lookup, not an attribute: a page's globals (which a widget's callback keeps alive) hold no Analysis
+    analysis = property(lambda self: _analysis(self.path, self.keys))
 
     steps = property(lambda self: _table(self.path, self.keys, "steps"))
     flags = property(lambda self: _table(self.path, self.keys, "flags"))

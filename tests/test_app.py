@@ -4,8 +4,11 @@ shows up after a refresh."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -150,6 +153,24 @@ def test_live_refresh_shows_a_new_part(monkeypatch, app_runs, tmp_path):
     at.run()  # what the live fragment's timer triggers: it sees a new part key and reruns the app
     _ok(at)
     assert _metric(at, "Steps") == "13"
+
+
+def test_live_refresh_drops_the_older_analysis(monkeypatch, app_runs, tmp_path):
+    """A new part re-keys the run: the app's loaders drop the older analysis (and the Mismatch page's view
+    holding it) instead of keeping one per refresh, each with its token sample."""
+    run = tmp_path / "live"
+    shutil.copytree(app_runs["k3"], run, ignore=shutil.ignore_patterns(".kldiag"))
+    at = _page(_app(monkeypatch, run), "mismatch")
+    _ok(at)
+    D = sys.modules["dash_data"]  # the app's module, as AppTest left it in this process
+    old_keys = D._CURRENT[str(run)]
+    old = weakref.ref(D.analysis_of(str(run), old_keys))
+    make_run(run, SynthConfig(steps=13, seqs_per_step=16, seq_len=(8, 24), vocab_size=64, seed=1),
+             steps=range(12, 13), manifest=False)
+    _ok(_page(at, "overview"))
+    assert D._CURRENT[str(run)] != old_keys
+    gc.collect()
+    assert old() is None
 
 
 # ---- the `kldiag dashboard` launcher -----------------------------------------------------

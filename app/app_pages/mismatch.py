@@ -15,14 +15,9 @@ from kldiag.mismatch import whatif as W
 from kldiag.format import read_manifest
 
 
-@st.cache_resource(max_entries=8, show_spinner="Reading the run's tokens ...")
-def _view(path: str, keys: tuple[str, ...]) -> VM.MismatchView:
-    return VM.view_of(D.analysis_of(path, keys))  # the analysis's token sample: no extra read
-
-
 @st.cache_data(max_entries=64)
 def _whatif(path: str, keys: tuple[str, ...], method: str, convention: str, params: tuple):
-    return VM.whatif_frame(_view(path, keys), W.WhatIf(method, convention, **dict(params)))
+    return VM.whatif_frame(D.mismatch_view(path, keys), W.WhatIf(method, convention, **dict(params)))
 
 
 @st.cache_data(max_entries=16, show_spinner="Computing the framework's metrics ...")
@@ -166,13 +161,18 @@ def audit_section(run: D.Loaded, fw: str) -> None:
         st.plotly_chart(VA.overlay(audited.series, name))
 
 
-# The page, section by section: a new section is a function above and one line here.
-run = D.page("Mismatch")
-view = _view(run.path, run.keys)
-if view.step_stride > 1:
-    st.caption(f"A large run: every {view.step_stride}th step is shown.")
-parity_section(run, view)
-turns_section(run)
-routing_section(run)
-whatif_section(run, view)
-audit_section(run, crosswalk_section(run))
+def main() -> None:
+    """The page, section by section: a new section is a function above and one line here. Its view is a
+    local: the page's globals (kept alive by a widget's callback) never hold the run's Analysis."""
+    run = D.page("Mismatch")
+    view = D.mismatch_view(run.path, run.keys)
+    if view.step_stride > 1:
+        st.caption(f"A large run: every {view.step_stride}th step is shown.")
+    parity_section(run, view)
+    turns_section(run)
+    routing_section(run)
+    whatif_section(run, view)
+    audit_section(run, crosswalk_section(run))
+
+
+main()

@@ -21,11 +21,6 @@ def _has_topk(path: str, keys: tuple[str, ...]) -> bool:
     return VT.has_topk(path)
 
 
-@st.cache_resource(max_entries=16, show_spinner="Reading the top-k lists ...")
-def _topk(path: str, keys: tuple[str, ...]):
-    return VT.summary(D.analysis_of(path, keys)), VT.first_listed(path)
-
-
 @st.cache_data(max_entries=64)
 def _lists(path: str, step: int, seq: int, pos: int, keys: tuple[str, ...]):
     return VT.token_lists(path, step, seq, pos, vocab=F.open_run(path).vocab())
@@ -39,7 +34,7 @@ def topk_section(run) -> None:
     """Both sides' top-k distributions at a chosen token; nothing for a run without top-k lists."""
     if not _has_topk(run.path, run.keys):
         return
-    result, first = _topk(run.path, run.keys)
+    result, first = D.topk_summary(run.path, run.keys)
     st.subheader("Top-k distributions: engine vs trainer")
     if result is None or first is None:
         st.info("The run has top-k columns, but no token in the loss has a list.")
