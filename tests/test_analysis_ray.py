@@ -248,3 +248,37 @@ def test_dashboard_app_analyses_with_ray(ray_session, monkeypatch):
     at = AppTest.from_file(str(SAMPLES.parent / "app" / "main.py"), default_timeout=60).run()
     assert not at.exception, [e.value for e in at.exception]
     assert calls  # the analysis went through the Ray engine (no task when every part is cached)
+
+
+class _FakeRay:
+    """The few calls compute() makes, one task done per wait; `up` is ray.is_initialized()."""
+
+    def __init__(self):
+        self.up, self.cancelled = True, []
+
+    def is_initialized(self):
+        return self.up
+
+    def wait(self, pending, num_returns):
+        return pending[:1], pending[1:]
+
+    def cancel(self, ref):
+        self.cancelled.append(ref)
+
+
+def test_a_generator_closed_after_shutdown_starts_no_ray(monkeypatch):
+    """An abandoned compute() closed by the garbage collector after ray.shutdown() cancels nothing: ray.cancel
+    would auto-start a local Ray in this process (it did, in the middle of a later test)."""
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_engine, "connect", lambda address=None: fake)
+    monkeypatch.setattr(ray_engine, "task", lambda ray: type("T", (), {"remote": staticmethod(lambda *a: object())}))
+    monkeypatch.setattr(ray_engine, "_get", lambda ray, part, ref: {})
+    jobs = [(None, []) for _ in range(4)]
+    for up, cancelled in ((True, 2), (False, 0)):
+        fake.up, fake.cancelled = True, []
+        gen = ray_engine.compute(jobs, 1)
+        assert next(gen) == (0, {})  # one task back, two still pending after the next wait
+        assert next(gen) == (1, {})
+        fake.up = up
+        gen.close()
+        assert len(fake.cancelled) == cancelled

@@ -191,7 +191,7 @@ def test_mismatch_views_from_the_store_equal_recomputed(run, monkeypatch):
     hit = [view, VM.whatif_frame(view, W.WhatIf()), VM.crosswalk_frame(b, "verl")]
     monkeypatch.undo()
     from kldiag.crosswalk import crosswalk, null_reasons
-    from kldiag.mismatch import tokenset as TS
+    from kldiag.mismatch import sample as SS
 
     table = crosswalk(b.run_dir, "verl", sample=SS.sample_of(b))
     again = [VM.compute(b), W.replay(view.tokens, W.WhatIf()).to_pandas(), (table.to_pandas(), null_reasons(table))]

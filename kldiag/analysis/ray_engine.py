@@ -113,8 +113,11 @@ def compute(jobs: Sequence[reduce.Job], batch_size: int, strict: bool = False,
                 yield nxt, ahead.pop(nxt)
                 nxt += 1
     except BaseException:
-        for ref in pending:
-            ray.cancel(ref)
+        # A generator closed after ray.shutdown() (garbage-collected later): ray.cancel would start a new
+        # local Ray in this process (Ray's auto-init) just to cancel tasks that died with the old one.
+        if ray.is_initialized():
+            for ref in pending:
+                ray.cancel(ref)
         raise
 
 
