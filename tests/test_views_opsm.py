@@ -49,7 +49,8 @@ def per_sequence(path) -> keyed.Keyed:
 def test_known_truth_and_slide():
     seqs = {"step": np.array([0, 0, 1, 1]), "seq": np.array([0, 1, 2, 3]),
             "sum_adv": np.array([-1.0, -1.0, 1.0, -0.5]), "n_adv": np.ones(4, np.int64),
-            "sum_opsm": np.array([0.4, 0.004, 5.0, 0.02]), "n_opsm": np.array([4, 4, 4, 2])}  # mean gaps .1 .001 1.25 .01
+            "sum_opsm": np.array([0.4, 0.004, 5.0, 0.02]), "n_opsm": np.array([4, 4, 4, 2])}
+    # mean gaps: .1 .001 1.25 .01
     counts = tables.opsm_counts(seqs, (1e-4, 5e-3, 0.05, 1.0))
     assert VO.summary(counts, 1e-4) == (3, 4) and VO.summary(counts, 0.05) == (1, 4)
     assert VO.curve(counts)["masked_frac"].tolist() == [0.75, 0.5, 0.25, 0.0]
