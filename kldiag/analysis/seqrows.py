@@ -104,15 +104,17 @@ class SequenceRows:
         if not len(best_i):
             return self.schema.empty_table()
         starts = np.array([s for _, _, s in groups])
-        need = sorted(set(np.searchsorted(starts, best_i, side="right") - 1))
-        tables, offsets = [], []
-        for k in need:
+        at = np.searchsorted(starts, best_i, side="right") - 1  # each row's group
+        tables, rows = [], []
+        for k in sorted(set(at)):  # a group's rows taken as it is read: one decoded group held at a time
             p, g, first = groups[k]
+            mine = best_i[at == k]
             t = p.read(lambda src, g=g: pq.ParquetFile(src).read_row_group(g))
-            tables.append(t)
-            offsets.append(np.arange(first, first + t.num_rows))
-        t = pa.concat_tables(tables)
-        return t.take(pa.array(np.searchsorted(np.concatenate(offsets), best_i)))
+            tables.append(t.take(pa.array(mine - first)))
+            rows.append(mine)
+        got = np.concatenate(rows)  # the rows taken, group by group
+        sorter = np.argsort(got)
+        return pa.concat_tables(tables).take(pa.array(sorter[np.searchsorted(got, best_i, sorter=sorter)]))
 
 
 def _top(v: np.ndarray, n: int) -> np.ndarray:
