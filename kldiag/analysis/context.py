@@ -53,6 +53,26 @@ def _order(t: dict[str, np.ndarray]) -> np.ndarray:
     return np.lexsort([t["iteration"], t["pos"], t["seq"], t["rank"], t["step"], -t["w"]])
 
 
+def _contenders(t: dict[str, np.ndarray], keep: int) -> dict[str, np.ndarray]:
+    """The rows that can be among the `keep` largest w: at least the keep-th largest, every tie of it
+    included (the order's other keys decide between them), so that _order's first `keep` rows of
+    these are those of the whole table; a partition, where sorting every row of a batch cost about
+    200 ns a row."""
+    w = t["w"]
+    if len(w) <= keep:
+        return t
+    at = np.flatnonzero(w >= np.partition(w, len(w) - keep)[len(w) - keep])
+    return {c: v[at] for c, v in t.items()}
+
+
+def _member(h: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """np.isin(h, of) for a few `of`: a binary search per row instead of one pass over h per value."""
+    if not len(of):
+        return np.zeros(len(h), bool)
+    s = np.sort(of)
+    return s[np.minimum(np.searchsorted(s, h), len(s) - 1)] == h
+
+
 @dataclass(frozen=True)
 class ContextReducer:
     """Per part the `keep` worst tokens and `width` token ids on each side of each."""
@@ -74,14 +94,14 @@ class ContextReducer:
         n_new = len(new["w"])
         t = new if state.carry is None else {c: np.concatenate([state.carry[c], new[c]]) for c in new}
         start = len(t["w"]) - n_new  # carried rows were candidates already
-        cand = {c: v[start:] for c, v in t.items()}
+        cand = _contenders({c: v[start:] for c, v in t.items()}, self.keep)
         top = cand if state.top is None else {c: np.concatenate([state.top[c], cand[c]]) for c in cand}
         order = _order(top)[: self.keep]
         state.top = {c: v[order] for c, v in top.items()}
         wanted = set(zip(*(state.top[c].tolist() for c in KEY), strict=True))
         state.rows = {k: v for k, v in state.rows.items() if k in wanted}
         h = _hash(t)
-        for i in np.flatnonzero(np.isin(h, _hash(state.top))):  # the rows of candidate sequences only
+        for i in np.flatnonzero(_member(h, _hash(state.top))):  # the rows of candidate sequences only
             k = tuple(int(t[c][i]) for c in KEY)
             if k in wanted:
                 state.rows.setdefault(k, {})[int(t["pos"][i])] = int(t["token_id"][i])
