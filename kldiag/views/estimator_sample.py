@@ -103,8 +103,7 @@ def kept_pick_index(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int
 def merge_arrays(parts: Sequence[dict[str, np.ndarray]], sample_size: int = 5000,
                  seed: int = 0) -> dict[str, np.ndarray]:
     """to_arrays(merge_partials(...)) of partials as named arrays, in numpy: the same sums in the same
-    order, maxima, histograms, per-sequence rows (a key's gap_sum summed in part order: pandas' compensated
-    group sum may differ in the last bit where a sequence spans three or more batches) and sample."""
+    order, maxima, histograms and sample."""
     parts = [p for p in parts if p is not None]
     out = {k: np.array([sum((p[k][0].item() for p in parts), 0.0 if k == "k3_weight_lost" else 0)])
            for k in SCALARS}

@@ -137,8 +137,10 @@ class EstimatorReducer:
     clamp: float = DEFAULT_CONFIG.clamp
     sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
     name: str = "estimators"
-    version: int = 3  # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does; 3: no per-sequence rows (Analysis.opsm)
-    merge_every: int = 256  # its per-sequence table grows with the run: merge in few, large steps
+    # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does; 3: no per-sequence rows
+    # (the page's off-policy mask reads Analysis.opsm)
+    version: int = 3
+    merge_every: int = 256  # each merge re-draws the token sample: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 
     def settings(self) -> dict:
