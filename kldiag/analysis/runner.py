@@ -234,8 +234,11 @@ def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float]
     return reducer.with_clip(clip) if clip is not None and hasattr(reducer, "with_clip") else reducer
 
 
-def _listed(run_dir) -> tuple:
-    run = open_run(run_dir)
+def parts_of(analysis) -> tuple:
+    """(run, parts) an analysis read (kept in its memo by engine.analyze), else the run listed now."""
+    if "parts" in getattr(analysis, "memo", {}):
+        return analysis.memo["parts"]
+    run = open_run(analysis.run_dir)
     return run, run.parts()
 
 
@@ -243,7 +246,7 @@ def reduced(analysis, reducer: Reducer) -> Arrays:
     """The merged partial of `reducer` on an analysed run: the one the analysis read along when it
     was made with the same reducer, else one more pass over the parts the analysis read (those whose
     partial is cached are not read)."""
-    run, parts = analysis.memo.get("parts") or _listed(analysis.run_dir)
+    run, parts = parts_of(analysis)
     red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
     if analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced:
         return analysis.reduced[red.name]

@@ -149,13 +149,13 @@ def opsm_counts(seqs: keyed.Keyed | list, deltas: tuple[float, ...] = OPSM_DELTA
     if not red:
         z = np.zeros(0, np.int64)
         return OpsmCounts(tuple(deltas), z, z, z, np.zeros((0, len(deltas)), np.int64))
-    red = keyed.reduce_by_key(red)
     return OpsmCounts(tuple(deltas), red["step"], red["n_seq"], red["n_known"], red["n_masked"])
 
 
 def _opsm_rows(seqs: keyed.Keyed, deltas: tuple[float, ...]) -> keyed.Keyed:
-    known = ~np.isnan(ratio(seqs["sum_adv"], seqs["n_adv"]))
-    masked = np.stack([opsm_masked(seqs, d)[0] for d in deltas], 1).astype(np.int64)
+    adv = ratio(seqs["sum_adv"], seqs["n_adv"])  # opsm_masked's, once for every delta
+    known = ~np.isnan(adv)
+    masked = np.stack([E.opsm_drop(adv, seqs["sum_opsm"], seqs["n_opsm"], d) for d in deltas], 1).astype(np.int64)
     return keyed.reduce_by_key({"step": seqs["step"], "n_seq": np.ones(len(known), np.int64),
                                 "n_known": known.astype(np.int64), "n_masked": masked.reshape(len(known), -1)})
 

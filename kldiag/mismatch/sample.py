@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import runner
-from kldiag.format import open_run
 from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, chunks,
                                       columns_of, fit_share, from_columns, keep_groups, rows, thin)
 
@@ -203,10 +202,10 @@ def sample_of(analysis, max_tokens: int = SAMPLE_TOKENS) -> Sample:
         red = None
     elif ("sample", red) in memo:  # one Sample per analysis: its TokenSets are made once for every face
         return memo[("sample", red)]
-    run = open_run(analysis.run_dir)
+    run, parts = runner.parts_of(analysis)
     meta = {"run": str(getattr(run, "uri", run)), "manifest_config": dict(run.manifest.config or {}),
             "trainer": dict(run.manifest.trainer or {})}
-    red = red or SampleReducer(max_tokens).bind(run.parts())
+    red = red or SampleReducer(max_tokens).bind(parts)
     key = ("sample", red)
     if memo is not None and key in memo:
         return memo[key]
