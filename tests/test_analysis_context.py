@@ -1,30 +1,120 @@
-"""The report's context reducer (kldiag/analysis/context.py): its preselection keeps exactly the rows a
-full sort ranks first, ties at the threshold included, and its membership test equals np.isin."""
+"""The report's context (kldiag/analysis/context.py): the token ids around given tokens, read from the row
+groups that hold them, equal to the same context cut from the whole run read as one table."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from kldiag.analysis.context import _contenders, _member, _order
+import kldiag
+from kldiag import format as F
+from kldiag.analysis import context
+from kldiag.report import build as RB
 
 
-@pytest.mark.parametrize("keep", [1, 3, 32, 500])
-def test_contenders_keep_the_fully_sorted_first_rows(keep):
-    rng = np.random.default_rng(keep)
-    n = 400
-    t = {c: rng.integers(0, 5, n) for c in ("step", "rank", "seq", "iteration", "pos")}
-    t["w"] = rng.choice([-np.inf, 0.5, 1.0, 2.0, 7.0], n)  # many ties, at the threshold too
-    want = {c: v[_order(t)[:keep]] for c, v in t.items()}
-    pre = _contenders(t, keep)
-    got = {c: v[_order(pre)[:keep]] for c, v in pre.items()}
-    for c in t:
-        np.testing.assert_array_equal(got[c], want[c], err_msg=c)
-    assert len(pre["w"]) < n or keep >= n
+def _table(steps: range, rank: int, seed: int, attempt: int = 0, null_ids: bool = False) -> pa.Table:
+    """Sequences of 1-12 tokens, 3 a step, 2 reuse iterations; token ids random (some null)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in steps:
+        for seq in range(3):
+            n = int(rng.integers(1, 13))
+            for it in range(2):
+                rows += [(step, it, seq, pos) for pos in range(n)]
+    step, it, seq, pos = (np.array(c) for c in zip(*rows, strict=True))
+    n = len(rows)
+    ids = rng.integers(0, 1000, n)
+    cols = {"step": pa.array(step, pa.int64()), "micro": pa.array(np.zeros(n), pa.int32()),
+            "iteration": pa.array(it, pa.int16()), "rank": pa.array(np.full(n, rank), pa.int16()),
+            "seq": pa.array(seq, pa.int64()), "group": pa.array(np.zeros(n), pa.int64()),
+            "pos": pa.array(pos, pa.int32()),
+            "token_id": pa.array(ids, pa.int32(), mask=(rng.random(n) < 0.2) if null_ids else None),
+            "logp": pa.array(-rng.exponential(1, n), pa.float32()),
+            "logp_old": pa.array([None] * n, pa.float32()),
+            "logp_ref": pa.array(-rng.exponential(3, n), pa.float32()),
+            "logp_sampler": pa.array([None] * n, pa.float32()),
+            "advantage": pa.array(rng.normal(size=n), pa.float32()), "mask": pa.array(np.ones(n, bool)),
+            "entropy": pa.array([None] * n, pa.float32()), "attempt": pa.array(np.full(n, attempt), pa.int16())}
+    return pa.table(cols, schema=F.TOKEN_SCHEMA)
 
 
-def test_member_equals_isin():
-    rng = np.random.default_rng(0)
-    h = rng.integers(-50, 50, 1000)
-    for of in (np.array([], np.int64), np.array([7]), rng.integers(-60, 60, 40)):
-        np.testing.assert_array_equal(_member(h, of), np.isin(h, of))
+@pytest.fixture()
+def run(tmp_path):
+    """Two ranks, several parts each, row groups of 7 rows (sequences straddle them), rank 0's steps 4-5
+    rewritten by a second attempt with other token ids (its first attempt's rows there are superseded)."""
+    F.write_manifest(tmp_path, F.Manifest(kldiag_version="test", config={"beta": 0.04, "estimator": "k3"}))
+    index = 0
+    for rank in (0, 1):
+        for lo in (0, 3):
+            F.publish_part(_table(range(lo, lo + 3), rank, seed=10 * rank + lo, null_ids=lo == 3),
+                           F.rank_dir(tmp_path, rank), F.part_name(lo, lo + 2, index), row_group_size=7)
+            index += 1
+    F.publish_part(_table(range(4, 6), 0, seed=99, attempt=1), F.rank_dir(tmp_path, 0),
+                   F.part_name(4, 5, index, attempt=1), row_group_size=7)
+    return tmp_path
+
+
+def _brute(run_dir, keys, width):
+    """The same context cut from every (non-superseded) row of the run."""
+    t = F.open_run(run_dir).read(["step", "rank", "seq", "iteration", "pos", "token_id"]).to_pylist()
+    seqs: dict = {}
+    for r in t:
+        tok = -1 if r["token_id"] is None else r["token_id"]
+        seqs.setdefault((r["step"], r["rank"], r["seq"], r["iteration"]), {})[r["pos"]] = tok
+    out = {}
+    for s, rk, q, it, p in keys:
+        rows = seqs.get((s, rk, q, it), {})
+        out[(s, rk, q, it, p)] = ([rows[x] for x in range(p - width, p) if x in rows],
+                                  [rows[x] for x in range(p + 1, p + width + 1) if x in rows])
+    return out
+
+
+def _keys(run_dir, n, seed):
+    t = F.open_run(run_dir).read(["step", "rank", "seq", "iteration", "pos"]).to_pylist()
+    rng = np.random.default_rng(seed)
+    return [tuple(t[int(i)][c] for c in ("step", "rank", "seq", "iteration", "pos")) for i in rng.choice(len(t), n)]
+
+
+@pytest.mark.parametrize("width", [0, 1, 5])
+def test_around_equals_the_context_cut_from_the_whole_run(run, width):
+    keys = _keys(run, 60, width) + [(4, 0, 0, 1, 0), (5, 0, 2, 0, 3)]  # steps rewritten by attempt 1
+    parts = F.list_parts(run)
+    got = context.around(parts, keys, width)
+    assert got == _brute(run, keys, width)
+    assert any(-1 in b + a for b, a in got.values()) or width == 0  # null ids read as -1
+
+
+def test_superseded_rows_and_unknown_sequences_are_no_context(run):
+    parts = F.list_parts(run)
+    first = F.open_run(run).read(["step", "rank", "seq", "iteration", "pos", "token_id"], include_superseded=True)
+    got = context.around(parts, [(4, 0, 0, 0, 0), (4, 0, 7, 0, 0), (99, 0, 0, 0, 0)], 3)
+    assert got[(4, 0, 7, 0, 0)] == got[(99, 0, 0, 0, 0)] == ([], [])
+    attempt1 = _table(range(4, 6), 0, seed=99, attempt=1).to_pylist()
+    want = [r["token_id"] for r in attempt1 if (r["step"], r["seq"], r["iteration"]) == (4, 0, 0)][1:4]
+    assert got[(4, 0, 0, 0, 0)] == ([], want)
+    assert first.num_rows > F.open_run(run).read(["step"]).num_rows  # there were superseded rows to drop
+
+
+def test_around_reads_only_the_row_groups_of_its_steps(run, monkeypatch):
+    import pyarrow.parquet as pq
+    read = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: read.append(len(kw["row_groups"])) or real(self, **kw))
+    total = sum(F.open_part(p).metadata.num_row_groups for p in F.list_parts(run))
+    context.around(F.list_parts(run), [(1, 1, 0, 0, 0)], 2)
+    assert len(read) == 1 and 0 < sum(read) < total / 4
+
+
+def test_report_offenders_carry_their_context(run):
+    analysis = kldiag.analyze(run)
+    worst = RB.offenders(analysis, 5, 2)
+    flags = analysis.flags.to_pylist()
+    flags.sort(key=lambda r: -abs(r["weight_k3"]))  # stable: the flags table's order breaks ties
+    keys = [(r["step"], r["rank"], r["seq"], r["iteration"], r["pos"]) for r in flags[:5]]
+    want = _brute(run, keys, 2)
+    piece = lambda ids: [f"<{x}>" if x >= 0 else "?" for x in ids]  # noqa: E731 (the run has no vocab)
+    assert len(worst) == 5 and [(o.step, o.seq, o.pos) for o in worst] == [(k[0], k[2], k[4]) for k in keys]
+    assert [(o.before, o.after) for o in worst] == [(piece(want[k][0]), piece(want[k][1])) for k in keys]
+    assert any(o.before or o.after for o in worst)

@@ -17,7 +17,7 @@ import numpy as np
 
 from kldiag import estimators as E
 from kldiag.analysis import runner
-from kldiag.analysis.context import ContextReducer, lookup
+from kldiag.analysis import context
 from kldiag.analysis.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
@@ -186,35 +186,31 @@ def comparison(steps_table, histograms=None) -> list[dict[str, Any]]:
 
 def reducers(config: ReportConfig = ReportConfig()) -> list:
     """What the report reads besides the analysis tables, for `analyze(run, cfg, reducers(config))`:
-    the diagnosis's side scan and token sample (its Mismatch sections and crosswalk share the sample)
-    and the offending tokens' context. With them every part is read once, and never while cached."""
-    return [*diagnosis_reducers(config.diagnosis), context_reducer(config)]
+    the diagnosis's side scan and token sample (its Mismatch sections and crosswalk share the sample).
+    With them every part is read once, and never while cached; the offending tokens' context is read
+    afterwards from the few row groups that hold it (`offenders`)."""
+    return list(diagnosis_reducers(config.diagnosis))
 
 
-def context_reducer(config: ReportConfig) -> ContextReducer:
-    return ContextReducer(keep=max(32, config.top_tokens), width=config.context)
-
-
-def offenders(analysis, limit: int, context: int, reducer: ContextReducer | None = None) -> list[Offender]:
-    """The tokens with the largest |k3 weight|, with `context` tokens on each side (from the context
-    reducer's pass: the one the analysis read along, else one more)."""
+def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
+    """The tokens with the largest |k3 weight|, with `context_width` tokens on each side (read from the
+    row groups of their sequences: analysis.context.around)."""
     flags = analysis.flags
     if flags.num_rows == 0:
         return []
     w = np.abs(np.nan_to_num(column(flags, "weight_k3"), nan=0.0))
     order = np.argsort(-w, kind="stable")[:limit]
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
-    reducer = reducer or ContextReducer(keep=max(32, limit), width=context)
-    around = lookup(runner.reduced(analysis, reducer), context)
+    keys = [tuple(int(r[c]) for c in ("step", "rank", "seq", "iteration", "pos")) for r in rows]
+    around = context.around(runner.parts_of(analysis)[1], keys, context_width)
     vocab = open_run(analysis.run_dir).vocab() or {}
 
     def piece(t: int | None) -> str:
         return "?" if t is None or t < 0 else vocab.get(t, f"<{t}>")
 
     out = []
-    for r in rows:
-        key = (int(r["step"]), int(r["rank"]), int(r["seq"]), int(r["iteration"]), int(r["pos"]))
-        before, after = around.get(key, ([], []))
+    for r, key in zip(rows, keys, strict=True):
+        before, after = around[key]
         text = r.get("piece") or piece(r.get("token_id"))
         out.append(Offender(int(r["step"]), int(r["seq"]), int(r["pos"]), text, [piece(x) for x in before],
                             [piece(x) for x in after], *(_float(r[k]) for k in ("weight_k3", "weight_k3_is", "d"))))
@@ -235,7 +231,7 @@ def build_report(analysis, config: ReportConfig = ReportConfig(), diagnosis: Dia
     steps = analysis.steps
     facts = {"steps": steps.num_rows, "tokens": int(np.nansum(column(steps, "tokens"))),
              "beta": manifest_cfg.get("beta"), "blowup_weight": config.diagnosis.blowup_weight}
-    worst = offenders(analysis, config.top_tokens, config.context, context_reducer(config))
+    worst = offenders(analysis, config.top_tokens, config.context)
     return Report(analysis.run_dir, manifest_cfg.get("estimator") or DEFAULT_ESTIMATOR,
                   not manifest_cfg.get("estimator"), diagnosis.verdict, verdict_onset(diagnosis),
                   first_moved(diagnosis), worst,
