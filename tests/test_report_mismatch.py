@@ -30,3 +30,23 @@ def test_report_without_sampler_says_so():
     assert "no sampler log-probs (logp_sampler) recorded" in format_text(rep)
     page = render_html(rep)
     assert "Crosswalk: trl's own metrics" in page and "<td>kl</td>" in page
+
+
+def test_holding_makes_the_view_tokens_once(monkeypatch):
+    import gc
+
+    from kldiag.mismatch import sample as SS
+    from kldiag.views import mismatch as VM
+    analysis = kldiag.analyze("sample_logs/demo_k3")
+    view = VM.view_of(analysis)
+    SS.sample_of(analysis)._thin.clear()  # a small run's fit set is its whole set, kept: a large run's is not
+    made = []
+    real = SS.from_columns
+    monkeypatch.setattr(SS, "from_columns", lambda *a, **k: made.append(1) or real(*a, **k))
+    gc.collect()
+    with VM.holding(view):  # the report's dozen what-if replays: the set is made once
+        for _ in range(3):
+            assert len(view.tokens) and gc.collect() >= 0
+    assert len(made) == 1
+    view.tokens  # released on leaving: weakly kept only, so made again
+    assert len(made) == 2 and "_held" not in view.__dict__

@@ -84,9 +84,10 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=N
         else:
             out.append("<p>No sampler log-probs (logp_sampler) recorded: the engine's mu is unknown.</p>")
         out.append("<h2>What if: corrections at their default thresholds</h2>")
-        out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
-                           "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
-        fw, rows, reasons = crosswalk_rows(analysis, manifest)
+        with VM.holding(view):  # one token set for every replay and the crosswalk
+            out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
+                                   "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
+            fw, rows, reasons = crosswalk_rows(analysis, manifest)
         out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
         out.append(html_table(["metric", "mean over steps", "last step"], rows))
         out += [f"<p><code>{html.escape(k)}</code> is null: {html.escape(v)}</p>" for k, v in reasons.items()]

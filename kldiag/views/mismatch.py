@@ -7,6 +7,7 @@ only shapes it for display. One TokenSet per run feeds every view.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,25 @@ class MismatchView:
 
     @property
     def tokens(self) -> TS.TokenSet:
-        """The run's shared token sample (SS.sample_of: kept by the analysis while a face holds it)."""
-        return SS.sample_of(self.analysis).tokens()
+        """The run's shared token sample (SS.sample_of: kept by the analysis while a face holds it, or
+        while inside `holding(view)`)."""
+        ts = SS.sample_of(self.analysis).tokens()
+        held = self.__dict__.get("_held")
+        if held is not None and not held:
+            held.append(ts)
+        return ts
+
+
+@contextmanager
+def holding(view: MismatchView):
+    """Inside, `view.tokens` is made at most once and held (the report replays a dozen what-ifs on it, each
+    of which would otherwise make it again: its sets are weakly kept); released on leaving. Nothing is
+    made when every what-if comes from the result store."""
+    view.__dict__["_held"] = []
+    try:
+        yield view
+    finally:
+        view.__dict__.pop("_held", None)
 
 
 def _analysed(analysis):
