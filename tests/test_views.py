@@ -10,6 +10,7 @@ from conftest import APP_EVIL_PIECE
 
 from kldiag import estimators as E
 from kldiag import format as F
+from kldiag.views import hists as H
 from kldiag.views import pages as V
 from kldiag.views import estimators as VE
 from kldiag.analysis.types import ABS_EDGES, D_EDGES, AnalysisConfig, Histograms
@@ -176,25 +177,25 @@ def test_hist_quantiles_recover_sample_quantiles():
     rng = np.random.default_rng(0)
     d = [rng.normal(m, 2.0, 20000) for m in (0.0, 5.0)]
     h = _hist("d", D_EDGES, d)
-    q = V.hist_quantiles(h.counts["d"], D_EDGES, [0.1, 0.5, 0.9])
+    q = H.hist_quantiles(h.counts["d"], D_EDGES, [0.1, 0.5, 0.9])
     want = np.stack([np.quantile(x, [0.1, 0.5, 0.9]) for x in d])
     np.testing.assert_allclose(q, want, atol=0.5)  # D_EDGES bins are 0.5 wide
     w = [np.exp(rng.normal(0, 3, 20000))]
     hw = _hist("w", ABS_EDGES, w)
-    qw = V.hist_quantiles(hw.counts["w"], ABS_EDGES, [0.5, 0.99])[0]
+    qw = H.hist_quantiles(hw.counts["w"], ABS_EDGES, [0.5, 0.99])[0]
     np.testing.assert_allclose(np.log10(qw), np.log10(np.quantile(w[0], [0.5, 0.99])), atol=0.25)
-    assert np.isnan(V.hist_quantiles(np.zeros((1, len(D_EDGES) + 1)), D_EDGES, [0.5])).all()
+    assert np.isnan(H.hist_quantiles(np.zeros((1, len(D_EDGES) + 1)), D_EDGES, [0.5])).all()
 
 
 def test_heatmap_fractions_and_coarsening():
     rng = np.random.default_rng(1)
     h = _hist("d", D_EDGES, [rng.normal(0, 1, 500) for _ in range(10)])
-    hm = V.heatmap(h, "d")
+    hm = H.heatmap(h, "d")
     np.testing.assert_allclose(hm["z"].sum(axis=0), 1.0)
     assert len(hm["labels"]) == hm["z"].shape[0] < len(D_EDGES) + 1  # empty bins cut
-    steps, counts = V.coarsen_steps(h.steps, h.counts["d"], max_rows=3)
+    steps, counts = H.coarsen_steps(h.steps, h.counts["d"], max_rows=3)
     assert len(steps) == 3 and counts.sum() == h.counts["d"].sum() and steps[0] == 0
-    bands = V.percentile_bands(h, "d")
+    bands = H.percentile_bands(h, "d")
     assert list(bands.columns[:3]) == ["step", "p1", "p10"] and len(bands) == 10
     assert (bands["p1"] <= bands["p50"]).all() and (bands["p50"] <= bands["p99"]).all()
 

@@ -5,7 +5,7 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag.views import pages as V
+from kldiag.views import hists as H
 
 METRICS = {  # name: (label, log y, axis title with unit)
     "d": ("d = log(pi_ref / pi_theta)", False, "d (nats)"),
@@ -24,7 +24,7 @@ name = st.segmented_control("Metric", available, default=available[0], key="dist
                             format_func=lambda m: METRICS[m][0]) or available[0]
 title, log_y, unit = METRICS[name]
 
-hm = V.heatmap(hist, name)
+hm = H.heatmap(hist, name)
 if not hm["labels"]:
     st.info(f"No finite values of {title} in this run.")
     st.stop()
@@ -34,7 +34,7 @@ heat = C.heatmap(hm["steps"], hm["labels"], hm["z"], f"{title} per step", "share
 if ctl.x_range is not None:
     heat.update_xaxes(range=list(ctl.x_range))
 st.plotly_chart(heat)
-bands = V.percentile_bands(hist, name)
+bands = H.percentile_bands(hist, name)
 st.plotly_chart(C.bands(bands, f"{title}: percentiles", log_y, ctl.smoothing, ctl.x_range, y_title=unit,
                         subtitle="per step, read off the histograms"))
 with st.expander("Percentiles table"):

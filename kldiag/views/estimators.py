@@ -29,7 +29,8 @@ from kldiag.views import estimator_kernel as K
 from kldiag.views.estimator_sample import (  # noqa: F401 - the sample's names, read as estimators.X too
     DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, kept_pick,
     kept_pick_index, kind_index, largest, merge_arrays, sample_pick)
-from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive, hist_quantiles
+from kldiag.views.hists import hist_quantiles
+from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "mask", *LOGP_COLUMNS]

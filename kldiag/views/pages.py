@@ -1,11 +1,9 @@
 """What the dashboard pages show that `Analysis` does not hold: pure package code.
 
-Three kinds of helpers, none importing Streamlit:
+Two kinds of helpers, none importing Streamlit (the histograms' heatmaps and bands: `views.hists`):
 
 - tables of an `Analysis` reshaped for display: headline figures, alert onsets, the flags
   table filtered by step range / flag / threshold, step curves of several runs;
-- histogram maths: step x bin heatmaps and percentile bands read from the mergeable
-  per-step histograms (`Analysis.histograms`);
 - reads of the run's own tokens: one sequence with every per-token quantity
   (`read_sequence`, `sequence_html`), and per-part partials of the estimator comparison
   (`kldiag.views.estimators`).
@@ -27,7 +25,7 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag import format as F
-from kldiag.analysis.types import AnalysisConfig, Histograms
+from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import sample as SS
 from kldiag.fmt import num
 
@@ -335,76 +333,3 @@ def numeric_metrics(steps: Sequence[pd.DataFrame]) -> list[str]:
         cols = [c for c in df.columns if c != "step" and pd.api.types.is_numeric_dtype(df[c])]
         common = cols if common is None else [c for c in common if c in cols]
     return common or []
-
-
-# ---- histograms: heatmaps and percentile bands ---------------------------------------
-
-
-def bin_bounds(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lower and upper value of every histogram bin (len(edges) + 1 bins, see Histograms)."""
-    lo = np.concatenate([[edges[0] if edges[0] <= 0 else 0.0], edges])
-    hi = np.concatenate([edges, [np.inf]])
-    return lo, hi
-
-
-def hist_quantiles(counts: np.ndarray, edges: np.ndarray, qs: Sequence[float]) -> np.ndarray:
-    """Quantiles [n_steps, len(qs)] of per-step histograms, interpolated inside a bin.
-
-    Log-spaced edges (all positive) interpolate geometrically. The open-ended first and
-    last bins return their finite edge. Steps with no counts give NaN.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    log = bool(np.all(edges > 0))
-    lo = np.concatenate([[edges[0]], edges])
-    hi = np.concatenate([edges, [edges[-1]]])
-    total = counts.sum(axis=1, keepdims=True)
-    cum = np.cumsum(counts, axis=1)
-    out = np.full((counts.shape[0], len(qs)), np.nan)
-    for j, q in enumerate(qs):
-        target = q * total[:, 0]
-        idx = np.minimum((cum < target[:, None]).sum(axis=1), counts.shape[1] - 1)
-        rows = np.arange(counts.shape[0])
-        before = np.where(idx > 0, cum[rows, np.maximum(idx - 1, 0)], 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            frac = np.clip((target - before) / counts[rows, idx], 0.0, 1.0)
-        a, b = lo[idx], hi[idx]
-        val = np.exp(np.log(a) + frac * (np.log(b) - np.log(a))) if log else a + frac * (b - a)
-        out[:, j] = np.where(total[:, 0] > 0, val, np.nan)
-    return out
-
-
-def coarsen_steps(steps: np.ndarray, counts: np.ndarray, max_rows: int = 400) -> tuple[np.ndarray, np.ndarray]:
-    """Sum adjacent steps' histograms so at most `max_rows` remain; keeps each group's first step."""
-    n = len(steps)
-    if n <= max_rows:
-        return steps, counts
-    starts = np.linspace(0, n, max_rows + 1).astype(np.int64)[:-1]
-    starts = np.unique(starts)
-    return steps[starts], np.add.reduceat(counts, starts, axis=0)
-
-
-def heatmap(hist: Histograms, name: str, max_rows: int = 400) -> dict[str, np.ndarray | list[str]]:
-    """Step x bin heatmap of histogram `name`: z[bin, step] is the fraction of the step's tokens.
-
-    Bins empty in every step are cut from both ends. Returns steps, labels (bin ranges), z.
-    """
-    steps, counts = coarsen_steps(hist.steps, hist.counts[name], max_rows)
-    used = np.flatnonzero(counts.sum(axis=0))
-    if used.size == 0:
-        return {"steps": steps, "labels": [], "z": np.zeros((0, len(steps)))}
-    first, last = used[0], used[-1] + 1
-    total = counts.sum(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(total > 0, counts / np.maximum(total, 1), np.nan)
-    lo, hi = bin_bounds(hist.edges[name])
-    labels = [f"[{lo[i]:.3g}, {hi[i]:.3g})" for i in range(first, last)]
-    return {"steps": steps, "labels": labels, "z": frac[:, first:last].T}
-
-
-def percentile_bands(hist: Histograms, name: str,
-                     qs: Sequence[float] = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)) -> pd.DataFrame:
-    """One row per step, one column per quantile ("p1", "p50", ...), from the histograms."""
-    values = hist_quantiles(hist.counts[name], hist.edges[name], qs)
-    df = pd.DataFrame(values, columns=[f"p{q * 100:g}" for q in qs])
-    df.insert(0, "step", hist.steps)
-    return df
