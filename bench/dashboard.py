@@ -14,10 +14,12 @@ this process, the Overview's cold first render (AppTest of app/main.py, KLDIAG_R
 switches.
 
 --scale, every figure in a fresh process, --repeat times, the cold ones interleaved:
-- cold `analyze` alone (no reducers, use_cache=False), and cold `analyze` with the dashboard's
-  reducers (kldiag.views.dashboard.reducers()) followed by `diagnose`: the ratio is the dashboard's
-  first open against the bare analysis (the issue's target <= 1.3x). Both also with a fresh cache
-  (RUN/.kldiag deleted, use_cache=True: what `kldiag dashboard` does on a run never opened);
+- cold `analyze` alone (no reducers, use_cache=False); what the `kldiag analyze` command computes
+  before it prints (kldiag.report.summary.analyze_run: the diagnosis's reducers and the top-k one in
+  the same pass, then `diagnose`); and cold `analyze` with the dashboard's reducers
+  (kldiag.views.dashboard.reducers()) followed by `diagnose`. The ratios are the dashboard's first
+  open against the bare analysis (target <= 1.3x) and against the command. All three also with a
+  fresh cache (RUN/.kldiag deleted, use_cache=True: what `kldiag dashboard` does on a run never opened);
 - the Estimators page's first visit ever (its reducer is in the dashboard's first pass: it reads no part;
   before it was, one more pass over every part);
 - with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
@@ -64,7 +66,7 @@ t0 = time.perf_counter(); a = kldiag.analyze(sys.argv[1], kldiag.AnalysisConfig(
 t1 = time.perf_counter(); diagnose(a); t2 = time.perf_counter()
 print(json.dumps([a.steps.num_rows, a.info.get("rows", 0), t1 - t0, t2 - t1]))
 """
-# One cold measurement in a fresh process: argv run, "alone"|"dashboard", "nocache"|"freshcache".
+# One cold measurement in a fresh process: argv run, "alone"|"command"|"dashboard", "nocache"|"freshcache".
 COLD = """
 import json, os, re, shutil, sys, time
 import kldiag
@@ -73,15 +75,19 @@ def peak_mb():  # VmHWM: ru_maxrss would include the parent's RSS at fork (kept 
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
 
 from kldiag.diagnosis import diagnose
+from kldiag.report.summary import analyze_run
 from kldiag.views import dashboard
 run, mode, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "freshcache"
 if cache:
     shutil.rmtree(os.path.join(run, ".kldiag"), ignore_errors=True)
 cfg = kldiag.AnalysisConfig(use_cache=cache)
 t0 = time.perf_counter()
-a = kldiag.analyze(run, cfg, dashboard.reducers() if mode == "dashboard" else ())
+if mode == "command":  # what the `kldiag analyze` command computes before it prints
+    a = analyze_run(run, cfg)
+else:
+    a = kldiag.analyze(run, cfg, dashboard.reducers() if mode == "dashboard" else ())
 t1 = time.perf_counter()
-if mode == "dashboard":
+if mode != "alone":
     diagnose(a)
 t2 = time.perf_counter()
 print(json.dumps({"analyze_s": t1 - t0, "diagnose_s": t2 - t1, "total_s": t2 - t0, "rows": a.info["rows"],
@@ -366,7 +372,7 @@ def scale(run: Path, args) -> None:
     cold: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeat):  # interleaved: alone, dashboard, alone, dashboard, ...
         for cache in ("nocache", "freshcache"):
-            for mode in ("alone", "dashboard"):
+            for mode in ("alone", "command", "dashboard"):
                 f = child(COLD, str(run), mode, cache)
                 f["load"] = load()
                 cold.setdefault((mode, cache), []).append(f)
@@ -391,11 +397,13 @@ def cold_summary(cold: dict) -> None:
     f0 = cold[("alone", "nocache")][0]
     print(f"\nrun: {f0['rows'] / 1e6:.1f}M rows, {f0['steps']} steps, {f0['sequences'] / 1e6:.2f}M sequences")
     for cache in ("nocache", "freshcache"):
-        alone = [f["total_s"] for f in cold[("alone", cache)]]
-        dash = [f["total_s"] for f in cold[("dashboard", cache)]]
+        alone, command, dash = ([f["total_s"] for f in cold[(m, cache)]] for m in ("alone", "command", "dashboard"))
         print(f"cold ({cache}): analyze alone {stats(alone)} s; analyze + dashboard reducers + diagnose "
               f"{stats(dash)} s: {min(dash) / min(alone):.2f}x (min/min), "
               f"{statistics.median(dash) / statistics.median(alone):.2f}x (median/median)  (target <= 1.3x)")
+        print(f"  against the `kldiag analyze` command (its reducers and diagnose) {stats(command)} s: "
+              f"{min(dash) / min(command):.2f}x (min/min), "
+              f"{statistics.median(dash) / statistics.median(command):.2f}x (median/median)")
 
 
 def warm(run: Path, args, env: dict) -> None:
