@@ -21,6 +21,7 @@ from kldiag import format as F
 from kldiag.cli import main as cli
 from kldiag.errors import RecorderError, StorageError
 from kldiag.record.recorder import Recorder
+from kldiag.report.build import offenders
 
 B, T = 4, 5
 
@@ -57,6 +58,8 @@ def test_record_analyse_and_report_on_s3_equal_local(s3, tmp_path: Path, cache_d
     assert remote.flags.drop_columns([]).num_rows == local.flags.num_rows
     assert not any(k.startswith("runs/exp1/.kldiag") for k in s3.keys(bucket))  # the cache stays local
     assert list(cache_dir.rglob("*.part"))
+    ctx = [[(o.step, o.seq, o.pos, o.before, o.after) for o in offenders(a, 5, 3)] for a in (remote, local)]
+    assert ctx[0] == ctx[1] and any(b or f for *_, b, f in ctx[0])  # read from the objects' row groups
     assert cli(["report", uri, "-o", str(tmp_path / "r.html")]) == 0
     assert f"s3://{bucket}/runs/exp1" in (tmp_path / "r.html").read_text()
     capsys.readouterr()
