@@ -9,12 +9,13 @@ prefix cache lists the named chunk files instead of copying their rows (prefix.p
 
 Files: CACHE/prefix/seqs/<uuid>.seqs (reduce.save_arrays' layout, one keyed table), or an unnamed
 temporary file when the cache is off or read-only; beside a chunk file, what is derived from it for
-every process (<uuid>.seqs.<digest>.parquet: its rows of the sequence table, seqrows.py), removed
-with it.
+every process (<uuid>.seqs.<digest>.parquet: its rows of the sequence table, seqrows.py;
+<uuid>.seqs.<digest>.arrays: its per-step counts and sums, `kept`), removed with it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -86,6 +87,26 @@ def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any], handle: bool
         while len(_memo) > MEMO_ENTRIES:
             _memo.popitem(last=False)
     return value
+
+
+def kept(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], keyed.Keyed], version: int) -> keyed.Keyed:
+    """derived(c, tag, fn) for a small keyed table (per-step sums of a chunk's sequences), also kept beside
+    a named chunk file for every later process (NAME.seqs.<digest of version, tag>.arrays, written once,
+    atomically): a warm analysis in a fresh process reads it, not the chunk's 12 MB of rows, so what
+    it reads for the run's per-step tables no longer grows with the run's sequences. `version`: bump it
+    when fn's result changes meaning. A read-only folder: derived again in every process, as before."""
+    def from_disk(h: Spilled) -> keyed.Keyed:
+        digest = hashlib.sha1(repr((version, tag)).encode()).hexdigest()[:16]
+        path = Path(h.f.name).with_name(f"{h.name}.{digest}.arrays")
+        got = reduce.load_arrays(path)
+        if got is None:
+            got = fn(h.load())
+            reduce.save_arrays(path, got)
+        return got
+
+    if not isinstance(c, Spilled) or c.name is None:
+        return fn(materialize(c))
+    return derived(c, tag, from_disk, handle=True)
 
 
 def spill(table: keyed.Keyed, folder: Path | None) -> Chunk:

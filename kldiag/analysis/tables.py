@@ -26,6 +26,7 @@ from kldiag.analysis.types import (
 )
 
 HIST_NAMES = ("d", "weight_k3_abs", "weight_k3_is_abs", "rho")
+DERIVED_VERSION = 1  # of the per-chunk sums kept beside a chunk file (spill.kept): bump when they change
 
 
 def ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -106,8 +107,8 @@ def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: 
                     keys) -> tuple[np.ndarray, np.ndarray]:
     """Per-row number of sequences and the fraction the off-policy sequence mask drops. `seqs`: one
     table or step-disjoint chunks in step order (each reduced alone: integer counts, the same result)."""
-    red = keyed.concat([spill.derived(c, ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys))
-                        for c in raw_chunks(seqs)])
+    red = keyed.concat([spill.kept(c, ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys),
+                                   DERIVED_VERSION) for c in raw_chunks(seqs)])
     if not red:
         return np.zeros(len(p["step"]), np.int64), np.full(len(p["step"]), np.nan)
     # Align with p's rows (same keys, both sorted); a step may have no sequence row.
@@ -144,7 +145,7 @@ def opsm_masked(seqs: keyed.Keyed, delta: float) -> tuple[np.ndarray, np.ndarray
 def opsm_counts(seqs: keyed.Keyed | list, deltas: tuple[float, ...] = OPSM_DELTAS) -> OpsmCounts:
     """The off-policy sequence mask per step at every delta, from the per-(step, seq) rows (one table or
     step-disjoint chunks, each counted alone and remembered with its chunk file: integer counts)."""
-    red = keyed.concat([spill.derived(c, ("opsm", tuple(deltas)), lambda k: _opsm_rows(k, deltas))
+    red = keyed.concat([spill.kept(c, ("opsm", tuple(deltas)), lambda k: _opsm_rows(k, deltas), DERIVED_VERSION)
                         for c in raw_chunks(seqs)])
     if not red:
         z = np.zeros(0, np.int64)
@@ -251,8 +252,9 @@ def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], ru
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
     sequence_level = corrected and config.get("importance_sampling_level") == "sequence"
     # a micro-batch's key leads with its step: step-disjoint chunks reduce alone to the same rows
-    micro = keyed.concat([spill.derived(c, ("micro", corrected, sequence_level),
-                                        lambda k: _micro_sums(k, corrected, sequence_level)) for c in raw_chunks(seqs)])
+    micro = keyed.concat([spill.kept(c, ("micro", corrected, sequence_level),
+                                     lambda k: _micro_sums(k, corrected, sequence_level), DERIVED_VERSION)
+                          for c in raw_chunks(seqs)])
     if not micro:
         return empty
     with np.errstate(invalid="ignore"):
