@@ -24,8 +24,9 @@ switches.
   before it was, one more pass over every part);
 - with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
   Estimators, Mismatch), that page its first render (target <= 1.5 s each); then one process that
-  renders Overview and switches through every page, publishes one more part (one more step), and
-  reruns the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
+  renders Overview and switches through every page, publishes one more part (one more step, written by
+  another process, as a recorder's is), and reruns the Overview (the refresh, target <= 0.5 s); the part
+  is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
 --scale --cold-only: only the cold figures and their ratio.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
@@ -109,6 +110,16 @@ ts = parity.tokens_for(a)
 print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "causes": [c.cause for c in d.causes],
                   "fit_tokens": len(ts) if ts is not None else 0}))
 """
+# One more step's part published into a run: argv run, synth config (JSON). Prints the new files (JSON).
+PUBLISH = """
+import json, sys
+from kldiag.tools.synth import SynthConfig, make_run
+cfg = json.loads(sys.argv[2])
+cfg["seq_len"] = tuple(cfg["seq_len"])
+n = cfg["steps"]
+print(json.dumps([str(p) for p in make_run(sys.argv[1], SynthConfig(**{**cfg, "steps": n + 1}), steps=range(n, n + 1),
+                                           manifest=False)]))
+"""
 # The app in a fresh process: argv main.py, JSON {"first": page, "then": [pages], "refresh": synth
 # config or null, "profile": page or "refresh" or null}. Prints one JSON line of timings.
 APP = """
@@ -175,12 +186,10 @@ for page in spec.get("then", []):
     s = timed_run(at, page)
     out["renders"].append([page, s, page_of(at), [str(e.value)[:200] for e in at.exception]])
 if spec.get("refresh"):
-    from kldiag.tools.synth import SynthConfig, make_run
-    cfg = spec["refresh"]
-    cfg["seq_len"] = tuple(cfg["seq_len"])
-    n = cfg["steps"]
-    new = make_run(os.environ["KLDIAG_RUNS"], SynthConfig(**{**cfg, "steps": n + 1}), steps=range(n, n + 1),
-                   manifest=False)
+    # the new part is written by another process, as a recorder's is: its memory is not the app's
+    import subprocess
+    new = json.loads(subprocess.run([sys.executable, "-c", __PUBLISH__, os.environ["KLDIAG_RUNS"],
+                                     json.dumps(spec["refresh"])], check=True, capture_output=True, text=True).stdout)
     try:
         s = timed_run(at, "refresh")
         out["refresh"] = [s, page_of(at), [str(e.value)[:200] for e in at.exception], len(new)]
@@ -192,6 +201,7 @@ out["cpu"] = CPU
 out["numba"] = "numba" in sys.modules  # imported only when a compiled kernel ran (kldiag.jit)
 print(json.dumps(out))
 """
+APP = APP.replace("__PUBLISH__", repr(PUBLISH))
 # A warm analyze with the dashboard's reducers in a fresh process: its seconds and the cache files it opens.
 WARM = """
 import json, sys, time
