@@ -16,6 +16,7 @@ import streamlit as st
 
 import kldiag
 from kldiag import format as F
+from kldiag import jit
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
@@ -253,6 +254,9 @@ def sidebar() -> None:
 
 
 def _watch(paths: list[str], every: float | None) -> None:
+    if every is not None:  # live: the first refresh runs the analysis's kernels on the new part
+        jit.prepare_in_background()
+
     @st.fragment(run_every=every)
     def watcher() -> None:
         keys = tuple(_safe_keys(p) for p in paths)
