@@ -17,7 +17,6 @@ import streamlit as st
 
 import kldiag
 from kldiag import format as F
-from kldiag import jit
 from kldiag.views import pages as V
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
@@ -261,8 +260,9 @@ def sidebar() -> None:
 
 
 def _watch(paths: list[str], every: float | None) -> None:
-    if every is not None:  # live: the first refresh runs the analysis's kernels on the new part
-        jit.prepare_in_background()
+    if every is not None:  # live: the first refresh's pass made ready (its compiled kernels loaded)
+        for p in paths:
+            VD.prepare_refresh_in_background(p, kldiag.AnalysisConfig(**engines.from_env()))
 
     @st.fragment(run_every=every)
     def watcher() -> None:

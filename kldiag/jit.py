@@ -22,8 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 _LOCK = threading.Lock()  # two threads calling a kernel first build one dispatcher
-_KERNELS: list[LazyKernel] = []  # every kernel made, as its module was imported (`prepare`)
-_PREPARING: list[threading.Thread] = []
 
 
 class LazyKernel:
@@ -37,7 +35,6 @@ class LazyKernel:
         functools.update_wrapper(self, py_func)
         self.py_func, self.options = py_func, dict(options)
         self._dispatcher = None
-        _KERNELS.append(self)
 
     def dispatcher(self):
         """The numba dispatcher (built, and numba imported, on the first call)."""
@@ -85,22 +82,3 @@ def njit(*args, **options):
     if args:
         raise TypeError("kldiag.jit.njit takes options by keyword (no signatures)")
     return lambda fn: LazyKernel(fn, options)
-
-
-def prepare() -> None:
-    """Import numba and build the dispatcher of every kernel whose module is imported: what the first
-    call of each would pay otherwise (numba's import is most of it; each signature's compiled code is
-    still read from numba's cache on its first call)."""
-    for kernel in list(_KERNELS):
-        kernel.dispatcher()
-
-
-def prepare_in_background() -> threading.Thread:
-    """`prepare` in a daemon thread, started once per process (later calls give that thread): a live
-    dashboard calls it when Live is turned on, so that its first refresh, which runs the analysis's
-    kernels on the new part, does not import numba."""
-    with _LOCK:
-        if not _PREPARING:
-            _PREPARING.append(threading.Thread(target=prepare, name="kldiag-jit-prepare", daemon=True))
-            _PREPARING[0].start()
-        return _PREPARING[0]

@@ -149,10 +149,10 @@ def test_live_refresh_shows_a_new_part(monkeypatch, app_runs, tmp_path):
     at = _app(monkeypatch, run)
     at.toggle(key="live").set_value(True).run()
     assert _metric(at, "Steps") == "12"
-    from kldiag import jit
+    from kldiag.views import dashboard as VD
 
-    jit.prepare_in_background().join()  # Live on: the kernels the refresh runs were prepared (numba imported)
-    assert "numba" in sys.modules
+    assert str(run) in VD._PREPARING  # Live on: the refresh's pass made ready in the background
+    VD._PREPARING[str(run)].join()
     make_run(run, SynthConfig(steps=13, seqs_per_step=16, seq_len=(8, 24), vocab_size=64, seed=1),
              steps=range(12, 13), manifest=False)
     at.run()  # what the live fragment's timer triggers: it sees a new part key and reruns the app

@@ -84,19 +84,3 @@ def test_bare_decorator_and_positional_signature():
         assert "keyword" in str(e)
     else:
         raise AssertionError("a signature should be refused")
-
-
-def test_prepare_builds_every_imported_kernel_in_one_background_thread():
-    """A live dashboard prepares the kernels (numba imported) before its first refresh runs them."""
-    out = run_child("""
-        import sys
-        from kldiag import jit
-        from kldiag.analysis import fastexp, scans
-        assert "numba" not in sys.modules and not scans.seq_starts.compiled
-        thread = jit.prepare_in_background()
-        assert jit.prepare_in_background() is thread  # once per process
-        thread.join()
-        assert "numba" in sys.modules and scans.seq_starts.compiled and fastexp.exp_array.compiled
-        print(all(k.compiled for k in jit._KERNELS))
-    """)
-    assert out.strip() == "True"
