@@ -32,11 +32,14 @@ PREPARE_ROWS = 4096  # the rows of the run's last part that `prepare_refresh` an
 
 
 def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT_CONFIG) -> None:
-    """The analysis pass of a live dashboard's refresh made ready: `analyze` with `reducers()` on the first
-    PREPARE_ROWS rows of the run's last part, copied to a temporary run (no cache), so that each compiled
-    kernel the pass runs is loaded (numba reads its machine code from its cache on a signature's first call:
-    about 0.4 s for the pass's kernels) before the first new part arrives. Same columns and types as the
-    run's own parts: the same signatures. Nothing is returned or kept; a run with no part is left alone."""
+    """A live dashboard's refresh made ready before the first new part arrives:
+    - its analysis pass: `analyze` with `reducers()` on the first PREPARE_ROWS rows of the run's last part,
+      copied to a temporary run (no cache), so that each compiled kernel the pass runs is loaded (numba
+      reads its machine code from its cache on a signature's first call: about 0.4 s for the pass's
+      kernels); same columns and types as the run's own parts, so the same signatures;
+    - the diagnosis's fits on the token sample (parity, signatures, truncation) of the run as it is, kept
+      for the next analysis while its sample is the same (kldiag.mismatch.kept: a new part rarely adds to it).
+    Nothing is returned; a run with no part is left alone."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -57,6 +60,15 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
         name = F.part_name(int(steps[0].as_py()), int(steps[-1].as_py()), 0, last.attempt)
         F.publish_part(table, F.rank_dir(tmp, last.rank), name)
         analyze(tmp, dataclasses.replace(config, use_cache=False), reducers(config))
+    _prepare_fits(analyze(run_dir, config, reducers(config)))  # warm: the app's analysis, from the same cache
+
+
+def _prepare_fits(analysis) -> None:
+    from kldiag.diagnosis import truncation as TR
+    from kldiag.mismatch import signatures as S
+
+    S.report_for(analysis)  # and the parity fit it reads
+    TR.report_for(analysis)
 
 
 _PREPARING: dict[str, threading.Thread] = {}
