@@ -2,12 +2,13 @@
 
 Run directories come from KLDIAG_RUNS (os.pathsep-separated; tests set it) or else from
 the script's arguments after `--` (`kldiag dashboard` passes them). Every loader is keyed
-on the run's part keys (rank/name/size/mtime of each published file), so a newly
-published part invalidates it; kldiag.analyze itself is incremental (RUN/.kldiag cache).
+on a digest of the run's part keys (rank/name/size/mtime of each published file: `stamp`), so a
+newly published part invalidates it; kldiag.analyze itself is incremental (RUN/.kldiag cache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -42,11 +43,17 @@ def labels(paths: list[str]) -> dict[str, str]:
     return {V.run_label(p, paths): p for p in paths}
 
 
-# ---- cached loaders (keyed on the part keys: a new file re-keys them) -----------------
+# ---- cached loaders (keyed on the part keys' digest: a new file re-keys them) -----------
 
-_CURRENT: dict[str, tuple[str, ...]] = {}  # run path -> the part keys its cached results are of
+_CURRENT: dict[str, str] = {}  # run path -> the digest of the part keys its cached results are of
 _PER_ANALYSIS: dict = {}  # st.cache_resource loaders of (path, keys): what holds an Analysis alive
 TABLES = ("steps", "flags", "alerts")
+
+
+def stamp(keys: tuple[str, ...]) -> str:
+    """The loaders' key of a run's part keys: their digest. Streamlit hashes a cached function's arguments
+    on every call, the tuple element by element (a long run's hundreds of keys: most of a rerun's time)."""
+    return hashlib.sha1("\0".join(keys).encode()).hexdigest()
 
 
 def per_analysis(loader):
@@ -58,7 +65,7 @@ def per_analysis(loader):
     return loader
 
 
-def _forget_older(path: str, keys: tuple[str, ...]) -> None:
+def _forget_older(path: str, keys: str) -> None:
     old, _CURRENT[path] = _CURRENT.get(path), keys
     if old is None or old == keys:
         return
@@ -70,25 +77,25 @@ def _forget_older(path: str, keys: tuple[str, ...]) -> None:
 
 @per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Analysing the run ...")
-def _analysis(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
+def _analysis(path: str, keys: str) -> kldiag.Analysis:
     # every page's data in the analysis's one read of each part (the Sequence page aside)
     return kldiag.analyze(path, kldiag.AnalysisConfig(**engines.from_env()), VD.reducers())  # --engine
 
 
-def analysis_of(path: str, keys: tuple[str, ...]) -> kldiag.Analysis:
+def analysis_of(path: str, keys: str) -> kldiag.Analysis:
     """The run's Analysis with every page's reducers (cached on the part keys)."""
     return _analysis(path, keys)
 
 
 @st.cache_resource(max_entries=64)
-def _table(path: str, keys: tuple[str, ...], name: str) -> pd.DataFrame:
+def _table(path: str, keys: str, name: str) -> pd.DataFrame:
     # one table at a time: a page that shows no sequence never converts the run's sequence rows
     return getattr(_analysis(path, keys), name).to_pandas()
 
 
 @per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Diagnosing the run ...")
-def _diagnosis(path: str, keys: tuple[str, ...]):
+def _diagnosis(path: str, keys: str):
     from kldiag.diagnosis import diagnose
 
     return diagnose(_analysis(path, keys))  # the verdict and causes of kldiag analyze and report
@@ -101,7 +108,7 @@ def diagnosis(run: Loaded):
 
 @per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Comparing estimators on the run's tokens ...")
-def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
+def estimator_partial(path: str, keys: str) -> VE.EstimatorPartial:
     """What each estimator does on the run's own tokens: read in the analysis's pass (VD.reducers() lists
     its reducer), so the page's first visit reads no part; a run analysed without it gets one pass."""
     return VE.from_arrays(runner.reduced(_analysis(path, keys), VD.estimator_reducer()))
@@ -109,14 +116,14 @@ def estimator_partial(path: str, keys: tuple[str, ...]) -> VE.EstimatorPartial:
 
 @per_analysis
 @st.cache_resource(max_entries=8, show_spinner="Reading the run's tokens ...")
-def mismatch_view(path: str, keys: tuple[str, ...]) -> VM.MismatchView:
+def mismatch_view(path: str, keys: str) -> VM.MismatchView:
     """The Mismatch page's view: from the analysis's token sample (no extra read), or the result store."""
     return VM.view_of(_analysis(path, keys))
 
 
 @per_analysis
 @st.cache_resource(max_entries=16, show_spinner="Reading the top-k lists ...")
-def topk_summary(path: str, keys: tuple[str, ...]):
+def topk_summary(path: str, keys: str):
     """The Tokens page's top-k summary and the first token that has lists."""
     return VT.summary(_analysis(path, keys)), VT.first_listed(path)
 
@@ -127,36 +134,36 @@ def _vocab(path: str, mtime_ns: int) -> dict[int, str] | None:
 
 
 @st.cache_data(max_entries=64)
-def sequence(path: str, step: int, seq: int, keys: tuple[str, ...]) -> pd.DataFrame:
+def sequence(path: str, step: int, seq: int, keys: str) -> pd.DataFrame:
     """One sequence's tokens with every per-token quantity and decoded text."""
     return VS.tokens(_analysis(path, keys), step, seq, vocab=_vocab(path, F.vocab_stamp(path)))  # stored
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
-def worst_sequences(path: str, keys: tuple[str, ...], n: int) -> pd.DataFrame:
+def worst_sequences(path: str, keys: str, n: int) -> pd.DataFrame:
     """The n sequences with the largest max |k3 weight| (a long run's: only their row groups read)."""
     return VS.worst(_analysis(path, keys), n)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def step_sequences(path: str, keys: tuple[str, ...], step: int) -> pd.DataFrame:
+def step_sequences(path: str, keys: str, step: int) -> pd.DataFrame:
     """Every sequence of one step, in table order (seq ascending)."""
     return VS.of_step(_analysis(path, keys), step)
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def sequence_steps(path: str, keys: tuple[str, ...]) -> list[int]:
+def sequence_steps(path: str, keys: str) -> list[int]:
     return VS.steps_with_sequences(_analysis(path, keys))
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def first_sequence(path: str, keys: tuple[str, ...]) -> tuple[int, int] | None:
+def first_sequence(path: str, keys: str) -> tuple[int, int] | None:
     """Where the Sequence page opens: the most faulty sequence, else the worst."""
     return VS.first_to_show(_analysis(path, keys))
 
 
 @st.cache_data(max_entries=64)
-def present(path: str, keys: tuple[str, ...]) -> dict[str, bool]:
+def present(path: str, keys: str) -> dict[str, bool]:
     return V.present_in(_analysis(path, keys))
 
 
@@ -167,8 +174,8 @@ class Loaded:
     """A run that analysed: its path, part keys, Analysis and pandas tables (steps, flags, alerts: each
     converted when a page first reads it; sequences are read a step or the worst N at a time)."""
 
-    def __init__(self, path: str, keys: tuple[str, ...]):
-        self.path, self.keys = path, keys
+    def __init__(self, path: str, keys: str):
+        self.path, self.keys = path, keys  # keys: `stamp` of the part keys
         _forget_older(path, keys)
         self.present = present(path, keys)  # analyses the run on its first load
 
@@ -187,7 +194,7 @@ def load(path: str) -> Loaded | None:
         keys = V.part_keys(path)
         if not keys:
             raise EmptyRunError(f"{path} has no published token parts yet")
-        return Loaded(path, keys)
+        return Loaded(path, stamp(keys))
     except NotARunError as e:
         st.error(f"Not a kldiag run: {e}")
     except EmptyRunError:
@@ -253,6 +260,10 @@ def sidebar() -> None:
 
 
 def _watch(paths: list[str], every: float | None) -> None:
+    if every is not None:  # live: the first refresh's pass made ready (its compiled kernels loaded)
+        for p in paths:
+            VD.prepare_refresh_in_background(p, kldiag.AnalysisConfig(**engines.from_env()))
+
     @st.fragment(run_every=every)
     def watcher() -> None:
         keys = tuple(_safe_keys(p) for p in paths)

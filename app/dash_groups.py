@@ -19,7 +19,7 @@ TOKENS_SHOWN = 400  # tokens of each sibling rendered as coloured text
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
-def group_tokens(path: str, step: int, seqs: tuple[int, ...], keys: tuple[str, ...]) -> dict[int, pd.DataFrame]:
+def group_tokens(path: str, step: int, seqs: tuple[int, ...], keys: str) -> dict[int, pd.DataFrame]:
     """Tokens of the group's completions, read in one pass (keyed on the run's parts)."""
     return VS.group_tokens(D.analysis_of(path, keys), step, seqs, vocab=D._vocab(path, F.vocab_stamp(path)))
 

@@ -24,9 +24,9 @@ switches.
   before it was, one more pass over every part);
 - with the run's cache warm: a fresh app process per page (Overview, Distributions, Tokens, Sequence,
   Estimators, Mismatch), that page its first render (target <= 1.5 s each); then one process that
-  renders Overview and switches through every page, publishes one more part (one more step, written by
-  another process, as a recorder's is), and reruns the Overview (the refresh, target <= 0.5 s); the part
-  is removed afterwards;
+  renders Overview, turns Live on (as a dashboard that refreshes has it) and switches through every page,
+  publishes one more part (one more step, written by another process, as a recorder's is), and reruns
+  the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
 --scale --cold-only: only the cold figures and their ratio.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
@@ -181,6 +181,8 @@ if first != "overview":  # before the first run a page is found by its file name
     at.switch_page(f"app_pages/{first}.py")
 s = timed_run(at, first)
 out["renders"].append([first, s, page_of(at), [str(e.value)[:200] for e in at.exception]])
+if spec.get("live"):  # the sidebar's Live turned on (from the next run), as a dashboard that refreshes has it
+    at.toggle(key="live").set_value(True)
 for page in spec.get("then", []):
     at.switch_page(f"app_pages/{page}.py")
     s = timed_run(at, page)
@@ -347,7 +349,7 @@ def profile(run: Path, args) -> None:
     if args.profile == "refresh":
         # the scale figure's flow: every page visited, then one part published and the Overview rerun
         spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(synth_config(args).__dict__),
-                "profile": "refresh"}
+                "profile": "refresh", "live": True}
     else:
         spec = {"first": args.profile, "profile": args.profile}
     f = child(APP, str(MAIN), json.dumps(spec), env=env)
@@ -437,7 +439,7 @@ def warm(run: Path, args, env: dict) -> None:
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
-        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(cfg)}
+        spec = {"first": "overview", "then": [*SCALE_PAGES[1:], "overview"], "refresh": dict(cfg), "live": True}
         f = child(APP, str(MAIN), json.dumps(spec), env=env)
         line = ", ".join(f"{name} {s:.2f}" + (" (EXCEPTION)" if exc else "") for name, s, _, exc in f["renders"])
         s, title, exc, n = f["refresh"]

@@ -146,3 +146,41 @@ def test_a_chunk_files_piece_goes_with_it(tmp_path):
         os.utime(p, (old, old))
     spill.remove_unlisted(tmp_path, {"a.seqs"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.seqs", "a.seqs.0123.parquet"]
+
+
+def _order(table, by: str, n: int):
+    """The n first rows by `by` descending, nulls last, ties in table order (what worst() gives)."""
+    v = np.nan_to_num(table.column(by).to_numpy(zero_copy_only=False).astype(np.float64), nan=-np.inf)
+    return table.take(np.argsort(-v, kind="stable")[:n])
+
+
+def test_worst_of_a_growing_run_equals_a_cold_one(run, tmp_path, monkeypatch):
+    """A run grown part by part (a live dashboard's refresh): worst(n) ranks a named piece once (its top rows
+    kept beside it, read again by a fresh process) and equals the cold table's order, ties included."""
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 16)
+    monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 40)
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+    grown = tmp_path / "run"
+    (grown / "tokens").mkdir(parents=True)
+    shutil.copy(run / "run.json", grown / "run.json")
+    parts = sorted(run.glob("tokens/rank-*/*.parquet"), key=lambda p: (p.name.split("-")[1], p.parent.name))
+    cfg, ranked = AnalysisConfig(per_rank=True, trainer_compatible=True), []
+    real = seqrows.top_rows
+    monkeypatch.setattr(seqrows, "top_rows", lambda p, n, by: ranked.append((p.path, n, by)) or real(p, n, by))
+    for k in range(3, len(parts) + 1, 3):
+        for p in parts[:k]:
+            (grown / p.parent.relative_to(run)).mkdir(exist_ok=True)
+            if not (grown / p.relative_to(run)).exists():
+                shutil.copy(p, grown / p.relative_to(run))
+        got = analyze(grown, cfg)
+        table = analyze(grown, CFG).sequences  # cold, in memory
+        for by, n in (("weight_k3_abs_max", 5), ("tokens", 9), ("weight_k3_abs_max", 10**6)):  # tokens: ties
+            assert got.sequence_rows.worst(n, by).equals(_order(table, by, n)), (k, by, n)
+    named = [r for r in ranked if r[0] is not None]
+    assert named and len(named) == len(set(named))  # a named piece ranked once per (n, by)
+    spill._memo.clear()  # a fresh process: the pieces opened again, their top rows read from beside them
+    ranked.clear()
+    got = analyze(grown, cfg).sequence_rows
+    assert got.worst(5).equals(_order(table, "weight_k3_abs_max", 5))
+    assert [r for r in ranked if r[0] is not None] == []

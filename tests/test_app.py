@@ -16,6 +16,7 @@ from conftest import APP_EVIL_PIECE
 from streamlit.testing.v1 import AppTest
 
 from kldiag.tools.synth import SynthConfig, make_run
+from kldiag.views import pages as V
 
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 PAGES = ["overview", "distributions", "tokens", "sequence", "estimators", "compare"]
@@ -148,6 +149,10 @@ def test_live_refresh_shows_a_new_part(monkeypatch, app_runs, tmp_path):
     at = _app(monkeypatch, run)
     at.toggle(key="live").set_value(True).run()
     assert _metric(at, "Steps") == "12"
+    from kldiag.views import dashboard as VD
+
+    assert str(run) in VD._PREPARING  # Live on: the refresh's pass made ready in the background
+    VD._PREPARING[str(run)].join()
     make_run(run, SynthConfig(steps=13, seqs_per_step=16, seq_len=(8, 24), vocab_size=64, seed=1),
              steps=range(12, 13), manifest=False)
     at.run()  # what the live fragment's timer triggers: it sees a new part key and reruns the app
@@ -164,6 +169,7 @@ def test_live_refresh_drops_the_older_analysis(monkeypatch, app_runs, tmp_path):
     _ok(at)
     D = sys.modules["dash_data"]  # the app's module, as AppTest left it in this process
     old_keys = D._CURRENT[str(run)]
+    assert old_keys == D.stamp(V.part_keys(str(run)))  # the loaders' key: one short digest, cheap to hash
     old = weakref.ref(D.analysis_of(str(run), old_keys))
     make_run(run, SynthConfig(steps=13, seqs_per_step=16, seq_len=(8, 24), vocab_size=64, seed=1),
              steps=range(12, 13), manifest=False)

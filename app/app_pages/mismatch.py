@@ -16,12 +16,12 @@ from kldiag.format import read_manifest
 
 
 @st.cache_data(max_entries=64)
-def _whatif(path: str, keys: tuple[str, ...], method: str, convention: str, params: tuple):
+def _whatif(path: str, keys: str, method: str, convention: str, params: tuple):
     return VM.whatif_frame(D.mismatch_view(path, keys), W.WhatIf(method, convention, **dict(params)))
 
 
 @st.cache_data(max_entries=16, show_spinner="Computing the framework's metrics ...")
-def _crosswalk(path: str, keys: tuple[str, ...], framework: str):
+def _crosswalk(path: str, keys: str, framework: str):
     return VM.crosswalk_frame(D.analysis_of(path, keys), framework)
 
 
@@ -144,7 +144,7 @@ def crosswalk_section(run: D.Loaded) -> str:
 
 
 @st.cache_data(max_entries=8, show_spinner="Auditing the trainer's logs ...")
-def _audit(path: str, keys: tuple[str, ...], logs: str, framework: str) -> VA.AuditView:
+def _audit(path: str, keys: str, logs: str, framework: str) -> VA.AuditView:
     return VA.audit_view(path, logs, framework)
 
 

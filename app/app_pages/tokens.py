@@ -17,12 +17,12 @@ SORTS = ["weight_k3_abs", "weight_k3", "weight_k3_is", "d", "rho", "k3", "k3_is"
 
 
 @st.cache_data(max_entries=16)
-def _has_topk(path: str, keys: tuple[str, ...]) -> bool:
+def _has_topk(path: str, keys: str) -> bool:
     return VT.has_topk(path)
 
 
 @st.cache_data(max_entries=64)
-def _lists(path: str, step: int, seq: int, pos: int, keys: tuple[str, ...]):
+def _lists(path: str, step: int, seq: int, pos: int, keys: str):
     return VT.token_lists(path, step, seq, pos, vocab=F.open_run(path).vocab())
 
 

@@ -10,7 +10,8 @@ written. The piece of a chunk file the merged prefix lists (spill.py) is written
 shared by the analyses of a growing run. `Analysis.sequences` reads the whole table only when a face
 asks for it (types.py);
 `SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
-their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB).
+their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB);
+`worst` ranks a named piece once (its top rows kept beside it), so a grown run's ranks its new rows only.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ ROW_GROUP = 65_536  # rows a Parquet row group: a query reads only the groups wh
 
 
 class Piece:
-    """A part of the sequence table in an unnamed Parquet file: its rows in steps first..last."""
+    """A part of the sequence table in a Parquet file: its rows in steps first..last. `path`: the named
+    file beside a chunk file (immutable), None for an unnamed temporary one."""
 
-    def __init__(self, f, num_rows: int, first: int, last: int, schema: pa.Schema):
+    def __init__(self, f, num_rows: int, first: int, last: int, schema: pa.Schema, path: Path | None = None):
         self.f, self.num_rows, self.first, self.last, self.schema = f, num_rows, first, last, schema
+        self.path = path
         self.lock = threading.Lock()  # one file position: one reader at a time
+        self.tops: dict[tuple[int, str], pa.Table] = {}  # (n, by) -> `top_rows`: a named piece's never change
 
     def read(self, fn: Callable):
         """fn(the piece as a Parquet source): natively, its path in /proc/self/fd where there is one
@@ -48,6 +52,16 @@ class Piece:
         with self.lock:
             self.f.seek(0)
             return fn(self.f)
+
+    def top(self, n: int, by: str) -> pa.Table:
+        """`top_rows(self, n, by)`: of a named piece, remembered and kept in a file beside it (`stored_top`),
+        so that a grown run's worst rows read only its new pieces' rows."""
+        got = self.tops.get((n, by))
+        if got is None:
+            got = stored_top(self, n, by) if self.path is not None else top_rows(self, n, by)
+            if self.path is not None:
+                self.tops[(n, by)] = got
+        return got
 
 
 class SequenceRows:
@@ -86,35 +100,59 @@ class SequenceRows:
         return self.table(filter=(pc.field("step") == step) & (pc.field("seq") == seq), steps=(step, step))
 
     def worst(self, n: int, by: str = "weight_k3_abs_max") -> pa.Table:
-        """The n rows with the largest `by` (nulls last, ties in table order): each piece's `by` column,
-        then only the row groups that hold the n rows."""
-        import pyarrow.parquet as pq
-
-        best_v, best_i, start, groups = np.zeros(0), np.zeros(0, np.int64), 0, []  # groups: (piece, group, first row)
-        for p in self.pieces:
-            v = p.read(lambda src: _key(pq.read_table(src, columns=[by]).column(by)))
-            keep = _top(v, n)
-            best_v, best_i = np.concatenate([best_v, v[keep]]), np.concatenate([best_i, keep + start])
-            top = np.lexsort((best_i, -best_v))[:n]  # by value, then by row: table order among ties
-            best_v, best_i = best_v[top], best_i[top]
-            sizes = p.read(lambda src: [g.num_rows for g in _groups(pq.ParquetFile(src).metadata)])
-            for g, size in enumerate(sizes):
-                groups.append((p, g, start))
-                start += size
-        if not len(best_i):
+        """The n rows with the largest `by` (nulls last, ties in table order): the n first of each piece's
+        own n first (`Piece.top`, in table order), so a piece that never changes is ranked once."""
+        tops = [t for t in (p.top(n, by) for p in self.pieces) if t.num_rows]
+        if not tops:
             return self.schema.empty_table()
-        starts = np.array([s for _, _, s in groups])
-        at = np.searchsorted(starts, best_i, side="right") - 1  # each row's group
-        tables, rows = [], []
-        for k in sorted(set(at)):  # a group's rows taken as it is read: one decoded group held at a time
-            p, g, first = groups[k]
-            mine = best_i[at == k]
-            t = p.read(lambda src, g=g: pq.ParquetFile(src).read_row_group(g))
-            tables.append(t.take(pa.array(mine - first)))
-            rows.append(mine)
-        got = np.concatenate(rows)  # the rows taken, group by group
-        sorter = np.argsort(got)
-        return pa.concat_tables(tables).take(pa.array(sorter[np.searchsorted(got, best_i, sorter=sorter)]))
+        t = pa.concat_tables(tops)
+        v = _key(t.column(by))
+        return t.take(pa.array(np.lexsort((np.arange(len(v)), -v))[:n]))  # by value, then by row: table order
+
+
+TOP_KEPT = 10_000  # a named piece's top rows kept in a file up to this many (the Overview shows 1,000)
+TOP_VERSION = 1  # bump when top_rows' meaning changes
+
+
+def top_rows(piece: Piece, n: int, by: str) -> pa.Table:
+    """The piece's n rows that come first by `by` descending (nulls last), ties by row: in table order.
+    Reads its `by` column, then only the row groups that hold those rows."""
+    import pyarrow.parquet as pq
+
+    v = piece.read(lambda src: _key(pq.read_table(src, columns=[by]).column(by)))
+    cand = _top(v, n)
+    rows = np.sort(cand[np.lexsort((cand, -v[cand]))][:n])
+    sizes = piece.read(lambda src: [g.num_rows for g in _groups(pq.ParquetFile(src).metadata)])
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    at = np.searchsorted(starts, rows, side="right") - 1  # each row's group
+    tables = []
+    for g in np.unique(at):  # a group's rows taken as it is read: one decoded group held at a time
+        t = piece.read(lambda src, g=int(g): pq.ParquetFile(src).read_row_group(g))
+        tables.append(t.take(pa.array(rows[at == g] - starts[g])))
+    return pa.concat_tables(tables) if tables else piece.schema.empty_table()
+
+
+def stored_top(piece: Piece, n: int, by: str) -> pa.Table:
+    """`top_rows` of a named piece, from NAME.seqs.<digest>.top<version>-<by>-<n>.parquet beside it (removed
+    with its chunk file: spill.remove_unlisted), written once, atomically; computed and not kept when n is
+    above TOP_KEPT, the folder is read-only or the file unreadable."""
+    import pyarrow.parquet as pq
+
+    if n > TOP_KEPT or not by.isidentifier():
+        return top_rows(piece, n, by)
+    path = piece.path.with_name(f"{piece.path.stem}.top{TOP_VERSION}-{by}-{n}.parquet")
+    try:
+        return pq.read_table(path)
+    except (OSError, pa.ArrowException):
+        pass
+    t = top_rows(piece, n, by)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        pq.write_table(t, tmp, compression="lz4", use_dictionary=False)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+    return t
 
 
 def _top(v: np.ndarray, n: int) -> np.ndarray:
@@ -200,7 +238,7 @@ def _open_piece(path: Path) -> Piece | None:
         pf = pq.ParquetFile(f)
         meta = pf.metadata
         steps = pf.read_row_groups([0, meta.num_row_groups - 1], columns=["step"]).column("step")
-        piece = Piece(f, meta.num_rows, steps[0].as_py(), steps[-1].as_py(), meta.schema.to_arrow_schema())
+        piece = Piece(f, meta.num_rows, steps[0].as_py(), steps[-1].as_py(), meta.schema.to_arrow_schema(), path)
     except (OSError, ValueError, IndexError, pa.ArrowException):
         f.close()
         return None

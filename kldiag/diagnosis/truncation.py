@@ -37,7 +37,9 @@ from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause
 from kldiag.frameworks import family
 from kldiag.frameworks import sampling as SF
+from kldiag.mismatch import kept as K
 from kldiag.mismatch import parity as P
+from kldiag.mismatch import sample as SS
 from kldiag.mismatch.signatures import clustered_mean
 from kldiag.mismatch import tokenset as TS
 
@@ -173,7 +175,8 @@ def report_for(analysis, config: TruncationConfig = TruncationConfig()) -> Trunc
     key = ("truncation", config)
     if key not in analysis.memo:
         ts = P.tokens_for(analysis)
-        analysis.memo[key] = check(ts, config) if ts is not None else None
+        analysis.memo[key] = None if ts is None else K.kept(SS.sample_of(analysis), "truncation", config,
+                                                             lambda: check(ts, config))
     return analysis.memo[key]
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from kldiag.analysis.engine import analyze
 from kldiag.analysis.episodes import Persistence, sustained
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.mismatch import kept as K
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import sample as SS
 
@@ -326,12 +327,14 @@ def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityRepor
 
 
 def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
-    """check() on the analysed run's shared token sample (SS.sample_of), kept in `analysis.memo`:
-    both parity detectors, the report and the dashboard's Mismatch page share one fit."""
+    """check() on the analysed run's shared token sample (SS.sample_of), kept in `analysis.memo` (and for
+    the next analysis of a grown run while its sample is the same: kept.py): both parity detectors, the
+    report and the dashboard's Mismatch page share one fit."""
     key = ("parity", config)
     if key not in analysis.memo:
         ts = tokens_for(analysis, config)
-        analysis.memo[key] = check(ts, config) if ts is not None else None
+        analysis.memo[key] = None if ts is None else K.kept(SS.sample_of(analysis), "parity", config,
+                                                             lambda: check(ts, config))
     return analysis.memo[key]
 
 
@@ -343,7 +346,8 @@ def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet |
     if key not in analysis.memo:
         sample = SS.sample_of(analysis)
         fit = sample.has_values("logp_sampler")
-        analysis.memo[key] = sample.thinned(config.max_tokens, fit_tokens=config.fit_tokens) if fit else None
+        analysis.memo[key] = None if not fit else K.kept(  # a refresh's sample, unchanged: the same tokens
+            sample, "parity-tokens", key, lambda: sample.thinned(config.max_tokens, fit_tokens=config.fit_tokens))
     return analysis.memo[key]
 
 

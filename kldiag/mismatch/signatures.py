@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kldiag.analysis.episodes import sustained
+from kldiag.mismatch import kept as K
 from kldiag.mismatch import parity as P
+from kldiag.mismatch import sample as SS
 from kldiag.mismatch import tokenset as TS
 
 
@@ -345,5 +347,7 @@ def report_for(analysis, config: SignatureConfig = SignatureConfig(),
     key = ("signatures", config, parity)
     if key not in analysis.memo:
         rep = P.report_for(analysis, parity)
-        analysis.memo[key] = None if rep is None else classify(P.tokens_for(analysis, rep.config), rep, config)
+        analysis.memo[key] = None if rep is None else K.kept(SS.sample_of(analysis), "signatures", (config, parity),
+                                                              lambda: classify(P.tokens_for(analysis, rep.config), rep,
+                                                                               config))
     return analysis.memo[key]

@@ -102,7 +102,14 @@ def finish(fig: go.Figure, title: str, subtitle: str = "", x_title: str = "", y_
     legend under the x-axis title (its own rows at the bottom of the figure, never over a title;
     `legend_per_row`: about how many entries fit a row, 2 on a half-width chart). `extra`: more layout
     set in the same update (each plotly update validates the whole layout again)."""
-    legend_rows = _legend_rows(fig, legend_per_row)
+    fig.update_layout(**finish_layout(title, subtitle, x_title, y_title, height, _legend_rows(fig, legend_per_row),
+                                      extra))
+    return fig
+
+
+def finish_layout(title: str, subtitle: str = "", x_title: str = "", y_title: str = "", height: int = 340,
+                  legend_rows: int = 0, extra: dict | None = None) -> dict:
+    """`finish`'s layout as a dict, for a figure built from dicts (`lines`); legend_rows: `_legend_rows`."""
     bottom = 58 + 22 * legend_rows  # tick labels and the x title, then the legend's rows
     layout = dict(
         title={"text": title, "subtitle": {"text": subtitle}, "x": 0.0, "xref": "paper", "xanchor": "left",
@@ -115,14 +122,16 @@ def finish(fig: go.Figure, title: str, subtitle: str = "", x_title: str = "", y_
         yaxis={"title": {"text": y_title}, "automargin": True})
     for key, value in (extra or {}).items():
         layout[key] = {**layout[key], **value} if isinstance(layout.get(key), dict) else value
-    fig.update_layout(**layout)
-    return fig
+    return layout
 
 
 def _legend_rows(fig: go.Figure, per_row: int = 2) -> int:
     """Rows the legend takes under the chart: about `per_row` entries a row on a half-width chart."""
-    shown = [t for t in fig.data if t.showlegend is not False and (t.name or "")]
-    return 0 if len(shown) < 2 else math.ceil(len(shown) / per_row)
+    return _rows(sum(t.showlegend is not False and bool(t.name) for t in fig.data), per_row)
+
+
+def _rows(shown: int, per_row: int) -> int:
+    return 0 if shown < 2 else math.ceil(shown / per_row)
 
 
 def fit_title(title: str, subtitle: str = "") -> tuple[str, str]:
@@ -142,23 +151,28 @@ def log_axis(fig: go.Figure, values: np.ndarray, axis: str = "y", max_labels: in
     than MAX_DECADES_BELOW decades under the 1st percentile (weights of 0 or 1e-8 next to
     weights of 1) is cut off. Returns a note saying how many points are not drawn ("" when none).
     """
+    props, note = log_axis_props(values, max_labels)
+    (fig.update_yaxes if axis == "y" else fig.update_xaxes)(**props)
+    return note
+
+
+def log_axis_props(values: np.ndarray, max_labels: int = 4) -> tuple[dict, str]:
+    """`log_axis`'s axis properties and note, for a layout built as a dict."""
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[~np.isnan(v)]
     pos = v[np.isfinite(v) & (v > 0)]
-    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
     if pos.size == 0:
-        update(type="log")
-        return ""
+        return {"type": "log"}, ""
     lo, hi = math.floor(math.log10(pos.min())), math.ceil(math.log10(pos.max()))
     floor = math.floor(math.log10(np.quantile(pos, 0.01))) - MAX_DECADES_BELOW
     lo = max(lo, floor)
     hi = max(hi, lo + 1)
     dtick = max(1, math.ceil((hi - lo) / max_labels))
     pad = 0.04 * (hi - lo)  # the corner labels of two log axes (1e-4 under 1e-3) would touch
-    update(type="log", range=[lo - pad, hi + pad], dtick=dtick, tick0=lo, exponentformat="power",
-           minor={"ticks": "outside", "showgrid": False, "ticklen": 3})
+    props = {"type": "log", "range": [lo - pad, hi + pad], "dtick": dtick, "tick0": lo, "exponentformat": "power",
+             "minor": {"ticks": "outside", "showgrid": False, "ticklen": 3}}
     below = int((np.isfinite(v) & (v < 10.0 ** lo)).sum())
-    return f"{below:,} point{'s' if below != 1 else ''} below 1e{lo} not drawn" if below else ""
+    return props, (f"{below:,} point{'s' if below != 1 else ''} below 1e{lo} not drawn" if below else "")
 
 
 def decade_ticks(fig: go.Figure, values: np.ndarray, axis: str = "y") -> None:
@@ -188,6 +202,31 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
     if x == "step":
         df = VD.with_breaks(df, x)
     xs = df[x].to_numpy()
+    traces, shown = _line_traces(df, columns, xs, x, log_y, smoothing)
+    finite_x = xs[pd.notna(xs)].astype(np.float64) if len(xs) else np.array([])
+    shown_x = x_range or ((float(finite_x.min()), float(finite_x.max())) if finite_x.size else (0.0, 1.0))
+    extra = {"hovermode": "x unified", **onset_layout([(step, label) for step, label in onsets
+                                                       if shown_x[0] <= step <= shown_x[1]], shown_x)}
+    if x_range is not None:
+        extra["xaxis"] = {"range": list(x_range)}
+    title, subtitle = fit_title(title, subtitle)
+    legend = _rows(sum(t.get("showlegend") is not False for t in traces), legend_per_row)
+    layout = finish_layout(title, subtitle, AXIS_TITLES.get(x, x) if x_title is None else x_title, y_title, height,
+                           legend, extra)
+    if log_y:
+        props, note = log_axis_props(np.concatenate(shown) if shown else np.array([]))
+        layout["yaxis"] = {**layout["yaxis"], **props}
+        if note:  # add_note's
+            layout["title"]["subtitle"]["text"] = f"{subtitle} · {note}" if subtitle else note
+            layout["margin"]["t"] = max(layout["margin"]["t"], 64)
+    # built from plain dicts, unvalidated (plotly validates every property of every update: most of a
+    # refresh's chart time); tests/test_views_charts.py checks the figure equals plotly's validated one
+    return go.Figure({"data": traces, "layout": layout}, _validate=False)
+
+
+def _line_traces(df: pd.DataFrame, columns: Sequence[str], xs: np.ndarray, x: str, log_y: bool,
+                 smoothing: float) -> tuple[list[dict], list[np.ndarray]]:
+    """`lines`' scatter traces as dicts (the smoothed line over its faint raw one) and the y values drawn."""
     shown, traces = [], []
     for i, c in enumerate(col for col in columns if col in df.columns):
         y = df[c].to_numpy(dtype=np.float64, na_value=np.nan)
@@ -196,25 +235,14 @@ def lines(df: pd.DataFrame, columns: Sequence[str], title: str, log_y: bool = Fa
         name, color = name_of(c), COLORWAY[i % len(COLORWAY)]
         mode = "lines+markers" if len(df) < 60 else "lines"
         if smoothing > 0:
-            traces.append(go.Scatter(x=xs, y=y, mode=mode, name=f"{name} (raw)", legendgroup=name, showlegend=False,
-                                     opacity=0.25, line={"color": color}, hoverinfo="skip"))
+            traces.append({"type": "scatter", "x": xs, "y": y, "mode": mode, "name": f"{name} (raw)",
+                           "legendgroup": name, "showlegend": False, "opacity": 0.25, "line": {"color": color},
+                           "hoverinfo": "skip"})
             y = VD.ema(y, xs.astype(np.float64) if x == "step" else None, smoothing)
-        traces.append(go.Scatter(x=xs, y=y, mode=mode, name=name, legendgroup=name, line={"color": color},
-                                 hovertemplate=f"%{{y:.4g}} <i>({c})</i>"))
+        traces.append({"type": "scatter", "x": xs, "y": y, "mode": mode, "name": name, "legendgroup": name,
+                       "line": {"color": color}, "hovertemplate": f"%{{y:.4g}} <i>({c})</i>"})
         shown.append(y)
-    fig = go.Figure(traces)  # one figure of every trace and one layout update: plotly validates each call
-    finite_x = xs[pd.notna(xs)].astype(np.float64) if len(xs) else np.array([])
-    shown_x = x_range or ((float(finite_x.min()), float(finite_x.max())) if finite_x.size else (0.0, 1.0))
-    extra = {"hovermode": "x unified", **onset_layout([(step, label) for step, label in onsets
-                                                       if shown_x[0] <= step <= shown_x[1]], shown_x)}
-    if x_range is not None:
-        extra["xaxis"] = {"range": list(x_range)}
-    title, subtitle = fit_title(title, subtitle)
-    finish(fig, title, subtitle, AXIS_TITLES.get(x, x) if x_title is None else x_title, y_title, height,
-           legend_per_row, extra)
-    if log_y:
-        decade_ticks(fig, np.concatenate(shown) if shown else np.array([]))
-    return fig
+    return traces, shown
 
 
 def onset_layout(onsets: Sequence[tuple[int, str]], x_range: tuple[float, float]) -> dict[str, list]:
