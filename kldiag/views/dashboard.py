@@ -41,7 +41,6 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
       for the next analysis while its sample is the same (kldiag.mismatch.kept: a new part rarely adds to it).
     Nothing is returned; a run with no part is left alone."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from kldiag import format as F
     from kldiag.analysis.engine import analyze
@@ -50,7 +49,7 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
     if not parts:
         return
     last = parts[-1]
-    batch = next(pq.ParquetFile(last.path).iter_batches(batch_size=PREPARE_ROWS), None)
+    batch = next(last.open().iter_batches(batch_size=PREPARE_ROWS), None)  # a local file or an object
     if batch is None:
         return
     table = pa.Table.from_batches([batch])
