@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import runner
-from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, chunks,
-                                      columns_of, fit_share, from_columns, keep_groups, rows, thin)
+from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, _select,
+                                      chunks, columns_of, fit_share, from_columns, keep_groups, rows, thin)
 
 
 def sample_stride(parts, max_tokens: int) -> int:
@@ -65,9 +65,7 @@ class SampleReducer:
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
         if self.stride > 1:
-            keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
-            if not keep.all():
-                batch = batch.filter(pa.array(keep)) if keep.any() else batch.slice(0, 0)
+            batch = kept_rows(batch, _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride))
         if batch.num_rows:
             state.append(columns_of(batch))
 
@@ -97,6 +95,17 @@ class SampleReducer:
         if not out["step"]:
             return {**empty_columns(), "stride": np.array([every], np.int64)}
         return {**out, "stride": np.array([every], np.int64)}
+
+
+def kept_rows(batch: pa.RecordBatch, keep: np.ndarray) -> pa.RecordBatch | pa.Table:
+    """The rows of `batch` where keep [n] is true: whole steps of a step-ordered batch are a few runs of rows,
+    taken as slices (no copy; columns_of copies them once), else Arrow's filter (a copy of every column)."""
+    sel = _select(keep)
+    if sel is None:
+        return batch
+    if isinstance(sel, list):
+        return pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema)
+    return batch.filter(pa.array(keep))
 
 
 def empty_columns() -> dict[str, np.ndarray]:
