@@ -223,17 +223,26 @@ def turn_starts(new, mask, rec):  # pragma: no cover - compiled
 
 @njit(**JIT)
 def starts_in_order(step, iteration, seq, pos, out):  # pragma: no cover - compiled
-    """seq_starts and in_order in one pass: fills out (bool [n]), returns in_order's answer."""
-    ordered, head = True, 0
-    for i in range(len(seq)):
-        new = i == 0 or step[i] != step[i - 1] or iteration[i] != iteration[i - 1] or seq[i] != seq[i - 1]
+    """seq_starts and in_order in one pass: fills out (bool [n]), returns in_order's answer.
+
+    The rows' pass is branch-free (LLVM vectorises it): each start and, inside a sequence, whether pos
+    rises; only the starts' keys are compared in order, in a second loop over the few starts."""
+    n = len(seq)
+    if n == 0:
+        return True
+    out[0] = True
+    fall = 0
+    for i in range(1, n):
+        new = (step[i] != step[i - 1]) | (iteration[i] != iteration[i - 1]) | (seq[i] != seq[i - 1])
         out[i] = new
-        if not ordered or i == 0:
-            continue
-        if new:
+        fall += np.int64((not new) & (pos[i] <= pos[i - 1]))
+    if fall:
+        return False
+    head = 0
+    for i in range(1, n):
+        if out[i]:
             a0, a1, a2, b0, b1, b2 = step[head], iteration[head], seq[head], step[i], iteration[i], seq[i]
-            ordered = a0 < b0 or (a0 == b0 and (a1 < b1 or (a1 == b1 and a2 < b2)))
+            if not (a0 < b0 or (a0 == b0 and (a1 < b1 or (a1 == b1 and a2 < b2)))):
+                return False
             head = i
-        else:
-            ordered = pos[i] > pos[i - 1]
-    return ordered
+    return True
