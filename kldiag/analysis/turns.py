@@ -165,7 +165,7 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
     tau, limit, clamp = thresholds
     n_spans = fold(new, mask, rec, idx, lo, t["logp"], t["logp_old"], t["valid_logp_old"],
                    t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
-                   float(np.log(tau)), float(limit), float(clamp), grid, gmax, per_step, seqs, spans)
+                   float(np.log(tau)), float(limit), float(clamp), 0.0, -np.inf, grid, gmax, per_step, seqs, spans)
     used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
     out = {k: grid[:, :, j] for j, k in enumerate(SUMS)}
     out.update(mismatch_abs_max=gmax, step=steps[used], step_abs=per_step[used, :, 0], step_n=per_step[used, :, 1],
