@@ -30,8 +30,8 @@ switches.
 states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
 kldiag.analysis.store; a change of kldiag's code makes those entries misses).
 --breakdown, instead: one thread, part by part (wall and this thread's CPU time, each the least of
---repeat runs: the CPU figure holds on a loaded machine), the read of the analysis's columns and of the first pass's (the analysis and
-kldiag.views.dashboard.reducers()), each reducer's read + reduce
+--repeat runs: the CPU figure holds on a loaded machine), the read of the analysis's columns and of the
+first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
 in ns per row.
 --diagnose, instead: diagnose() alone on the warm cache, a fresh process each --repeat (wall and CPU s).

@@ -119,8 +119,8 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
         c1 += np.int64(mk & (not ok4))
         b3 = weight_bin(w3, mk, m1, k0, n_abs)
         b4 = bin_zero if sat else b3  # k3_clamped's |weight|: K3's, or 0 once saturated
-        packed[i] = (weight_bin(w1, mk, m1, k0, n_abs) | (b3 << FIELD) | (weight_bin(wis, mk, m1, k0, n_abs) << (2 * FIELD))
-                     | (b4 << (3 * FIELD)))
+        packed[i] = (weight_bin(w1, mk, m1, k0, n_abs) | (b3 << FIELD)
+                     | (weight_bin(wis, mk, m1, k0, n_abs) << (2 * FIELD)) | (b4 << (3 * FIELD)))
         w_k3[i] = -em
         code[i] = np.uint8(mk) | (np.uint8(fl) << 1)
         kb = bits(np.inf if w3 != w3 else w3)  # select's rank: NaN first
@@ -175,10 +175,10 @@ def keep(hw, hj, cnt, w, j):  # pragma: no cover - compiled
 
 @njit(inline="always", **JIT)
 def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no cover - compiled
-    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out and offer
-    each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace, write each
-    token's K3 weight and flagged bit; rows_out: unless empty. Returns the next j. A token joins a full set only above its root:
-    after the first chunks, a compare per token."""
+    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out (unless
+    empty) and offer each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace,
+    write each token's K3 weight and flagged bit. Returns the next j. A token joins a full set only above
+    its root: after the first chunks, a compare per token."""
     top_w, top_j, worst_w, worst_j, n = sel
     trace = len(w_out) > 0
     for t in range(rows):
@@ -226,9 +226,9 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     every = len(w_out) > 0 or len(rows_out) > 0  # a trace: every token goes through select
     for c0 in range(0, len(s), CHUNK):
         c1 = min(c0 + CHUNK, len(s))
-        v, a, f, x, w0, w1, lo, hi, hi_f = chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1],
-                                           r_null[c0:c1], m_null[c0:c1], mask[c0:c1], params, abs_grid, packed,
-                                           w_k3, code)
+        v, a, f, x, w0, w1, lo, hi, hi_f = chunk_sums(
+            s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1], r_null[c0:c1], m_null[c0:c1],
+            mask[c0:c1], params, abs_grid, packed, w_k3, code)
         for q in range(5):
             vs[q] += v[q]
         for q in range(4):
