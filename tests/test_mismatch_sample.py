@@ -100,10 +100,11 @@ def test_sample_reducer_finish_then_merge_round_trip():
     assert int(merged["stride"][0]) == 8 and len(TS.chunks(merged["step"])[0]) == 50
 
 
-@pytest.mark.parametrize("order", ["steps", "shuffled"])
-def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order):
+@pytest.mark.parametrize("order, stride", [("steps", 4), ("one step", 64), ("shuffled", 4)])
+def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stride):
     """SampleReducer.add keeps the same rows, as the same arrays, whether they come in runs of whole steps
-    (slices: the recorder's step order) or scattered (Arrow's filter), with nulls in the columns."""
+    (slices: the recorder's step order; copied, so that no view holds the whole batch) or scattered (Arrow's
+    filter), with nulls in the columns."""
     rng = np.random.default_rng(4)
     n = 6000
     step = np.repeat(np.arange(60), n // 60)
@@ -115,9 +116,9 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order):
                  for c in TS.FLOAT_COLUMNS})
     cols["mask"] = pa.array(rng.random(n) < 0.9, mask=rng.random(n) < 0.05)
     batch = pa.RecordBatch.from_pydict({c: cols[c] for c in TS.COLUMNS})
-    keep = SS._keep_every(step, 4)
-    assert isinstance(TS._select(keep), list if order == "steps" else np.ndarray)
-    red = SS.SampleReducer(stride=4)
+    keep = SS._keep_every(step, stride)
+    assert isinstance(TS._select(keep), np.ndarray if order == "shuffled" else list)
+    red = SS.SampleReducer(stride=stride)
     state: list = []
     red.add(state, batch)
     want = TS.columns_of(batch.filter(pa.array(keep)))
@@ -125,6 +126,7 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order):
     for c in want:
         assert state[0][c].dtype == want[c].dtype, c
         np.testing.assert_array_equal(state[0][c], want[c], err_msg=c)
+        assert state[0][c].base is None or order == "shuffled", c  # a copy: the batch's buffers are not held
     empty: list = []
     red.add(empty, batch.filter(pa.array(~keep)))  # no kept step: nothing appended
     assert empty == []

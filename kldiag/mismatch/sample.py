@@ -65,7 +65,11 @@ class SampleReducer:
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
         if self.stride > 1:
-            batch = kept_rows(batch, _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride))
+            keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
+            if not keep.all():
+                if keep.any():
+                    state.append(kept_columns(batch, keep))
+                return
         if batch.num_rows:
             state.append(columns_of(batch))
 
@@ -97,15 +101,15 @@ class SampleReducer:
         return {**out, "stride": np.array([every], np.int64)}
 
 
-def kept_rows(batch: pa.RecordBatch, keep: np.ndarray) -> pa.RecordBatch | pa.Table:
-    """The rows of `batch` where keep [n] is true: whole steps of a step-ordered batch are a few runs of rows,
-    taken as slices (no copy; columns_of copies them once), else Arrow's filter (a copy of every column)."""
+def kept_columns(batch: pa.RecordBatch, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """columns_of the rows of `batch` where keep [n] is true (some, not all). Whole steps of a step-ordered
+    batch are a few runs of rows: taken as slices, their arrays then copied (columns_of's numpy arrays may be
+    views of the batch's buffers, which would keep every row alive), not with Arrow's filter of every column."""
     sel = _select(keep)
-    if sel is None:
-        return batch
-    if isinstance(sel, list):
-        return pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema)
-    return batch.filter(pa.array(keep))
+    if not isinstance(sel, list):
+        return columns_of(batch.filter(pa.array(keep)))
+    cols = columns_of(pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema))
+    return {k: v.copy() if v.base is not None else v for k, v in cols.items()}
 
 
 def empty_columns() -> dict[str, np.ndarray]:
