@@ -32,9 +32,9 @@ switches.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
 states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
 kldiag.analysis.store; a change of kldiag's code makes those entries misses).
---breakdown, instead: one thread, part by part (wall and this thread's CPU time: the CPU figure
-holds on a loaded machine), the read of the analysis's columns and of the first pass's (the analysis and
-kldiag.views.dashboard.reducers()), each reducer's read + reduce
+--breakdown, instead: one thread, part by part (wall and this thread's CPU time, each the least of
+--repeat runs: the CPU figure holds on a loaded machine), the read of the analysis's columns and of the
+first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
 alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
 in ns per row.
 --diagnose, instead: diagnose() alone on the warm cache, a fresh process each --repeat (wall and CPU s).
@@ -298,14 +298,23 @@ def breakdown(run: Path, args) -> None:
     estimators = getattr(dashboard, "estimator_reducer", None)  # its own pass since cfbbec2
     extra = [estimators()] if estimators else []
     reds = first + [x for x in extra if x.name not in {y.name for y in first}]
-    print(f"{run}: {len(parts)} parts; one thread; kldiag {tree()}; load {load()}")
+    print(f"{run}: {len(parts)} parts; one thread; the least of {max(args.repeat, 1)} runs each; kldiag {tree()}; "
+          f"load {load()}")
+
+    def least(run) -> tuple[float, float]:  # (wall, CPU) of `run`, each the least of --repeat runs
+        times = []
+        for _ in range(max(args.repeat, 1)):
+            t, c = time.perf_counter(), time.thread_time()
+            run()
+            times.append((time.perf_counter() - t, time.thread_time() - c))
+        return min(w for w, _ in times), min(c for _, c in times)
 
     def read(columns) -> tuple[float, float]:
-        t, c = time.perf_counter(), time.thread_time()
-        for p in parts:
-            for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
-                pass
-        return time.perf_counter() - t, time.thread_time() - c
+        def run():
+            for p in parts:
+                for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
+                    pass
+        return least(run)
 
     n = sum(open_part_rows(p) for p in parts)
     read(reduce.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
@@ -320,10 +329,7 @@ def breakdown(run: Path, args) -> None:
     groups += [("the dashboard's first pass, one read", first),
                ("the same and the Estimators reducer, one read", reds)]
     for label, group in groups:
-        t, c = time.perf_counter(), time.thread_time()
-        for p in parts:
-            reduce.compute_part(p, group, runner.KERNEL_ROWS)
-        s, c = time.perf_counter() - t, time.thread_time() - c
+        s, c = least(lambda: [reduce.compute_part(p, group, runner.KERNEL_ROWS) for p in parts])
         base = base or c
         print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
               f"{c / base:5.2f}x the analysis's CPU")

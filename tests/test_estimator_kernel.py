@@ -123,7 +123,7 @@ def _pass(batch, tau=20.0, limit=10.0, clamp=10.0):
         np.empty(VE.KEEP_FLAGGED, np.int64)
     K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
                  *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(tau), limit,
-                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows)
+                 clamp, ABS_GRID, *sums, scal, *kept, w_k3, flagged, rows, np.empty(0, np.int64))
     m = scal[K.S_TOKENS]
     top, worst = kept[1][: scal[K.S_TOP]], kept[3][: scal[K.S_WORST]]
     return m, top, worst, w_k3[:m], flagged[:m], mask, absent, rows[:m]
@@ -169,6 +169,36 @@ def test_kept_tokens_are_largest_sets(ties):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
 
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_pass_without_trace_skips_chunks_and_finds_the_same_tokens(ties):
+    """Without a trace the pass only counts the chunks that cannot add a kept token: its kept sets, counts and
+    sums equal the traced pass's, and token_rows maps token numbers to the traced pass's rows."""
+    batch = _batch(8, n=60000)
+    if ties:  # few distinct weights: chunks tie with the roots of full sets
+        n = batch.num_rows
+        r = np.resize(np.array([-0.5, 0.5, np.nan, -1.0, 2.5, -9.0], np.float32), n)
+        for c, v in (("logp", np.full(n, -1.0, np.float32)), ("logp_ref", r)):
+            batch = batch.set_column(batch.schema.get_field_index(c), c, pa.array(v))
+    m, top, worst, w_k3, flagged, mask, absent, rows = _pass(batch)
+    raw = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in LOGP_COLUMNS}
+    n = batch.num_rows
+    out = [np.zeros((4, 5)), np.zeros((1, 5), np.int64), np.zeros((5, len(ABS_EDGES) + 1), np.int64),
+           np.zeros(5, np.int64), np.empty(VE.KEEP_TOP), np.empty(VE.KEEP_TOP, np.int64), np.empty(VE.KEEP_FLAGGED),
+           np.empty(VE.KEEP_FLAGGED, np.int64)]
+    chunk_j = np.empty(-(-n // K.CHUNK) + 1, np.int64)
+    K.token_pass(*(raw[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")),
+                 *(absent[c] for c in ("logp", "logp_old", "logp_ref", "logp_sampler")), mask, np.log(20.0), 10.0,
+                 10.0, ABS_GRID, *out, np.empty(0), np.empty(0, bool), np.empty(0, np.int64), chunk_j)
+    scal = out[3]
+    assert scal[K.S_TOKENS] == m and chunk_j[-1] == m
+    np.testing.assert_array_equal(np.sort(out[5][: scal[K.S_TOP]]), np.sort(top))
+    np.testing.assert_array_equal(np.sort(out[7][: scal[K.S_WORST]]), np.sort(worst))
+    pick = np.unique(np.r_[0, m - 1, top, worst, np.random.default_rng(1).choice(m, 500, replace=False)])
+    at = np.empty(len(pick), np.int64)
+    K.token_rows(mask, absent["logp_ref"], chunk_j, pick, at)
+    np.testing.assert_array_equal(at, rows[pick])
 
 def _same_arrays(got: dict, want: dict) -> None:
     assert list(got) == list(want)

@@ -98,3 +98,35 @@ def test_sample_reducer_finish_then_merge_round_trip():
     assert isinstance(one["step"], np.ndarray) and int(one["stride"][0]) == 4 and len(one["step"]) == 100
     merged = red.merge([one])
     assert int(merged["stride"][0]) == 8 and len(TS.chunks(merged["step"])[0]) == 50
+
+
+@pytest.mark.parametrize("order, stride", [("steps", 4), ("one step", 64), ("shuffled", 4)])
+def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stride):
+    """SampleReducer.add keeps the same rows, as the same arrays, whether they come in runs of whole steps
+    (slices: the recorder's step order; copied, so that no view holds the whole batch) or scattered (Arrow's
+    filter), with nulls in the columns."""
+    rng = np.random.default_rng(4)
+    n = 6000
+    step = np.repeat(np.arange(60), n // 60)
+    if order == "shuffled":
+        step = rng.permutation(step)
+    cols = {c: pa.array(rng.integers(0, 50, n), mask=rng.random(n) < 0.05) for c in TS.INT_COLUMNS}
+    cols["step"] = pa.array(step)
+    cols.update({c: pa.array(rng.normal(-1.0, 0.5, n).astype(np.float32), mask=rng.random(n) < 0.05)
+                 for c in TS.FLOAT_COLUMNS})
+    cols["mask"] = pa.array(rng.random(n) < 0.9, mask=rng.random(n) < 0.05)
+    batch = pa.RecordBatch.from_pydict({c: cols[c] for c in TS.COLUMNS})
+    keep = SS._keep_every(step, stride)
+    assert isinstance(TS._select(keep), np.ndarray if order == "shuffled" else list)
+    red = SS.SampleReducer(stride=stride)
+    state: list = []
+    red.add(state, batch)
+    want = TS.columns_of(batch.filter(pa.array(keep)))
+    assert list(state[0]) == list(want)
+    for c in want:
+        assert state[0][c].dtype == want[c].dtype, c
+        np.testing.assert_array_equal(state[0][c], want[c], err_msg=c)
+        assert state[0][c].base is None or order == "shuffled", c  # a copy: the batch's buffers are not held
+    empty: list = []
+    red.add(empty, batch.filter(pa.array(~keep)))  # no kept step: nothing appended
+    assert empty == []

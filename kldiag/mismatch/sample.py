@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import runner
-from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, chunks,
-                                      columns_of, fit_share, from_columns, keep_groups, rows, thin)
+from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, _select,
+                                      chunks, columns_of, fit_share, from_columns, keep_groups, rows, thin)
 
 
 def sample_stride(parts, max_tokens: int) -> int:
@@ -67,7 +67,9 @@ class SampleReducer:
         if self.stride > 1:
             keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
             if not keep.all():
-                batch = batch.filter(pa.array(keep)) if keep.any() else batch.slice(0, 0)
+                if keep.any():
+                    state.append(kept_columns(batch, keep))
+                return
         if batch.num_rows:
             state.append(columns_of(batch))
 
@@ -97,6 +99,17 @@ class SampleReducer:
         if not out["step"]:
             return {**empty_columns(), "stride": np.array([every], np.int64)}
         return {**out, "stride": np.array([every], np.int64)}
+
+
+def kept_columns(batch: pa.RecordBatch, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """columns_of the rows of `batch` where keep [n] is true (some, not all). Whole steps of a step-ordered
+    batch are a few runs of rows: taken as slices, their arrays then copied (columns_of's numpy arrays may be
+    views of the batch's buffers, which would keep every row alive), not with Arrow's filter of every column."""
+    sel = _select(keep)
+    if not isinstance(sel, list):
+        return columns_of(batch.filter(pa.array(keep)))
+    cols = columns_of(pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema))
+    return {k: v.copy() if v.base is not None else v for k, v in cols.items()}
 
 
 def empty_columns() -> dict[str, np.ndarray]:

@@ -48,15 +48,19 @@ def product(a, b):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **JIT)
-def bad(x, null):  # pragma: no cover - compiled
-    """A present log-prob that views.derive flags: non-finite (NaN, +-inf) or above 0."""
-    return (not null) & (not ((x <= 0.0) & (x > -np.inf)))
+def bad(x, null, zero, ninf):  # pragma: no cover - compiled
+    """A present log-prob that views.derive flags: non-finite (NaN, +-inf) or above 0. zero, ninf: 0.0 and -inf
+    as values the compiler cannot see (params): against literals, LLVM turns the two compares into a
+    floating-point class test that it does not vectorise (the chunk loop ran 1.2x slower)."""
+    return (not null) & (not ((x <= zero) & (x > ninf)))
 
 
 @njit(inline="always", **JIT)
-def weight_bin(w, ok, abs_grid):  # pragma: no cover - compiled
-    """|weight| w's histogram bin, or the "not binned" one past the last (not a token, or NaN)."""
-    return abs_bin(w, abs_grid[0], abs_grid[1], abs_grid[2]) if ok & (w == w) else abs_grid[2] + 1
+def weight_bin(w, ok, m1, k0, n_abs):  # pragma: no cover - compiled
+    """|weight| w's histogram bin, or the "not binned" one past the last (not a token, or NaN); m1, k0, n_abs:
+    abs_grid's entries, read by the caller before its loop (read in it, under the condition, they were three
+    gathers a row: the chunk loop ran 1.4x slower)."""
+    return abs_bin(w, m1, k0, n_abs) if ok & (w == w) else n_abs + 1
 
 
 @njit(inline="always", **SUMS)
@@ -64,12 +68,14 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
     """(value sums [5], |weight| sums [4], flagged |weight| sums [4], |weight| maxima as bits [4], counts
     packed in two words, k3_weight_lost) of one chunk's rows (column slices), k2 .. k3_clamped for the
     weights; packed[i] = row i's four histogram bins (fused.FIELD bits each), w_k3[i] its K3 weight,
-    code[i] its TOKEN and FLAGGED bits. One branch-free loop over range(len) of slices, as
-    fused.chunk_sums, so that LLVM vectorises it."""
-    log_tau, limit, clamp = params[0], params[1], params[2]
-    bin_zero = abs_bin(0.0, abs_grid[0], abs_grid[1], abs_grid[2])
+    code[i] its TOKEN and FLAGGED bits; then the bits of the largest |K3 weight| (NaN as +inf) of its tokens
+    and of its flagged tokens (NONE_BITS: none), which tell `select` whether a token of the chunk can join a
+    kept set. One branch-free loop over range(len) of slices, as fused.chunk_sums, so that LLVM vectorises it."""
+    log_tau, limit, clamp, zero, ninf = params[0], params[1], params[2], params[3], params[4]
+    m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
+    bin_zero = abs_bin(0.0, m1, k0, n_abs)
     v0 = v1 = v2 = v3 = v4 = a1 = a2 = a3 = a4 = f1 = f2 = f3 = f4 = lost = 0.0
-    x1 = x2 = x3 = x4 = NONE_BITS
+    x1 = x2 = x3 = x4 = hi = hi_f = NONE_BITS
     c0 = c1 = 0
     for i in range(len(s)):
         mk = mask[i] & (not r_null[i])
@@ -81,8 +87,8 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
         k3 = np.inf if d == np.inf else em - d  # expm1(+inf) - inf is NaN; the limit is +inf
         w3 = abs(em)
         sat = mk & (k3 > clamp)
-        fl = mk & ((d > log_tau) | (w3 > limit) | sat | bad(sv, s_null[i]) | bad(rv, False) | bad(ov, o_null[i])
-                   | bad(mv, m_null[i]))
+        fl = mk & ((d > log_tau) | (w3 > limit) | sat | bad(sv, s_null[i], zero, ninf) | bad(rv, False, zero, ninf)
+                   | bad(ov, o_null[i], zero, ninf) | bad(mv, m_null[i], zero, ninf))
         # k1 = s - r (weight 1: counted by the caller), k2 = d^2 / 2 (s - r), k3 = expm1(d) - d (-expm1(d)),
         # k3_is = rho k3 (rho (s - r)), k3_clamped = min(k3, clamp) (K3's weight, 0 once k3 > clamp)
         k1, k2, k3is = -d, 0.5 * (d * d), product(rho, k3)
@@ -111,13 +117,16 @@ def chunk_sums(s, o, r, m, s_null, o_null, r_null, m_null, mask, params, abs_gri
         lost += w3 if sat & finite(w3) else 0.0
         c0 += pack7(mk, fl, sat, mk & (not ok0), mk & (not ok1), mk & (not ok2), mk & (not ok3))
         c1 += np.int64(mk & (not ok4))
-        b3 = weight_bin(w3, mk, abs_grid)
+        b3 = weight_bin(w3, mk, m1, k0, n_abs)
         b4 = bin_zero if sat else b3  # k3_clamped's |weight|: K3's, or 0 once saturated
-        packed[i] = (weight_bin(w1, mk, abs_grid) | (b3 << FIELD) | (weight_bin(wis, mk, abs_grid) << (2 * FIELD))
-                     | (b4 << (3 * FIELD)))
+        packed[i] = (weight_bin(w1, mk, m1, k0, n_abs) | (b3 << FIELD)
+                     | (weight_bin(wis, mk, m1, k0, n_abs) << (2 * FIELD)) | (b4 << (3 * FIELD)))
         w_k3[i] = -em
         code[i] = np.uint8(mk) | (np.uint8(fl) << 1)
-    return (v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), c0, c1, lost
+        kb = bits(np.inf if w3 != w3 else w3)  # select's rank: NaN first
+        hi = max(hi, kb if mk else NONE_BITS)
+        hi_f = max(hi_f, kb if fl else NONE_BITS)
+    return (v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), c0, c1, lost, hi, hi_f
 
 
 @njit(inline="always", **JIT)
@@ -166,10 +175,10 @@ def keep(hw, hj, cnt, w, j):  # pragma: no cover - compiled
 
 @njit(inline="always", **JIT)
 def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no cover - compiled
-    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out and offer
-    each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace, write each
-    token's K3 weight and flagged bit. Returns the next j. A token joins a full set only above its root:
-    after the first chunks, a compare per token."""
+    """Number the tokens of a chunk (rows c0 .. c0 + rows) from j on, write their rows to rows_out (unless
+    empty) and offer each to the kept sets (sel: top_w, top_j, worst_w, worst_j, counts [2]); with a trace,
+    write each token's K3 weight and flagged bit. Returns the next j. A token joins a full set only above
+    its root: after the first chunks, a compare per token."""
     top_w, top_j, worst_w, worst_j, n = sel
     trace = len(w_out) > 0
     for t in range(rows):
@@ -183,14 +192,16 @@ def select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out):  # pragma: no
                 n[1] = keep(worst_w, worst_j, n[1], w, j)
             if trace:
                 w_out[j], fl_out[j] = w_k3[t], (c & FLAGGED) != 0
-            rows_out[j] = c0 + t
+            if len(rows_out):
+                rows_out[j] = c0 + t
             j += 1
     return j
 
 
 @njit(**SUMS)
 def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit, clamp, abs_grid,
-               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out):  # pragma: no cover
+               fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, w_out, fl_out, rows_out,
+               chunk_j):  # pragma: no cover
     """One pass over a batch's rows [n] (log-probs as stored, NaN at nulls; null masks bool [n]).
 
     Tokens are the rows in the loss (mask) with a reference log-prob, numbered j = 0, 1, ... in row
@@ -198,11 +209,13 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     flagged |weight| sum, |weight| max), icount [1, N_EST], hist [N_EST, len(ABS_EDGES) + 1]. Keeps in
     top_w, top_j [KEEP_TOP] the tokens of largest |k3 weight| (NaN as +inf, of equal ones the first) and
     in worst_w, worst_j [KEEP_FLAGGED] the same among flagged tokens (estimators.largest's sets). Writes
-    (tokens, flagged, clamp_saturated, kept top, kept worst) to scal, each token's row to rows_out [n];
-    with w_out, fl_out of length n (else 0: not written) each token's K3 weight and flagged bit.
+    (tokens, flagged, clamp_saturated, kept top, kept worst) to scal; with rows_out, w_out, fl_out of length n
+    (else 0: not written) each token's row, K3 weight and flagged bit. Without them, a chunk none of whose
+    tokens beats a full kept set's root (chunk_sums' maxima) is only counted, and chunk_j [chunks + 1] (unless
+    empty) gets the number of the first token of each chunk and the tokens in all (token_rows reads it).
     Returns k3_weight_lost."""
     n_abs = abs_grid[2]
-    params = np.array([log_tau, limit, clamp])
+    params = np.array([log_tau, limit, clamp, 0.0, -np.inf])  # chunk_sums' (bad's zero and ninf: see there)
     packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
     h = np.zeros((BIN_COPIES, 4, n_abs + 2), np.int64)  # the last bin: not binned
     vs, ws, fs, cnt = np.zeros(5), np.zeros(4), np.zeros(4), np.zeros(8, np.int64)
@@ -210,11 +223,12 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     n_kept = np.zeros(2, np.int64)
     sel = (top_w, top_j, worst_w, worst_j, n_kept)
     j, lost, low = 0, 0.0, (1 << COUNT_BITS) - 1
+    every = len(w_out) > 0 or len(rows_out) > 0  # a trace: every token goes through select
     for c0 in range(0, len(s), CHUNK):
         c1 = min(c0 + CHUNK, len(s))
-        v, a, f, x, w0, w1, lo = chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1],
-                                           r_null[c0:c1], m_null[c0:c1], mask[c0:c1], params, abs_grid, packed,
-                                           w_k3, code)
+        v, a, f, x, w0, w1, lo, hi, hi_f = chunk_sums(
+            s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1], r_null[c0:c1], m_null[c0:c1],
+            mask[c0:c1], params, abs_grid, packed, w_k3, code)
         for q in range(5):
             vs[q] += v[q]
         for q in range(4):
@@ -226,7 +240,12 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
         cnt[7] += w1
         lost += lo
         count_bins(packed, c1 - c0, h)
-        j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
+        if len(chunk_j):
+            chunk_j[c0 // CHUNK] = j
+        if every or may_keep(hi, hi_f, w0 & low, (w0 >> COUNT_BITS) & low, sel):
+            j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
+        else:
+            j += w0 & low  # the chunk's tokens
     # counts: tokens, flagged, saturated, then non-finite values of k1 .. k3_clamped
     fsum[F_VALUE] += vs
     icount[I_NONFINITE] += cnt[3:8]
@@ -243,4 +262,39 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
             hist[e + 1, k] += h[0, e, k] + h[1, e, k] + h[2, e, k] + h[3, e, k]
     scal[S_TOKENS], scal[S_FLAGGED], scal[S_CLAMP], scal[S_TOP], scal[S_WORST] = cnt[0], cnt[1], cnt[2], \
         n_kept[0], n_kept[1]
+    if len(chunk_j):
+        chunk_j[len(chunk_j) - 1] = j
     return lost
+
+
+@njit(inline="always", **JIT)
+def may_keep(hi, hi_f, tokens, flagged, sel):  # pragma: no cover - compiled
+    """Whether a chunk (its largest |K3 weight| as bits over its tokens, hi, and over its flagged ones, hi_f;
+    its counts) can add a token to a kept set: one not full yet, or one whose root it beats (keep's rule: a
+    token joins a full set only above its root; weights >= +0.0, whose bits order like them)."""
+    top_w, _, worst_w, _, n = sel
+    if tokens == 0:
+        return False
+    if n[0] < len(top_w) or hi > bits(top_w[0]):
+        return True
+    return flagged > 0 and (n[1] < len(worst_w) or hi_f > bits(worst_w[0]))
+
+
+@njit(**JIT)
+def token_rows(mask, r_null, chunk_j, picks, out):  # pragma: no cover - compiled
+    """out[q] = the row of token picks[q] (ascending token numbers; tokens: rows with mask and a reference,
+    numbered in row order), from token_pass's chunk_j: a walk from the chunk of each pick, never back."""
+    row, j = 0, 0
+    for q in range(len(picks)):
+        p, c = picks[q], row // CHUNK
+        while chunk_j[c + 1] <= p:
+            c += 1
+        if c * CHUNK > row:
+            row, j = c * CHUNK, chunk_j[c]
+        while True:
+            tok = mask[row] and not r_null[row]
+            if tok and j == p:
+                break
+            j += np.int64(tok)
+            row += 1
+        out[q] = row

@@ -84,7 +84,8 @@ def kept_pick(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
 def kept_pick_index(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int,
                     seed: int) -> tuple[np.ndarray, np.ndarray]:
     """kept_pick with each kind as its KINDS index (int8)."""
-    special = np.union1d(top, worst).astype(np.int64)
+    special = np.sort(np.concatenate([top, worst]).astype(np.int64))  # np.union1d's, without its hashing
+    special = special[np.r_[True, special[1:] != special[:-1]]] if special.size else special
     n_rest = m - special.size
     if n_rest > sample_size:  # the p-th other: p plus the kept tokens at or below it among the others
         p = np.random.default_rng(seed).choice(n_rest, size=sample_size, replace=False)
@@ -95,8 +96,9 @@ def kept_pick_index(top: np.ndarray, worst: np.ndarray, m: int, sample_size: int
         rest = np.flatnonzero(others)
     pick = np.sort(np.concatenate([special, rest]).astype(np.int64))
     kind = np.zeros(pick.size, np.int8)
-    kind[np.isin(pick, top)] = KINDS.index("top |k3 weight|")
-    kind[np.isin(pick, worst)] = KINDS.index("flagged")
+    # top and worst are in pick (sorted, distinct): their places by binary search, not np.isin's sort of all
+    kind[np.searchsorted(pick, np.asarray(top, np.int64))] = KINDS.index("top |k3 weight|")
+    kind[np.searchsorted(pick, np.asarray(worst, np.int64))] = KINDS.index("flagged")
     return pick, kind
 
 

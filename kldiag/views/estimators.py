@@ -92,11 +92,11 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
     top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
         np.empty(KEEP_FLAGGED, np.int64)
     step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
-    rows = np.empty(n, np.int64)
+    chunk_j = np.empty(-(-n // K.CHUNK) + 1, np.int64)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
-                        worst_w, worst_j, np.empty(0), np.empty(0, bool), rows)
+                        worst_w, worst_j, np.empty(0), np.empty(0, bool), np.empty(0, np.int64), chunk_j)
     m = int(scal[K.S_TOKENS])
     out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
            "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
@@ -106,7 +106,8 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
     pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
-    at = rows[pick]
+    at = np.empty(len(pick), np.int64)
+    K.token_rows(mask, absent["logp_ref"], chunk_j, pick, at)
     q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
     q.update(step=step[at], seq=seq[at])
     q["kind"] = kind
