@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 
 from kldiag import estimators as E
-from kldiag.analysis import runner
-from kldiag.analysis import context
+from kldiag.analysis import context, runner, store
 from kldiag.analysis.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
@@ -194,7 +193,7 @@ def reducers(config: ReportConfig = ReportConfig()) -> list:
 
 def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
     """The tokens with the largest |k3 weight|, with `context_width` tokens on each side (read from the
-    row groups of their sequences: analysis.context.around)."""
+    row groups of their sequences: analysis.context.around; kept in the run's result store)."""
     flags = analysis.flags
     if flags.num_rows == 0:
         return []
@@ -202,7 +201,8 @@ def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
     order = np.argsort(-w, kind="stable")[:limit]
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
     keys = [tuple(int(r[c]) for c in ("step", "rank", "seq", "iteration", "pos")) for r in rows]
-    around = context.around(runner.parts_of(analysis)[1], keys, context_width)
+    around = store.cached(analysis, "context", [keys, context_width],  # a second report reads no part
+                          lambda: context.around(runner.parts_of(analysis)[1], keys, context_width))
     vocab = open_run(analysis.run_dir).vocab() or {}
 
     def piece(t: int | None) -> str:
