@@ -139,13 +139,13 @@ def test_a_fresh_process_opens_the_pieces_an_earlier_one_wrote(run, tmp_path, mo
 
 def test_a_chunk_files_piece_goes_with_it(tmp_path):
     (tmp_path / "a.seqs").write_bytes(b"x")
-    (tmp_path / "a.seqs.0123.parquet").write_bytes(b"x")
-    (tmp_path / "b.seqs.0123.parquet").write_bytes(b"x")  # its chunk file is gone
+    for chunk, derived in (("a", "parquet"), ("a", "arrays"), ("b", "parquet"), ("b", "arrays")):  # b: gone
+        (tmp_path / f"{chunk}.seqs.0123.{derived}").write_bytes(b"x")  # its table piece, its sums (spill.kept)
     old = time.time() - spill.STALE_SECONDS - 10
     for p in tmp_path.iterdir():
         os.utime(p, (old, old))
     spill.remove_unlisted(tmp_path, {"a.seqs"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.seqs", "a.seqs.0123.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.seqs", "a.seqs.0123.arrays", "a.seqs.0123.parquet"]
 
 
 def _order(table, by: str, n: int):

@@ -4,7 +4,6 @@ kept beside it are read by a fresh process instead of the chunk's rows, and give
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from analysis_same import assert_same_analysis
@@ -60,14 +59,3 @@ def test_unwritable_or_corrupt_sums_are_derived_again(chunked, monkeypatch):
     calls.clear()
     assert_same_analysis(analyze(run, CFG), want)
     assert calls  # derived from the rows again
-
-
-def test_the_kept_sums_go_with_their_chunk_file(tmp_path):
-    (tmp_path / "a.seqs").write_bytes(b"x")
-    (tmp_path / "a.seqs.0123.arrays").write_bytes(b"x")
-    (tmp_path / "b.seqs.0123.arrays").write_bytes(b"x")  # its chunk file is gone
-    old = time.time() - spill.STALE_SECONDS - 10
-    for p in tmp_path.iterdir():
-        os.utime(p, (old, old))
-    spill.remove_unlisted(tmp_path, {"a.seqs"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.seqs", "a.seqs.0123.arrays"]
