@@ -56,17 +56,14 @@ def run(tmp_path):
 
 
 def _brute(run_dir, keys, width):
-    """The same context cut from every (non-superseded) row of the run."""
-    t = F.open_run(run_dir).read(["step", "rank", "seq", "iteration", "pos", "token_id"]).to_pylist()
-    seqs: dict = {}
-    for r in t:
-        tok = -1 if r["token_id"] is None else r["token_id"]
-        seqs.setdefault((r["step"], r["rank"], r["seq"], r["iteration"]), {})[r["pos"]] = tok
+    """The same context cut from every (non-superseded) row of the run, with pandas."""
+    t = F.open_run(run_dir).read(["step", "rank", "seq", "iteration", "pos", "token_id"]).to_pandas()
+    t["token_id"] = t["token_id"].fillna(-1).astype(int)
     out = {}
     for s, rk, q, it, p in keys:
-        rows = seqs.get((s, rk, q, it), {})
-        out[(s, rk, q, it, p)] = ([rows[x] for x in range(p - width, p) if x in rows],
-                                  [rows[x] for x in range(p + 1, p + width + 1) if x in rows])
+        seq = t[(t["step"] == s) & (t["rank"] == rk) & (t["seq"] == q) & (t["iteration"] == it)].sort_values("pos")
+        out[(s, rk, q, it, p)] = (seq[(seq["pos"] >= p - width) & (seq["pos"] < p)]["token_id"].tolist(),
+                                  seq[(seq["pos"] > p) & (seq["pos"] <= p + width)]["token_id"].tolist())
     return out
 
 
