@@ -178,6 +178,7 @@ class Loaded:
         self.path, self.keys = path, keys  # keys: `stamp` of the part keys
         _forget_older(path, keys)
         self.present = present(path, keys)  # analyses the run on its first load
+        _ANALYSED.add(path)
 
     # a cache lookup, not an attribute: a page's globals (which a widget's callback keeps alive) hold no Analysis
     analysis = property(lambda self: _analysis(self.path, self.keys))
@@ -259,10 +260,14 @@ def sidebar() -> None:
     _watch(paths, seconds if live else None)
 
 
+_ANALYSED: set[str] = set()  # runs whose analysis this process has made: their cache is warm
+
+
 def _watch(paths: list[str], every: float | None) -> None:
     if every is not None:  # live: the first refresh's pass made ready (its compiled kernels loaded)
         for p in paths:
-            VD.prepare_refresh_in_background(p, kldiag.AnalysisConfig(**engines.from_env()))
+            if p in _ANALYSED:  # else its first analysis may still run: a second one beside it would be cold
+                VD.prepare_refresh_in_background(p, kldiag.AnalysisConfig(**engines.from_env()))
 
     @st.fragment(run_every=every)
     def watcher() -> None:

@@ -160,6 +160,22 @@ def test_live_refresh_shows_a_new_part(monkeypatch, app_runs, tmp_path):
     assert _metric(at, "Steps") == "13"
 
 
+def test_live_readies_the_refresh_of_an_analysed_run_only(monkeypatch, app_runs, tmp_path):
+    from kldiag.views import dashboard as VD
+
+    run = tmp_path / "live-first"
+    shutil.copytree(app_runs["k3"], run, ignore=shutil.ignore_patterns(".kldiag"))
+    monkeypatch.setenv("KLDIAG_RUNS", str(run))
+    at = AppTest.from_file(str(MAIN), default_timeout=60)
+    at.session_state["live"] = True  # on from the first run: the sidebar comes before the page analyses
+    at.run()
+    _ok(at)
+    assert str(run) not in VD._PREPARING  # no cold analysis beside the page's own
+    at.run()
+    assert str(run) in VD._PREPARING  # analysed now: its refresh is readied
+    VD._PREPARING[str(run)].join()
+
+
 def test_live_refresh_drops_the_older_analysis(monkeypatch, app_runs, tmp_path):
     """A new part re-keys the run: the app's loaders drop the older analysis (and the Mismatch page's view
     holding it) instead of keeping one per refresh, each with its token sample."""
