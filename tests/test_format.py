@@ -181,3 +181,27 @@ def test_parts_sort_by_step_then_rank(tmp_path):
     parts = F.list_parts(tmp_path)
     assert [(p.step_min, p.rank) for p in parts] == [(0, 1), (1, 0), (1, 1)]
     assert len({p.key for p in parts}) == 3
+
+
+def test_read_rows_reads_the_row_groups_of_its_steps_only(tmp_path, monkeypatch):
+    """Run.read_rows: the rows at the steps for which `where` holds, equal to the whole run filtered, from
+    the row groups whose step statistics hold a step (groups of 4 rows: a step spans two of them)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    F.write_manifest(tmp_path, F.Manifest(kldiag_version="test"))
+    table = pa.concat_tables([token_table(step, seed=step) for step in range(6)])
+    F.publish_part(table, F.rank_dir(tmp_path, 0), F.part_name(0, 5, 0), row_group_size=4)
+    run = F.open_run(tmp_path)
+    groups = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: groups.append(kw.get("row_groups")) or real(self, **kw))
+    got = run.read_rows(run.parts(), [2, 4], lambda b: pc.equal(b.column("pos"), 1))
+    whole = run.read()
+    want = whole.filter(pc.and_(pc.is_in(whole.column("step"), pa.array([2, 4])), pc.equal(whole.column("pos"), 1)))
+    assert got.equals(want) and got.num_rows == 4
+    assert groups[0] == [4, 5, 8, 9]  # of 12 groups: the two of each step
+    assert run.read_rows(run.parts(), [9]).num_rows == 0
+    with pytest.raises(ValueError, match="include it"):
+        run.read_rows(run.parts(), [2], columns=["seq"])

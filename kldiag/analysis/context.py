@@ -3,8 +3,8 @@
 The report lists a run's worst tokens (largest |k3 weight|, from the analysis's flags table) with
 `width` token ids on each side in their sequence. A token is keyed by (step, rank, seq, iteration,
 pos); its sequence lives in the parts of its rank whose step range holds its step, and within a part
-in the row groups whose `step` statistics (written for every part, format.schema's writer options)
-hold it. Only those row groups are read, five columns of them: the context of the report's ten
+in the row groups whose `step` statistics (written for every part) hold it (format.part_batches with
+`steps`). Only those row groups are read, five columns of them: the context of the report's ten
 tokens costs a few row groups whatever the run's size, where reading it along with the analysis
 cost a reducer over every token.
 
@@ -22,8 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag.format import PartInfo
-from kldiag.format.parts import open_part, superseded_mask
+from kldiag.format import PartInfo, columns_schema, part_batches
 
 Key = tuple[int, int, int, int, int]  # (step, rank, seq, iteration, pos)
 COLUMNS = ("step", "seq", "iteration", "pos", "token_id")
@@ -63,33 +62,12 @@ def _parts_for(parts: Sequence[PartInfo], keys: list[Key]) -> dict[PartInfo, lis
 
 def _read(part: PartInfo, steps: list[int], seqs: list[int]) -> dict[str, list[int]]:
     """COLUMNS of the part's rows at `steps` whose seq is one of `seqs`, as lists (a few sequences' rows),
-    superseded rows dropped; iteration 0 and token id NULL_TOKEN where null or absent (v1 parts)."""
-    pf = open_part(part, ["step", "seq", "pos", "token_id"])
-    meta, names = pf.metadata, pf.schema_arrow.names
-    col = names.index("step")
-    groups = [g for g in range(meta.num_row_groups) if _holds(meta.row_group(g).column(col).statistics, steps)]
-    if not groups:
-        return {c: [] for c in COLUMNS}
-    read = [c for c in COLUMNS if c in names]
+    superseded rows dropped; iteration 0 and token id NULL_TOKEN where null (absent in v1 parts)."""
     want_steps, want_seqs = pa.array(steps, pa.int64()), pa.array(seqs, pa.int64())
-    # Batch by batch, so that what is held is the few sequences' rows, not the row groups' (1M rows each).
+    # the row groups of these steps only, batch by batch: what is held is the few sequences' rows
     kept = [b.filter(pc.and_(pc.is_in(b.column("step"), want_steps), pc.is_in(b.column("seq"), want_seqs)))
-            for b in pf.iter_batches(batch_size=BATCH, row_groups=groups, columns=read)]
-    t = pa.Table.from_batches(kept, schema=pa.schema([pf.schema_arrow.field(c) for c in read]))
-    if part.exclude:
-        t = t.filter(pa.array(~superseded_mask(t.column("step").to_numpy(), part.exclude)))
-    out = {}
-    for c in COLUMNS:
-        if c not in read:
-            out[c] = [0 if c == "iteration" else NULL_TOKEN] * t.num_rows
-        else:
-            fill = NULL_TOKEN if c == "token_id" else 0
-            out[c] = np.asarray(pc.fill_null(t.column(c), fill).to_numpy(zero_copy_only=False), np.int64).tolist()
-    return out
-
-
-def _holds(stats, steps: list[int]) -> bool:
-    """Whether a row group whose `step` statistics are `stats` may hold one of `steps` (no statistics: yes)."""
-    if stats is None or not stats.has_min_max:
-        return True
-    return any(stats.min <= s <= stats.max for s in steps)
+            for b in part_batches(part, list(COLUMNS), BATCH, steps=steps)]
+    t = pa.Table.from_batches(kept, schema=columns_schema(list(COLUMNS)))
+    fill = {"token_id": NULL_TOKEN}
+    return {c: np.asarray(pc.fill_null(t.column(c), fill.get(c, 0)).to_numpy(zero_copy_only=False), np.int64).tolist()
+            for c in COLUMNS}

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kldiag.errors import CorruptPartError, NotARunError, RunFormatError
@@ -35,6 +36,7 @@ from kldiag.format.storage import Store, resolve
 
 WRITER_STATS = "writer.json"  # v1: RUN/tokens/rank=R/writer.json (read only)
 MANIFEST_READS = 4  # remote: tries to read a run.json that a live writer is replacing
+ROWS_BATCH = 1 << 16  # rows decoded at a time by Run.read_rows: what it holds is the rows it keeps
 
 
 def run_path(store: Store) -> Path | str:
@@ -116,17 +118,18 @@ class Run:
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 1 << 20,
                      strict: bool = False, parts: Sequence[PartInfo] | None = None,
-                     include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
+                     include_superseded: bool = False, steps: Sequence[int] | None = None) -> Iterator[pa.RecordBatch]:
         """Record batches of every published part, only `columns` (default: TOKEN_SCHEMA, the columns
         every part has; name v1.2's optional ones, or pass RUN_SCHEMA.names, to get them too).
 
         Rows superseded by a later attempt are left out unless include_superseded. A corrupt
-        part is skipped with a warning that names it, or raises in strict mode.
+        part is skipped with a warning that names it, or raises in strict mode. `steps`: only the row
+        groups whose `step` statistics may hold one of them (their other rows too: filter them).
         """
         columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
         for part in self.parts() if parts is None else parts:
             try:
-                yield from part_batches(part, columns, batch_size, include_superseded)
+                yield from part_batches(part, columns, batch_size, include_superseded, steps)
             except (RunFormatError, OSError, pa.ArrowException) as e:
                 if strict:
                     raise e if isinstance(e, RunFormatError) else CorruptPartError(
@@ -147,6 +150,21 @@ class Run:
         schema = columns_schema(columns)
         return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
 
+    def read_rows(self, parts: Sequence[PartInfo], steps: Sequence[int], where=None,
+                  columns: Sequence[str] | None = None) -> pa.Table:
+        """The rows of `parts` at `steps` for which where(batch) (a boolean array; None: all) holds, as one
+        table: only the row groups that may hold the steps are read, and each batch is filtered as it is
+        read, so one sequence costs its row groups' decode, not its parts' whole tables."""
+        columns = list(columns) if columns is not None else TOKEN_SCHEMA.names
+        if "step" not in columns:
+            raise ValueError("read_rows filters on `step`: include it in columns")
+        want = pa.array(sorted({int(x) for x in steps}), pa.int64())
+        kept = []
+        for b in self.iter_batches(columns, ROWS_BATCH, parts=parts, steps=want.to_pylist()):
+            keep = pc.is_in(b.column("step"), want)
+            kept.append(b.filter(keep if where is None else pc.and_(keep, where(b))))
+        return pa.Table.from_batches(kept, schema=columns_schema(columns))
+
     def vocab(self) -> dict[int, str] | None:
         """token_id -> piece from vocab.parquet, or None when the run has no vocab."""
         data = self.store.read_bytes(VOCAB)
@@ -160,11 +178,13 @@ class Run:
 
 
 def part_batches(part: PartInfo, columns: list[str], batch_size: int,
-                 include_superseded: bool = False) -> Iterator[pa.RecordBatch]:
+                 include_superseded: bool = False, steps: Sequence[int] | None = None) -> Iterator[pa.RecordBatch]:
     """One part's batches of `columns`: v1 parts get their attempt column from the name, a part
     without one of v1.2's optional columns (every v1.1 part) reads as null there, and rows
-    superseded by a later attempt are dropped unless include_superseded."""
+    superseded by a later attempt are dropped unless include_superseded. `steps`: only the row groups
+    whose `step` statistics (written for every part: PARQUET_WRITE_OPTIONS) may hold one of them."""
     pf = open_part(part, columns)
+    groups = None if steps is None else step_groups(pf, steps)
     present = set(pf.schema_arrow.names)
     drop = bool(part.exclude) and not include_superseded
     read = [c for c in columns if c in present]
@@ -173,13 +193,27 @@ def part_batches(part: PartInfo, columns: list[str], batch_size: int,
     schema = columns_schema(columns)
     # A part whose footer reads is whole (parts are published atomically), so errors after
     # this point mean a disk or network fault, not a half-written file.
-    for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+    if groups == []:
+        return
+    for batch in pf.iter_batches(batch_size=batch_size, columns=read, row_groups=groups):
         if drop:
             step = batch.column("step").to_numpy()
             batch = batch.filter(pa.array(~superseded_mask(step, part.exclude)))
         arrays = [batch.column(c) if c in present else absent_column(c, batch.num_rows, part.attempt)
                   for c in columns]
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def step_groups(pf: pq.ParquetFile, steps: Sequence[int]) -> list[int]:
+    """The row groups of a part that may hold one of `steps` (a group without `step` statistics may)."""
+    col = pf.schema_arrow.get_field_index("step")
+    meta = pf.metadata
+    out = []
+    for g in range(meta.num_row_groups):
+        st = meta.row_group(g).column(col).statistics if col >= 0 else None
+        if st is None or not st.has_min_max or any(st.min <= s <= st.max for s in steps):
+            out.append(g)
+    return out
 
 
 def absent_column(name: str, n: int, attempt: int) -> pa.Array:

@@ -72,10 +72,9 @@ def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
     """Tokens of several sequences of one step, read in one pass: seq -> frame as
     `views.read_sequence` gives it (sorted by iteration, pos; every derived column; piece)."""
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
-    table = F.open_run(run_dir).read_parts(parts)
-    keep = pc.and_(pc.equal(table.column("step"), int(step)),
-                   pc.is_in(table.column("seq"), value_set=pa.array([int(s) for s in seqs], pa.int64())))
-    table = table.filter(keep).sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
+    want = pa.array([int(s) for s in seqs], pa.int64())
+    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.is_in(b.column("seq"), value_set=want))
+    table = table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values

@@ -158,14 +158,13 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
                   config: AnalysisConfig = DEFAULT_CONFIG, vocab: Mapping[int, str] | None = None) -> pd.DataFrame:
     """The tokens of sequence `seq` at `step`, one row per (iteration, pos), sorted.
 
-    Reads only the parts whose step range holds `step`. Columns: the token columns of
+    Reads only the row groups whose step statistics hold `step` (Run.read_rows). Columns: the token columns of
     format v1, `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
     An unknown (step, seq) gives an empty frame.
     """
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
-    table = F.open_run(run_dir).read_parts(parts)
-    keep = pc.and_(pc.equal(table.column("step"), int(step)), pc.equal(table.column("seq"), int(seq)))
-    table = table.filter(keep).sort_by([("iteration", "ascending"), ("pos", "ascending")])
+    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)))
+    table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values

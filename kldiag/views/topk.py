@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from kldiag import format as F
@@ -65,12 +66,14 @@ def token_lists(run_dir: str | os.PathLike, step: int, seq: int, pos: int, itera
     sorted by the larger prob. Empty when the token or its lists are not in the run."""
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
     columns = ["step", "seq", "pos", "iteration", *(c for pair in T.SIDES for c in pair)]
-    table = F.open_run(run_dir).read_parts(parts, columns=columns)
-    keep = None
-    for name, value in (("step", step), ("seq", seq), ("pos", pos), ("iteration", iteration)):
-        hit = pc.equal(table.column(name), int(value))
-        keep = hit if keep is None else pc.and_(keep, hit)
-    row = table.filter(keep).slice(0, 1).combine_chunks()
+
+    def at(b: pa.RecordBatch) -> pa.Array:
+        keep = pc.equal(b.column("seq"), int(seq))
+        for name, value in (("pos", pos), ("iteration", iteration)):
+            keep = pc.and_(keep, pc.equal(b.column(name), int(value)))
+        return keep
+
+    row = F.open_run(run_dir).read_rows(parts, [int(step)], at, columns).slice(0, 1).combine_chunks()
     frames = []
     for ids_name, logp_name in T.SIDES:
         got = T.side(row.to_batches()[0], ids_name, logp_name) if row.num_rows else None
