@@ -25,7 +25,8 @@ FLAG_ROWS = 20  # worst tokens in the summary
 
 def analyze_run(run_dir: str | os.PathLike, config: AnalysisConfig = AnalysisConfig()) -> Analysis:
     """The analysis `kldiag analyze` makes: with what the diagnosis and `kldiag report` read, in the
-    same one read of each part (a report after an analyze reads no part), and the top-k figures."""
+    same one read of each part (a report after it reads no whole part: only the row groups of its worst
+    tokens' sequences), and the top-k figures."""
     return analyze(run_dir, config, [*report_reducers(), topk.TopkReducer()])
 
 
