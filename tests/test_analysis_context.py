@@ -76,16 +76,14 @@ def _keys(run_dir, n, seed):
 @pytest.mark.parametrize("width", [0, 1, 5])
 def test_around_equals_the_context_cut_from_the_whole_run(run, width):
     keys = _keys(run, 60, width) + [(4, 0, 0, 1, 0), (5, 0, 2, 0, 3)]  # steps rewritten by attempt 1
-    parts = F.list_parts(run)
-    got = context.around(parts, keys, width)
+    got = context.around(F.open_run(run), F.list_parts(run), keys, width)
     assert got == _brute(run, keys, width)
     assert any(-1 in b + a for b, a in got.values()) or width == 0  # null ids read as -1
 
 
 def test_superseded_rows_and_unknown_sequences_are_no_context(run):
-    parts = F.list_parts(run)
     first = F.open_run(run).read(["step", "rank", "seq", "iteration", "pos", "token_id"], include_superseded=True)
-    got = context.around(parts, [(4, 0, 0, 0, 0), (4, 0, 7, 0, 0), (99, 0, 0, 0, 0)], 3)
+    got = context.around(F.open_run(run), F.list_parts(run), [(4, 0, 0, 0, 0), (4, 0, 7, 0, 0), (99, 0, 0, 0, 0)], 3)
     assert got[(4, 0, 7, 0, 0)] == got[(99, 0, 0, 0, 0)] == ([], [])
     attempt1 = _table(range(4, 6), 0, seed=99, attempt=1).to_pylist()
     want = [r["token_id"] for r in attempt1 if (r["step"], r["seq"], r["iteration"]) == (4, 0, 0)][1:4]
@@ -100,7 +98,7 @@ def test_around_reads_only_the_row_groups_of_its_steps(run, monkeypatch):
     monkeypatch.setattr(pq.ParquetFile, "iter_batches",
                         lambda self, **kw: read.append(len(kw["row_groups"])) or real(self, **kw))
     total = sum(F.open_part(p).metadata.num_row_groups for p in F.list_parts(run))
-    context.around(F.list_parts(run), [(1, 1, 0, 0, 0)], 2)
+    context.around(F.open_run(run), F.list_parts(run), [(1, 1, 0, 0, 0)], 2)
     assert len(read) == 1 and 0 < sum(read) < total / 4
 
 

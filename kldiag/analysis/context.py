@@ -3,8 +3,8 @@
 The report lists a run's worst tokens (largest |k3 weight|, from the analysis's flags table) with
 `width` token ids on each side in their sequence. A token is keyed by (step, rank, seq, iteration,
 pos); its sequence lives in the parts of its rank whose step range holds its step, and within a part
-in the row groups whose `step` statistics (written for every part) hold it (format.part_batches with
-`steps`). Only those row groups are read, five columns of them: the context of the report's ten
+in the row groups whose `step` statistics (written for every part) hold it (format.Run.read_rows).
+Only those row groups are read, five columns of them: the context of the report's ten
 tokens costs a few row groups whatever the run's size, where reading it along with the analysis
 cost a reducer over every token.
 
@@ -22,23 +22,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag.format import PartInfo, columns_schema, part_batches
+from kldiag.format import PartInfo, Run
 
 Key = tuple[int, int, int, int, int]  # (step, rank, seq, iteration, pos)
 COLUMNS = ("step", "seq", "iteration", "pos", "token_id")
 NULL_TOKEN = -1
-BATCH = 1 << 16  # rows decoded at a time
 
 
-def around(parts: Sequence[PartInfo], keys: Iterable[Key], width: int) -> dict[Key, tuple[list[int], list[int]]]:
-    """key -> (token ids of the `width` positions before, of the `width` after), each in pos order,
+def around(run: Run, parts: Sequence[PartInfo], keys: Iterable[Key],
+           width: int) -> dict[Key, tuple[list[int], list[int]]]:
+    """Of `parts` of `run`: key -> (token ids of the `width` positions before, of the `width` after), each in pos order,
     positions the sequence does not have left out. A key whose sequence no part holds maps to ([], []).
     """
     keys = list(dict.fromkeys(tuple(int(x) for x in k) for k in keys))
     ids: dict[tuple[int, int, int, int], dict[int, int]] = defaultdict(dict)  # sequence -> {pos: token id}
     for part, wanted in _parts_for(parts, keys).items():
         seqs = {(s, q, it) for s, _r, q, it, _p in wanted}
-        t = _read(part, sorted({s for s, *_ in wanted}), sorted({q for _s, q, _it in seqs}))
+        t = _read(run, part, sorted({s for s, *_ in wanted}), sorted({q for _s, q, _it in seqs}))
         for s, q, it, p, tok in zip(*(t[c] for c in COLUMNS), strict=True):
             if (s, q, it) in seqs:
                 ids[(s, part.rank, q, it)][p] = tok
@@ -60,14 +60,11 @@ def _parts_for(parts: Sequence[PartInfo], keys: list[Key]) -> dict[PartInfo, lis
     return out
 
 
-def _read(part: PartInfo, steps: list[int], seqs: list[int]) -> dict[str, list[int]]:
-    """COLUMNS of the part's rows at `steps` whose seq is one of `seqs`, as lists (a few sequences' rows),
-    superseded rows dropped; iteration 0 and token id NULL_TOKEN where null (absent in v1 parts)."""
-    want_steps, want_seqs = pa.array(steps, pa.int64()), pa.array(seqs, pa.int64())
-    # the row groups of these steps only, batch by batch: what is held is the few sequences' rows
-    kept = [b.filter(pc.and_(pc.is_in(b.column("step"), want_steps), pc.is_in(b.column("seq"), want_seqs)))
-            for b in part_batches(part, list(COLUMNS), BATCH, steps=steps)]
-    t = pa.Table.from_batches(kept, schema=columns_schema(list(COLUMNS)))
+def _read(run: Run, part: PartInfo, steps: list[int], seqs: list[int]) -> dict[str, list[int]]:
+    """COLUMNS of the part's rows at `steps` whose seq is one of `seqs`, as lists (a few sequences' rows:
+    Run.read_rows), superseded rows dropped; iteration 0 and token id NULL_TOKEN where null."""
+    want = pa.array(seqs, pa.int64())
+    t = run.read_rows([part], steps, lambda b: pc.is_in(b.column("seq"), want), list(COLUMNS))
     fill = {"token_id": NULL_TOKEN}
     return {c: np.asarray(pc.fill_null(t.column(c), fill.get(c, 0)).to_numpy(zero_copy_only=False), np.int64).tolist()
             for c in COLUMNS}

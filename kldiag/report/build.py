@@ -202,7 +202,7 @@ def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
     keys = [tuple(int(r[c]) for c in ("step", "rank", "seq", "iteration", "pos")) for r in rows]
     around = store.cached(analysis, "context", [keys, context_width],  # a second report reads no part
-                          lambda: context.around(runner.parts_of(analysis)[1], keys, context_width))
+                          lambda: context.around(*runner.parts_of(analysis), keys, context_width))
     vocab = open_run(analysis.run_dir).vocab() or {}
 
     def piece(t: int | None) -> str:
