@@ -42,25 +42,51 @@ def test_merge_keeps_the_parts_arrays_without_copying_them():
 
 
 @pytest.mark.parametrize("grouping", [[4], [1, 1, 1, 1], [3, 1], [1, 3]])
-def test_merge_caps_the_sample_at_every_2k_th_step(grouping):
-    """Past `cap` rows the merge keeps every 2k-th step of the bound stride (the smallest k under the cap),
-    and merging the parts in any grouping, in order, keeps the same rows and stride."""
+def test_merge_caps_the_sample_by_prompt_groups(grouping):
+    """Past `cap` rows the merge keeps, at every step of the bound stride, the prompt groups whose hash is under
+    the first SHARE_LADDER level that leaves at most `cap` rows; merging the parts in any grouping, in order,
+    keeps the same rows, stride and level."""
     parts = [partial(np.arange(0, 64, 2) + 64 * i, i, stride=2) for i in range(4)]  # 4 x 32 steps x 10 rows
+    for p in parts:  # 4 prompt groups a step (of 2 sequences x 5 tokens: 20 groups per 10 steps)
+        p["group"] = np.repeat(np.arange(len(p["step"]) // 5) + 1000 * int(p["step"][0]), 5)
     red = SS.SampleReducer(stride=2, cap=300)
     merged, at = None, 0
     for size in grouping:
         merged = red.merge(([merged] if merged is not None else []) + parts[at:at + size])
         at += size
-    every = int(merged["stride"][0])
-    assert every == 16  # 1280 rows at stride 2, 640 at 4, 320 at 8, 160 at 16 <= 300
-    step = np.concatenate(merged["step"])
-    assert len(step) <= red.cap and np.all(step % every == 0)
     want = concat(parts)
-    keep = want["step"] % every == 0
+    u = TS.group_hash(want["group"], want["seq"])
+    kept = np.array([(u < s).sum() for s in SS.SHARE_LADDER])
+    level = int(np.argmax(kept <= red.cap))
+    assert level > 0 and kept[level - 1] > red.cap >= kept[level]
+    assert int(merged["stride"][0]) == 2 and int(merged["share_level"][0]) == level
+    keep = u < SS.SHARE_LADDER[level]
     for c in want:
         np.testing.assert_array_equal(np.concatenate(merged[c]), want[c][keep], err_msg=c)
     sample = SS.Sample(merged, 2)
-    assert sample.stride == 16 and len(sample) == keep.sum() and sample.tokens().step_stride == 16
+    assert sample.stride == 2 and len(sample) == keep.sum() and sample.share == SS.SHARE_LADDER[level]
+    ts = sample.tokens(True)
+    assert ts.step_stride == 2 and ts.group_share == sample.share
+    assert np.all(ts.step % 2 == 0)  # the stride's steps, with fewer of their groups
+    # a fit's share is of every group, so it keeps a subset of the sample's rows: about fit_tokens of them
+    fit = sample.thinned(10_000, all_iterations=True, fit_tokens=100)
+    assert fit.group_share == pytest.approx(sample.share * 100 / len(sample))
+    np.testing.assert_array_equal(TS.group_hash(fit.group, fit.seq) < fit.group_share, True)
+    again = TS.fit_share(ts, 100)
+    np.testing.assert_array_equal(again.pos, fit.pos)
+    assert again.group_share == pytest.approx(fit.group_share)
+
+
+def test_capped_sample_stays_near_the_cap_whatever_the_runs_length():
+    """The merged sample of a run 1x, 3x and 10x as long holds cap * 2^(-1/8) .. cap rows (the stride's
+    doubling left it anywhere in (cap / 2, cap])."""
+    for n_parts in (4, 12, 40):
+        parts = [partial(np.arange(0, 40) + 40 * i, i) for i in range(n_parts)]
+        for p in parts:
+            p["group"] = p["seq"]  # a prompt group a sequence: many groups
+        merged = SS.SampleReducer(stride=1, cap=1000).merge(parts)
+        n = len(np.concatenate(merged["step"]))
+        assert 1000 * 2 ** (-1 / 8) * 0.9 < n <= 1000, (n_parts, n)
 
 
 def test_sample_of_chunks_equals_sample_of_one_table(tmp_path):
@@ -97,7 +123,8 @@ def test_sample_reducer_finish_then_merge_round_trip():
     one = red.finish(state, 0)
     assert isinstance(one["step"], np.ndarray) and int(one["stride"][0]) == 4 and len(one["step"]) == 100
     merged = red.merge([one])
-    assert int(merged["stride"][0]) == 8 and len(TS.chunks(merged["step"])[0]) == 50
+    n = len(TS.chunks(merged["step"])[0])
+    assert int(merged["stride"][0]) == 4 and int(merged["share_level"][0]) > 0 and 30 < n <= 50
 
 
 @pytest.mark.parametrize("order, stride", [("steps", 4), ("one step", 64), ("shuffled", 4)])
@@ -130,3 +157,30 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stri
     empty: list = []
     red.add(empty, batch.filter(pa.array(~keep)))  # no kept step: nothing appended
     assert empty == []
+
+
+def test_a_capped_samples_share_reaches_the_crosswalk_and_the_caption(tmp_path):
+    """Below a share of 1 the crosswalk says which share of the groups its per-step figures read, and the
+    Mismatch page's caption says it too."""
+    from types import SimpleNamespace
+
+    from kldiag.crosswalk import crosswalk
+    from kldiag.format import open_run
+    from kldiag.tools.synth import SynthConfig, make_run
+    from kldiag.views import mismatch as VM
+
+    make_run(tmp_path / "run", SynthConfig(steps=6, seqs_per_step=16))
+    run = open_run(tmp_path / "run")
+    red = SS.SampleReducer(stride=1, cap=10_000_000)
+    whole = red.merge([reduce.compute_part(p, [red], 1 << 16)[red.name] for p in run.parts()])
+    capped = SS.SampleReducer(stride=1, cap=rows_of(whole) // 2).merge([whole])
+    sample = SS.Sample(capped, 1)
+    assert sample.share < 1 and len(sample) <= rows_of(whole) // 2
+    meta = crosswalk(run, "verl", sample=sample).schema.metadata
+    assert float(meta[b"kldiag.group_share"]) == sample.share and meta[b"kldiag.step_stride"] == b"1"
+    caption = VM.sample_caption(SimpleNamespace(step_stride=1, group_share=sample.share))
+    assert f"{sample.share:.0%} of each one's prompt groups" in caption
+
+
+def rows_of(cols: dict) -> int:
+    return TS.rows(cols)

@@ -166,8 +166,8 @@ def main() -> None:
     local: the page's globals (kept alive by a widget's callback) never hold the run's Analysis."""
     run = D.page("Mismatch")
     view = D.mismatch_view(run.path, run.keys)
-    if view.step_stride > 1:
-        st.caption(f"A large run: every {view.step_stride}th step is shown.")
+    if view.step_stride > 1 or view.group_share < 1:
+        st.caption(VM.sample_caption(view))
     parity_section(run, view)
     turns_section(run)
     routing_section(run)

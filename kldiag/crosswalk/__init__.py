@@ -209,7 +209,7 @@ def crosswalk(run, framework: str, max_tokens: int = TS.MAX_TOKENS, sample: SS.S
     steps_why = {str(st): {k: v for k, v in own.items() if k in names} for st, own in by_step.items()}
     meta = {"kldiag.framework": mod.NAME, "kldiag.settings": json.dumps(dataclasses.asdict(s), default=str),
             "kldiag.null_reasons": json.dumps(reasons), "kldiag.step_null_reasons": json.dumps(steps_why),
-            "kldiag.step_stride": str(ts.step_stride)}
+            "kldiag.step_stride": str(ts.step_stride), "kldiag.group_share": repr(float(ts.group_share))}
     return pa.table(cols).replace_schema_metadata(meta)
 
 

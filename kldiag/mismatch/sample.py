@@ -14,7 +14,8 @@ import pyarrow as pa
 
 from kldiag.analysis import runner
 from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, _select,
-                                      chunks, columns_of, fit_share, from_columns, keep_groups, rows, thin)
+                                      chunks, columns_of, fit_share, from_columns, group_hash, keep_groups, rows,
+                                      thin)
 
 
 def sample_stride(parts, max_tokens: int) -> int:
@@ -26,7 +27,10 @@ def sample_stride(parts, max_tokens: int) -> int:
 
 
 SAMPLE_TOKENS = 4_000_000  # the bound stride aims at this many tokens (estimated from the parts' bytes)
-SAMPLE_CAP = 2_000_000  # tokens the merged sample holds at most, whatever the estimate (every 2k-th step beyond)
+SAMPLE_CAP = 2_000_000  # tokens the merged sample holds at most, whatever the estimate (fewer groups beyond)
+# The prompt-group shares the cap steps down: 2^(-k/8). A step of 9% keeps a capped sample within 9% of the
+# cap at every run length (halving the steps, as the stride does, left it anywhere in (cap / 2, cap]).
+SHARE_LADDER = 2.0 ** (-np.arange(8 * 64) / 8)
 
 
 def _keep_every(step: np.ndarray, every: int) -> np.ndarray:
@@ -42,14 +46,15 @@ class SampleReducer:
     `bind(parts)` fixes the stride from the run's size (sample_stride); the sample keeps every
     reuse iteration (the crosswalk needs them) and float log-probs as stored (float32). The merge keeps
     each part's arrays as chunks (a list per column: never a concatenated copy; the cache writes them one
-    after the other) and at most `cap` rows: past it, every 2k-th step of the bound stride, the stride
-    it kept in "stride" ([1] int64). A row a merge drops never comes back, so merging in any grouping of
-    the parts in order keeps the same rows."""
+    after the other) and at most `cap` rows: past it, the prompt groups of a share of them (whole groups,
+    every kept step; SHARE_LADDER, the level in "share_level" [1] int64), so that a capped sample is within
+    9% of `cap` whatever the run's length. A row a merge drops never comes back, so merging in any grouping
+    of the parts in order keeps the same rows."""
 
     max_tokens: int = SAMPLE_TOKENS
     stride: int = 0  # 0: not bound yet
     name: str = "tokens"
-    version: int = 2
+    version: int = 3  # 3: capped by prompt groups (share_level), no longer by doubling the stride
     columns: tuple[str, ...] = tuple(COLUMNS)
     merge_every: int = 0  # chunks appended: merged once, at the end (nothing is copied)
     cap: int = SAMPLE_CAP
@@ -81,24 +86,42 @@ class SampleReducer:
         return {**out, "stride": np.array([max(self.stride, 1)], np.int64)}
 
     def merge(self, partials) -> dict:
-        """The partials' chunks in order, thinned to every `s`-th step, s the smallest power-of-two
-        multiple of their strides that leaves at most `cap` rows."""
+        """The partials' chunks in order: the rows of every `stride`-th step whose prompt group's hash is
+        under SHARE_LADDER[level], level the smallest (no lower than any partial's) that leaves at most
+        `cap` rows. A row a merge drops never comes back (a higher level keeps a subset), so merging in any
+        grouping of the parts in order keeps the same rows."""
         partials = [p for p in partials if rows(p)]
         if not partials:
             return empty_columns()
         every = max(int(p["stride"][0]) if "stride" in p else max(self.stride, 1) for p in partials)
-        steps = [c for p in partials for c in chunks(p["step"])]
-        while sum(int(np.count_nonzero(_keep_every(c, every))) for c in steps) > self.cap:
-            every *= 2
-        keep = [_keep_every(c, every) for c in steps]
-        names = [c for c in partials[0] if c != "stride"]
-        out: dict = {c: [] for c in names}
-        for c in names:
-            vs = [v for p in partials for v in chunks(p[c])]
-            out[c] = [v if k.all() else v[k] for v, k in zip(vs, keep, strict=True) if k.any()]
-        if not out["step"]:
-            return {**empty_columns(), "stride": np.array([every], np.int64)}
-        return {**out, "stride": np.array([every], np.int64)}
+        level = max(int(p["share_level"][0]) if "share_level" in p else 0 for p in partials)
+        names = [c for c in partials[0] if c not in ("stride", "share_level")]
+        cols = {c: [v for p in partials for v in chunks(p[c])] for c in names}
+        keep = [_keep_every(c, every) for c in cols["step"]]
+        if sum(int(np.count_nonzero(k)) for k in keep) > self.cap:
+            keep, level = _capped(cols, keep, level, self.cap)
+        out = {c: [v if k.all() else v[k] for v, k in zip(vs, keep, strict=True) if k.any()] for c, vs in cols.items()}
+        tail = {"stride": np.array([every], np.int64), "share_level": np.array([level], np.int64)}
+        return {**empty_columns(), **tail} if not out["step"] else {**out, **tail}
+
+
+def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[list[np.ndarray], int]:
+    """(keep masks, level): the kept rows under SHARE_LADDER[level'] of group_hash, level' >= level the
+    smallest with at most cap rows. Each row's hash is compared with the ladder once: the number of
+    ladder entries above it is the first level that drops it."""
+    drops = []
+    for k, g, q in zip(keep, cols["group"], cols["seq"], strict=True):
+        u = group_hash(np.asarray(g)[k], np.asarray(q)[k])
+        drops.append(len(SHARE_LADDER) - np.searchsorted(SHARE_LADDER[::-1], u, side="right"))
+    counts = np.bincount(np.concatenate(drops), minlength=len(SHARE_LADDER) + 1)
+    kept_at = counts[::-1].cumsum()[::-1][1:]  # rows kept at each level: those dropped later
+    level = max(level, int(np.argmax(kept_at <= cap)) if (kept_at <= cap).any() else len(SHARE_LADDER) - 1)
+    out = []
+    for k, d in zip(keep, drops, strict=True):
+        k = k.copy()
+        k[k] = d > level
+        out.append(k)
+    return out, level
 
 
 def kept_columns(batch: pa.RecordBatch, keep: np.ndarray) -> dict[str, np.ndarray]:
@@ -127,10 +150,12 @@ class Sample:
     progress), so that a refresh's new analysis reuses the freed memory instead of touching new pages."""
 
     def __init__(self, cols: dict, stride: int, meta: dict | None = None):
-        if "stride" in cols:  # the stride the merge kept (a multiple of the bound one past the cap)
+        if "stride" in cols:  # the stride the merge kept
             stride = max(stride, int(np.asarray(cols["stride"]).reshape(-1)[0]))
-            cols = {c: v for c, v in cols.items() if c != "stride"}
+        level = int(np.asarray(cols["share_level"]).reshape(-1)[0]) if "share_level" in cols else 0
+        cols = {c: v for c, v in cols.items() if c not in ("stride", "share_level")}
         self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
+        self.share = float(SHARE_LADDER[level])  # the prompt groups the cap kept: group_hash < share
         self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
         self._thin: dict[tuple[bool, int], TokenSet] = {}  # at most max_tokens tokens each: kept
 
@@ -142,7 +167,7 @@ class Sample:
         ts = self._sets.get(key)
         if ts is None:
             ts = from_columns(self.cols, key, self.stride)
-            ts.meta = dict(self.meta)
+            ts.meta, ts.group_share = dict(self.meta), self.share
             self._sets[key] = ts
         return ts
 
@@ -184,13 +209,15 @@ class Sample:
         if first is not None:  # the first iterations among the whole sample's, as from_columns finds them
             keep = [a & b for a, b in zip(keep, first, strict=True)]
         kept = int(sum(int(c.sum()) for c in keep))
+        share = self.share
         if fit_tokens and kept > fit_tokens:
-            keep = [c & keep_groups(g, q, fit_tokens / kept)
+            share *= fit_tokens / kept  # of every group: the sample holds those under its own share
+            keep = [c & keep_groups(g, q, share)
                     for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
         elif k == 1:
             return self.tokens(all_iterations)
         ts = from_columns(self.cols, True, self.stride * k, keep)
-        ts.meta = dict(self.meta)
+        ts.meta, ts.group_share = dict(self.meta), share
         return ts
 
     def has_values(self, column: str) -> bool:

@@ -23,6 +23,7 @@ from kldiag.format.schema import TOKEN_SCHEMA
 COLUMNS = ["step", "micro", "iteration", "rank", "seq", "group", "pos", "token_id", "logp", "logp_old",
            "logp_ref", "logp_sampler", "advantage", "mask", "entropy"]
 MAX_TOKENS = 20_000_000
+SCALAR_FIELDS = ("step_stride", "meta", "group_share")
 
 
 @dataclass
@@ -47,13 +48,14 @@ class TokenSet:
     has_old: np.ndarray  # bool: logp_old was recorded
     step_stride: int = 1  # 1: every step; k: every k-th step of the run was kept
     meta: dict = field(default_factory=dict)
+    group_share: float = 1.0  # < 1: only the prompt groups with group_hash < group_share were kept
 
     def __len__(self) -> int:
         return len(self.step)
 
     def take(self, idx: np.ndarray) -> TokenSet:
-        arrays = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in ("step_stride", "meta")}
-        return TokenSet(**arrays, step_stride=self.step_stride, meta=dict(self.meta))
+        arrays = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in SCALAR_FIELDS}
+        return TokenSet(**arrays, step_stride=self.step_stride, meta=dict(self.meta), group_share=self.group_share)
 
     def steps(self) -> np.ndarray:
         return np.unique(self.step)
@@ -248,7 +250,10 @@ def fit_share(ts: TokenSet, fit_tokens: int) -> TokenSet:
     when it is no larger (fit_tokens 0: no bound)."""
     if not fit_tokens or len(ts) <= fit_tokens:
         return ts
-    return ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, fit_tokens / len(ts))))
+    share = ts.group_share * fit_tokens / len(ts)  # of every group: ts holds those under its own share
+    out = ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, share)))
+    out.group_share = share
+    return out
 
 
 def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
@@ -279,13 +284,13 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
     return ts
 
 
-def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
-    """bool [N]: the rows of about `share` of the prompt groups (a sequence without a group id is its own),
-    chosen by a hash of the id alone: whole groups (the contexts a within-context fit needs), the same
-    prompts at every step (the contexts a lag scan matches across steps), the same choice on every call."""
+def group_hash(group: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """float64 [N] in [0, 1): a hash of each row's prompt group id (a sequence without a group id is its
+    own group), one value per group. Rows with u < share are about `share` of the groups, and lowering
+    share only drops groups (keep_groups, the token sample's cap)."""
     key = np.where(np.asarray(group) >= 0, group, ~np.asarray(seq, np.int64))
     if not len(key):
-        return np.zeros(0, bool)
+        return np.zeros(0)
     new = np.empty(len(key), bool)  # a sequence's rows are consecutive: hash each run's id once
     new[0] = True
     np.not_equal(key[1:], key[:-1], out=new[1:])
@@ -294,5 +299,12 @@ def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
         z = (key[starts].astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
-    hit = (z >> np.uint64(11)) < np.uint64(min(max(share, 0.0), 1.0) * float(1 << 53))
-    return np.repeat(hit, np.diff(np.r_[starts, len(key)]))
+    u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # 53 bits: exact in float64
+    return np.repeat(u, np.diff(np.r_[starts, len(key)]))
+
+
+def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
+    """bool [N]: the rows of about `share` of the prompt groups (group_hash < share), chosen by a hash of
+    the id alone: whole groups (the contexts a within-context fit needs), the same prompts at every step
+    (the contexts a lag scan matches across steps), the same choice on every call."""
+    return group_hash(group, seq) < min(max(share, 0.0), 1.0)

@@ -40,6 +40,7 @@ class MismatchView:
     summary: dict[str, Any] = field(default_factory=dict)
     has_sampler: bool = False
     step_stride: int = 1  # 1: every step of the run is in the sample; k: every k-th
+    group_share: float = 1.0  # < 1: about this share of each kept step's prompt groups (the sample's cap)
     analysis: Any = field(default=None, repr=False, compare=False)  # where `tokens` come from; not stored
 
     @property
@@ -78,7 +79,7 @@ def compute(analysis) -> MismatchView:
     ent = d["by_entropy"]
     return MismatchView(P.report_for(analysis), d["by_step"].to_pandas(), d["by_prob"].to_pandas(),
                         d["by_pos"].to_pandas(), ent.to_pandas() if ent is not None else None, d["summary"],
-                        ts.has_sampler, ts.step_stride)
+                        ts.has_sampler, ts.step_stride, ts.group_share)
 
 
 def load(analysis) -> MismatchView:
@@ -97,6 +98,13 @@ def view_of(analysis) -> MismatchView:
     if "mismatch_view" not in analysis.memo:
         analysis.memo["mismatch_view"] = load(analysis)
     return analysis.memo["mismatch_view"]
+
+
+def sample_caption(view: MismatchView) -> str:
+    """What part of a large run the Mismatch page's figures read (its token sample)."""
+    steps = f"every {view.step_stride}th step" if view.step_stride > 1 else "every step"
+    groups = f", {view.group_share:.0%} of each one's prompt groups" if view.group_share < 1 else ""
+    return f"A large run: {steps}{groups} is shown (the token sample, at most {SS.SAMPLE_CAP / 1e6:g}M tokens)."
 
 
 def reducers() -> list:
