@@ -144,7 +144,7 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stri
     cols["mask"] = pa.array(rng.random(n) < 0.9, mask=rng.random(n) < 0.05)
     batch = pa.RecordBatch.from_pydict({c: cols[c] for c in TS.COLUMNS})
     keep = SS._keep_every(step, stride)
-    assert isinstance(TS._select(keep), np.ndarray if order == "shuffled" else list)
+    assert isinstance(TS.kept_runs(keep), np.ndarray if order == "shuffled" else list)
     red = SS.SampleReducer(stride=stride)
     state: list = []
     red.add(state, batch)

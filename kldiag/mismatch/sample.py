@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import runner
-from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, _first_iteration, _select,
+from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, first_iteration, kept_runs,
                                       chunks, columns_of, fit_share, from_columns, group_hash, keep_groups, rows,
                                       thin)
 
@@ -128,7 +128,7 @@ def kept_columns(batch: pa.RecordBatch, keep: np.ndarray) -> dict[str, np.ndarra
     """columns_of the rows of `batch` where keep [n] is true (some, not all). Whole steps of a step-ordered
     batch are a few runs of rows: taken as slices, their arrays then copied (columns_of's numpy arrays may be
     views of the batch's buffers, which would keep every row alive), not with Arrow's filter of every column."""
-    sel = _select(keep)
+    sel = kept_runs(keep)
     if not isinstance(sel, list):
         return columns_of(batch.filter(pa.array(keep)))
     cols = columns_of(pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema))
@@ -191,7 +191,7 @@ class Sample:
         if not self.reused():
             return None
         seq = np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["seq"])])
-        idx = _first_iteration(seq, np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["iteration"])]))
+        idx = first_iteration(seq, np.concatenate([np.asarray(c, np.int64) for c in chunks(self.cols["iteration"])]))
         first = np.zeros(len(seq), bool)
         first[idx] = True
         cut = np.cumsum([len(c) for c in chunks(self.cols["seq"])])[:-1]

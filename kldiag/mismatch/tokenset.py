@@ -90,7 +90,7 @@ def _fill(b: pa.RecordBatch) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([TOKEN_SCHEMA.field(c) for c in COLUMNS]))
 
 
-def _first_iteration(seq: np.ndarray, it: np.ndarray) -> np.ndarray | None:
+def first_iteration(seq: np.ndarray, it: np.ndarray) -> np.ndarray | None:
     """Row indices of each sequence's first iteration (None: every row is its first, no reuse)."""
     if not len(it) or it.min() == it.max():
         return None
@@ -158,7 +158,7 @@ def rows(cols: dict) -> int:
     return sum(len(c) for c in chunks(cols["step"]))
 
 
-def _select(keep: np.ndarray | None):
+def kept_runs(keep: np.ndarray | None):
     """What to copy of a chunk: None (all of it), a list of (start, end) runs when the kept rows come in
     few runs (whole steps of a step-ordered part: slice copies), else their indices."""
     if keep is None or keep.all():
@@ -192,10 +192,10 @@ def _gather(col, sels: list, n: int, dtype, copy: bool = False) -> np.ndarray:
 
 
 def _selection(cols: dict, keep: list | None) -> tuple[list, int]:
-    """(_select of each chunk's keep mask, rows kept); keep None: every row."""
+    """(kept_runs of each chunk's keep mask, rows kept); keep None: every row."""
     if keep is None:
         return [None] * len(chunks(cols["step"])), rows(cols)
-    return [_select(k) for k in keep], int(sum(int(k.sum()) for k in keep))
+    return [kept_runs(k) for k in keep], int(sum(int(k.sum()) for k in keep))
 
 
 def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
@@ -208,7 +208,7 @@ def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
     # logp_old and logp_sampler are written below: never the caller's arrays
     floats = {c: _gather(cols[c], sels, n, np.float64, c in ("logp_old", "logp_sampler")) for c in FLOAT_COLUMNS}
     mask, has_old = _gather(cols["mask"], sels, n, bool), _gather(cols["old_valid"], sels, n, bool)
-    idx = None if all_iterations else _first_iteration(ints["seq"], ints["iteration"])
+    idx = None if all_iterations else first_iteration(ints["seq"], ints["iteration"])
     if idx is not None:
         ints, floats = {k: v[idx] for k, v in ints.items()}, {k: v[idx] for k, v in floats.items()}
         mask, has_old = mask[idx], has_old[idx]
