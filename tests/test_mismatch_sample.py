@@ -112,8 +112,9 @@ def test_sample_of_chunks_equals_sample_of_one_table(tmp_path):
         assert SS.Sample(merged, 1).has_values(c) == flat.has_values(c)
 
 
-def test_sample_reducer_finish_then_merge_round_trip():
-    """finish() gives one array per column and the bound stride; merge() of finished parts caps them."""
+def test_sample_reducer_finish_then_merge_round_trip(tmp_path):
+    """finish() gives a chunk per batch of each column (no concatenated copy) and the bound stride; merge() of
+    finished parts caps them, and the cache file holds the chunks as one array."""
     step = np.repeat(np.arange(0, 40), 10)
     batch = TS._fill(pa.record_batch({"step": pa.array(step), "seq": pa.array(np.arange(len(step)))}))
     red = SS.SampleReducer(stride=4, cap=50)
@@ -121,20 +122,24 @@ def test_sample_reducer_finish_then_merge_round_trip():
     red.add(state, batch.slice(0, 200))
     red.add(state, batch.slice(200))
     one = red.finish(state, 0)
-    assert isinstance(one["step"], np.ndarray) and int(one["stride"][0]) == 4 and len(one["step"]) == 100
+    assert [len(c) for c in one["step"]] == [50, 50] and int(one["stride"][0]) == 4
+    assert reduce.save_arrays(tmp_path / "p", one)
+    loaded = reduce.load_arrays(tmp_path / "p")
+    for c in one:
+        np.testing.assert_array_equal(loaded[c], np.concatenate(TS.chunks(one[c])), err_msg=c)
     merged = red.merge([one])
-    n = len(TS.chunks(merged["step"])[0])
+    n = TS.rows(merged)
     assert int(merged["stride"][0]) == 4 and int(merged["share_level"][0]) > 0 and 30 < n <= 50
 
 
-@pytest.mark.parametrize("order, stride", [("steps", 4), ("one step", 64), ("shuffled", 4)])
+@pytest.mark.parametrize("order, stride", [("steps", 4), ("one step", 64), ("shuffled", 4), ("step a row", 2)])
 def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stride):
     """SampleReducer.add keeps the same rows, as the same arrays, whether they come in runs of whole steps
     (slices: the recorder's step order; copied, so that no view holds the whole batch) or scattered (Arrow's
     filter), with nulls in the columns."""
     rng = np.random.default_rng(4)
     n = 6000
-    step = np.repeat(np.arange(60), n // 60)
+    step = np.repeat(np.arange(60), n // 60) if order != "step a row" else np.arange(n)  # more runs than RUNS
     if order == "shuffled":
         step = rng.permutation(step)
     cols = {c: pa.array(rng.integers(0, 50, n), mask=rng.random(n) < 0.05) for c in TS.INT_COLUMNS}
@@ -144,7 +149,7 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stri
     cols["mask"] = pa.array(rng.random(n) < 0.9, mask=rng.random(n) < 0.05)
     batch = pa.RecordBatch.from_pydict({c: cols[c] for c in TS.COLUMNS})
     keep = SS._keep_every(step, stride)
-    assert isinstance(TS.kept_runs(keep), np.ndarray if order == "shuffled" else list)
+    assert isinstance(TS.kept_runs(keep), list if order in ("steps", "one step") else np.ndarray)
     red = SS.SampleReducer(stride=stride)
     state: list = []
     red.add(state, batch)
@@ -153,10 +158,27 @@ def test_add_takes_the_kept_steps_as_slices_and_equals_arrows_filter(order, stri
     for c in want:
         assert state[0][c].dtype == want[c].dtype, c
         np.testing.assert_array_equal(state[0][c], want[c], err_msg=c)
-        assert state[0][c].base is None or order == "shuffled", c  # a copy: the batch's buffers are not held
+        assert state[0][c].base is None or order in ("shuffled", "step a row"), c  # a copy: no batch buffer held
     empty: list = []
     red.add(empty, batch.filter(pa.array(~keep)))  # no kept step: nothing appended
     assert empty == []
+
+
+@pytest.mark.parametrize("step, every", [(np.repeat(np.arange(10), 7), 4), (np.arange(3000) // 2, 2),
+                                         (np.array([3, 3, 1, 8, 8, 0, 0, 5]), 1), (np.zeros(0, np.int64), 2),
+                                         (np.array([4, 4, 2, 2, 6, 8, 1]), 2)])
+def test_kept_step_runs_are_the_runs_of_the_kept_rows(step, every):
+    """kept_step_runs gives the (start, end) runs of rows whose step % every == 0, adjacent ones joined, and
+    -1 when they do not fit its buffer (then add() masks the batch, as the shuffled case above)."""
+    keep = step % every == 0
+    edge = np.flatnonzero(np.diff(np.r_[0, keep.astype(np.int8), 0]))
+    want = edge.reshape(-1, 2)
+    out = np.empty(2 * SS.RUNS, np.int64)
+    k = SS.kept_step_runs(step.astype(np.int64), every, out)
+    if len(want) > SS.RUNS:
+        assert k == -1
+    else:
+        np.testing.assert_array_equal(out[:2 * k].reshape(-1, 2), want)
 
 
 def test_a_capped_samples_share_reaches_the_crosswalk_and_the_caption(tmp_path):

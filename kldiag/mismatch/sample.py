@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis import runner
+from kldiag.jit import njit
 from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, first_iteration, kept_runs,
                                       chunks, columns_of, fit_share, from_columns, group_hash, keep_groups, rows,
                                       thin)
@@ -31,6 +32,31 @@ SAMPLE_CAP = 2_000_000  # tokens the merged sample holds at most, whatever the e
 # The prompt-group shares the cap steps down: 2^(-k/8). A step of 9% keeps a capped sample within 9% of the
 # cap at every run length (halving the steps, as the stride does, left it anywhere in (cap / 2, cap]).
 SHARE_LADDER = 2.0 ** (-np.arange(8 * 64) / 8)
+
+
+RUNS = 256  # step runs a batch is cut into at most by kept_step_runs (more: a shuffled batch, masked instead)
+
+
+@njit(cache=True, nogil=True)
+def kept_step_runs(step, every, out):  # pragma: no cover - compiled
+    """Rows of the steps `step % every == 0` as runs: out[2i], out[2i + 1] = start, end of run i (adjacent
+    kept steps make one run); returns the number of runs, or -1 past len(out) // 2. One pass over step [n]
+    comparing each row with the one before, where numpy's step % every == 0 wrote two arrays as long."""
+    n, k, i = len(step), 0, 0
+    while i < n:
+        s, j = step[i], i + 1
+        while j < n and step[j] == s:
+            j += 1
+        if s % every == 0:
+            if k > 0 and out[2 * k - 1] == i:
+                out[2 * k - 1] = j
+            elif 2 * k + 1 >= len(out):
+                return -1
+            else:
+                out[2 * k], out[2 * k + 1] = i, j
+                k += 1
+        i = j
+    return k
 
 
 def _keep_every(step: np.ndarray, every: int) -> np.ndarray:
@@ -69,20 +95,25 @@ class SampleReducer:
         return []
 
     def add(self, state: list, batch: pa.RecordBatch) -> None:
+        if not batch.num_rows:
+            return
         if self.stride > 1:
-            keep = _keep_every(batch.column("step").to_numpy(zero_copy_only=False), self.stride)
-            if not keep.all():
-                if keep.any():
-                    state.append(kept_columns(batch, keep))
+            step = batch.column("step").to_numpy(zero_copy_only=False)
+            bounds = np.empty(2 * RUNS, np.int64)
+            k = kept_step_runs(step, self.stride, bounds)
+            if k == 0:
                 return
-        if batch.num_rows:
-            state.append(columns_of(batch))
+            if k < 0 or bounds[0] > 0 or bounds[1] < len(step):  # else every row is kept
+                runs = bounds[:2 * k].reshape(-1, 2).tolist() if k > 0 else kept_runs(_keep_every(step, self.stride))
+                state.append(kept_columns(batch, runs))
+                return
+        state.append(columns_of(batch))
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        """The part's rows, one array per column (a part is small: its batches concatenated)."""
+        """The part's rows, a chunk per batch (merge and the cache take chunks: never concatenated)."""
         if not state:
             return empty_columns()
-        out = state[0] if len(state) == 1 else {c: np.concatenate([p[c] for p in state]) for c in state[0]}
+        out = state[0] if len(state) == 1 else {c: [p[c] for p in state] for c in state[0]}
         return {**out, "stride": np.array([max(self.stride, 1)], np.int64)}
 
     def merge(self, partials) -> dict:
@@ -124,13 +155,13 @@ def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[l
     return out, level
 
 
-def kept_columns(batch: pa.RecordBatch, keep: np.ndarray) -> dict[str, np.ndarray]:
-    """columns_of the rows of `batch` where keep [n] is true (some, not all). Whole steps of a step-ordered
-    batch are a few runs of rows: taken as slices, their arrays then copied (columns_of's numpy arrays may be
-    views of the batch's buffers, which would keep every row alive), not with Arrow's filter of every column."""
-    sel = kept_runs(keep)
+def kept_columns(batch: pa.RecordBatch, sel) -> dict[str, np.ndarray]:
+    """columns_of the rows of `batch` that `sel` (kept_runs': (start, end) runs or row indices) keeps. Whole
+    steps of a step-ordered batch are a few runs of rows: taken as slices, their arrays then copied
+    (columns_of's numpy arrays may be views of the batch's buffers, which would keep every row alive), not
+    with Arrow's filter of every column."""
     if not isinstance(sel, list):
-        return columns_of(batch.filter(pa.array(keep)))
+        return columns_of(batch.take(pa.array(sel, pa.int64())))
     cols = columns_of(pa.Table.from_batches([batch.slice(a, b - a) for a, b in sel], batch.schema))
     return {k: v.copy() if v.base is not None else v for k, v in cols.items()}
 
