@@ -15,7 +15,7 @@ import pyarrow as pa
 from kldiag.analysis import runner
 from kldiag.jit import njit
 from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, first_iteration, kept_runs,
-                                      chunks, columns_of, fit_share, from_columns, group_hash, keep_groups, rows,
+                                      chunks, columns_of, fit_share, from_columns, group_runs, keep_groups, rows,
                                       thin)
 
 
@@ -137,20 +137,22 @@ class SampleReducer:
 
 
 def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[list[np.ndarray], int]:
-    """(keep masks, level): the kept rows under SHARE_LADDER[level'] of group_hash, level' >= level the
-    smallest with at most cap rows. Each row's hash is compared with the ladder once: the number of
-    ladder entries above it is the first level that drops it."""
-    drops = []
+    """(keep masks, level): the kept rows under SHARE_LADDER[level'] of their group's hash, level' >= level
+    the smallest with at most cap rows. Each group run's hash is compared with the ladder once: the number
+    of ladder entries above it is the first level that drops it."""
+    runs = []
     for k, g, q in zip(keep, cols["group"], cols["seq"], strict=True):
-        u = group_hash(np.asarray(g)[k], np.asarray(q)[k])
-        drops.append(len(SHARE_LADDER) - np.searchsorted(SHARE_LADDER[::-1], u, side="right"))
-    counts = np.bincount(np.concatenate(drops), minlength=len(SHARE_LADDER) + 1)
+        u, lengths = group_runs(np.asarray(g)[k], np.asarray(q)[k])
+        runs.append((len(SHARE_LADDER) - np.searchsorted(SHARE_LADDER[::-1], u, side="right"), lengths))
+    counts = np.zeros(len(SHARE_LADDER) + 1, np.int64)
+    for drop, lengths in runs:
+        counts += np.bincount(drop, weights=lengths, minlength=len(counts)).astype(np.int64)
     kept_at = counts[::-1].cumsum()[::-1][1:]  # rows kept at each level: those dropped later
     level = max(level, int(np.argmax(kept_at <= cap)) if (kept_at <= cap).any() else len(SHARE_LADDER) - 1)
     out = []
-    for k, d in zip(keep, drops, strict=True):
+    for k, (drop, lengths) in zip(keep, runs, strict=True):
         k = k.copy()
-        k[k] = d > level
+        k[k] = np.repeat(drop > level, lengths)
         out.append(k)
     return out, level
 

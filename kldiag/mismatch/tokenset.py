@@ -284,27 +284,36 @@ def load(run, all_iterations: bool = False, max_tokens: int = MAX_TOKENS,
     return ts
 
 
-def group_hash(group: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """float64 [N] in [0, 1): a hash of each row's prompt group id (a sequence without a group id is its
-    own group), one value per group. Rows with u < share are about `share` of the groups, and lowering
-    share only drops groups (keep_groups, the token sample's cap)."""
-    key = np.where(np.asarray(group) >= 0, group, ~np.asarray(seq, np.int64))
+def group_runs(group: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(u, lengths): the runs of rows of one prompt group id (a sequence without a group id is its own
+    group; a sequence's rows are consecutive), u float64 [runs] in [0, 1) a hash of the run's id (splitmix64's
+    finaliser, its top 53 bits), lengths int64 [runs]. Rows whose u < share are about `share` of the groups,
+    and lowering share only drops groups (keep_groups, the token sample's cap)."""
+    group = np.asarray(group)
+    key = np.where(group >= 0, group, ~np.asarray(seq, np.int64))
     if not len(key):
-        return np.zeros(0)
-    new = np.empty(len(key), bool)  # a sequence's rows are consecutive: hash each run's id once
+        return np.zeros(0), np.zeros(0, np.int64)
+    new = np.empty(len(key), bool)
     new[0] = True
     np.not_equal(key[1:], key[:-1], out=new[1:])
     starts = np.flatnonzero(new)
-    with np.errstate(over="ignore"):  # splitmix64's finaliser: wrapping uint64 arithmetic
+    with np.errstate(over="ignore"):  # wrapping uint64 arithmetic
         z = (key[starts].astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
     u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # 53 bits: exact in float64
-    return np.repeat(u, np.diff(np.r_[starts, len(key)]))
+    return u, np.diff(np.append(starts, len(key)))
+
+
+def group_hash(group: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """float64 [N]: each row's group_runs hash."""
+    u, lengths = group_runs(group, seq)
+    return np.repeat(u, lengths)
 
 
 def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
     """bool [N]: the rows of about `share` of the prompt groups (group_hash < share), chosen by a hash of
     the id alone: whole groups (the contexts a within-context fit needs), the same prompts at every step
     (the contexts a lag scan matches across steps), the same choice on every call."""
-    return group_hash(group, seq) < min(max(share, 0.0), 1.0)
+    u, lengths = group_runs(group, seq)
+    return np.repeat(u < min(max(share, 0.0), 1.0), lengths)
