@@ -157,6 +157,15 @@ def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[l
     return out, level
 
 
+def _and_groups(keep: np.ndarray, group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
+    """keep & keep_groups(group, seq, share), hashing only the rows keep holds (a thinned sample's few)."""
+    if keep.all():
+        return keep_groups(group, seq, share)
+    out = keep.copy()
+    out[keep] = keep_groups(np.asarray(group)[keep], np.asarray(seq)[keep], share)
+    return out
+
+
 def kept_columns(batch: pa.RecordBatch, sel) -> dict[str, np.ndarray]:
     """columns_of the rows of `batch` that `sel` (kept_runs': (start, end) runs or row indices) keeps. Whole
     steps of a step-ordered batch are a few runs of rows: taken as slices, their arrays then copied
@@ -245,7 +254,7 @@ class Sample:
         share = self.share
         if fit_tokens and kept > fit_tokens:
             share *= fit_tokens / kept  # of every group: the sample holds those under its own share
-            keep = [c & keep_groups(g, q, share)
+            keep = [_and_groups(c, g, q, share)
                     for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
         elif k == 1:
             return self.tokens(all_iterations)
