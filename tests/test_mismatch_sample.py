@@ -201,7 +201,7 @@ def test_a_capped_samples_share_reaches_the_crosswalk_and_the_caption(tmp_path):
     meta = crosswalk(run, "verl", sample=sample).schema.metadata
     assert float(meta[b"kldiag.group_share"]) == sample.share and meta[b"kldiag.step_stride"] == b"1"
     caption = VM.sample_caption(SimpleNamespace(step_stride=1, group_share=sample.share))
-    assert f"{sample.share:.0%} of each one's prompt groups" in caption
+    assert f"every step and {sample.share:.0%} of each step's prompt groups" in caption
 
 
 def rows_of(cols: dict) -> int:

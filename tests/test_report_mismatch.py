@@ -50,3 +50,20 @@ def test_holding_makes_the_view_tokens_once(monkeypatch):
     assert len(made) == 1
     view.tokens  # released on leaving: weakly kept only, so made again
     assert len(made) == 2 and "_held" not in view.__dict__
+
+
+def test_report_says_what_part_of_a_large_run_the_mismatch_section_reads(monkeypatch):
+    """A capped token sample (every k-th step, a share of each step's prompt groups) is named under the
+    section's heading, as the dashboard's caption names it."""
+    import dataclasses
+
+    from kldiag.report import mismatch as RM
+    from kldiag.views import mismatch as VM
+    analysis = kldiag.analyze("sample_logs/demo_k3")
+    view = VM.view_of(analysis)
+    assert "A large run" not in RM.section_html(analysis, analysis.manifest)  # the whole run: nothing said
+    capped = dataclasses.replace(view, step_stride=4, group_share=0.5)
+    capped.analysis = view.analysis
+    monkeypatch.setattr(VM, "view_of", lambda a: capped)
+    page = RM.section_html(analysis, analysis.manifest)
+    assert "<p>A large run: these figures read every 4th step and 50% of each step&#x27;s prompt groups" in page

@@ -76,6 +76,8 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=N
     try:
         view = VM.view_of(analysis)
         out = ["<h2>Mismatch: engine against trainer</h2>"]
+        if view.step_stride > 1 or view.group_share < 1:
+            out.append(f"<p>{html.escape(VM.sample_caption(view))}</p>")
         if view.has_sampler:
             out.append(html_table(["check", "value", "meaning"], VM.parity_rows(view)))
             out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(diagnosis or diagnose(analysis))]

@@ -101,10 +101,11 @@ def view_of(analysis) -> MismatchView:
 
 
 def sample_caption(view: MismatchView) -> str:
-    """What part of a large run the Mismatch page's figures read (its token sample)."""
+    """What part of a large run the Mismatch figures read (the token sample)."""
     steps = f"every {view.step_stride}th step" if view.step_stride > 1 else "every step"
-    groups = f", {view.group_share:.0%} of each one's prompt groups" if view.group_share < 1 else ""
-    return f"A large run: {steps}{groups} is shown (the token sample, at most {SS.SAMPLE_CAP / 1e6:g}M tokens)."
+    groups = f" and {view.group_share:.0%} of each step's prompt groups" if view.group_share < 1 else ""
+    return (f"A large run: these figures read {steps}{groups} (the token sample, at most "
+            f"{SS.SAMPLE_CAP / 1e6:g}M tokens).")
 
 
 def reducers() -> list:
