@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import bins, fused, scans
+from kldiag.analysis import bins, fused, fused_ride, scans
 from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
 from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.types import ABS_EDGES
@@ -217,8 +217,10 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
 # ---- one batch ---------------------------------------------------------------------------
 
 
-def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf) -> BatchResult:
-    """Everything the analysis keeps from one record batch of format v1 columns."""
+def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf,
+                   ride: fused_ride.EstimatorRide | None = None) -> BatchResult:
+    """Everything the analysis keeps from one record batch of format v1 columns; with `ride`, the
+    Estimators page's per-token work in the same compiled pass (fused_ride.py)."""
     if batch.num_rows == 0:
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
@@ -228,7 +230,10 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
         starts, _ = scans.seq_starts(b.step, b.seq)
     sidx, n_steps = scans.step_of_seqs(b.step, starts)
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
-    res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
+    if ride is None:
+        res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
+    else:
+        res = fused_ride.run(b, starts, sidx, n_steps, kernel_inputs(b), params, ABS_GRID, D_GRID, ride)
     bad_any = res[8]
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)

@@ -1,0 +1,286 @@
+"""The analysis's compiled pass with the Estimators page's per-token work riding in it.
+
+`fused_pass_est` is fused.fused_pass plus estimator_kernel.token_pass over the same rows in one loop:
+the estimator comparison needs the same d = logp_ref - logp, x = logp - logp_old, expm1(d) and exp(x)
+per token as the analysis, so a dashboard's first pass computes them once (the exponentials are most of
+a token's cost) and reads each column once. It is a second compiled function, not a flag of the first:
+the bare analysis (`kldiag analyze`) runs fused.fused_pass unchanged, its loop no larger.
+
+Each side keeps its own semantics, so each partial equals the standalone one's (counts, maxima,
+histograms and kept sets exactly; sums to rounding, as they are added in other chunks):
+- the analysis zeroes an invalid d or x before exponentiating (fused.token); the estimators take
+  expm1 and exp of the raw values (NaN in, NaN out; expm1(-inf) = -1, exp(-inf) = 0), so `token_raw`
+  exponentiates the raw values once and gives the analysis expm1(0) = 0 and its NaN rho where invalid;
+- the estimators' tokens are the rows in the loss with a reference log-prob (null masks), numbered in
+  row order; chunks here are cut at sequence starts (fused_pass's), so the first token number and first
+  row of each chunk go to chunk_j and chunk_r0 (estimator_kernel.token_rows_at reads them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kldiag.analysis import estimator_kernel as E
+from kldiag.analysis import fastexp
+from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN_COPIES, CHUNK, COUNT_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I,
+                                   FIELD, JIT, MIN_NONE_BITS, NONE_BITS, SUMS, abs_bin, add_sequence,
+                                   bad_code, bad_rows_of, bits, count_bins, d_bin, finite, from_bits,
+                                   mismatch, pack7, unpack_counts)
+from kldiag.jit import njit
+
+if E.CHUNK < CHUNK:
+    raise ImportError("fused_ride: estimator_kernel's chunk buffers must hold a fused.CHUNK chunk")
+
+
+@njit(inline="always", **JIT)
+def token_raw(sv, ov, rv):  # pragma: no cover - compiled
+    """fused.token's (d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is), then (d, expm1(d), exp(x)) of the
+    raw d and x (non-finite kept), with one expm1 and one exp."""
+    d_raw, x_raw = rv - sv, sv - ov
+    em_raw = fastexp.expm1(d_raw)
+    rho_raw = fastexp.exp(x_raw)
+    valid_d, valid_x = finite(d_raw), finite(x_raw)
+    d = d_raw if valid_d else 0.0
+    x = x_raw if valid_x else 0.0
+    em = em_raw if valid_d else 0.0  # fastexp.expm1(0.0)
+    rho = rho_raw if valid_x else 1.0  # fastexp.exp(0.0)
+    k3 = em - d
+    w = abs(em)
+    k3_is = rho * k3
+    k3_is = np.inf if k3_is != k3_is else k3_is
+    w_is = rho * abs(d)
+    w_is = np.inf if w_is != w_is else w_is
+    both = valid_d & valid_x
+    return (d, valid_d, x, valid_x, rho if valid_x else np.nan, k3, w, k3_is if both else 0.0,
+            w_is if both else 0.0, d_raw, em_raw, rho_raw)
+
+
+@njit(inline="always", **SUMS)
+def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed,
+                   s_null, o_null, r_null, m_null, eparams, packed_e, w_k3, code):  # pragma: no cover
+    """fused.chunk_sums' (ACC_F, counts, ACC_B) and its packed bins, then estimator_kernel.chunk_sums' tuple
+    and its packed_e, w_k3, code, from one loop over a chunk's rows. The two bodies are theirs, the
+    per-token exponentials shared (token_raw); tests/test_fused_ride.py checks both sides against the
+    standalone kernels. s_null .. m_null: null masks [n] (r_null true at every row without a reference);
+    eparams: the estimators' log(tau), weight_limit, clamp, 0.0, -inf (estimator_kernel.bad)."""
+    has_o, has_m, has_adv = has[0] != 0, has[2] != 0, has[3] != 0
+    auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
+    r_nan = 0.0 if has[1] != 0 else np.nan
+    log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
+    e_tau, e_limit, e_clamp, zero, ninf = eparams[0], eparams[1], eparams[2], eparams[3], eparams[4]
+    m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
+    inv_step, d_offset, n_d = d_grid[0], d_grid[1], d_grid[2]
+    n_dbin = np.int64(n_d) + 1
+    bin_zero = abs_bin(0.0, m1, k0, n_abs)
+    sum_d = sum_d2 = sum_w = sum_w_is = sum_wf = sum_rho = sum_rho2 = sum_drift = sum_mm = 0.0
+    sum_k3 = sum_k3_is = sum_adv = sum_opsm = sum_x = 0.0
+    cnt0 = cnt1 = cnt2 = 0
+    max_r = max_w = max_w_is = NONE_BITS
+    min_r = MIN_NONE_BITS
+    v0 = v1 = v2 = v3 = v4 = a1 = a2 = a3 = a4 = f1 = f2 = f3 = f4 = lost = 0.0
+    x1 = x2 = x3 = x4 = hi = hi_f = NONE_BITS
+    e0 = e1 = 0
+    for i in range(len(s)):
+        sv, ov, rv, mv = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(m[i])
+        mk = mask[i]
+        own, ph_o, ph_m = bad_code(sv, ov, rv, mv, mk)
+        code_ = np.int64(bad[i]) | (own & auto)
+        av = np.float64(adv[i])
+        aok = has_adv & finite(av)
+        sum_adv += av if aok else 0.0
+        d, vd, x, vx, rho, k3, w, k3_is, w_is, de, em, rho_e = token_raw(sv, ov, rv + r_nan)
+        vd, vx = vd & mk, vx & mk
+        both = vd & vx
+        theta, blow, clamped = vd & (d > log_tau), mk & (w > limit), mk & (k3 > clamp)
+        flag = theta | blow | clamped | (mk & (code_ != 0))
+        max_w = max(max_w, bits(w) if mk else NONE_BITS)
+        max_w_is = max(max_w_is, bits(w_is) if mk else NONE_BITS)
+        dv = d * np.float64(vd)
+        sum_d += dv
+        sum_d2 += dv * dv
+        kok, wok = vd & finite(k3), vd & finite(w)
+        sum_k3 += k3 if kok else 0.0
+        wv = w if wok else 0.0
+        sum_w += wv
+        sum_wf += wv * np.float64(flag)
+        xv = x * np.float64(vx)
+        sum_x += xv
+        sum_drift += abs(xv)
+        rok = vx & finite(rho)
+        rv_ = rho if rok else 0.0
+        sum_rho += rv_
+        r2 = rv_ * rv_
+        sum_rho2 += r2 if finite(r2) else 0.0
+        max_r = max(max_r, bits(rho) if vx else NONE_BITS)
+        min_r = min(min_r, bits(rho) if vx else MIN_NONE_BITS)
+        clip = vx & ((rho < clip_lo) | (rho > clip_hi))
+        kiok, wiok = both & finite(k3_is), both & finite(w_is)
+        sum_k3_is += k3_is if kiok else 0.0
+        sum_w_is += w_is if wiok else 0.0
+        y, kz, zok = mismatch(sv, ov, mv, mk, has_m)
+        sum_opsm += y if mk & finite(y) else 0.0
+        sum_mm += kz if zok else 0.0
+        cnt0 += pack7(vd, vx, wok, wiok, rok, clip, zok)
+        cnt1 += pack7(theta, blow, clamped, code_ & BAD_NONFINITE != 0, code_ >> 1 != 0, flag, mk)
+        cnt2 += pack7(kok, kiok, (has_o & ph_o) | (has_m & ph_m), code_ != 0, aok, False, False)
+        b_d = d_bin(d, inv_step, d_offset, n_d) if vd else n_dbin
+        b_w = abs_bin(w, m1, k0, n_abs) if vd else n_abs + 1
+        b_wi = abs_bin(w_is, m1, k0, n_abs) if both else n_abs + 1
+        b_r = abs_bin(rho if vx else 1.0, m1, k0, n_abs) if vx else n_abs + 1
+        packed[i] = b_d | (b_w << FIELD) | (b_wi << (2 * FIELD)) | (b_r << (3 * FIELD))
+        # the estimators (estimator_kernel.chunk_sums' body on the raw d, expm1(d), exp(x))
+        mt = mk & (not r_null[i])
+        k3e = np.inf if de == np.inf else em - de
+        w3 = abs(em)
+        sat = mt & (k3e > e_clamp)
+        fl = mt & ((de > e_tau) | (w3 > e_limit) | sat | E.bad(sv, s_null[i], zero, ninf) | E.bad(rv, False, zero, ninf)
+                   | E.bad(ov, o_null[i], zero, ninf) | E.bad(mv, m_null[i], zero, ninf))
+        k1, k2, k3is = -de, 0.5 * (de * de), E.product(rho_e, k3e)
+        k3c = k3e if (k3e != k3e) | (k3e < e_clamp) else e_clamp
+        ok0, ok1, ok2, ok3, ok4 = mt & finite(k1), mt & finite(k2), mt & finite(k3e), mt & finite(k3is), \
+            mt & finite(k3c)
+        v0 += k1 if ok0 else 0.0
+        v1 += k2 if ok1 else 0.0
+        v2 += k3e if ok2 else 0.0
+        v3 += k3is if ok3 else 0.0
+        v4 += k3c if ok4 else 0.0
+        w1, wis = abs(de), abs(E.product(rho_e, k1))
+        w4 = 0.0 if sat else w3
+        q1, q2, q3, q4 = mt & finite(w1), mt & finite(w3), mt & finite(wis), mt & finite(w4)
+        a1 += w1 if q1 else 0.0
+        a2 += w3 if q2 else 0.0
+        a3 += wis if q3 else 0.0
+        a4 += w4 if q4 else 0.0
+        f1 += w1 if q1 & fl else 0.0
+        f2 += w3 if q2 & fl else 0.0
+        f3 += wis if q3 & fl else 0.0
+        f4 += w4 if q4 & fl else 0.0
+        x1 = max(x1, bits(w1) if mt & (w1 == w1) else NONE_BITS)
+        x2 = max(x2, bits(w3) if mt & (w3 == w3) else NONE_BITS)
+        x3 = max(x3, bits(wis) if mt & (wis == wis) else NONE_BITS)
+        x4 = max(x4, bits(w4) if mt & (w4 == w4) else NONE_BITS)
+        lost += w3 if sat & finite(w3) else 0.0
+        e0 += pack7(mt, fl, sat, mt & (not ok0), mt & (not ok1), mt & (not ok2), mt & (not ok3))
+        e1 += np.int64(mt & (not ok4))
+        b3 = E.weight_bin(w3, mt, m1, k0, n_abs)
+        b4 = bin_zero if sat else b3
+        packed_e[i] = (E.weight_bin(w1, mt, m1, k0, n_abs) | (b3 << FIELD)
+                       | (E.weight_bin(wis, mt, m1, k0, n_abs) << (2 * FIELD)) | (b4 << (3 * FIELD)))
+        w_k3[i] = -em
+        code[i] = np.uint8(mt) | (np.uint8(fl) << 1)
+        kb = bits(np.inf if w3 != w3 else w3)
+        hi = max(hi, kb if mt else NONE_BITS)
+        hi_f = max(hi_f, kb if fl else NONE_BITS)
+    return (((sum_d, sum_d2, sum_w, sum_w_is, sum_wf, sum_rho, sum_rho2, sum_drift, sum_mm, sum_k3, sum_k3_is,
+              sum_adv, sum_opsm, sum_x), (cnt0, cnt1, cnt2), (max_r, min_r, max_w, max_w_is)),
+            ((v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), e0, e1, lost, hi, hi_f))
+
+
+@njit(**SUMS)
+def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid,
+                   s_null, o_null, r_null, m_null, eparams, fsum, icount, hist, scal, top_w, top_j, worst_w,
+                   worst_j, chunk_r0, chunk_j):  # pragma: no cover - compiled
+    """fused.fused_pass's outputs, and estimator_kernel.token_pass's into fsum .. worst_j (its k3_weight_lost
+    appended to the returned tuple), from one pass over the rows. Arguments are fused_pass's, then
+    chunk_sums_est's null masks and eparams, token_pass's outputs, and chunk_r0, chunk_j [n_seq + n // CHUNK
+    + 1] (token_rows_at's: each chunk's first row and first token number; chunk_j's entry after the last
+    chunk the tokens in all). Returns (..., fused_pass's nine, k3_weight_lost, number of chunks)."""
+    n, n_seq = len(s), len(starts) - 1
+    n_abs, n_d_edges = abs_grid[2], np.int64(d_grid[2])
+    seq_f = np.zeros((n_seq, len(SEQ_F)))
+    seq_i = np.zeros((n_seq, len(SEQ_I)), np.int64)
+    step_f = np.zeros((n_steps, len(STEP_F)))
+    step_i = np.zeros((n_steps, len(STEP_I)), np.int64)
+    step_b = np.empty((n_steps, 4), np.int64)
+    step_b[:, 0], step_b[:, 1], step_b[:, 2], step_b[:, 3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
+    h_d = np.zeros((n_steps, BIN_COPIES, n_d_edges + 2), np.int64)
+    h_w = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
+    h_w_is = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
+    h_rho = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
+    packed = np.empty(CHUNK, np.int64)
+    packed_e, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
+    acc = E.accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
+    no_f, no_b, no_i = np.empty(0), np.empty(0, np.bool_), np.empty(0, np.int64)
+    auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
+    acc_f, acc_i, acc_b = np.empty(len(ACC_F)), np.empty(len(ACC_I), np.int64), np.empty(4, np.int64)
+    bad_rows = np.empty(n, np.int64)
+    n_bad_rows, tok, n_chunks = 0, 0, 0
+    for j in range(n_seq):
+        k = sidx[j]
+        acc_f[:], acc_i[:] = 0.0, 0
+        acc_b[0], acc_b[1], acc_b[2], acc_b[3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
+        for c0 in range(starts[j], starts[j + 1], CHUNK):
+            c1 = min(c0 + CHUNK, starts[j + 1])
+            (cf, ci, cb), est = chunk_sums_est(
+                s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], adv[c0:c1], mask[c0:c1], bad[c0:c1], has, params, abs_grid,
+                d_grid, packed, s_null[c0:c1], o_null[c0:c1], r_null[c0:c1], m_null[c0:c1], eparams, packed_e,
+                w_k3, code)
+            for q in range(len(ACC_F)):
+                acc_f[q] += cf[q]
+            unpack_counts(ci, acc_i)
+            acc_b[0], acc_b[1] = max(acc_b[0], cb[0]), min(acc_b[1], cb[1])
+            acc_b[2], acc_b[3] = max(acc_b[2], cb[2]), max(acc_b[3], cb[3])
+            count_bins(packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k])
+            if (ci[2] >> (3 * COUNT_BITS)) & ((1 << COUNT_BITS) - 1):
+                n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, bad_rows, n_bad_rows)
+            chunk_r0[n_chunks], chunk_j[n_chunks] = c0, tok
+            n_chunks += 1
+            tok = E.add_chunk(est, packed_e, w_k3, code, c1 - c0, c0, tok, acc, False, no_f, no_b, no_i)
+        add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
+    chunk_j[n_chunks] = tok
+    lost = E.totals(acc, abs_grid, fsum, icount, hist, scal)
+    for k in range(n_steps):
+        step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
+        step_f[k, 13], step_f[k, 14] = from_bits(step_b[k, 2], NONE_BITS), from_bits(step_b[k, 3], NONE_BITS)
+    return (seq_f, seq_i, step_f, step_i, h_d.sum(axis=1)[:, :n_d_edges + 1], h_w.sum(axis=1)[:, :n_abs + 1],
+            h_w_is.sum(axis=1)[:, :n_abs + 1], h_rho.sum(axis=1)[:, :n_abs + 1], bad_rows[:n_bad_rows], lost,
+            n_chunks)
+
+
+def null_masks(b) -> tuple[np.ndarray, ...]:
+    """(s_null, o_null, r_null, m_null) of a kernel.Batch as chunk_sums_est reads them: bool [n], true at every
+    row of an absent column; one shared all-false array for the columns without a null (the usual case)."""
+    from kldiag.analysis.kernel import LOGPS
+    from kldiag.analysis.stats import zeros_u8
+    none, out = zeros_u8(b.n).view(np.bool_), []
+    for name in LOGPS:
+        null = b.null[name]
+        out.append(np.ones(b.n, np.bool_) if b.raw[name] is None else none if null is None
+                   else np.ascontiguousarray(null, np.bool_))
+    return tuple(out)
+
+
+
+@dataclass(frozen=True)
+class EstimatorRide:
+    """The Estimators page's reducer riding in the analysis's pass: its settings and where its per-batch
+    outputs go. eparams: chunk_sums_est's; keep_top, keep_flagged: the kept sets' sizes; take(b, out):
+    called with each kernel.Batch and `run`'s outputs for it."""
+
+    eparams: np.ndarray
+    keep_top: int
+    keep_flagged: int
+    take: Callable[[Any, dict], None]
+
+
+def run(b, starts, sidx, n_steps, inputs, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
+    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b)); the estimators' outputs go to
+    ride.take(b, out) as named arrays: fsum, icount, hist, scal (estimator_kernel.token_pass's),
+    k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's)."""
+    fsum, icount = np.zeros((4, E.N_EST)), np.zeros((1, E.N_EST), np.int64)
+    hist, scal = np.zeros((E.N_EST, abs_grid[2] + 1), np.int64), np.zeros(5, np.int64)
+    top_w, top_j = np.empty(ride.keep_top), np.empty(ride.keep_top, np.int64)
+    worst_w, worst_j = np.empty(ride.keep_flagged), np.empty(ride.keep_flagged, np.int64)
+    cap = len(starts) + b.n // CHUNK + 1
+    chunk_r0, chunk_j = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *null_masks(b), ride.eparams,
+                         fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, chunk_r0, chunk_j)
+    n_chunks = res[10]
+    ride.take(b, {"fsum": fsum, "icount": icount, "hist": hist, "scal": scal, "k3_weight_lost": np.array([res[9]]),
+                  "top_j": top_j[:scal[E.S_TOP]], "worst_j": worst_j[:scal[E.S_WORST]],
+                  "chunk_r0": chunk_r0[:n_chunks + 1], "chunk_j": chunk_j[:n_chunks + 1]})
+    return res[:9]
