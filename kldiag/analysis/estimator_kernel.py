@@ -245,10 +245,10 @@ def accumulators(abs_grid, top_w, top_j, worst_w, worst_j):  # pragma: no cover 
 
 
 @njit(inline="always", **JIT)
-def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, rows_out):  # pragma: no cover
+def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, rows_out, bins=True):  # noqa: E501 # pragma: no cover
     """Add chunk_sums' `out` for a chunk (rows c0 .. c0 + rows, its first token numbered j) into acc
     (`accumulators`) and offer its tokens to the kept sets when one of them can join (or `every`: a
-    trace). Returns the next token number."""
+    trace); bins: count the chunk's histogram bins (else the caller does). Returns the next token number."""
     v, a, f, x, w0, w1, lo, hi, hi_f = out
     vs, ws, fs, xs, cnt, lost, h, sel = acc
     low = (1 << COUNT_BITS) - 1
@@ -262,7 +262,8 @@ def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, r
         cnt[q] += (w0 >> (q * COUNT_BITS)) & low
     cnt[7] += w1
     lost[0] += lo
-    count_bins(packed, rows, h)
+    if bins:
+        count_bins(packed, rows, h)
     if every or may_keep(hi, hi_f, w0 & low, (w0 >> COUNT_BITS) & low, sel):
         return select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out)
     return j + (w0 & low)  # the chunk's tokens

@@ -29,49 +29,27 @@ from kldiag.analysis import fastexp
 from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN_COPIES, CHUNK, COUNT_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I,
                                    FIELD, JIT, MIN_NONE_BITS, NONE_BITS, SUMS, abs_bin, add_sequence,
                                    bad_code, bad_rows_of, bits, count_bins, d_bin, finite, from_bits,
-                                   mismatch, pack7, unpack_counts)
+                                   mismatch, pack7, token, unpack_counts)
 from kldiag.jit import njit
 
 if E.CHUNK < CHUNK:
     raise ImportError("fused_ride: estimator_kernel's chunk buffers must hold a fused.CHUNK chunk")
 
 
-@njit(inline="always", **JIT)
-def token_raw(sv, ov, rv):  # pragma: no cover - compiled
-    """fused.token's (d, valid_d, x, valid_x, rho, k3, w, k3_is, w_is), then (d, expm1(d), exp(x)) of the
-    raw d and x (non-finite kept), with one expm1 and one exp."""
-    d_raw, x_raw = rv - sv, sv - ov
-    em_raw = fastexp.expm1(d_raw)
-    rho_raw = fastexp.exp(x_raw)
-    valid_d, valid_x = finite(d_raw), finite(x_raw)
-    d = d_raw if valid_d else 0.0
-    x = x_raw if valid_x else 0.0
-    em = em_raw if valid_d else 0.0  # fastexp.expm1(0.0)
-    rho = rho_raw if valid_x else 1.0  # fastexp.exp(0.0)
-    k3 = em - d
-    w = abs(em)
-    k3_is = rho * k3
-    k3_is = np.inf if k3_is != k3_is else k3_is
-    w_is = rho * abs(d)
-    w_is = np.inf if w_is != w_is else w_is
-    both = valid_d & valid_x
-    return (d, valid_d, x, valid_x, rho if valid_x else np.nan, k3, w, k3_is if both else 0.0,
-            w_is if both else 0.0, d_raw, em_raw, rho_raw)
-
-
 @njit(inline="always", **SUMS)
-def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed,
-                   s_null, o_null, r_null, m_null, eparams, packed_e, w_k3, code):  # pragma: no cover
-    """fused.chunk_sums' (ACC_F, counts, ACC_B) and its packed bins, then estimator_kernel.chunk_sums' tuple
-    and its packed_e, w_k3, code, from one loop over a chunk's rows. The two bodies are theirs, the
-    per-token exponentials shared (token_raw); tests/test_fused_ride.py checks both sides against the
-    standalone kernels. s_null .. m_null: null masks [n] (r_null true at every row without a reference);
-    eparams: the estimators' log(tau), weight_limit, clamp, 0.0, -inf (estimator_kernel.bad)."""
+def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed, packed_e, w_k3,
+                   code):  # pragma: no cover - compiled
+    """fused.chunk_sums' three tuples and packed bins, then the estimators' extras of the same rows: what
+    estimator_kernel.chunk_sums gives beyond the analysis's sums on a chunk whose tokens in the loss all have
+    a finite d and x (`normal`): sums of min(k3, clamp), |d|, K3_clamped's |weight|, the flagged |weight| of
+    k2, k3_is and k3_clamped, k3_weight_lost ((v4, a1, a4, f1, f3, f4, lost)), maxima of |d| and of
+    K3_clamped's |weight| and the select ranks (x1, x4, hi, hi_f, as bits); packed_e[i] = row i's |d| and
+    K3_clamped |weight| bins (fields 0 and 3), w_k3[i] its |K3 weight|, code[i] its TOKEN and FLAGGED bits.
+    The analysis's body is fused.chunk_sums' own (tests/test_fused_ride.py holds the two passes equal)."""
     has_o, has_m, has_adv = has[0] != 0, has[2] != 0, has[3] != 0
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
     r_nan = 0.0 if has[1] != 0 else np.nan
     log_tau, limit, clamp, clip_lo, clip_hi = params[0], params[1], params[2], params[3], params[4]
-    e_tau, e_limit, e_clamp, zero, ninf = eparams[0], eparams[1], eparams[2], eparams[3], eparams[4]
     m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
     inv_step, d_offset, n_d = d_grid[0], d_grid[1], d_grid[2]
     n_dbin = np.int64(n_d) + 1
@@ -81,9 +59,8 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
     cnt0 = cnt1 = cnt2 = 0
     max_r = max_w = max_w_is = NONE_BITS
     min_r = MIN_NONE_BITS
-    v0 = v1 = v2 = v3 = v4 = a1 = a2 = a3 = a4 = f1 = f2 = f3 = f4 = lost = 0.0
-    x1 = x2 = x3 = x4 = hi = hi_f = NONE_BITS
-    e0 = e1 = 0
+    v4 = a1 = a4 = f1 = f3 = f4 = lost = 0.0
+    x1 = x4 = hi = hi_f = NONE_BITS
     for i in range(len(s)):
         sv, ov, rv, mv = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(m[i])
         mk = mask[i]
@@ -92,7 +69,7 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
         av = np.float64(adv[i])
         aok = has_adv & finite(av)
         sum_adv += av if aok else 0.0
-        d, vd, x, vx, rho, k3, w, k3_is, w_is, de, em, rho_e = token_raw(sv, ov, rv + r_nan)
+        d, vd, x, vx, rho, k3, w, k3_is, w_is = token(sv, ov, rv + r_nan)
         vd, vx = vd & mk, vx & mk
         both = vd & vx
         theta, blow, clamped = vd & (d > log_tau), mk & (w > limit), mk & (k3 > clamp)
@@ -132,63 +109,85 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
         b_wi = abs_bin(w_is, m1, k0, n_abs) if both else n_abs + 1
         b_r = abs_bin(rho if vx else 1.0, m1, k0, n_abs) if vx else n_abs + 1
         packed[i] = b_d | (b_w << FIELD) | (b_wi << (2 * FIELD)) | (b_r << (3 * FIELD))
-        # the estimators (estimator_kernel.chunk_sums' body on the raw d, expm1(d), exp(x))
-        mt = mk & (not r_null[i])
-        k3e = np.inf if de == np.inf else em - de
-        w3 = abs(em)
-        sat = mt & (k3e > e_clamp)
-        fl = mt & ((de > e_tau) | (w3 > e_limit) | sat | E.bad(sv, s_null[i], zero, ninf) | E.bad(rv, False, zero, ninf)
-                   | E.bad(ov, o_null[i], zero, ninf) | E.bad(mv, m_null[i], zero, ninf))
-        k1, k2, k3is = -de, 0.5 * (de * de), E.product(rho_e, k3e)
-        k3c = k3e if (k3e != k3e) | (k3e < e_clamp) else e_clamp
-        ok0, ok1, ok2, ok3, ok4 = mt & finite(k1), mt & finite(k2), mt & finite(k3e), mt & finite(k3is), \
-            mt & finite(k3c)
-        v0 += k1 if ok0 else 0.0
-        v1 += k2 if ok1 else 0.0
-        v2 += k3e if ok2 else 0.0
-        v3 += k3is if ok3 else 0.0
-        v4 += k3c if ok4 else 0.0
-        w1, wis = abs(de), abs(E.product(rho_e, k1))
-        w4 = 0.0 if sat else w3
-        q1, q2, q3, q4 = mt & finite(w1), mt & finite(w3), mt & finite(wis), mt & finite(w4)
-        a1 += w1 if q1 else 0.0
-        a2 += w3 if q2 else 0.0
-        a3 += wis if q3 else 0.0
-        a4 += w4 if q4 else 0.0
-        f1 += w1 if q1 & fl else 0.0
-        f2 += w3 if q2 & fl else 0.0
-        f3 += wis if q3 & fl else 0.0
-        f4 += w4 if q4 & fl else 0.0
-        x1 = max(x1, bits(w1) if mt & (w1 == w1) else NONE_BITS)
-        x2 = max(x2, bits(w3) if mt & (w3 == w3) else NONE_BITS)
-        x3 = max(x3, bits(wis) if mt & (wis == wis) else NONE_BITS)
-        x4 = max(x4, bits(w4) if mt & (w4 == w4) else NONE_BITS)
-        lost += w3 if sat & finite(w3) else 0.0
-        e0 += pack7(mt, fl, sat, mt & (not ok0), mt & (not ok1), mt & (not ok2), mt & (not ok3))
-        e1 += np.int64(mt & (not ok4))
-        b3 = E.weight_bin(w3, mt, m1, k0, n_abs)
-        b4 = bin_zero if sat else b3
-        packed_e[i] = (E.weight_bin(w1, mt, m1, k0, n_abs) | (b3 << FIELD)
-                       | (E.weight_bin(wis, mt, m1, k0, n_abs) << (2 * FIELD)) | (b4 << (3 * FIELD)))
-        w_k3[i] = -em
-        code[i] = np.uint8(mt) | (np.uint8(fl) << 1)
-        kb = bits(np.inf if w3 != w3 else w3)
-        hi = max(hi, kb if mt else NONE_BITS)
-        hi_f = max(hi_f, kb if fl else NONE_BITS)
+        # the estimators' extras; on a normal chunk a token in the loss has vd (estimator_kernel.chunk_sums:
+        # k3_clamped = min(k3, clamp), +inf's too; K2's |weight| |d|; K3_clamped's K3's, 0 once saturated)
+        ad = abs(d)
+        k3c = k3 if k3 < clamp else clamp
+        w4 = 0.0 if clamped else wv
+        fl = np.float64(flag)
+        v4 += k3c if vd else 0.0
+        a1 += ad if vd else 0.0
+        a4 += w4
+        f1 += ad * fl if vd else 0.0
+        f3 += w_is * fl if wiok else 0.0
+        f4 += w4 * fl
+        lost += wv if clamped else 0.0
+        x1 = max(x1, bits(ad) if vd else NONE_BITS)
+        x4 = max(x4, bits(0.0 if clamped else w) if mk else NONE_BITS)
+        b1 = abs_bin(ad, m1, k0, n_abs) if vd else n_abs + 1
+        b4 = bin_zero if clamped else b_w
+        packed_e[i] = b1 | (b4 << (3 * FIELD))
+        w_k3[i] = w
+        code[i] = np.uint8(mk) | (np.uint8(flag) << 1)
+        kb = bits(w)
+        hi = max(hi, kb if mk else NONE_BITS)
+        hi_f = max(hi_f, kb if flag else NONE_BITS)
     return (((sum_d, sum_d2, sum_w, sum_w_is, sum_wf, sum_rho, sum_rho2, sum_drift, sum_mm, sum_k3, sum_k3_is,
               sum_adv, sum_opsm, sum_x), (cnt0, cnt1, cnt2), (max_r, min_r, max_w, max_w_is)),
-            ((v0, v1, v2, v3, v4), (a1, a2, a3, a4), (f1, f2, f3, f4), (x1, x2, x3, x4), e0, e1, lost, hi, hi_f))
+            (v4, a1, a4, f1, f3, f4, lost), (x1, x4, hi, hi_f))
+
+
+@njit(inline="always", **JIT)
+def normal_chunk(cf, ci, cb, extra, maxima):  # pragma: no cover - compiled
+    """estimator_kernel.chunk_sums' tuple of a normal chunk from chunk_sums_est's: the analysis's sums where
+    they are the estimators' (k1 = -d, k2 = d^2 / 2, k3, k3_is; K3's and K3_IS's |weight|, K3's flagged) and
+    the extras. Counts: tokens, flagged and saturated are the analysis's; no k1, k2 or k3_clamped value is
+    non-finite (d is finite), k3's and k3_is's are the tokens without a finite one."""
+    low = (1 << COUNT_BITS) - 1
+    v4, a1, a4, f1, f3, f4, lost = extra
+    x1, x4, hi, hi_f = maxima
+    w1, w2 = ci[1], ci[2]
+    tokens, flagged, clamped = (w1 >> (6 * COUNT_BITS)) & low, (w1 >> (5 * COUNT_BITS)) & low, \
+        (w1 >> (2 * COUNT_BITS)) & low
+    n_k3, n_k3_is = w2 & low, (w2 >> COUNT_BITS) & low
+    c0 = (tokens | (flagged << COUNT_BITS) | (clamped << (2 * COUNT_BITS)) | ((tokens - n_k3) << (5 * COUNT_BITS))
+          | ((tokens - n_k3_is) << (6 * COUNT_BITS)))
+    return ((-cf[0], 0.5 * cf[1], cf[9], cf[10], v4), (a1, cf[2], cf[3], a4), (f1, cf[4], f3, f4),
+            (np.int64(x1), cb[2], cb[3], np.int64(x4)), np.int64(c0), np.int64(0), lost, np.int64(hi),
+            np.int64(hi_f))
+
+
+@njit(inline="always", **JIT)
+def count_bins_est(packed_e, packed, rows, h, normal):  # pragma: no cover - compiled
+    """Add a chunk's estimator bins into h [BIN_COPIES, 4, bins] (estimator_kernel.count_bins'): of a normal
+    chunk, |d|'s and K3_clamped's (K3's and K3_IS's are the analysis's |weight| bins, added from its
+    histograms at the end); of another, all four, less the analysis's |weight| bins of its rows (packed)."""
+    low = (1 << FIELD) - 1
+    if normal:
+        for t in range(rows):
+            p, c = packed_e[t], t % BIN_COPIES
+            h[c, 0, p & low] += 1
+            h[c, 3, (p >> (3 * FIELD)) & low] += 1
+        return
+    E.count_bins(packed_e, rows, h)
+    for t in range(rows):
+        p = packed[t]
+        h[0, 1, (p >> FIELD) & low] -= 1
+        h[0, 2, (p >> (2 * FIELD)) & low] -= 1
 
 
 @njit(**SUMS)
 def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid,
-                   s_null, o_null, r_null, m_null, eparams, fsum, icount, hist, scal, top_w, top_j, worst_w,
+                   s_null, o_null, r_null, m_null, fsum, icount, hist, scal, top_w, top_j, worst_w,
                    worst_j, chunk_r0, chunk_j):  # pragma: no cover - compiled
-    """fused.fused_pass's outputs, and estimator_kernel.token_pass's into fsum .. worst_j (its k3_weight_lost
-    appended to the returned tuple), from one pass over the rows. Arguments are fused_pass's, then
-    chunk_sums_est's null masks and eparams, token_pass's outputs, and chunk_r0, chunk_j [n_seq + n // CHUNK
-    + 1] (token_rows_at's: each chunk's first row and first token number; chunk_j's entry after the last
-    chunk the tokens in all). Returns (..., fused_pass's nine, k3_weight_lost, number of chunks)."""
+    """fused.fused_pass's outputs, and estimator_kernel.token_pass's into fsum .. worst_j, from one pass over
+    the rows. Arguments: fused_pass's; null masks bool [n] (r_null true at every row without a reference);
+    token_pass's outputs; chunk_r0, chunk_j [n_seq + n // CHUNK + 1] (token_rows_at's: each chunk's first
+    row and first token number; chunk_j's entry after the last chunk the tokens in all). The estimators'
+    thresholds are the analysis's (params). Returns (fused_pass's nine, k3_weight_lost, number of chunks).
+
+    A chunk some token in the loss of which has a non-finite d or x (or no reference) is not normal: there
+    the estimators' own chunk_sums runs on its rows (rare: such tokens are findings)."""
     n, n_seq = len(s), len(starts) - 1
     n_abs, n_d_edges = abs_grid[2], np.int64(d_grid[2])
     seq_f = np.zeros((n_seq, len(SEQ_F)))
@@ -202,36 +201,50 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
     h_w_is = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
     h_rho = np.zeros((n_steps, BIN_COPIES, n_abs + 2), np.int64)
     packed = np.empty(CHUNK, np.int64)
-    packed_e, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
+    packed_e, w_k3, code = np.empty(E.CHUNK, np.int64), np.empty(E.CHUNK), np.empty(E.CHUNK, np.uint8)
+    eparams = np.array([params[0], params[1], params[2], 0.0, -np.inf])  # estimator_kernel.chunk_sums'
     acc = E.accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
     no_f, no_b, no_i = np.empty(0), np.empty(0, np.bool_), np.empty(0, np.int64)
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
     acc_f, acc_i, acc_b = np.empty(len(ACC_F)), np.empty(len(ACC_I), np.int64), np.empty(4, np.int64)
     bad_rows = np.empty(n, np.int64)
-    n_bad_rows, tok, n_chunks = 0, 0, 0
+    n_bad_rows, tok, n_chunks, low = 0, 0, 0, (1 << COUNT_BITS) - 1
     for j in range(n_seq):
         k = sidx[j]
         acc_f[:], acc_i[:] = 0.0, 0
         acc_b[0], acc_b[1], acc_b[2], acc_b[3] = NONE_BITS, MIN_NONE_BITS, NONE_BITS, NONE_BITS
         for c0 in range(starts[j], starts[j + 1], CHUNK):
             c1 = min(c0 + CHUNK, starts[j + 1])
-            (cf, ci, cb), est = chunk_sums_est(
+            (cf, ci, cb), extra, maxima = chunk_sums_est(
                 s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], adv[c0:c1], mask[c0:c1], bad[c0:c1], has, params, abs_grid,
-                d_grid, packed, s_null[c0:c1], o_null[c0:c1], r_null[c0:c1], m_null[c0:c1], eparams, packed_e,
-                w_k3, code)
+                d_grid, packed, packed_e, w_k3, code)
             for q in range(len(ACC_F)):
                 acc_f[q] += cf[q]
             unpack_counts(ci, acc_i)
             acc_b[0], acc_b[1] = max(acc_b[0], cb[0]), min(acc_b[1], cb[1])
             acc_b[2], acc_b[3] = max(acc_b[2], cb[2]), max(acc_b[3], cb[3])
             count_bins(packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k])
-            if (ci[2] >> (3 * COUNT_BITS)) & ((1 << COUNT_BITS) - 1):
+            if (ci[2] >> (3 * COUNT_BITS)) & low:
                 n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, bad_rows, n_bad_rows)
+            tokens = (ci[1] >> (6 * COUNT_BITS)) & low
+            normal = (ci[0] & low) == tokens and ((ci[0] >> COUNT_BITS) & low) == tokens  # n_d, n_x
+            if normal:
+                est = normal_chunk(cf, ci, cb, extra, maxima)
+            else:
+                est = E.chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1],
+                                   r_null[c0:c1], m_null[c0:c1], mask[c0:c1], eparams, abs_grid, packed_e, w_k3, code)
             chunk_r0[n_chunks], chunk_j[n_chunks] = c0, tok
             n_chunks += 1
-            tok = E.add_chunk(est, packed_e, w_k3, code, c1 - c0, c0, tok, acc, False, no_f, no_b, no_i)
+            count_bins_est(packed_e, packed, c1 - c0, acc[6], normal)
+            tok = E.add_chunk(est, packed_e, w_k3, code, c1 - c0, c0, tok, acc, False, no_f, no_b, no_i, False)
         add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
     chunk_j[n_chunks] = tok
+    h = acc[6]
+    for k in range(n_steps):  # the estimators' K3 and K3_IS |weight| bins: the analysis's
+        for c in range(BIN_COPIES):
+            for b in range(n_abs + 2):
+                h[0, 1, b] += h_w[k, c, b]
+                h[0, 2, b] += h_w_is[k, c, b]
     lost = E.totals(acc, abs_grid, fsum, icount, hist, scal)
     for k in range(n_steps):
         step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
@@ -257,18 +270,21 @@ def null_masks(b) -> tuple[np.ndarray, ...]:
 
 @dataclass(frozen=True)
 class EstimatorRide:
-    """The Estimators page's reducer riding in the analysis's pass: its settings and where its per-batch
-    outputs go. eparams: chunk_sums_est's; keep_top, keep_flagged: the kept sets' sizes; take(b, out):
-    called with each kernel.Batch and `run`'s outputs for it."""
+    """The Estimators page's reducer riding in the analysis's pass: its thresholds (the analysis's, or it
+    does not ride: partials.AnalysisReducer.carry), its kept sets' sizes, and take(b, out), called with each
+    kernel.Batch and `run`'s outputs for it."""
 
-    eparams: np.ndarray
+    tau: float
+    weight_limit: float
+    clamp: float
     keep_top: int
     keep_flagged: int
     take: Callable[[Any, dict], None]
 
 
 def run(b, starts, sidx, n_steps, inputs, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
-    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b)); the estimators' outputs go to
+    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); params: the analysis's, whose first
+    three are the ride's thresholds); the estimators' outputs go to
     ride.take(b, out) as named arrays: fsum, icount, hist, scal (estimator_kernel.token_pass's),
     k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's)."""
     fsum, icount = np.zeros((4, E.N_EST)), np.zeros((1, E.N_EST), np.int64)
@@ -277,7 +293,7 @@ def run(b, starts, sidx, n_steps, inputs, params, abs_grid, d_grid, ride: Estima
     worst_w, worst_j = np.empty(ride.keep_flagged), np.empty(ride.keep_flagged, np.int64)
     cap = len(starts) + b.n // CHUNK + 1
     chunk_r0, chunk_j = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *null_masks(b), ride.eparams,
+    res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *null_masks(b),
                          fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, chunk_r0, chunk_j)
     n_chunks = res[10]
     ride.take(b, {"fsum": fsum, "icount": icount, "hist": hist, "scal": scal, "k3_weight_lost": np.array([res[9]]),

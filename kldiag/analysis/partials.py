@@ -133,10 +133,13 @@ class AnalysisReducer:
     def carry(self, state: PartReducer, rider, rider_state) -> bool:
         """Take `rider`'s per-token work into this part's pass (reduce.PartFold: a reducer whose `rides` names
         this one); False: it reads its batches itself. One rider: the Estimators page's (its `ride(state)`
-        gives a fused_ride.EstimatorRide)."""
+        gives a fused_ride.EstimatorRide), with the analysis's thresholds."""
         if state.ride is not None or not hasattr(rider, "ride"):
             return False
-        state.ride = rider.ride(rider_state)
+        ride = rider.ride(rider_state)
+        if (ride.tau, ride.weight_limit, ride.clamp) != (self.th.tau, self.th.weight_limit, self.th.clamp):
+            return False  # its flags are the analysis's only with the analysis's thresholds
+        state.ride = ride
         return True
 
     def finish(self, state: PartReducer, dropped: int) -> dict[str, np.ndarray]:

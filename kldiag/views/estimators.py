@@ -201,8 +201,7 @@ class EstimatorReducer:
         def take(b: Batch, out: dict) -> None:
             seed = state["seed"] + len(state["parts"])
             state["parts"].append(ridden_arrays(b, out, self.config(), self.sample_size, seed))
-        eparams = np.array([np.log(self.tau), self.weight_limit, self.clamp, 0.0, -np.inf])
-        return EstimatorRide(eparams, KEEP_TOP, KEEP_FLAGGED, take)
+        return EstimatorRide(self.tau, self.weight_limit, self.clamp, KEEP_TOP, KEEP_FLAGGED, take)
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
         return merge_arrays(state["parts"], sample_size=self.sample_size, seed=state["seed"])
