@@ -4,13 +4,22 @@ token sample exactly, their sums to rounding (added in other chunks)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
+import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from kldiag.analysis import stats
+from kldiag.analysis import AnalysisConfig, analyze, reduce, runner, stats
+from kldiag.analysis.engine import thresholds as run_thresholds
 from kldiag.analysis.kernel import Thresholds
-from kldiag.analysis.types import AnalysisConfig
+from kldiag.analysis.partials import AnalysisReducer
+from kldiag.format import open_run, part_name, publish_part, rank_dir
+from kldiag.tools.synth import SynthConfig, make_run
+from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
 
 # test_estimator_kernel's special values, -2000 for its -3e38: d of +-3e38 cancel in a sum to an order-dependent
@@ -19,16 +28,17 @@ SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.5, 3.0, 0.0, -0.0, -1e-30, -80.0,
 SUMS = ("sum_", "value_sum/", "weight_abs_sum/", "weight_abs_flagged/", "k3_weight_lost")
 
 
-def assert_same(got: dict, want: dict, what: str) -> None:
-    """Equal named arrays: exactly, sums (by name) to 1e-12 relative."""
+def assert_same(got: dict, want: dict, what: str, exact: bool = False) -> None:
+    """Equal named arrays: exactly, sums (by name) to 1e-12 relative unless `exact` (the analysis's: its
+    loop is fused.chunk_sums' own, its sums added in the same order)."""
     assert list(got) == list(want), what
     for k in want:
-        g, w = np.asarray(got[k]), np.asarray(want[k])
+        g, w = (np.concatenate(v) if isinstance(v, list) else np.asarray(v) for v in (got[k], want[k]))
         assert g.dtype == w.dtype and g.shape == w.shape, (what, k)
-        if any(k.startswith(p) or f"/{p}" in f"/{k}" for p in SUMS) and g.dtype.kind == "f":
+        if not exact and any(k.startswith(p) or f"/{p}" in f"/{k}" for p in SUMS) and g.dtype.kind == "f":
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-300, err_msg=f"{what} {k}")
         else:
-            np.testing.assert_array_equal(g, w, err_msg=f"{what} {k}")
+            assert np.array_equal(g, w, equal_nan=g.dtype.kind == "f"), (what, k)
 
 
 def full_batch(seed: int, n: int, absent: tuple[str, ...] = (), odd: float = 0.03, seq_len: int = 30,
@@ -80,6 +90,75 @@ def test_ridden_batch_equals_the_two_passes(seed, absent, odd):
     want_a = stats.batch_partials(batch, 3, thresholds(red))
     want_e = VE.batch_arrays(batch, red.config(), red.sample_size, seed)
     for t in ("steps", "seqs", "top", "bad"):
-        assert_same(getattr(got_a, t), getattr(want_a, t), t)
+        assert_same(getattr(got_a, t), getattr(want_a, t), t, exact=True)
     assert_same(got_e, want_e, "estimators")
     assert want_e["tokens"][0] and want_e["flagged"][0] and want_e["clamp_saturated"][0] or "logp_ref" in absent
+
+
+# ---- a run: parts read by the engine, cached, the two reducers together or apart ------------------------
+
+
+@pytest.fixture(scope="module")
+def odd_run(tmp_path_factory) -> Path:
+    """2 ranks, 6 steps, 2 parts a rank; log-probs with NaN, +-inf, positive values and nulls scattered in,
+    mask holes (what a dump holds), then published as the run's parts."""
+    src, dst = tmp_path_factory.mktemp("ride") / "src", tmp_path_factory.mktemp("ride") / "run"
+    make_run(src, SynthConfig(steps=6, seqs_per_step=8, seq_len=(5, 300), ranks=2, vocab_size=0))
+    dst.mkdir()
+    shutil.copy(src / "run.json", dst / "run.json")
+    rng = np.random.default_rng(7)
+    for part in open_run(src).parts():
+        t = pq.read_table(part.path)
+        for c, odd in (("logp", 0.002), ("logp_ref", 0.004), ("logp_old", 0.004), ("logp_sampler", 0.004)):
+            v = t.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
+            hit = rng.random(len(v)) < odd
+            v[hit] = rng.choice(SPECIAL, hit.sum())
+            null = (rng.random(len(v)) < odd) & (c != "logp")
+            t = t.set_column(t.schema.get_field_index(c), c, pa.array(v, t.schema.field(c).type, mask=null))
+        mask = t.column("mask").to_numpy(zero_copy_only=False) & (rng.random(t.num_rows) > 0.05)
+        t = t.set_column(t.schema.get_field_index("mask"), "mask", pa.array(mask))
+        for i, start in enumerate((0, t.num_rows // 2)):
+            chunk = t.slice(start, t.num_rows // 2 if i == 0 else None)
+            step = chunk.column("step").to_numpy()
+            publish_part(chunk, rank_dir(dst, part.rank), part_name(int(step[0]), int(step[-1]), i))
+    return dst
+
+
+def test_ridden_part_equals_each_reducer_alone(odd_run):
+    """One part's fold of both (the estimators riding) equals each one's fold alone, on every part."""
+    run = open_run(odd_run)
+    cfg = AnalysisConfig()
+    host, est = AnalysisReducer(run_thresholds(cfg, run.manifest)), VD.estimator_reducer(cfg)
+    assert len(run.parts()) == 4 and len({p.rank for p in run.parts()}) == 2
+    for part in run.parts():
+        fold = reduce.PartFold(part, [host, est])
+        assert fold.carried == {1}
+        both = reduce.compute_part(part, [host, est], runner.KERNEL_ROWS)
+        assert_same(both["analysis"], reduce.compute_part(part, [host], runner.KERNEL_ROWS)["analysis"], "analysis",
+                    exact=True)
+        assert_same(both["estimators"], reduce.compute_part(part, [est], runner.KERNEL_ROWS)["estimators"], "est")
+        assert both["estimators"]["tokens"][0] > 1000 and both["estimators"]["flagged"][0] > 0
+
+
+def test_other_thresholds_do_not_ride(odd_run):
+    run = open_run(odd_run)
+    host = AnalysisReducer(run_thresholds(AnalysisConfig(), run.manifest))
+    est = VD.estimator_reducer(AnalysisConfig(clamp=3.0))
+    assert reduce.PartFold(run.parts()[0], [host, est]).carried == set()
+
+
+def test_cache_serves_each_reducer_whichever_pass_made_it(odd_run, tmp_path):
+    """A bare analyze then the dashboard's reducers (the estimators alone), or the two together: each partial
+    cached under its own key, and every result the same (sums to rounding)."""
+    one, two = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(odd_run, one)
+    shutil.copytree(odd_run, two)
+    est = [VD.estimator_reducer()]
+    analyze(one, AnalysisConfig())
+    first = analyze(one, AnalysisConfig(), est)  # the analysis from the cache, the estimators read alone
+    together = analyze(two, AnalysisConfig(), est)  # riding
+    again = analyze(two, AnalysisConfig(), est)  # both from the cache
+    assert_same(first.reduced["estimators"], together.reduced["estimators"], "estimators")
+    assert_same(again.reduced["estimators"], together.reduced["estimators"], "cached")
+    pd.testing.assert_frame_equal(first.steps.to_pandas(), together.steps.to_pandas(), rtol=1e-12)
+    assert len(list((two / ".kldiag" / "estimators").glob("*.part"))) == 4

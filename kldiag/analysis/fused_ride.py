@@ -254,20 +254,6 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
             n_chunks)
 
 
-def null_masks(b) -> tuple[np.ndarray, ...]:
-    """(s_null, o_null, r_null, m_null) of a kernel.Batch as chunk_sums_est reads them: bool [n], true at every
-    row of an absent column; one shared all-false array for the columns without a null (the usual case)."""
-    from kldiag.analysis.kernel import LOGPS
-    from kldiag.analysis.stats import zeros_u8
-    none, out = zeros_u8(b.n).view(np.bool_), []
-    for name in LOGPS:
-        null = b.null[name]
-        out.append(np.ones(b.n, np.bool_) if b.raw[name] is None else none if null is None
-                   else np.ascontiguousarray(null, np.bool_))
-    return tuple(out)
-
-
-
 @dataclass(frozen=True)
 class EstimatorRide:
     """The Estimators page's reducer riding in the analysis's pass: its thresholds (the analysis's, or it
@@ -282,8 +268,8 @@ class EstimatorRide:
     take: Callable[[Any, dict], None]
 
 
-def run(b, starts, sidx, n_steps, inputs, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
-    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); params: the analysis's, whose first
+def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
+    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); nulls: stats.null_masks(b); params: the analysis's, whose first
     three are the ride's thresholds); the estimators' outputs go to
     ride.take(b, out) as named arrays: fsum, icount, hist, scal (estimator_kernel.token_pass's),
     k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's)."""
@@ -293,7 +279,7 @@ def run(b, starts, sidx, n_steps, inputs, params, abs_grid, d_grid, ride: Estima
     worst_w, worst_j = np.empty(ride.keep_flagged), np.empty(ride.keep_flagged, np.int64)
     cap = len(starts) + b.n // CHUNK + 1
     chunk_r0, chunk_j = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *null_masks(b),
+    res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *nulls,
                          fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, chunk_r0, chunk_j)
     n_chunks = res[10]
     ride.take(b, {"fsum": fsum, "icount": icount, "hist": hist, "scal": scal, "k3_weight_lost": np.array([res[9]]),

@@ -133,6 +133,17 @@ def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
     return (*cols, ro(b.mask, np.bool_), bad, has)
 
 
+def null_masks(b: Batch) -> tuple[np.ndarray, ...]:
+    """(s_null, o_null, r_null, m_null) of a Batch as fused_ride.fused_pass_est reads them: bool [n], true at every
+    row of an absent column; one shared all-false array for the columns without a null (the usual case)."""
+    none, out = zeros_u8(b.n).view(np.bool_), []
+    for name in LOGPS:
+        null = b.null[name]
+        out.append(np.ones(b.n, np.bool_) if b.raw[name] is None else none if null is None
+                   else np.ascontiguousarray(null, np.bool_))
+    return tuple(out)
+
+
 def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
     """Columns for scans.trl_pass: an empty array for a missing one, the mask as bool."""
     raw = b.raw
@@ -233,7 +244,8 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     if ride is None:
         res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
     else:
-        res = fused_ride.run(b, starts, sidx, n_steps, kernel_inputs(b), params, ABS_GRID, D_GRID, ride)
+        res = fused_ride.run(b, starts, sidx, n_steps, kernel_inputs(b), null_masks(b), params, ABS_GRID, D_GRID,
+                             ride)
     bad_any = res[8]
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)

@@ -176,8 +176,9 @@ class EstimatorReducer:
     name: str = "estimators"
     rides: ClassVar[str] = "analysis"  # its per-token work runs in the analysis's pass when both are read
     # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does; 3: no per-sequence rows
-    # (the page's off-policy mask reads Analysis.opsm)
-    version: int = 3
+    # (the page's off-policy mask reads Analysis.opsm); 4: computed in the analysis's pass when read with it
+    # (fused_ride.py): its sums added in that pass's chunks, equal to the standalone pass's to rounding
+    version: int = 4
     merge_every: int = 256  # each merge re-draws the token sample: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 
