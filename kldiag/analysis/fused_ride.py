@@ -1,19 +1,21 @@
 """The analysis's compiled pass with the Estimators page's per-token work riding in it.
 
-`fused_pass_est` is fused.fused_pass plus estimator_kernel.token_pass over the same rows in one loop:
-the estimator comparison needs the same d = logp_ref - logp, x = logp - logp_old, expm1(d) and exp(x)
-per token as the analysis, so a dashboard's first pass computes them once (the exponentials are most of
-a token's cost) and reads each column once. It is a second compiled function, not a flag of the first:
-the bare analysis (`kldiag analyze`) runs fused.fused_pass unchanged, its loop no larger.
+`fused_pass_est` is fused.fused_pass with estimator_kernel.token_pass's outputs made in the same loop: the
+estimator comparison needs the d = logp_ref - logp, x = logp - logp_old, expm1(d) and exp(x) of every token
+that the analysis computes, and most of its sums are the analysis's (k1 = -d, k2 = d^2 / 2, k3 and k3_is,
+K3's and K3_IS's |weight| and their histograms), so a dashboard's first pass reads each column once,
+exponentiates once and adds only what the analysis lacks (|d|, k3_clamped, flagged shares, the kept sets).
+It is a second compiled function, not a flag of the first: a bare `kldiag analyze` runs fused.fused_pass
+unchanged, its loop no larger (partials.AnalysisReducer.carry, reduce.PartFold).
 
-Each side keeps its own semantics, so each partial equals the standalone one's (counts, maxima,
-histograms and kept sets exactly; sums to rounding, as they are added in other chunks):
-- the analysis zeroes an invalid d or x before exponentiating (fused.token); the estimators take
-  expm1 and exp of the raw values (NaN in, NaN out; expm1(-inf) = -1, exp(-inf) = 0), so `token_raw`
-  exponentiates the raw values once and gives the analysis expm1(0) = 0 and its NaN rho where invalid;
-- the estimators' tokens are the rows in the loss with a reference log-prob (null masks), numbered in
-  row order; chunks here are cut at sequence starts (fused_pass's), so the first token number and first
-  row of each chunk go to chunk_j and chunk_r0 (estimator_kernel.token_rows_at reads them).
+The two agree where every token in the loss has a finite d and x (and a reference log-prob). A chunk with
+another token (NaN, +-inf, a null reference: findings, rare) runs estimator_kernel.chunk_sums on its rows,
+which keeps the estimators' own conventions there (expm1 and exp of the raw values, not the analysis's
+zeroed ones). So each partial equals its standalone pass's: the analysis's bit for bit (its loop body is
+fused.chunk_sums'), the estimators' counts, maxima, histograms, kept tokens and sample exactly and their
+sums to rounding (added in other chunks): tests/test_fused_ride.py. The estimators' tokens are numbered in
+row order as in token_pass; chunks are cut at sequence starts here, so each chunk's first row and first
+token number go to chunk_r0 and chunk_j (estimator_kernel.token_rows_at reads them).
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from kldiag.analysis import estimator_kernel as E
-from kldiag.analysis import fastexp
-from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN_COPIES, CHUNK, COUNT_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I,
-                                   FIELD, JIT, MIN_NONE_BITS, NONE_BITS, SUMS, abs_bin, add_sequence,
+from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN_COPIES, CHUNK, COUNT_BITS, FIELD,
+                                   JIT, MIN_NONE_BITS, NONE_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I, SUMS, abs_bin, add_sequence,
                                    bad_code, bad_rows_of, bits, count_bins, d_bin, finite, from_bits,
                                    mismatch, pack7, token, unpack_counts)
 from kldiag.jit import njit

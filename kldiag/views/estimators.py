@@ -1,10 +1,12 @@
 """The Estimators page's data: what each estimator would have done on a run's own tokens.
 
 A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
-of each part (`kldiag.views.dashboard.reducers()` lists it), one compiled pass per batch
-(`estimator_kernel.py`), cached with it, merged (`merge_partials`), so a live run costs only its new files. Only
-tokens in the loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
-(Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
+of each part (`kldiag.views.dashboard.reducers()` lists it), cached with it, merged (`merge_partials`), so a
+live run costs only its new files. Read with the analysis, it rides in the analysis's compiled pass
+(`kldiag/analysis/fused_ride.py`: one loop over each batch for both, `ridden_arrays`); read alone (the
+analysis's partial cached, or other thresholds), it runs its own (`kldiag/analysis/estimator_kernel.py`,
+`batch_arrays`). Only tokens in the loss (mask) with a reference log-prob count. Per-token maths:
+`kldiag.estimators` (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
 
 from __future__ import annotations
