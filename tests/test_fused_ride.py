@@ -162,3 +162,17 @@ def test_cache_serves_each_reducer_whichever_pass_made_it(odd_run, tmp_path):
     assert_same(again.reduced["estimators"], together.reduced["estimators"], "cached")
     pd.testing.assert_frame_equal(first.steps.to_pandas(), together.steps.to_pandas(), rtol=1e-12)
     assert len(list((two / ".kldiag" / "estimators").glob("*.part"))) == 4
+
+
+def test_a_batch_the_analysis_sorts_or_an_empty_one_takes_the_estimators_own_pass():
+    """Steps out of order (the analysis sorts the batch) or no rows: the estimators read the batch as stored,
+    so their partial (the sample's token numbers, the per-batch seeds) is the standalone one exactly."""
+    red = VE.EstimatorReducer(sample_size=100)
+    batch = full_batch(5, 3000, odd=0.01)
+    shuffled = batch.take(pa.array(np.r_[1500:3000, 0:1500]))
+    for b in (shuffled, batch.slice(0, 0)):
+        got_a, got_e = ridden(b, red, 4)
+        assert_same(got_e, VE.batch_arrays(b, red.config(), red.sample_size, 4), "estimators", exact=True)
+        want_a = stats.batch_partials(b, 3, thresholds(red))
+        for t in ("steps", "seqs", "top", "bad"):
+            assert_same(getattr(got_a, t), getattr(want_a, t), t, exact=True)

@@ -258,8 +258,9 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
 @dataclass(frozen=True)
 class EstimatorRide:
     """The Estimators page's reducer riding in the analysis's pass: its thresholds (the analysis's, or it
-    does not ride: partials.AnalysisReducer.carry), its kept sets' sizes, and take(b, out), called with each
-    kernel.Batch and `run`'s outputs for it."""
+    does not ride: partials.AnalysisReducer.carry), its kept sets' sizes, take(b, out), called with each
+    kernel.Batch and `run`'s outputs for it, and alone(batch), its own pass over a record batch that the
+    analysis reads otherwise (stats.batch_partials: an empty one, one it sorts first)."""
 
     tau: float
     weight_limit: float
@@ -267,6 +268,7 @@ class EstimatorRide:
     keep_top: int
     keep_flagged: int
     take: Callable[[Any, dict], None]
+    alone: Callable[[Any], None]
 
 
 def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:

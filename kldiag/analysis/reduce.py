@@ -14,6 +14,8 @@ chunk/combine/aggregate: init, accumulate a block, merge, finalize):
         def finish(self, state, dropped) -> dict[str, np.ndarray]   # the part's partial
         def merge(self, partials) -> dict[str, np.ndarray]           # in part order
         def result(self, merged)     # what a face reads (a table, a TokenSet, ...)
+        rides: str                   # optional: the reducer whose compiled pass may do its per-token work
+        def carry(self, state, rider, rider_state) -> bool   # optional, a host's: take a rider (PartFold)
 
 The engine (engine.py) opens each part at most once for all the reducers that lack its partial,
 reading the union of their columns, runs the same `compute_part` in this process, in worker

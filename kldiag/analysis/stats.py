@@ -231,12 +231,18 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
 def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf,
                    ride: fused_ride.EstimatorRide | None = None) -> BatchResult:
     """Everything the analysis keeps from one record batch of format v1 columns; with `ride`, the
-    Estimators page's per-token work in the same compiled pass (fused_ride.py)."""
+    Estimators page's per-token work in the same compiled pass (fused_ride.py). A batch the pass reads
+    otherwise (empty, or sorted first) goes to the ride's own pass (`alone`): its tokens numbered as stored."""
     if batch.num_rows == 0:
+        if ride is not None:
+            ride.alone(batch)
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
     starts, ordered = scans.seq_starts(b.step, b.seq)
     if not ordered:  # recorder files are step-ordered; other writers' may not be: sort once
+        if ride is not None:
+            ride.alone(batch)
+            ride = None
         b = Batch.from_arrow(batch.take(pa.array(np.argsort(b.step, kind="stable"))))
         starts, _ = scans.seq_starts(b.step, b.seq)
     sidx, n_steps = scans.step_of_seqs(b.step, starts)

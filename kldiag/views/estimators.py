@@ -204,7 +204,8 @@ class EstimatorReducer:
         def take(b: Batch, out: dict) -> None:
             seed = state["seed"] + len(state["parts"])
             state["parts"].append(ridden_arrays(b, out, self.config(), self.sample_size, seed))
-        return EstimatorRide(self.tau, self.weight_limit, self.clamp, KEEP_TOP, KEEP_FLAGGED, take)
+        return EstimatorRide(self.tau, self.weight_limit, self.clamp, KEEP_TOP, KEEP_FLAGGED, take,
+                             lambda batch: self.add(state, batch))
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
         return merge_arrays(state["parts"], sample_size=self.sample_size, seed=state["seed"])
