@@ -33,6 +33,7 @@ from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN
                                    mismatch, pack7, token, unpack_counts)
 from kldiag.jit import njit
 
+SATURATED = 4  # a bit of chunk_sums_est's code[i] besides estimator_kernel's TOKEN and FLAGGED
 if E.CHUNK < CHUNK:
     raise ImportError("fused_ride: estimator_kernel's chunk buffers must hold a fused.CHUNK chunk")
 
@@ -44,8 +45,8 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
     estimator_kernel.chunk_sums gives beyond the analysis's sums on a chunk whose tokens in the loss all have
     a finite d and x (`normal`): sums of min(k3, clamp), |d|, K3_clamped's |weight|, the flagged |weight| of
     k2, k3_is and k3_clamped, k3_weight_lost ((v4, a1, a4, f1, f3, f4, lost)), maxima of |d| and of
-    K3_clamped's |weight| and the select ranks (x1, x4, hi, hi_f, as bits); packed_e[i] = row i's |d| and
-    K3_clamped |weight| bins (fields 0 and 3), w_k3[i] its |K3 weight|, code[i] its TOKEN and FLAGGED bits.
+    K3_clamped's |weight| and the flagged tokens' select rank (x1, x4, hi_f, as bits); packed_e[i] = row i's
+    |d| bin, w_k3[i] its |K3 weight|, code[i] its TOKEN, FLAGGED and SATURATED bits.
     The analysis's body is fused.chunk_sums' own (tests/test_fused_ride.py holds the two passes equal)."""
     has_o, has_m, has_adv = has[0] != 0, has[2] != 0, has[3] != 0
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
@@ -54,14 +55,13 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
     m1, k0, n_abs = abs_grid[0], abs_grid[1], abs_grid[2]
     inv_step, d_offset, n_d = d_grid[0], d_grid[1], d_grid[2]
     n_dbin = np.int64(n_d) + 1
-    bin_zero = abs_bin(0.0, m1, k0, n_abs)
     sum_d = sum_d2 = sum_w = sum_w_is = sum_wf = sum_rho = sum_rho2 = sum_drift = sum_mm = 0.0
     sum_k3 = sum_k3_is = sum_adv = sum_opsm = sum_x = 0.0
     cnt0 = cnt1 = cnt2 = 0
     max_r = max_w = max_w_is = NONE_BITS
     min_r = MIN_NONE_BITS
     v4 = a1 = a4 = f1 = f3 = f4 = lost = 0.0
-    x1 = x4 = hi = hi_f = NONE_BITS
+    x1 = x4 = hi_f = NONE_BITS
     for i in range(len(s)):
         sv, ov, rv, mv = np.float64(s[i]), np.float64(o[i]), np.float64(r[i]), np.float64(m[i])
         mk = mask[i]
@@ -126,16 +126,13 @@ def chunk_sums_est(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, pa
         x1 = max(x1, bits(ad) if vd else NONE_BITS)
         x4 = max(x4, bits(0.0 if clamped else w) if mk else NONE_BITS)
         b1 = abs_bin(ad, m1, k0, n_abs) if vd else n_abs + 1
-        b4 = bin_zero if clamped else b_w
-        packed_e[i] = b1 | (b4 << (3 * FIELD))
+        packed_e[i] = b1
         w_k3[i] = w
-        code[i] = np.uint8(mk) | (np.uint8(flag) << 1)
-        kb = bits(w)
-        hi = max(hi, kb if mk else NONE_BITS)
-        hi_f = max(hi_f, kb if flag else NONE_BITS)
+        code[i] = np.uint8(mk) | (np.uint8(flag) << 1) | (np.uint8(clamped) << 2)
+        hi_f = max(hi_f, bits(w) if flag else NONE_BITS)
     return (((sum_d, sum_d2, sum_w, sum_w_is, sum_wf, sum_rho, sum_rho2, sum_drift, sum_mm, sum_k3, sum_k3_is,
               sum_adv, sum_opsm, sum_x), (cnt0, cnt1, cnt2), (max_r, min_r, max_w, max_w_is)),
-            (v4, a1, a4, f1, f3, f4, lost), (x1, x4, hi, hi_f))
+            (v4, a1, a4, f1, f3, f4, lost), (x1, x4, hi_f))
 
 
 @njit(inline="always", **JIT)
@@ -146,7 +143,7 @@ def normal_chunk(cf, ci, cb, extra, maxima):  # pragma: no cover - compiled
     non-finite (d is finite), k3's and k3_is's are the tokens without a finite one."""
     low = (1 << COUNT_BITS) - 1
     v4, a1, a4, f1, f3, f4, lost = extra
-    x1, x4, hi, hi_f = maxima
+    x1, x4, hi_f = maxima  # the select rank of every token: the analysis's max_w
     w1, w2 = ci[1], ci[2]
     tokens, flagged, clamped = (w1 >> (6 * COUNT_BITS)) & low, (w1 >> (5 * COUNT_BITS)) & low, \
         (w1 >> (2 * COUNT_BITS)) & low
@@ -154,27 +151,32 @@ def normal_chunk(cf, ci, cb, extra, maxima):  # pragma: no cover - compiled
     c0 = (tokens | (flagged << COUNT_BITS) | (clamped << (2 * COUNT_BITS)) | ((tokens - n_k3) << (5 * COUNT_BITS))
           | ((tokens - n_k3_is) << (6 * COUNT_BITS)))
     return ((-cf[0], 0.5 * cf[1], cf[9], cf[10], v4), (a1, cf[2], cf[3], a4), (f1, cf[4], f3, f4),
-            (np.int64(x1), cb[2], cb[3], np.int64(x4)), np.int64(c0), np.int64(0), lost, np.int64(hi),
-            np.int64(hi_f))
+            (np.int64(x1), cb[2], cb[3], np.int64(x4)), np.int64(c0), np.int64(0), lost, cb[2], np.int64(hi_f))
 
 
 @njit(inline="always", **JIT)
-def count_bins_est(packed_e, packed, rows, h, normal):  # pragma: no cover - compiled
-    """Add a chunk's estimator bins into h [BIN_COPIES, 4, bins] (estimator_kernel.count_bins'): of a normal
-    chunk, |d|'s and K3_clamped's (K3's and K3_IS's are the analysis's |weight| bins, added from its
-    histograms at the end); of another, all four, less the analysis's |weight| bins of its rows (packed)."""
+def count_bins_est(packed_e, packed, code, rows, h, normal, saturated, bin_zero):  # pragma: no cover - compiled
+    """Add a chunk's estimator bins into h [BIN_COPIES, 4, bins] (estimator_kernel.count_bins'). K3's, K3_IS's
+    and K3_clamped's |weight| bins are the analysis's |weight| and |weight_is| bins, added from its histograms
+    at the end; here: of a normal chunk, the |d| bins, and K3_clamped's saturated tokens moved from their K3
+    bin to 0's (`saturated`: their count); of another, all four of estimator_kernel.chunk_sums, less the
+    analysis's bins of its rows (packed)."""
     low = (1 << FIELD) - 1
     if normal:
         for t in range(rows):
-            p, c = packed_e[t], t % BIN_COPIES
-            h[c, 0, p & low] += 1
-            h[c, 3, (p >> (3 * FIELD)) & low] += 1
+            h[t % BIN_COPIES, 0, packed_e[t]] += 1
+        if saturated:
+            for t in range(rows):
+                if code[t] & SATURATED:
+                    h[0, 3, (packed[t] >> FIELD) & low] -= 1
+                    h[0, 3, bin_zero] += 1
         return
     E.count_bins(packed_e, rows, h)
     for t in range(rows):
         p = packed[t]
         h[0, 1, (p >> FIELD) & low] -= 1
         h[0, 2, (p >> (2 * FIELD)) & low] -= 1
+        h[0, 3, (p >> FIELD) & low] -= 1
 
 
 @njit(**SUMS)
@@ -204,6 +206,7 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
     packed = np.empty(CHUNK, np.int64)
     packed_e, w_k3, code = np.empty(E.CHUNK, np.int64), np.empty(E.CHUNK), np.empty(E.CHUNK, np.uint8)
     eparams = np.array([params[0], params[1], params[2], 0.0, -np.inf])  # estimator_kernel.chunk_sums'
+    bin_zero = abs_bin(0.0, abs_grid[0], abs_grid[1], n_abs)
     acc = E.accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
     no_f, no_b, no_i = np.empty(0), np.empty(0, np.bool_), np.empty(0, np.int64)
     auto = 0 if has[4] != 0 else BAD_NONFINITE | BAD_INVALID
@@ -236,16 +239,18 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
                                    r_null[c0:c1], m_null[c0:c1], mask[c0:c1], eparams, abs_grid, packed_e, w_k3, code)
             chunk_r0[n_chunks], chunk_j[n_chunks] = c0, tok
             n_chunks += 1
-            count_bins_est(packed_e, packed, c1 - c0, acc[6], normal)
+            count_bins_est(packed_e, packed, code, c1 - c0, acc[6], normal, (ci[1] >> (2 * COUNT_BITS)) & low,
+                           bin_zero)
             tok = E.add_chunk(est, packed_e, w_k3, code, c1 - c0, c0, tok, acc, False, no_f, no_b, no_i, False)
         add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
     chunk_j[n_chunks] = tok
     h = acc[6]
-    for k in range(n_steps):  # the estimators' K3 and K3_IS |weight| bins: the analysis's
+    for k in range(n_steps):  # the estimators' K3, K3_IS and K3_clamped |weight| bins: the analysis's
         for c in range(BIN_COPIES):
             for b in range(n_abs + 2):
                 h[0, 1, b] += h_w[k, c, b]
                 h[0, 2, b] += h_w_is[k, c, b]
+                h[0, 3, b] += h_w[k, c, b]
     lost = E.totals(acc, abs_grid, fsum, icount, hist, scal)
     for k in range(n_steps):
         step_f[k, 8], step_f[k, 9] = from_bits(step_b[k, 0], NONE_BITS), from_bits(step_b[k, 1], MIN_NONE_BITS)
