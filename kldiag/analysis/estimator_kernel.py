@@ -217,7 +217,6 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     params = np.array([log_tau, limit, clamp, 0.0, -np.inf])  # chunk_sums' (bad's zero and ninf: see there)
     packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
     acc = accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
-    sel = acc[7]
     j = 0
     every = len(w_out) > 0 or len(rows_out) > 0  # a trace: every token goes through select
     for c0 in range(0, len(s), CHUNK):
@@ -245,7 +244,8 @@ def accumulators(abs_grid, top_w, top_j, worst_w, worst_j):  # pragma: no cover 
 
 
 @njit(inline="always", **JIT)
-def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, rows_out, bins=True):  # noqa: E501 # pragma: no cover
+def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, rows_out,
+              bins=True):  # pragma: no cover - compiled
     """Add chunk_sums' `out` for a chunk (rows c0 .. c0 + rows, its first token numbered j) into acc
     (`accumulators`) and offer its tokens to the kept sets when one of them can join (or `every`: a
     trace); bins: count the chunk's histogram bins (else the caller does). Returns the next token number."""

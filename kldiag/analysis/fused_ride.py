@@ -28,8 +28,8 @@ import numpy as np
 
 from kldiag.analysis import estimator_kernel as E
 from kldiag.analysis.fused import (ACC_F, ACC_I, BAD_INVALID, BAD_NONFINITE, BIN_COPIES, CHUNK, COUNT_BITS, FIELD,
-                                   JIT, MIN_NONE_BITS, NONE_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I, SUMS, abs_bin, add_sequence,
-                                   bad_code, bad_rows_of, bits, count_bins, d_bin, finite, from_bits,
+                                   JIT, MIN_NONE_BITS, NONE_BITS, SEQ_F, SEQ_I, STEP_F, STEP_I, SUMS, abs_bin,
+                                   add_sequence, bad_code, bad_rows_of, bits, count_bins, d_bin, finite, from_bits,
                                    mismatch, pack7, token, unpack_counts)
 from kldiag.jit import njit
 
@@ -277,8 +277,8 @@ class EstimatorRide:
 
 
 def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
-    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); nulls: stats.null_masks(b); params: the analysis's, whose first
-    three are the ride's thresholds); the estimators' outputs go to
+    """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); nulls: stats.null_masks(b); params: the
+    analysis's, whose first three are the ride's thresholds); the estimators' outputs go to
     ride.take(b, out) as named arrays: fsum, icount, hist, scal (estimator_kernel.token_pass's),
     k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's)."""
     fsum, icount = np.zeros((4, E.N_EST)), np.zeros((1, E.N_EST), np.int64)
@@ -292,5 +292,5 @@ def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride:
     n_chunks = res[10]
     ride.take(b, {"fsum": fsum, "icount": icount, "hist": hist, "scal": scal, "k3_weight_lost": np.array([res[9]]),
                   "top_j": top_j[:scal[E.S_TOP]], "worst_j": worst_j[:scal[E.S_WORST]],
-                  "chunk_r0": chunk_r0[:n_chunks + 1], "chunk_j": chunk_j[:n_chunks + 1]})
+                  "chunk_r0": chunk_r0[:n_chunks], "chunk_j": chunk_j[:n_chunks + 1]})
     return res[:9]
