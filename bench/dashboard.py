@@ -35,8 +35,9 @@ kldiag.analysis.store; a change of kldiag's code makes those entries misses).
 --breakdown, instead: one thread, part by part (wall and this thread's CPU time, each the least of
 --repeat runs: the CPU figure holds on a loaded machine), the read of the analysis's columns and of the
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
-alone (the Estimators page's too), the first pass in one read, and it with the Estimators reducer,
-in ns per row.
+alone (the Estimators page's too), the analysis with the Estimators reducer riding in its pass, the first
+pass without it (the difference: its marginal cost), the first pass in one read, and it with the Estimators
+reducer, in ns per row.
 --diagnose, instead: diagnose() alone on the warm cache, a fresh process each --repeat (wall and CPU s).
 --profile PAGE (or refresh), instead: a cProfile of that page's warm first render in a fresh process
 (or of the refresh), written to /tmp/kldiag_dash_<PAGE>.prof, its top functions printed.
@@ -326,7 +327,10 @@ def breakdown(run: Path, args) -> None:
         print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
               f"({len(columns)} columns)")
     groups = [(f"{red.name} alone (read + reduce)", [red]) for red in reds]
-    groups += [("the dashboard's first pass, one read", first),
+    est = [x for x in reds if x.name == "estimators"]
+    groups += [("the analysis and the Estimators reducer (riding)", reds[:1] + est),
+               ("the first pass but the Estimators reducer", [x for x in first if x.name != "estimators"]),
+               ("the dashboard's first pass, one read", first),
                ("the same and the Estimators reducer, one read", reds)]
     for label, group in groups:
         s, c = least(lambda: [reduce.compute_part(p, group, runner.KERNEL_ROWS) for p in parts])

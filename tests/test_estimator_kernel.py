@@ -13,7 +13,7 @@ from kldiag import estimators as E
 from kldiag.analysis.bins import abs_bins
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.analysis.stats import ABS_GRID
-from kldiag.views import estimator_kernel as K
+from kldiag.analysis import estimator_kernel as K
 from kldiag.views import estimators as VE
 from kldiag.views.pages import LOGP_COLUMNS, derive, nulls
 

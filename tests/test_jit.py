@@ -25,7 +25,7 @@ def test_package_import_does_not_import_numba():
         import sys
         import kldiag, kldiag.analysis, kldiag.views.pages, kldiag.format, kldiag.diagnosis, kldiag.mismatch
         import kldiag.report, kldiag.cli, kldiag.views.dashboard, kldiag.views.estimators
-        import kldiag.analysis.fused, kldiag.views.estimator_kernel, kldiag.diagnosis.scan
+        import kldiag.analysis.fused, kldiag.analysis.estimator_kernel, kldiag.diagnosis.scan
         print(sorted(m for m in sys.modules if m == "numba" or m.startswith("numba.")))
     """)
     assert out.strip() == "[]"

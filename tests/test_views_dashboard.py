@@ -20,12 +20,13 @@ def test_prepare_refresh_loads_the_passs_kernels_and_leaves_the_parts_alone(tmp_
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.glob("tokens/**/*"))
     code = f"""
         import sys
-        from kldiag.analysis import fused
+        from kldiag.analysis import fused_ride
         from kldiag.views import dashboard as VD
         assert "numba" not in sys.modules
         VD.prepare_refresh_in_background({str(run)!r}).join()
         assert VD.prepare_refresh_in_background({str(run)!r}) is VD._PREPARING[{str(run)!r}]  # once a run
-        print(len(fused.fused_pass.signatures))  # a signature compiled (loaded) for the pass's batches
+        # a signature compiled (loaded) for the pass's batches: the analysis's, the Estimators reducer riding
+        print(len(fused_ride.fused_pass_est.signatures))
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT).stdout

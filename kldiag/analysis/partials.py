@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kldiag.analysis import keyed, reduce
+from kldiag.analysis.fused_ride import EstimatorRide
 from kldiag.analysis.kernel import COLUMNS, Thresholds
 from kldiag.analysis.stats import batch_partials, select_first, select_top
 from kldiag.format import PartInfo
@@ -76,9 +77,10 @@ class PartReducer:
         self.top: keyed.Keyed = {}
         self.bad: keyed.Keyed = {}
         self.rows, self.floor = 0, -np.inf
+        self.ride: EstimatorRide | None = None  # a reducer riding in this pass (AnalysisReducer.carry)
 
     def add(self, batch) -> None:
-        r = batch_partials(batch, self.part.rank, self.th, self.floor)
+        r = batch_partials(batch, self.part.rank, self.th, self.floor, self.ride)
         self.steps.append(r.steps)
         self.seqs.append(r.seqs)
         # a batch's top is already ordered and cut to top_k: only a second batch needs a merge
@@ -127,6 +129,18 @@ class AnalysisReducer:
 
     def add(self, state: PartReducer, batch) -> None:
         state.add(batch)
+
+    def carry(self, state: PartReducer, rider, rider_state) -> bool:
+        """Take `rider`'s per-token work into this part's pass (reduce.PartFold: a reducer whose `rides` names
+        this one); False: it reads its batches itself. One rider: the Estimators page's (its `ride(state)`
+        gives a fused_ride.EstimatorRide), with the analysis's thresholds."""
+        if state.ride is not None or not hasattr(rider, "ride"):
+            return False
+        ride = rider.ride(rider_state)
+        if (ride.tau, ride.weight_limit, ride.clamp) != (self.th.tau, self.th.weight_limit, self.th.clamp):
+            return False  # its flags are the analysis's only with the analysis's thresholds
+        state.ride = ride
+        return True
 
     def finish(self, state: PartReducer, dropped: int) -> dict[str, np.ndarray]:
         p = state.result(dropped)

@@ -14,6 +14,8 @@ chunk/combine/aggregate: init, accumulate a block, merge, finalize):
         def finish(self, state, dropped) -> dict[str, np.ndarray]   # the part's partial
         def merge(self, partials) -> dict[str, np.ndarray]           # in part order
         def result(self, merged)     # what a face reads (a table, a TokenSet, ...)
+        rides: str                   # optional: the reducer whose compiled pass may do its per-token work
+        def carry(self, state, rider, rider_state) -> bool   # optional, a host's: take a rider (PartFold)
 
 The engine (engine.py) opens each part at most once for all the reducers that lack its partial,
 reading the union of their columns, runs the same `compute_part` in this process, in worker
@@ -165,12 +167,23 @@ def part_batches(part: PartInfo, columns: Sequence[str], batch_size: int, use_th
 
 
 class PartFold:
-    """Folds one part's batches into every reducer's state; superseded rows are dropped once for all."""
+    """Folds one part's batches into every reducer's state; superseded rows are dropped once for all.
+
+    A reducer may ride on another (its `rides`: the other's name): when both are in the group and the host's
+    `carry(state, rider, rider_state)` takes it, the host's pass fills the rider's state (one compiled loop
+    where both work per token) and the rider is not handed the batches; either way its `finish` makes
+    its partial, and alone it reads its batches itself."""
 
     def __init__(self, part: PartInfo, reducers: Sequence[Reducer]):
         self.part, self.reducers = part, list(reducers)
         self.states = [r.start(part) for r in self.reducers]
         self.dropped = 0
+        index = {r.name: i for i, r in enumerate(self.reducers)}
+        self.carried = set()
+        for i, r in enumerate(self.reducers):
+            h = index.get(getattr(r, "rides", None))
+            if h is not None and h != i and self.reducers[h].carry(self.states[h], r, self.states[i]):
+                self.carried.add(i)
 
     def add(self, batch: pa.RecordBatch) -> None:
         if self.part.exclude:  # rows of steps a later attempt re-recorded: counted, not reduced
@@ -178,8 +191,9 @@ class PartFold:
             if gone.any():
                 self.dropped += int(gone.sum())
                 batch = batch.filter(pa.array(~gone))
-        for r, s in zip(self.reducers, self.states, strict=True):
-            r.add(s, batch)
+        for i, (r, s) in enumerate(zip(self.reducers, self.states, strict=True)):
+            if i not in self.carried:
+                r.add(s, batch)
 
     def finish(self) -> dict[str, Arrays]:
         return {r.name: r.finish(s, self.dropped) for r, s in zip(self.reducers, self.states, strict=True)}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import bins, fused, scans
+from kldiag.analysis import bins, fused, fused_ride, scans
 from kldiag.analysis.kernel import LOGPS, Batch, Thresholds
 from kldiag.analysis.keyed import Keyed
 from kldiag.analysis.types import ABS_EDGES
@@ -133,6 +133,17 @@ def kernel_inputs(b: Batch) -> tuple[np.ndarray, ...]:
     return (*cols, ro(b.mask, np.bool_), bad, has)
 
 
+def null_masks(b: Batch) -> tuple[np.ndarray, ...]:
+    """(s_null, o_null, r_null, m_null) of a Batch as fused_ride.fused_pass_est reads them: bool [n], true at every
+    row of an absent column; one shared all-false array for the columns without a null (the usual case)."""
+    none, out = zeros_u8(b.n).view(np.bool_), []
+    for name in LOGPS:
+        null = b.null[name]
+        out.append(np.ones(b.n, np.bool_) if b.raw[name] is None else none if null is None
+                   else np.ascontiguousarray(null, np.bool_))
+    return tuple(out)
+
+
 def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
     """Columns for scans.trl_pass: an empty array for a missing one, the mask as bool."""
     raw = b.raw
@@ -217,18 +228,30 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
 # ---- one batch ---------------------------------------------------------------------------
 
 
-def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf) -> BatchResult:
-    """Everything the analysis keeps from one record batch of format v1 columns."""
+def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf,
+                   ride: fused_ride.EstimatorRide | None = None) -> BatchResult:
+    """Everything the analysis keeps from one record batch of format v1 columns; with `ride`, the
+    Estimators page's per-token work in the same compiled pass (fused_ride.py). A batch the pass reads
+    otherwise (empty, or sorted first) goes to the ride's own pass (`alone`): its tokens numbered as stored."""
     if batch.num_rows == 0:
+        if ride is not None:
+            ride.alone(batch)
         return BatchResult({}, {}, {}, {})
     b = Batch.from_arrow(batch)
     starts, ordered = scans.seq_starts(b.step, b.seq)
     if not ordered:  # recorder files are step-ordered; other writers' may not be: sort once
+        if ride is not None:
+            ride.alone(batch)
+            ride = None
         b = Batch.from_arrow(batch.take(pa.array(np.argsort(b.step, kind="stable"))))
         starts, _ = scans.seq_starts(b.step, b.seq)
     sidx, n_steps = scans.step_of_seqs(b.step, starts)
     params = np.array([np.log(th.tau), th.weight_limit, th.clamp, 1.0 - th.clip_low, 1.0 + th.clip_high])
-    res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
+    if ride is None:
+        res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
+    else:
+        res = fused_ride.run(b, starts, sidx, n_steps, kernel_inputs(b), null_masks(b), params, ABS_GRID, D_GRID,
+                             ride)
     bad_any = res[8]
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)

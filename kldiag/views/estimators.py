@@ -1,10 +1,12 @@
 """The Estimators page's data: what each estimator would have done on a run's own tokens.
 
 A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
-of each part (`kldiag.views.dashboard.reducers()` lists it), one compiled pass per batch
-(`estimator_kernel.py`), cached with it, merged (`merge_partials`), so a live run costs only its new files. Only
-tokens in the loss (mask) with a reference log-prob count. Per-token maths: `kldiag.estimators`
-(Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
+of each part (`kldiag.views.dashboard.reducers()` lists it), cached with it, merged (`merge_partials`), so a
+live run costs only its new files. Read with the analysis, it rides in the analysis's compiled pass
+(`kldiag/analysis/fused_ride.py`: one loop over each batch for both, `ridden_arrays`); read alone (the
+analysis's partial cached, or other thresholds), it runs its own (`kldiag/analysis/estimator_kernel.py`,
+`batch_arrays`). Only tokens in the loss (mask) with a reference log-prob count. Per-token maths:
+`kldiag.estimators` (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -21,11 +24,12 @@ import pyarrow as pa
 from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis import reduce
-from kldiag.analysis.kernel import bools
+from kldiag.analysis.fused_ride import EstimatorRide
+from kldiag.analysis.kernel import Batch, bools
 from kldiag.analysis.stats import ABS_GRID
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
-from kldiag.views import estimator_kernel as K
+from kldiag.analysis import estimator_kernel as K
 from kldiag.views.estimator_sample import (  # noqa: F401 - the sample's names, read as estimators.X too
     DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, kept_pick,
     kept_pick_index, kind_index, largest, merge_arrays, sample_pick)
@@ -97,23 +101,56 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
                         worst_w, worst_j, np.empty(0), np.empty(0, bool), np.empty(0, np.int64), chunk_j)
+    out = kernel_arrays(n, fsum, icount, hist, scal, lost)
     m = int(scal[K.S_TOKENS])
-    out = {"rows": np.array([n]), "tokens": np.array([m]), "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
+    pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
+    at = np.empty(len(pick), np.int64)
+    K.token_rows(mask, absent["logp_ref"], chunk_j, pick, at)
+    out.update(sample_arrays({c: raw[c][at] for c in LOGP_COLUMNS}, {c: v[at] for c, v in absent.items()},
+                             step[at], seq[at], kind, config))
+    return out
+
+
+def kernel_arrays(n: int, fsum: np.ndarray, icount: np.ndarray, hist: np.ndarray, scal: np.ndarray,
+                  lost: float) -> dict[str, np.ndarray]:
+    """A batch's partial but its sample, as named arrays, from estimator_kernel.token_pass's outputs."""
+    out = {"rows": np.array([n]), "tokens": scal[K.S_TOKENS:K.S_TOKENS + 1].copy(),
+           "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
            "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
     for k, row in (("value_sum", fsum[K.F_VALUE]), ("value_nonfinite", icount[K.I_NONFINITE]),
                    ("weight_abs_sum", fsum[K.F_WABS]), ("weight_abs_flagged", fsum[K.F_WFLAG]),
                    ("weight_abs_max", fsum[K.F_WMAX])):
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
-    pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
-    at = np.empty(len(pick), np.int64)
-    K.token_rows(mask, absent["logp_ref"], chunk_j, pick, at)
-    q = derive({c: E.as_f64(raw[c][at]) for c in LOGP_COLUMNS}, config, {c: v[at] for c, v in absent.items()})
-    q.update(step=step[at], seq=seq[at])
-    q["kind"] = kind
-    out.update({f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS})
     return out
 
+
+def sample_arrays(raw: dict[str, np.ndarray], absent: dict[str, np.ndarray], step: np.ndarray, seq: np.ndarray,
+                  kind: np.ndarray, config: AnalysisConfig) -> dict[str, np.ndarray]:
+    """The sample's columns (`derive`'s) of the drawn rows: log-probs as stored and null masks at them."""
+    q = derive({c: E.as_f64(raw[c]) for c in LOGP_COLUMNS}, config, absent)
+    q.update(step=step, seq=seq)
+    q["kind"] = kind
+    return {f"sample/{c}": np.asarray(q[c], DTYPES.get(c, np.float64)) for c in SAMPLE_COLUMNS}
+
+
+def ridden_arrays(b: Batch, out: dict[str, np.ndarray], config: AnalysisConfig, sample_size: int,
+                  seed: int) -> dict[str, np.ndarray]:
+    """batch_arrays from the analysis's pass (fused_ride.run's outputs for kernel.Batch b): the same partial,
+    its sums added in that pass's chunks."""
+    scal = out["scal"]
+    arrays = kernel_arrays(b.n, out["fsum"], out["icount"], out["hist"], scal, float(out["k3_weight_lost"][0]))
+    pick, kind = kept_pick_index(out["top_j"], out["worst_j"], int(scal[K.S_TOKENS]), sample_size, seed)
+    null = [None if b.raw[c] is None else b.null[c] for c in LOGP_COLUMNS]  # None: absent, or no null
+    r_null = null[LOGP_COLUMNS.index("logp_ref")]
+    no_null = np.zeros(b.n, bool)
+    at = np.empty(len(pick), np.int64)
+    K.token_rows_at(b.mask, no_null if r_null is None else r_null, out["chunk_r0"], out["chunk_j"], pick, at)
+    raw = {c: np.full(len(at), np.nan, np.float32) if b.raw[c] is None else b.raw[c][at] for c in LOGP_COLUMNS}
+    absent = {c: np.ones(len(at), bool) if b.raw[c] is None else np.zeros(len(at), bool) if v is None else v[at]
+              for c, v in zip(LOGP_COLUMNS, null, strict=True)}
+    arrays.update(sample_arrays(raw, absent, b.step[at], b.seq[at], kind, config))
+    return arrays
 
 def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
     """`pages.nulls`, with one shared all-False array for the columns without a null (the usual case)."""
@@ -139,9 +176,11 @@ class EstimatorReducer:
     clamp: float = DEFAULT_CONFIG.clamp
     sample_size: int = 2000  # uniformly drawn tokens per part, besides the worst ones
     name: str = "estimators"
+    rides: ClassVar[str] = "analysis"  # its per-token work runs in the analysis's pass when both are read
     # 2: "flagged" counts non-finite and invalid log-probs, as the analysis does; 3: no per-sequence rows
-    # (the page's off-policy mask reads Analysis.opsm)
-    version: int = 3
+    # (the page's off-policy mask reads Analysis.opsm); 4: computed in the analysis's pass when read with it
+    # (fused_ride.py): its sums added in that pass's chunks, equal to the standalone pass's to rounding
+    version: int = 4
     merge_every: int = 256  # each merge re-draws the token sample: merge in few, large steps
     columns: tuple[str, ...] = tuple(READ_COLUMNS)
 
@@ -158,6 +197,15 @@ class EstimatorReducer:
     def add(self, state: dict, batch: pa.RecordBatch) -> None:
         seed = state["seed"] + len(state["parts"])
         state["parts"].append(batch_arrays(batch, self.config(), self.sample_size, seed))
+
+    def ride(self, state: dict) -> EstimatorRide:
+        """Its per-token work in the analysis's compiled pass (reduce.PartFold, when both are in one group):
+        each batch's partial from that pass's outputs (`ridden_arrays`)."""
+        def take(b: Batch, out: dict) -> None:
+            seed = state["seed"] + len(state["parts"])
+            state["parts"].append(ridden_arrays(b, out, self.config(), self.sample_size, seed))
+        return EstimatorRide(self.tau, self.weight_limit, self.clamp, KEEP_TOP, KEEP_FLAGGED, take,
+                             lambda batch: self.add(state, batch))
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
         return merge_arrays(state["parts"], sample_size=self.sample_size, seed=state["seed"])

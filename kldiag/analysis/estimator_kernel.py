@@ -214,39 +214,66 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
     tokens beats a full kept set's root (chunk_sums' maxima) is only counted, and chunk_j [chunks + 1] (unless
     empty) gets the number of the first token of each chunk and the tokens in all (token_rows reads it).
     Returns k3_weight_lost."""
-    n_abs = abs_grid[2]
     params = np.array([log_tau, limit, clamp, 0.0, -np.inf])  # chunk_sums' (bad's zero and ninf: see there)
     packed, w_k3, code = np.empty(CHUNK, np.int64), np.empty(CHUNK), np.empty(CHUNK, np.uint8)
-    h = np.zeros((BIN_COPIES, 4, n_abs + 2), np.int64)  # the last bin: not binned
-    vs, ws, fs, cnt = np.zeros(5), np.zeros(4), np.zeros(4), np.zeros(8, np.int64)
-    xs = np.full(4, NONE_BITS, np.int64)
-    n_kept = np.zeros(2, np.int64)
-    sel = (top_w, top_j, worst_w, worst_j, n_kept)
-    j, lost, low = 0, 0.0, (1 << COUNT_BITS) - 1
+    acc = accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
+    j = 0
     every = len(w_out) > 0 or len(rows_out) > 0  # a trace: every token goes through select
     for c0 in range(0, len(s), CHUNK):
         c1 = min(c0 + CHUNK, len(s))
-        v, a, f, x, w0, w1, lo, hi, hi_f = chunk_sums(
-            s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1], r_null[c0:c1], m_null[c0:c1],
-            mask[c0:c1], params, abs_grid, packed, w_k3, code)
-        for q in range(5):
-            vs[q] += v[q]
-        for q in range(4):
-            ws[q] += a[q]
-            fs[q] += f[q]
-            xs[q] = max(xs[q], x[q])
-        for q in range(7):
-            cnt[q] += (w0 >> (q * COUNT_BITS)) & low
-        cnt[7] += w1
-        lost += lo
-        count_bins(packed, c1 - c0, h)
+        out = chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], s_null[c0:c1], o_null[c0:c1], r_null[c0:c1],
+                         m_null[c0:c1], mask[c0:c1], params, abs_grid, packed, w_k3, code)
         if len(chunk_j):
             chunk_j[c0 // CHUNK] = j
-        if every or may_keep(hi, hi_f, w0 & low, (w0 >> COUNT_BITS) & low, sel):
-            j = select(w_k3, code, c1 - c0, c0, j, sel, w_out, fl_out, rows_out)
-        else:
-            j += w0 & low  # the chunk's tokens
-    # counts: tokens, flagged, saturated, then non-finite values of k1 .. k3_clamped
+        j = add_chunk(out, packed, w_k3, code, c1 - c0, c0, j, acc, every, w_out, fl_out, rows_out)
+    if len(chunk_j):
+        chunk_j[len(chunk_j) - 1] = j
+    return totals(acc, abs_grid, fsum, icount, hist, scal)
+
+
+@njit(inline="always", **JIT)
+def accumulators(abs_grid, top_w, top_j, worst_w, worst_j):  # pragma: no cover - compiled
+    """token_pass's running state: value sums [5], |weight| sums [4], flagged |weight| sums [4], |weight|
+    maxima as bits [4], counts [8] (tokens, flagged, saturated, non-finite values of k1 .. k3_clamped),
+    k3_weight_lost [1], histograms [BIN_COPIES, 4, bins] (the last bin: not binned), and the kept sets
+    (top_w, top_j, worst_w, worst_j, their counts [2])."""
+    h = np.zeros((BIN_COPIES, 4, abs_grid[2] + 2), np.int64)
+    sel = (top_w, top_j, worst_w, worst_j, np.zeros(2, np.int64))
+    return (np.zeros(5), np.zeros(4), np.zeros(4), np.full(4, NONE_BITS, np.int64), np.zeros(8, np.int64),
+            np.zeros(1), h, sel)
+
+
+@njit(inline="always", **JIT)
+def add_chunk(out, packed, w_k3, code, rows, c0, j, acc, every, w_out, fl_out, rows_out,
+              bins=True):  # pragma: no cover - compiled
+    """Add chunk_sums' `out` for a chunk (rows c0 .. c0 + rows, its first token numbered j) into acc
+    (`accumulators`) and offer its tokens to the kept sets when one of them can join (or `every`: a
+    trace); bins: count the chunk's histogram bins (else the caller does). Returns the next token number."""
+    v, a, f, x, w0, w1, lo, hi, hi_f = out
+    vs, ws, fs, xs, cnt, lost, h, sel = acc
+    low = (1 << COUNT_BITS) - 1
+    for q in range(5):
+        vs[q] += v[q]
+    for q in range(4):
+        ws[q] += a[q]
+        fs[q] += f[q]
+        xs[q] = max(xs[q], x[q])
+    for q in range(7):
+        cnt[q] += (w0 >> (q * COUNT_BITS)) & low
+    cnt[7] += w1
+    lost[0] += lo
+    if bins:
+        count_bins(packed, rows, h)
+    if every or may_keep(hi, hi_f, w0 & low, (w0 >> COUNT_BITS) & low, sel):
+        return select(w_k3, code, rows, c0, j, sel, w_out, fl_out, rows_out)
+    return j + (w0 & low)  # the chunk's tokens
+
+
+@njit(inline="always", **JIT)
+def totals(acc, abs_grid, fsum, icount, hist, scal):  # pragma: no cover - compiled
+    """Add the running state `acc` into token_pass's outputs; returns k3_weight_lost."""
+    vs, ws, fs, xs, cnt, lost, h, sel = acc
+    n_abs, n_kept = abs_grid[2], sel[4]
     fsum[F_VALUE] += vs
     icount[I_NONFINITE] += cnt[3:8]
     fsum[F_WABS, 0] += cnt[0]  # k1's |weight| is 1 on every token
@@ -262,10 +289,7 @@ def token_pass(s, o, r, m, s_null, o_null, r_null, m_null, mask, log_tau, limit,
             hist[e + 1, k] += h[0, e, k] + h[1, e, k] + h[2, e, k] + h[3, e, k]
     scal[S_TOKENS], scal[S_FLAGGED], scal[S_CLAMP], scal[S_TOP], scal[S_WORST] = cnt[0], cnt[1], cnt[2], \
         n_kept[0], n_kept[1]
-    if len(chunk_j):
-        chunk_j[len(chunk_j) - 1] = j
-    return lost
-
+    return lost[0]
 
 @njit(inline="always", **JIT)
 def may_keep(hi, hi_f, tokens, flagged, sel):  # pragma: no cover - compiled
@@ -291,6 +315,27 @@ def token_rows(mask, r_null, chunk_j, picks, out):  # pragma: no cover - compile
             c += 1
         if c * CHUNK > row:
             row, j = c * CHUNK, chunk_j[c]
+        while True:
+            tok = mask[row] and not r_null[row]
+            if tok and j == p:
+                break
+            j += np.int64(tok)
+            row += 1
+        out[q] = row
+
+
+@njit(**JIT)
+def token_rows_at(mask, r_null, chunk_r0, chunk_j, picks, out):  # pragma: no cover - compiled
+    """token_rows for chunks of any length: chunk c starts at row chunk_r0[c] with token chunk_j[c] (chunk_j
+    [chunks + 1]: its last entry the tokens in all), as the analysis's pass with this one riding in it
+    (fused_ride.fused_pass_est) cuts them at sequence starts."""
+    row, j, c = 0, 0, 0
+    for q in range(len(picks)):
+        p = picks[q]
+        while chunk_j[c + 1] <= p:
+            c += 1
+        if chunk_r0[c] > row:
+            row, j = chunk_r0[c], chunk_j[c]
         while True:
             tok = mask[row] and not r_null[row]
             if tok and j == p:
