@@ -260,18 +260,26 @@ def test_compiled_fold_matches_numpy_reference(n_seqs, p_mask):
     assert got["tokens"][TU.MAX_TURN].sum() > 0  # recorded turns past 15 land in the overflow bucket
 
 
-def test_sequence_starts_and_order_check_in_one_pass():
-    """starts_in_order gives sequence_starts and whether rows are in the recorder's order (each sequence once,
-    pos rising): True on such rows, False once a sequence comes back, keys fall or pos does not rise."""
-    from kldiag.analysis.turn_kernel import starts_in_order
-
+def test_fold_checks_the_recorders_order():
+    """batch_partial(check=True) folds rows in the recorder's order (each sequence once, keys rising, pos rising
+    inside one) and gives None otherwise, so that the reducer sorts them: the same figures either way."""
     step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int64)
     seq, pos = np.repeat([3, 5, 0, 9, 1], 4), np.tile(np.arange(4), 5)
+    rng = np.random.default_rng(4)
+    th, red = (TU.E.TAU, TU.E.WEIGHT_LIMIT, TU.E.CLAMP), TU.TurnReducer()
     for st, sq, ps, want in ((step, seq, pos, True),
                              (step, np.repeat([3, 5, 0, 0, 1], 4), np.r_[0:4, 0:4, 0:8, 0:4], True),  # one of 8 rows
                              (step, np.repeat([3, 5, 9, 0, 1], 4), pos, False),  # seq falls within step 1
                              (step, seq, np.tile([0, 1, 1, 2], 5), False),  # pos repeats
                              (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False)):  # a step comes back
-        new = np.empty(20, bool)
-        assert starts_in_order(st, it, sq, ps, new) == want
-        np.testing.assert_array_equal(new, TU.sequence_starts(st, it, sq))
+        lp = -rng.random(20).astype(np.float32)
+        batch = pa.RecordBatch.from_pydict({"step": st, "iteration": it, "seq": sq, "pos": ps.astype(np.int32),
+                                            "mask": rng.random(20) < 0.8, "logp": lp, "logp_old": lp - 0.01,
+                                            "logp_ref": lp - 0.1, "logp_sampler": lp + 0.02})
+        t = TU._columns(batch)
+        got = TU.batch_partial(t, 0, th, 8, check=True)
+        assert (got is not None) == want
+        sorted_ = TU.batch_partial(TU._sorted(t), 0, th, 8)
+        _same(TU.summary(_fold(red, [batch])), TU.summary(sorted_))
+        if want:
+            _same(TU.summary(got), TU.summary(sorted_))
