@@ -36,27 +36,29 @@ def _bad(v, ok, zero, ninf):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **JIT)
-def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf, mm, x, k3x, w, bad):  # pragma: no cover
-    """Each row's figures of a chunk (column slices) into mm, x, k3x, w, bad: m - o or NaN, x = s - o, K3
-    of pi_theta vs pi_old, |k3 weight| or NaN, flagged; estimators.py's maths per present column, with
-    fastexp's expm1 (within 2 ulp of numpy's). Two branch-free loops over range(len) of slices, which
-    LLVM vectorises; one loop with five outputs was not (too many arrays to check for overlap): 3x slower."""
+def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf, mm, x, k3x, w, counts):  # pragma: no cover
+    """Each row's figures of a chunk (column slices), ready to sum: mm = m - o, x = |s - o|, k3x = K3 of pi_theta
+    vs pi_old, w = |k3 weight|, each +0.0 where not finite (or its column null); counts = _pack(m - o finite,
+    x and k3x finite, w finite, flagged). estimators.py's maths per present column, with fastexp's expm1
+    (within 2 ulp of numpy's). Two branch-free loops over range(len) of slices, which LLVM vectorises."""
     for i in range(len(s)):
         sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])  # float64 inside
         ov = np.float64(o[i]) if o_ok[i] else sv
-        mm[i] = mv - ov if m_ok[i] else np.nan
+        mm[i] = mv - ov
         xv = sv - ov
         x[i] = xv
         k3x[i] = fastexp.expm1(-xv) + xv
-        w[i] = abs(fastexp.expm1(rv - sv))
+        w[i] = fastexp.expm1(rv - sv)
     for i in range(len(s)):
         sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])
         ov = np.float64(o[i]) if o_ok[i] else sv
-        d, wv = rv - sv, w[i]
-        k3d = (-wv if d < 0 else wv) - d  # expm1(d) - d: expm1 keeps d's sign
-        bad[i] = (_bad(sv, True, zero, ninf) | _bad(ov, o_ok[i], zero, ninf) | _bad(mv, m_ok[i], zero, ninf)
-                  | (r_ok[i] & (_bad(rv, True, zero, ninf) | (d > log_tau) | (wv > limit) | (k3d > clamp))))
-        w[i] = wv if r_ok[i] else np.nan
+        d, e, v, xv, kv = rv - sv, w[i], mm[i], x[i], k3x[i]
+        wv = abs(e)
+        ok_m, ok_d, ok_w = m_ok[i] & finite(v), finite(xv) & finite(kv), r_ok[i] & finite(wv)
+        bad = (_bad(sv, True, zero, ninf) | _bad(ov, o_ok[i], zero, ninf) | _bad(mv, m_ok[i], zero, ninf)
+               | (r_ok[i] & (_bad(rv, True, zero, ninf) | (d > log_tau) | (wv > limit) | (e - d > clamp))))
+        mm[i], x[i], k3x[i], w[i] = _kept(v, ok_m), _kept(abs(xv), ok_d), _kept(kv, ok_d), _kept(wv, ok_w)
+        counts[i] = _pack(ok_m, ok_d, ok_w, bad)
 
 
 @njit(inline="always", **JIT)
@@ -73,23 +75,21 @@ def _kept(v, ok):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **SUMS_JIT)
-def _cell_sums(mm, x, kx, w, bad):  # pragma: no cover - compiled
-    """SUMS of a run of rows of one cell (chunk buffer slices; non-finite values left out) and the bits of
-    their max |m - o| (-1: none). Branch-free over range(len): LLVM vectorises it."""
+def _cell_sums(mm, x, kx, w, counts):  # pragma: no cover - compiled
+    """SUMS of a run of rows of one cell (chunk buffer slices from _tokens) and the bits of their max |m - o|
+    (valid where their count of finite m - o is not 0). Branch-free over range(len): LLVM vectorises it."""
     s_mabs = s_m = s_dabs = s_dk3 = s_w = 0.0
-    counts, amax = 0, np.int64(-1)
+    cnt, amax = 0, np.int64(0)
     for q in range(len(mm)):
-        v, xv, kv, wv = mm[q], x[q], kx[q], w[q]
-        ok_m, ok_d, ok_w = finite(v), finite(xv) & finite(kv), finite(wv)
-        vc = _kept(v, ok_m)
-        s_mabs += abs(vc)
-        s_m += vc
-        amax = max(amax, np.int64(np.float64(abs(vc)).view(np.int64) | (np.int64(ok_m) - 1)))  # |.|'s bits order like it
-        s_dabs += abs(_kept(xv, ok_d))
-        s_dk3 += _kept(kv, ok_d)
-        s_w += _kept(wv, ok_w)
-        counts += _pack(ok_m, ok_d, ok_w, bad[q])
-    return _unpacked(len(mm), counts, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
+        v = mm[q]
+        s_mabs += abs(v)
+        s_m += v
+        amax = max(amax, np.float64(abs(v)).view(np.int64))  # |.|'s bits order like it
+        s_dabs += x[q]
+        s_dk3 += kx[q]
+        s_w += w[q]
+        cnt += counts[q]
+    return _unpacked(len(mm), cnt, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
 
 
 COUNT_BITS = 16  # bits per count packed in a word: a run of one cell is at most CHUNK rows
@@ -142,16 +142,16 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
     n, has_rec = len(mask), len(rec) > 0
     log_tau, limit, clamp, zero, ninf = params[0], params[1], params[2], params[3], params[4]
     mm_, x_, k_, w_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK)
-    bad_, new_, ev_ = np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_)
+    cnt_, new_, ev_ = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_)
     at_ = np.empty(CHUNK + 1, np.int64)
     grid, gmax, steps = grid.reshape(-1), gmax.reshape(-1), steps.reshape(-1)  # _piece says why flat
     spans = np.empty((max(16, n >> 6), 5))
     n_spans, seen, base, pit, head = 0, 0, 0, 0, -1
-    in_turn, seq_max, seq_abs, seq_n, cur, b, si = False, -1, 0.0, 0.0, -1, 0, 0
+    in_turn, seq_max, seq_abs, seq_n, cur, b, st = False, -1, 0.0, 0.0, -1, 0, np.uint64(0)
     for c0 in range(0, n, CHUNK):
         c1 = min(c0 + CHUNK, n)
         _tokens(s[c0:c1], o[c0:c1], o_ok[c0:c1], r[c0:c1], r_ok[c0:c1], m[c0:c1], m_ok[c0:c1], log_tau, limit,
-                clamp, zero, ninf, mm_, x_, k_, w_, bad_)
+                clamp, zero, ninf, mm_, x_, k_, w_, cnt_)
         p0 = max(c0, 1)  # rows compared with the row before
         if c0 == 0:
             new_[0], ev_[0] = True, True
@@ -165,8 +165,9 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
         n_ev = _where(ev_[:c1 - c0], at_)
         at_[n_ev] = c1 - c0
         if in_turn and at_[0] > 0:  # the chunk goes on with the turn of the chunk before
-            pit, p_abs, p_n = _piece(0, at_[0], pit, b, si, cur, mm_, x_, k_, w_, bad_, grid, gmax, steps, spans)
-            seq_abs, seq_n = seq_abs + p_abs, seq_n + p_n
+            pit, p_abs, p_n, f_abs, f_n = _piece(0, at_[0], pit, b, mm_, x_, k_, w_, cnt_, grid, gmax)
+            _add_piece(steps, st, spans, cur, p_abs, p_n, f_abs, f_n)
+            seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
         for j in range(n_ev):
             k, i = at_[j], c0 + at_[j]
             if new_[k]:
@@ -180,15 +181,17 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
             rc = rec[i] if has_rec else -1
             seen += 1
             turn = rc if rc >= 0 else seen - base - 1
-            seq_max, b, si, pit, cur = max(seq_max, turn), min(turn, MAX_TURN), step[i] - lo, 0, -1
+            seq_max, b, cur = max(seq_max, turn), min(turn, MAX_TURN), -1
+            st = np.uint64(((step[i] - lo) * N_TURN + b) * 4)  # the turn's row of steps (flat)
             a = abs(np.float64(m[i]) - (np.float64(o[i]) if o_ok[i] else np.float64(s[i])))
             if turn >= 1 and m_ok[i] and finite(a):  # an example candidate: its row, first |m - o|, turn
                 if n_spans == len(spans):
                     spans = _grown(spans, n_spans)
                 cur, n_spans = n_spans, n_spans + 1
                 spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, a, 0.0, 0.0, turn
-            pit, p_abs, p_n = _piece(k, at_[j + 1], pit, b, si, cur, mm_, x_, k_, w_, bad_, grid, gmax, steps, spans)
-            seq_abs, seq_n = seq_abs + p_abs, seq_n + p_n
+            pit, p_abs, p_n, f_abs, f_n = _piece(k, at_[j + 1], 0, b, mm_, x_, k_, w_, cnt_, grid, gmax)
+            _add_piece(steps, st, spans, cur, p_abs, p_n, f_abs, f_n)
+            seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
     _close(seq_max, seq_abs, seq_n, seqs)
     return spans, n_spans
 
@@ -246,60 +249,76 @@ def _where(flags, at):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **JIT)
-def _short_sums(mm, x, kx, w, bad, k0, k1):  # pragma: no cover - compiled
+def _short_sums(mm, x, kx, w, counts, k0, k1):  # pragma: no cover - compiled
     """_cell_sums of rows k0..k1 of the chunk buffers in a plain loop: for runs of a few rows (a turn's first
     three positions are a cell each) slicing five arrays and entering a vectorised loop cost more."""
     s_mabs = s_m = s_dabs = s_dk3 = s_w = 0.0
-    counts, amax = 0, np.int64(-1)
+    cnt, amax = 0, np.int64(0)
     for q in range(k0, k1):
-        v, xv, kv, wv = mm[q], x[q], kx[q], w[q]
-        ok_m, ok_d, ok_w = finite(v), finite(xv) & finite(kv), finite(wv)
-        vc = _kept(v, ok_m)
-        s_mabs += abs(vc)
-        s_m += vc
-        amax = max(amax, np.int64(np.float64(abs(vc)).view(np.int64) | (np.int64(ok_m) - 1)))
-        s_dabs += abs(_kept(xv, ok_d))
-        s_dk3 += _kept(kv, ok_d)
-        s_w += _kept(wv, ok_w)
-        counts += _pack(ok_m, ok_d, ok_w, bad[q])
-    return _unpacked(k1 - k0, counts, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
+        v = mm[q]
+        s_mabs += abs(v)
+        s_m += v
+        amax = max(amax, np.float64(abs(v)).view(np.int64))
+        s_dabs += x[q]
+        s_dk3 += kx[q]
+        s_w += w[q]
+        cnt += counts[q]
+    return _unpacked(k1 - k0, cnt, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
 
 
 LONG = 16  # rows of a cell's run from which _cell_sums' vectorised loop pays
 
 
 @njit(inline="always", **JIT)
-def _piece(k0, k1, pit, b, si, cur, mm_, x_, k_, w_, bad_, grid, gmax, steps, spans):  # pragma: no cover
-    """Add chunk rows k0..k1 of one turn (turn bucket b, step index si; pit: the position of row k0 in it)
-    to its cells, and to the body of example span `cur` (-1: none). Returns (pit past the rows, their |m - o|
-    sum and count). grid [N_TURN * N_POS * SUMS], gmax [N_TURN * N_POS] and steps [n_steps * N_TURN * 4] are
-    flat, indexed by unsigned ints: numba checks every signed index of every axis for wraparound, and those
-    checks cost more than the cell's sums."""
-    p_abs, p_n = 0.0, 0.0
-    st = np.uint64((si * N_TURN + b) * 4)
+def _add_cell(grid, gmax, b, pb, acc, amax):  # pragma: no cover - compiled
+    """Add a run's SUMS (acc) and max |m - o| (amax's bits, valid where acc's count of finite m - o is not 0) to
+    cell (b, pb) of grid [N_TURN * N_POS * SUMS] and gmax [N_TURN * N_POS], flat and indexed by unsigned ints:
+    numba checks every signed index of every axis for wraparound, and those checks cost more than the sums."""
+    c = np.uint64(b * N_POS + pb)
+    g = c * np.uint64(len(SUMS))
+    grid[g], grid[g + 1], grid[g + 2], grid[g + 3], grid[g + 4] = (
+        grid[g] + acc[0], grid[g + 1] + acc[1], grid[g + 2] + acc[2], grid[g + 3] + acc[3], grid[g + 4] + acc[4])
+    grid[g + 5], grid[g + 6], grid[g + 7], grid[g + 8], grid[g + 9] = (
+        grid[g + 5] + acc[5], grid[g + 6] + acc[6], grid[g + 7] + acc[7], grid[g + 8] + acc[8], grid[g + 9] + acc[9])
+    gmax[c] = max(gmax[c], np.int64(amax).view(np.float64) if acc[G_NM] > 0 else -np.inf)
+
+
+@njit(inline="always", **JIT)
+def _piece(k0, k1, pit, b, mm_, x_, k_, w_, cnt_, grid, gmax):  # pragma: no cover - compiled
+    """Add chunk rows k0..k1 of one turn (turn bucket b; pit: the position of row k0 in it) to their cells.
+    Returns (pit past the rows, their |m - o| sum and count, and those of its first token when row k0 is it)."""
+    p_abs, p_n, first_abs, first_n = 0.0, 0.0, 0.0, 0.0
+    while pit < 3 and k0 < k1:  # positions 0, 1 and 2: a cell each
+        v = mm_[k0]
+        acc = _unpacked(1, cnt_[k0], abs(v), v, x_[k0], k_[k0], w_[k0])
+        _add_cell(grid, gmax, b, pit, acc, np.float64(abs(v)).view(np.int64))
+        if pit == 0:  # the turn's first token
+            first_abs, first_n = acc[G_MABS], acc[G_NM]
+        else:
+            p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
+        pit, k0 = pit + 1, k0 + 1
     while k0 < k1:
         pb, hi = _bin(pit)
         k = min(k1, k0 + hi - pit)
         if k - k0 >= LONG:
-            acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], bad_[k0:k])
+            acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
         else:
-            acc, amax = _short_sums(mm_, x_, k_, w_, bad_, k0, k)
-        c = np.uint64(b * N_POS + pb)
-        g = c * np.uint64(len(SUMS))
-        grid[g], grid[g + 1], grid[g + 2], grid[g + 3], grid[g + 4] = (
-            grid[g] + acc[0], grid[g + 1] + acc[1], grid[g + 2] + acc[2], grid[g + 3] + acc[3], grid[g + 4] + acc[4])
-        grid[g + 5], grid[g + 6], grid[g + 7], grid[g + 8], grid[g + 9] = (
-            grid[g + 5] + acc[5], grid[g + 6] + acc[6], grid[g + 7] + acc[7], grid[g + 8] + acc[8], grid[g + 9] + acc[9])
-        gmax[c] = max(gmax[c], np.int64(amax).view(np.float64) if amax >= 0 else -np.inf)
-        steps[st], steps[st + 1] = steps[st] + acc[G_MABS], steps[st + 1] + acc[G_NM]
-        if pb == 0:  # the turn's first token
-            steps[st + 2], steps[st + 3] = steps[st + 2] + acc[G_MABS], steps[st + 3] + acc[G_NM]
-        elif cur >= 0:
-            spans[cur, 2] += acc[G_MABS]
-            spans[cur, 3] += acc[G_NM]
+            acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
+        _add_cell(grid, gmax, b, pb, acc, amax)
         p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
         pit, k0 = pit + (k - k0), k
-    return pit, p_abs, p_n
+    return pit, p_abs, p_n, first_abs, first_n
+
+
+@njit(inline="always", **JIT)
+def _add_piece(steps, st, spans, cur, p_abs, p_n, first_abs, first_n):  # pragma: no cover - compiled
+    """Add a turn piece's |m - o| sums (_piece's: after its first token, and at it) to its step's row of steps
+    (flat, at st) and to the body of example span `cur` (-1: none)."""
+    steps[st], steps[st + 1] = steps[st] + p_abs + first_abs, steps[st + 1] + p_n + first_n
+    steps[st + 2], steps[st + 3] = steps[st + 2] + first_abs, steps[st + 3] + first_n
+    if cur >= 0:
+        spans[cur, 2] += p_abs
+        spans[cur, 3] += p_n
 
 
 @njit(**JIT)
