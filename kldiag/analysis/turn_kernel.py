@@ -40,19 +40,14 @@ def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf, mm,
     """Each row's figures of a chunk (column slices), ready to sum: mm = m - o, x = |s - o|, k3x = K3 of pi_theta
     vs pi_old, w = |k3 weight|, each +0.0 where not finite (or its column null); counts = _pack(m - o finite,
     x and k3x finite, w finite, flagged). estimators.py's maths per present column, with fastexp's expm1
-    (within 2 ulp of numpy's). Two branch-free loops over range(len) of slices, which LLVM vectorises."""
+    (within 2 ulp of numpy's). One branch-free loop over range(len) of slices, which LLVM vectorises; its
+    two expm1 per row are most of its time (about 3.6 ns a row on one core)."""
     for i in range(len(s)):
         sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])  # float64 inside
         ov = np.float64(o[i]) if o_ok[i] else sv
-        mm[i] = mv - ov
-        xv = sv - ov
-        x[i] = xv
-        k3x[i] = fastexp.expm1(-xv) + xv
-        w[i] = fastexp.expm1(rv - sv)
-    for i in range(len(s)):
-        sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])
-        ov = np.float64(o[i]) if o_ok[i] else sv
-        d, e, v, xv, kv = rv - sv, w[i], mm[i], x[i], k3x[i]
+        v, xv, d = mv - ov, sv - ov, rv - sv
+        kv = fastexp.expm1(-xv) + xv
+        e = fastexp.expm1(d)
         wv = abs(e)
         ok_m, ok_d, ok_w = m_ok[i] & finite(v), finite(xv) & finite(kv), r_ok[i] & finite(wv)
         bad = (_bad(sv, True, zero, ninf) | _bad(ov, o_ok[i], zero, ninf) | _bad(mv, m_ok[i], zero, ninf)

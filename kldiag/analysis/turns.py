@@ -216,10 +216,10 @@ def merge_partials(partials, keep: int) -> dict[str, np.ndarray]:
     steps = np.concatenate([p["step"] for p in partials])
     uniq, inv = np.unique(steps, return_inverse=True)
     out["step"] = uniq
-    for k in ("step_abs", "step_n", "step_start_abs", "step_start_n"):
-        acc = np.zeros((len(uniq), N_TURN))
-        np.add.at(acc, inv, np.concatenate([p[k].reshape(-1, N_TURN) for p in partials]))
-        out[k] = acc
+    cell = (inv.reshape(-1, 1) * N_TURN + np.arange(N_TURN)).reshape(-1)  # a row's steps' cells, flat
+    for k in ("step_abs", "step_n", "step_start_abs", "step_start_n"):  # bincount: np.add.at's sums, 10x faster
+        rows = np.concatenate([p[k].reshape(-1, N_TURN) for p in partials]).reshape(-1)
+        out[k] = np.bincount(cell, rows, len(uniq) * N_TURN).reshape(len(uniq), N_TURN)
     ex = {k: np.concatenate([p[f"ex_{k}"] for p in partials]) for k in EXAMPLE_COLS}
     out.update({f"ex_{k}": v for k, v in top_examples(ex, keep).items()})
     return out
@@ -250,7 +250,7 @@ class TurnReducer:
     clamp: float = E.CLAMP
     examples: int = 8  # sequence turns kept, by the |mismatch| of their first token
     name: str = "turns"
-    version: int = 1
+    version: int = 2  # 2: sums per run of a cell (another order of the float additions)
     columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref",
                                 "logp_sampler", "turn")
 
