@@ -271,7 +271,8 @@ def test_fold_checks_the_recorders_order():
                              (step, np.repeat([3, 5, 0, 0, 1], 4), np.r_[0:4, 0:4, 0:8, 0:4], True),  # one of 8 rows
                              (step, np.repeat([3, 5, 9, 0, 1], 4), pos, False),  # seq falls within step 1
                              (step, seq, np.tile([0, 1, 1, 2], 5), False),  # pos repeats
-                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False)):  # a step comes back
+                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False),  # a step comes back
+                             (np.repeat([0, 3, 1, 1, 2], 4), seq, pos, False)):  # a step past the last row's
         lp = -rng.random(20).astype(np.float32)
         batch = pa.RecordBatch.from_pydict({"step": st, "iteration": it, "seq": sq, "pos": ps.astype(np.int32),
                                             "mask": rng.random(20) < 0.8, "logp": lp, "logp_old": lp - 0.01,

@@ -128,13 +128,15 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
     sequences, multi-turn ones, single-turn |m - o| count and sum). params: log(tau), weight_limit, clamp,
     0.0, -inf (_bad says why the last two are arguments). Returns (spans [k, 5]: row, |m - o| at the first
     token, body sum and count, turn; of turns >= 1 whose first |m - o| is finite, their count k), or count -1
-    when `check` and the rows are not in the recorder's order (in_order's test): then nothing is complete.
+    when `check` and the rows are not in the recorder's order (each sequence once, their (step, iteration,
+    seq) rising, pos rising inside one; a step outside steps' rows counts as out of order): the sums are then
+    incomplete, and the caller orders the rows and folds them again.
 
     Rows go in chunks of CHUNK: their figures in vectorised loops (_tokens), their events (a sequence
     start, a rise or fall of the mask, a change of the recorded turn) in another, then a walk over the
     events only: rows between two events are one piece of a turn (or of rows outside the loss), cut at
     the position bins' edges into runs of one cell, whose sums _cell_sums takes in one loop."""
-    n, has_rec = len(mask), len(rec) > 0
+    n, has_rec, n_steps = len(mask), len(rec) > 0, steps.shape[0]
     log_tau, limit, clamp, zero, ninf = params[0], params[1], params[2], params[3], params[4]
     mm_, x_, k_, w_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK)
     cnt_, new_, ev_ = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_)
@@ -166,7 +168,8 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
         for j in range(n_ev):
             k, i = at_[j], c0 + at_[j]
             if new_[k]:
-                if check and head >= 0 and not _rising(key_step, iteration, seq, head, i):
+                if check and ((head >= 0 and not _rising(key_step, iteration, seq, head, i))
+                              or not 0 <= step[i] - lo < n_steps):
                     return spans, -1
                 _close(seq_max, seq_abs, seq_n, seqs)
                 head, base, seq_max, seq_abs, seq_n = i, seen, -1, 0.0, 0.0

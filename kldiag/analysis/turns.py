@@ -99,10 +99,25 @@ def turn_bucket(turn: np.ndarray) -> np.ndarray:
 # ---- one batch's figures --------------------------------------------------------------------
 
 
+_CONSTANT: dict[tuple, np.ndarray] = {}  # read-only arrays of one value, shared by every batch (_constant)
+
+
+def _constant(n: int, dtype: Any, value: Any) -> np.ndarray:
+    """n rows of `value`, read-only, from one array kept per (dtype, value): a fresh array per batch cost its
+    page faults, a third of the per-turn pass outside its kernel."""
+    key = (np.dtype(dtype).str, value)
+    a = _CONSTANT.get(key)
+    if a is None or len(a) < n:
+        a = np.full(max(n, 1 << 16), value, dtype)
+        a.flags.writeable = False
+        _CONSTANT[key] = a
+    return a[:n]
+
+
 def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     """The batch's columns as numpy, no copy where Arrow allows; nulls filled, with `valid_<name>` masks
-    for the log-probs (a null logp_old means on-policy: the kernel reads logp there)."""
-    n, ones = batch.num_rows, None
+    for the log-probs (a null logp_old means on-policy: the kernel reads logp there). Arrays may be read-only."""
+    n = batch.num_rows
     t: dict[str, np.ndarray] = {}
     for name, fill in (("step", 0), ("iteration", 0), ("seq", 0), ("pos", 0), ("mask", False), ("logp", 0.0),
                        ("logp_old", 0.0), ("logp_ref", 0.0), ("logp_sampler", 0.0), ("turn", -1)):
@@ -110,14 +125,12 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         if i < 0:
             if name == "turn":
                 continue
-            t[name] = np.zeros(n, np.float32 if name.startswith("logp") else np.int64)
-            t[f"valid_{name}"] = np.zeros(n, bool)
+            t[name] = _constant(n, np.float32 if name.startswith("logp") else np.int64, 0)
+            t[f"valid_{name}"] = _constant(n, bool, False)
             continue
         col = batch.column(i)
         if name.startswith("logp"):
-            if not col.null_count:  # one all-True mask serves every column without a null (read only)
-                ones = np.ones(n, bool) if ones is None else ones
-            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else ones
+            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else _constant(n, bool, True)
         if name == "mask" and isinstance(batch, pa.RecordBatch):
             t[name] = bools(batch, name)  # Arrow's bitmap unpacked by numpy: 20x to_numpy's conversion
             continue
@@ -138,13 +151,15 @@ def _sorted(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[order] for k, v in t.items()}
 
 
-def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def _step_index(step: np.ndarray, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """(the distinct steps, an index per row, its offset): a row's step is steps[index - offset]. The
-    steps' own values with offset min(step) when they are a short range, else np.unique's inverse."""
+    steps' own values with offset min(step) when they are a short range, else np.unique's inverse.
+    `ordered`: steps taken to rise, so the first and last rows' are the least and largest (fold's check
+    says whether they do: a step outside the range is a row out of order)."""
     if not len(step):
         return np.zeros(0, np.int64), step, 0
-    lo, hi = int(step.min()), int(step.max())
-    if hi - lo < 1 << 16:
+    lo, hi = (int(step[0]), int(step[-1])) if ordered else (int(step.min()), int(step.max()))
+    if 0 <= hi - lo < 1 << 16:
         return np.arange(lo, hi + 1, dtype=np.int64), step, lo
     steps, inv = np.unique(step, return_inverse=True)
     return steps.astype(np.int64), inv.astype(np.int64), 0
@@ -154,7 +169,7 @@ def batch_partial(t: dict[str, np.ndarray], rank: int, thresholds, keep: int,
                   check: bool = False) -> dict[str, np.ndarray] | None:
     """The partial of whole sequences, t grouped by sequence and ordered by pos inside one; with `check`,
     None when they are not in the recorder's order (fold's test; _sorted then orders them)."""
-    steps, idx, lo = _step_index(t["step"])
+    steps, idx, lo = _step_index(t["step"], check)
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
     per_step, seqs = np.zeros((len(steps), N_TURN, 4)), np.zeros(4)
     rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
