@@ -15,7 +15,7 @@ from kldiag.jit import njit
 
 MAX_TURN = 16  # turn buckets 0..15, then one overflow bucket for turn 16 and later
 N_TURN = MAX_TURN + 1
-N_POS = 6  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+ (_bin; turns.POS_EDGES)
+N_POS = 6  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+ (_piece; turns.POS_EDGES)
 # Sums per (turn bucket, position bin), in this order; the maximum of |m - o| is kept apart.
 SUMS = ("tokens", "n_mismatch", "mismatch_abs", "mismatch", "n_drift", "drift_abs", "drift_k3",
         "n_weight", "weight_k3_abs", "flagged")
@@ -106,18 +106,6 @@ def _unpacked(n, counts, s_mabs, s_m, s_dabs, s_dk3, s_w):  # pragma: no cover -
             s_dk3, np.float64((counts >> 2 * COUNT_BITS) & low), s_w, np.float64(counts >> 3 * COUNT_BITS))
 
 
-@njit(inline="always", **JIT)
-def _bin(pit):  # pragma: no cover - compiled
-    """(position bin of position-in-turn pit, the first position past the bin)."""
-    if pit < 3:
-        return pit, pit + 1
-    if pit < 8:
-        return 3, 8
-    if pit < 32:
-        return 4, 32
-    return 5, 1 << 62
-
-
 @njit(**SUMS_JIT)
 def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok, m, m_ok, params, check,
          grid, gmax, steps, seqs):  # pragma: no cover - compiled
@@ -181,14 +169,13 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
             turn = rc if rc >= 0 else seen - base - 1
             seq_max, b, cur = max(seq_max, turn), min(turn, MAX_TURN), -1
             st = np.uint64(((step[i] - lo) * N_TURN + b) * 4)  # the turn's row of steps (flat)
-            a = abs(np.float64(m[i]) - (np.float64(o[i]) if o_ok[i] else np.float64(s[i])))
-            if turn >= 1 and m_ok[i] and finite(a):  # an example candidate: its row, first |m - o|, turn
+            pit, p_abs, p_n, f_abs, f_n = _piece(k, at_[j + 1], 0, b, mm_, x_, k_, w_, cnt_, grid, gmax)
+            if turn >= 1 and f_n > 0:  # an example candidate: its row, first |m - o|, body sums, turn
                 if n_spans == len(spans):
                     spans = _grown(spans, n_spans)
                 cur, n_spans = n_spans, n_spans + 1
-                spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, a, 0.0, 0.0, turn
-            pit, p_abs, p_n, f_abs, f_n = _piece(k, at_[j + 1], 0, b, mm_, x_, k_, w_, cnt_, grid, gmax)
-            _add_piece(steps, st, spans, cur, p_abs, p_n, f_abs, f_n)
+                spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, f_abs, p_abs, p_n, turn
+            _add_piece(steps, st, spans, -1, p_abs, p_n, f_abs, f_n)  # the span's body is in it already
             seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
     _close(seq_max, seq_abs, seq_n, seqs)
     return spans, n_spans
@@ -285,7 +272,8 @@ def _add_cell(grid, gmax, b, pb, acc, amax):  # pragma: no cover - compiled
 @njit(inline="always", **JIT)
 def _piece(k0, k1, pit, b, mm_, x_, k_, w_, cnt_, grid, gmax):  # pragma: no cover - compiled
     """Add chunk rows k0..k1 of one turn (turn bucket b; pit: the position of row k0 in it) to their cells.
-    Returns (pit past the rows, their |m - o| sum and count, and those of its first token when row k0 is it)."""
+    Returns (pit past the rows, the |m - o| sum and count of the rows after the turn's first token, and those
+    of its first token when row k0 is it: 0.0, 0.0 otherwise)."""
     p_abs, p_n, first_abs, first_n = 0.0, 0.0, 0.0, 0.0
     while pit < 3 and k0 < k1:  # positions 0, 1 and 2: a cell each
         v = mm_[k0]
@@ -296,16 +284,16 @@ def _piece(k0, k1, pit, b, mm_, x_, k_, w_, cnt_, grid, gmax):  # pragma: no cov
         else:
             p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
         pit, k0 = pit + 1, k0 + 1
-    while k0 < k1:
-        pb, hi = _bin(pit)
-        k = min(k1, k0 + hi - pit)
-        if k - k0 >= LONG:
-            acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
-        else:
-            acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
-        _add_cell(grid, gmax, b, pb, acc, amax)
-        p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
-        pit, k0 = pit + (k - k0), k
+    for pb, hi in ((3, 8), (4, 32), (5, 1 << 62)):  # the longer bins, in turn: a run of one cell each
+        if k0 < k1 and pit < hi:
+            k = min(k1, k0 + hi - pit)
+            if k - k0 >= LONG:
+                acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
+            else:
+                acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
+            _add_cell(grid, gmax, b, pb, acc, amax)
+            p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
+            pit, k0 = pit + (k - k0), k
     return pit, p_abs, p_n, first_abs, first_n
 
 
