@@ -260,18 +260,114 @@ def test_compiled_fold_matches_numpy_reference(n_seqs, p_mask):
     assert got["tokens"][TU.MAX_TURN].sum() > 0  # recorded turns past 15 land in the overflow bucket
 
 
-def test_sequence_starts_and_order_check_in_one_pass():
-    """starts_in_order gives sequence_starts and whether rows are in the recorder's order (each sequence once,
-    pos rising): True on such rows, False once a sequence comes back, keys fall or pos does not rise."""
-    from kldiag.analysis.turn_kernel import starts_in_order
-
+def test_fold_checks_the_recorders_order():
+    """batch_partial(check=True) folds rows in the recorder's order (each sequence once, keys rising, pos rising
+    inside one) and gives None otherwise, so that the reducer sorts them: the same figures either way."""
     step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int64)
     seq, pos = np.repeat([3, 5, 0, 9, 1], 4), np.tile(np.arange(4), 5)
+    rng = np.random.default_rng(4)
+    th, red = (TU.E.TAU, TU.E.WEIGHT_LIMIT, TU.E.CLAMP), TU.TurnReducer()
     for st, sq, ps, want in ((step, seq, pos, True),
                              (step, np.repeat([3, 5, 0, 0, 1], 4), np.r_[0:4, 0:4, 0:8, 0:4], True),  # one of 8 rows
                              (step, np.repeat([3, 5, 9, 0, 1], 4), pos, False),  # seq falls within step 1
                              (step, seq, np.tile([0, 1, 1, 2], 5), False),  # pos repeats
-                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False)):  # a step comes back
-        new = np.empty(20, bool)
-        assert starts_in_order(st, it, sq, ps, new) == want
-        np.testing.assert_array_equal(new, TU.sequence_starts(st, it, sq))
+                             (np.repeat([0, 1, 0, 1, 2], 4), seq, pos, False),  # a step comes back
+                             (np.repeat([0, 3, 1, 1, 2], 4), seq, pos, False)):  # a step past the last row's
+        lp = -rng.random(20).astype(np.float32)
+        batch = pa.RecordBatch.from_pydict({"step": st, "iteration": it, "seq": sq, "pos": ps.astype(np.int32),
+                                            "mask": rng.random(20) < 0.8, "logp": lp, "logp_old": lp - 0.01,
+                                            "logp_ref": lp - 0.1, "logp_sampler": lp + 0.02})
+        t = TU._columns(batch)
+        got = TU.batch_partial(t, 0, th, 8, check=True)
+        assert (got is not None) == want
+        sorted_ = TU.batch_partial(TU._sorted(t), 0, th, 8)
+        _same(TU.summary(_fold(red, [batch])), TU.summary(sorted_))
+        if want:
+            _same(TU.summary(got), TU.summary(sorted_))
+
+
+def _reference(t, rank, keep):
+    """Every figure of the partial in numpy (turn_index and kldiag.estimators): the grid, its max, the per-step
+    sums, the sequence counts and the examples. t: rows grouped by sequence, pos rising, with validity masks."""
+    new = TU.sequence_starts(t["step"], t["iteration"], t["seq"])
+    turn, pit = TU.turn_index(new, t["mask"], t["turn"])
+    s, m = t["logp"].astype(np.float64), t["logp_sampler"].astype(np.float64)
+    o = np.where(t["valid_logp_old"], t["logp_old"].astype(np.float64), s)
+    with np.errstate(all="ignore"):
+        mm = np.where(t["valid_logp_sampler"], m - o, np.nan)
+    a, ok = np.abs(mm), np.isfinite(mm)
+    out = _reference_grid(t)
+    cell = (TU.turn_bucket(turn) * TU.N_POS + TU.pos_bin(pit))
+    gmax = np.full(TU.N_TURN * TU.N_POS, -np.inf)
+    np.maximum.at(gmax, cell[(turn >= 0) & ok], a[(turn >= 0) & ok])
+    out["mismatch_abs_max"] = gmax.reshape(TU.N_TURN, TU.N_POS)
+    held = np.flatnonzero(out["tokens"].sum(1) > 0)
+    out["turn_max"] = np.array([held[-1] if len(held) else -1])
+    seq_id = np.cumsum(new) - 1
+    in_turn = turn >= 0
+    seq_max = np.full(seq_id[-1] + 1, -1)
+    np.maximum.at(seq_max, seq_id[in_turn], turn[in_turn])
+    single = (seq_max == 0)[seq_id] & in_turn & ok
+    out.update(seq_single=(seq_max == 0).sum(), seq_multi=(seq_max > 0).sum(), single_n=single.sum(),
+               single_abs=a[single].sum())
+    steps = np.unique(t["step"][in_turn & ok])
+    for k, sel in (("step", in_turn & ok), ("step_start", in_turn & ok & (pit == 0))):
+        acc_a, acc_n = np.zeros((len(steps), TU.N_TURN)), np.zeros((len(steps), TU.N_TURN))
+        at = (np.searchsorted(steps, t["step"][sel]), TU.turn_bucket(turn[sel]))
+        np.add.at(acc_a, at, a[sel])
+        np.add.at(acc_n, at, 1.0)
+        out[f"{k}_abs"], out[f"{k}_n"] = acc_a, acc_n
+    out["step"] = steps
+    heads = np.flatnonzero((turn >= 1) & (pit == 0) & ok)
+    span = np.cumsum((pit == 0) & in_turn)  # one id per turn
+    ex = {"step": t["step"][heads], "rank": np.full(len(heads), rank), "seq": t["seq"][heads],
+          "iteration": t["iteration"][heads], "turn": turn[heads], "start_abs": a[heads],
+          "body_abs": np.array([np.mean(a[(span == span[h]) & (pit > 0) & ok]) if ((span == span[h]) & (pit > 0) & ok).any()
+                                else np.nan for h in heads])}
+    out.update({f"ex_{k}": v for k, v in TU.top_examples({k: np.asarray(v) for k, v in ex.items()}, keep).items()})
+    return out
+
+
+def _rows(rng, n_seqs, rank):
+    """A rank's rows of two steps: random lengths, mask holes, a recorded turn with nulls, NaN, inf and
+    positive log-probs, nulls in every log-prob column."""
+    lens = rng.integers(1, 120, n_seqs)
+    n = int(lens.sum())
+    cols = {"step": np.repeat(np.arange(n_seqs) * 2 // n_seqs, lens), "iteration": np.zeros(n, np.int16),
+            "seq": np.repeat(np.arange(n_seqs) * 2 + rank, lens),
+            "pos": (np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens)).astype(np.int32),
+            "mask": rng.random(n) < 0.8}
+    arrays = {k: pa.array(v) for k, v in cols.items()}
+    for k in ("logp", "logp_old", "logp_ref", "logp_sampler"):
+        v = -rng.exponential(1.0, n).astype(np.float32)
+        v[rng.random(n) < 0.01] = rng.choice([np.nan, np.inf, -np.inf, 0.5], 1)[0]
+        arrays[k] = pa.array(v, mask=(rng.random(n) < 0.1) if k != "logp" else None)
+    arrays["turn"] = pa.array(rng.integers(0, 20, n).repeat(1), mask=rng.random(n) < 0.5)
+    return pa.RecordBatch.from_pydict(arrays)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_reducer_equals_numpy_reference_over_ranks_batches_and_order(shuffle):
+    """Two ranks' parts, each in the recorder's order and cut into batches that split sequences (the carry), or
+    shuffled in one batch (the sort path): every figure of the merge equals the numpy reference's; counts, maxima and
+    examples exactly."""
+    rng = np.random.default_rng(5)
+    red, parts, want = TU.TurnReducer(), [], []
+    for rank in (0, 1):
+        batch = _rows(rng, 60, rank)
+        want.append(_reference(TU._columns(batch), rank, red.examples))
+        if shuffle:  # every row but the last sequence's (carried to the next batch as they come: they stay last)
+            last = int(np.flatnonzero(TU._columns(batch)["seq"] == TU._columns(batch)["seq"][-1])[0])
+            batch = batch.take(pa.array(np.r_[rng.permutation(last), last:batch.num_rows]))
+        cuts = [batch.slice(o, 97) for o in range(0, batch.num_rows, 97)]  # a shuffled part is sorted whole
+        parts.append(_fold(red, [batch] if shuffle else cuts, rank))
+    got, ref = red.merge(parts), TU.merge_partials(want, red.examples)
+    assert got.keys() == ref.keys()
+    for k in got:
+        if k.startswith("ex_") or k in ("mismatch_abs_max", "step", "seq_single", "seq_multi", "turn_max") or \
+                k in ("tokens", "n_mismatch", "n_drift", "n_weight", "flagged", "step_n", "step_start_n", "single_n"):
+            np.testing.assert_array_equal(np.asarray(got[k]).reshape(-1), np.asarray(ref[k]).reshape(-1), err_msg=k)
+        else:
+            np.testing.assert_allclose(np.asarray(got[k]).reshape(-1), np.asarray(ref[k]).reshape(-1), rtol=1e-12,
+                                       atol=1e-12, err_msg=k)
+    assert got["ex_step"].size == red.examples and TU.scalar(got["seq_multi"]) > 0

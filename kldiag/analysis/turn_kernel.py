@@ -15,6 +15,7 @@ from kldiag.jit import njit
 
 MAX_TURN = 16  # turn buckets 0..15, then one overflow bucket for turn 16 and later
 N_TURN = MAX_TURN + 1
+N_POS = 6  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+ (_piece; turns.POS_EDGES)
 # Sums per (turn bucket, position bin), in this order; the maximum of |m - o| is kept apart.
 SUMS = ("tokens", "n_mismatch", "mismatch_abs", "mismatch", "n_drift", "drift_abs", "drift_k3",
         "n_weight", "weight_k3_abs", "flagged")
@@ -22,6 +23,7 @@ G_TOKENS, G_NM, G_MABS, G_M, G_ND, G_DABS, G_DK3, G_NW, G_W, G_FLAG = range(len(
 
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
+SUMS_JIT = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # vectorised sums; NaN and inf kept (fused.py)
 CHUNK = 256  # rows whose per-token figures are computed in one vectorised loop
 
 
@@ -34,154 +36,276 @@ def _bad(v, ok, zero, ninf):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **JIT)
-def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf, mm, x, k3x, w, bad):  # pragma: no cover
-    """Each row's figures of a chunk (column slices) into mm, x, k3x, w, bad: m - o or NaN, x = s - o, K3
-    of pi_theta vs pi_old, |k3 weight| or NaN, flagged; estimators.py's maths per present column, with
-    fastexp's expm1 (within 2 ulp of numpy's). Two branch-free loops over range(len) of slices, which
-    LLVM vectorises; one loop with five outputs was not (too many arrays to check for overlap): 3x slower."""
+def _tokens(s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf, mm, x, k3x, w, counts):  # pragma: no cover
+    """Each row's figures of a chunk (column slices), ready to sum: mm = m - o, x = |s - o|, k3x = K3 of pi_theta
+    vs pi_old, w = |k3 weight|, each +0.0 where not finite (or its column null); counts = _pack(m - o finite,
+    x and k3x finite, w finite, flagged). estimators.py's maths per present column, with fastexp's expm1
+    (within 2 ulp of numpy's). One branch-free loop over range(len) of slices, which LLVM vectorises; its
+    two expm1 per row are most of its time (about 3.6 ns a row on one core)."""
     for i in range(len(s)):
         sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])  # float64 inside
         ov = np.float64(o[i]) if o_ok[i] else sv
-        mm[i] = mv - ov if m_ok[i] else np.nan
-        xv = sv - ov
-        x[i] = xv
-        k3x[i] = fastexp.expm1(-xv) + xv
-        w[i] = abs(fastexp.expm1(rv - sv))
-    for i in range(len(s)):
-        sv, rv, mv = np.float64(s[i]), np.float64(r[i]), np.float64(m[i])
-        ov = np.float64(o[i]) if o_ok[i] else sv
-        d, wv = rv - sv, w[i]
-        k3d = (-wv if d < 0 else wv) - d  # expm1(d) - d: expm1 keeps d's sign
-        bad[i] = (_bad(sv, True, zero, ninf) | _bad(ov, o_ok[i], zero, ninf) | _bad(mv, m_ok[i], zero, ninf)
-                  | (r_ok[i] & (_bad(rv, True, zero, ninf) | (d > log_tau) | (wv > limit) | (k3d > clamp))))
-        w[i] = wv if r_ok[i] else np.nan
+        v, xv, d = mv - ov, sv - ov, rv - sv
+        kv = fastexp.expm1(-xv) + xv
+        e = fastexp.expm1(d)
+        wv = abs(e)
+        ok_m, ok_d, ok_w = m_ok[i] & finite(v), finite(xv) & finite(kv), r_ok[i] & finite(wv)
+        bad = (_bad(sv, True, zero, ninf) | _bad(ov, o_ok[i], zero, ninf) | _bad(mv, m_ok[i], zero, ninf)
+               | (r_ok[i] & (_bad(rv, True, zero, ninf) | (d > log_tau) | (wv > limit) | (e - d > clamp))))
+        mm[i], x[i], k3x[i], w[i] = _kept(v, ok_m), _kept(abs(xv), ok_d), _kept(kv, ok_d), _kept(wv, ok_w)
+        counts[i] = _pack(ok_m, ok_d, ok_w, bad)
 
 
 @njit(inline="always", **JIT)
-def _flush(grid, gmax, steps, b, pb, si, acc, amax):  # pragma: no cover - compiled
-    """Add the sums acc (SUMS' order) of a run of tokens of one (step, turn bucket, position bin) to grid,
-    gmax and steps."""
-    for q in range(len(acc)):
-        grid[b, pb, q] += acc[q]
-    gmax[b, pb] = max(gmax[b, pb], amax)
-    steps[si, b, 0] += acc[G_MABS]
-    steps[si, b, 1] += acc[G_NM]
-    if pb == 0:  # the turn's first token
-        steps[si, b, 2] += acc[G_MABS]
-        steps[si, b, 3] += acc[G_NM]
+def finite(v):  # pragma: no cover - compiled
+    """math.isfinite, safe under fastmath "reassoc" (fused.finite says why)."""
+    return abs(v) < np.inf
 
 
 @njit(inline="always", **JIT)
-def _acc(mm, x, kx, w, bad, acc):  # pragma: no cover - compiled
-    """One token's figures added to the cell's register-held SUMS, the cell's max |m - o| and its
-    sequence's |m - o| sum and count (acc: SUMS, amax, seq_abs, seq_n); non-finite values are left out."""
-    n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = acc
-    a = abs(mm)
-    if np.isfinite(mm):
-        n_m, s_mabs, s_m = n_m + 1.0, s_mabs + a, s_m + mm
-        amax = max(amax, a)
-        seq_abs, seq_n = seq_abs + a, seq_n + 1.0
-    if np.isfinite(x) and np.isfinite(kx):
-        n_d, s_dabs, s_dk3 = n_d + 1.0, s_dabs + abs(x), s_dk3 + kx
-    if np.isfinite(w):
-        n_w, s_w = n_w + 1.0, s_w + w
-    return (n_tok + 1.0, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag + bad, amax, seq_abs, seq_n)
+def _kept(v, ok):  # pragma: no cover - compiled
+    """v where ok, else +0.0, by masking its bits: a select LLVM vectorises (two `a if ok else b` on one
+    condition in a loop kept it from vectorising the loop at all: 4x slower)."""
+    return np.int64(np.float64(v).view(np.int64) & -np.int64(ok)).view(np.float64)
 
 
-@njit(**JIT)
-def fold(new_seq, mask, rec, step, lo, s, o, o_ok, r, r_ok, m, m_ok, log_tau, limit, clamp, zero, ninf,
-         grid, gmax, steps, seqs, spans):  # pragma: no cover - compiled
-    """One pass over rows sorted by sequence then pos: each token's turn (turn_index's rule; rec [n], or
-    [0] when no turn is recorded), then grid [N_TURN, N_POS, SUMS] and gmax (max |m - o|), steps
-    [n_steps, N_TURN, 4] (|m - o| sum and count, and at turns' first tokens; a row's step index is
-    step[i] - lo), seqs [4] (single-turn sequences, multi-turn ones, single-turn |m - o| count and sum),
-    spans [:, 5] (row, |m - o| at the first token, body sum and count, turn) of turns >= 1.
-    Returns the number of spans written. zero, ninf: 0.0 and -inf (_bad says why they are arguments).
+@njit(inline="always", **SUMS_JIT)
+def _cell_sums(mm, x, kx, w, counts):  # pragma: no cover - compiled
+    """SUMS of a run of rows of one cell (chunk buffer slices from _tokens) and the bits of their max |m - o|
+    (valid where their count of finite m - o is not 0). Branch-free over range(len): LLVM vectorises it."""
+    s_mabs = s_m = s_dabs = s_dk3 = s_w = 0.0
+    cnt, amax = 0, np.int64(0)
+    for q in range(len(mm)):
+        v = mm[q]
+        s_mabs += abs(v)
+        s_m += v
+        amax = max(amax, np.float64(abs(v)).view(np.int64))  # |.|'s bits order like it
+        s_dabs += x[q]
+        s_dk3 += kx[q]
+        s_w += w[q]
+        cnt += counts[q]
+    return _unpacked(len(mm), cnt, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
 
-    Rows go in chunks of CHUNK: their figures in a vectorised loop (_tokens), then the turn walk, whose
-    sums stay in registers while tokens fall in the same cell (_flush when it changes): sums held in
-    memory would chain every token."""
-    n, n_spans, seen, base, pit, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = (
-        len(mask), 0, 0, 0, -1, False, -1, -1, 0.0, 0.0, -1)
-    has_rec = len(rec) > 0
+
+COUNT_BITS = 16  # bits per count packed in a word: a run of one cell is at most CHUNK rows
+if not CHUNK < 1 << (COUNT_BITS - 1):
+    raise ImportError("turn_kernel.CHUNK rows must fit COUNT_BITS")
+
+
+@njit(inline="always", **JIT)
+def _pack(a, b, c, d):  # pragma: no cover - compiled
+    """Four 0/1 flags as COUNT_BITS-bit fields of one int64: summing words sums each field."""
+    return np.int64(a) | (np.int64(b) << COUNT_BITS) | (np.int64(c) << 2 * COUNT_BITS) | (np.int64(d) << 3 * COUNT_BITS)
+
+
+@njit(inline="always", **JIT)
+def _unpacked(n, counts, s_mabs, s_m, s_dabs, s_dk3, s_w):  # pragma: no cover - compiled
+    """SUMS (their order) of a run of n rows from its packed counts (n_m, n_d, n_w, flagged) and sums."""
+    low = (1 << COUNT_BITS) - 1
+    return (np.float64(n), np.float64(counts & low), s_mabs, s_m, np.float64((counts >> COUNT_BITS) & low), s_dabs,
+            s_dk3, np.float64((counts >> 2 * COUNT_BITS) & low), s_w, np.float64(counts >> 3 * COUNT_BITS))
+
+
+@njit(**SUMS_JIT)
+def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok, m, m_ok, params, check,
+         grid, gmax, steps, seqs):  # pragma: no cover - compiled
+    """One pass over rows grouped by sequence and ordered by pos inside one: sequence starts (a change of
+    (key_step, iteration, seq)), each token's turn (turn_index's rule; rec [n], or [0] when no turn is
+    recorded), then grid [N_TURN, N_POS, SUMS] and gmax (max |m - o|), steps [n_steps, N_TURN, 4] (|m - o|
+    sum and count, and at turns' first tokens; a row's step index is step[i] - lo), seqs [4] (single-turn
+    sequences, multi-turn ones, single-turn |m - o| count and sum). params: log(tau), weight_limit, clamp,
+    0.0, -inf (_bad says why the last two are arguments). Returns (spans [k, 5]: row, |m - o| at the first
+    token, body sum and count, turn; of turns >= 1 whose first |m - o| is finite, their count k), or count -1
+    when `check` and the rows are not in the recorder's order (each sequence once, their (step, iteration,
+    seq) rising, pos rising inside one; a step outside steps' rows counts as out of order): the sums are then
+    incomplete, and the caller orders the rows and folds them again.
+
+    Rows go in chunks of CHUNK: their figures in vectorised loops (_tokens), their events (a sequence
+    start, a rise or fall of the mask, a change of the recorded turn) in another, then a walk over the
+    events only: rows between two events are one piece of a turn (or of rows outside the loss), cut at
+    the position bins' edges into runs of one cell, whose sums _cell_sums takes in one loop."""
+    n, has_rec, n_steps = len(mask), len(rec) > 0, steps.shape[0]
+    log_tau, limit, clamp, zero, ninf = params[0], params[1], params[2], params[3], params[4]
     mm_, x_, k_, w_ = np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK), np.empty(CHUNK)
-    bad_ = np.empty(CHUNK, np.bool_)
-    amax = -np.inf
-    n_tok = n_m = s_mabs = s_m = n_d = s_dabs = s_dk3 = n_w = s_w = n_flag = 0.0  # the cell's SUMS
-    cb, cpb, csi = -1, -1, -1  # the cell whose sums acc holds
-    sp_abs, sp_n = 0.0, 0.0  # the current span's body sums
+    cnt_, new_, ev_ = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_)
+    at_ = np.empty(CHUNK + 1, np.int64)
+    grid, gmax, steps = grid.reshape(-1), gmax.reshape(-1), steps.reshape(-1)  # _piece says why flat
+    spans = np.empty((max(16, n >> 6), 5))
+    n_spans, seen, base, pit, head = 0, 0, 0, 0, -1
+    in_turn, seq_max, seq_abs, seq_n, cur, b, st = False, -1, 0.0, 0.0, -1, 0, np.uint64(0)
     for c0 in range(0, n, CHUNK):
         c1 = min(c0 + CHUNK, n)
         _tokens(s[c0:c1], o[c0:c1], o_ok[c0:c1], r[c0:c1], r_ok[c0:c1], m[c0:c1], m_ok[c0:c1], log_tau, limit,
-                clamp, zero, ninf, mm_, x_, k_, w_, bad_)
-        i = c0
-        while i < c1:
-            if i == 0 or new_seq[i]:
-                if seq_max == 0:  # close the sequence before: single-turn ...
-                    seqs[0], seqs[2], seqs[3] = seqs[0] + 1.0, seqs[2] + seq_n, seqs[3] + seq_abs
-                elif seq_max > 0:  # ... or multi-turn
-                    seqs[1] += 1.0
-                if cur >= 0:
-                    spans[cur, 2], spans[cur, 3] = sp_abs, sp_n
-                base, prev_in, prev_rec, seq_max, seq_abs, seq_n, cur = seen, False, -1, -1, 0.0, 0.0, -1
-            if not mask[i]:
-                prev_in = False
-                i += 1
+                clamp, zero, ninf, mm_, x_, k_, w_, cnt_)
+        p0 = max(c0, 1)  # rows compared with the row before
+        if c0 == 0:
+            new_[0], ev_[0] = True, True
+        fall = _changes(key_step[p0:c1], key_step[p0 - 1:c1 - 1], iteration[p0:c1], iteration[p0 - 1:c1 - 1],
+                        seq[p0:c1], seq[p0 - 1:c1 - 1], pos[p0:c1], pos[p0 - 1:c1 - 1], mask[p0:c1],
+                        mask[p0 - 1:c1 - 1], new_[p0 - c0:], ev_[p0 - c0:])
+        if has_rec:
+            _rec_changes(rec[p0:c1], rec[p0 - 1:c1 - 1], ev_[p0 - c0:])
+        if check and fall:
+            return spans, -1
+        n_ev = _where(ev_[:c1 - c0], at_)
+        at_[n_ev] = c1 - c0
+        if in_turn and at_[0] > 0:  # the chunk goes on with the turn of the chunk before
+            pit, p_abs, p_n, f_abs, f_n = _piece(0, at_[0], pit, b, mm_, x_, k_, w_, cnt_, grid, gmax)
+            _add_piece(steps, st, spans, cur, p_abs, p_n, f_abs, f_n)
+            seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
+        for j in range(n_ev):
+            k, i = at_[j], c0 + at_[j]
+            if new_[k]:
+                if check and ((head >= 0 and not _rising(key_step, iteration, seq, head, i))
+                              or not 0 <= step[i] - lo < n_steps):
+                    return spans, -1
+                _close(seq_max, seq_abs, seq_n, seqs)
+                head, base, seq_max, seq_abs, seq_n = i, seen, -1, 0.0, 0.0
+            in_turn = mask[i]
+            if not in_turn:
                 continue
             rc = rec[i] if has_rec else -1
-            if not prev_in or rc != prev_rec:  # a turn starts
-                seen, pit = seen + 1, 0
-            else:
-                pit += 1
+            seen += 1
             turn = rc if rc >= 0 else seen - base - 1
-            prev_in, prev_rec, seq_max = True, rc, max(seq_max, turn)
-            b, pb = min(turn, MAX_TURN), (pit if pit < 3 else (3 if pit < 8 else (4 if pit < 32 else 5)))
-            si = step[i] - lo
-            if b != cb or pb != cpb or si != csi:
-                if cb >= 0:
-                    _flush(grid, gmax, steps, cb, cpb, csi,
-                           (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag), amax)
-                cb, cpb, csi, amax = b, pb, si, -np.inf
-                n_tok = n_m = s_mabs = s_m = n_d = s_dabs = s_dk3 = n_w = s_w = n_flag = 0.0
-            k = i - c0
-            mm = mm_[k]
-            a = abs(mm)
-            n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = _acc(
-                mm, x_[k], k_[k], w_[k], bad_[k],
-                (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n))
-            if turn >= 1 and pit == 0:
-                if cur >= 0:
-                    spans[cur, 2], spans[cur, 3] = sp_abs, sp_n
-                cur = n_spans if n_spans < spans.shape[0] else -1  # the caller sizes spans: never -1
-                sp_abs, sp_n = 0.0, 0.0
-                if cur >= 0:
-                    spans[cur, 0], spans[cur, 1], spans[cur, 4] = i, a, turn
-                    n_spans += 1
-            elif turn >= 1 and np.isfinite(mm) and cur >= 0:
-                sp_abs, sp_n = sp_abs + a, sp_n + 1.0
-            # the rows after it in the same cell (same sequence, turn and position bin): only their sums
-            end = 8 if pb == 3 else (32 if pb == 4 else (1 << 62 if pb == 5 else 0))
-            body = turn >= 1 and cur >= 0
-            while (pit + 1 < end and i + 1 < c1 and mask[i + 1] and not new_seq[i + 1]
-                   and (not has_rec or rec[i + 1] == prev_rec)):
-                i, pit = i + 1, pit + 1
-                k = i - c0
-                mm = mm_[k]
-                n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n = _acc(
-                    mm, x_[k], k_[k], w_[k], bad_[k],
-                    (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag, amax, seq_abs, seq_n))
-                if body and np.isfinite(mm):
-                    sp_abs, sp_n = sp_abs + abs(mm), sp_n + 1.0
-            i += 1
-    if cb >= 0:
-        _flush(grid, gmax, steps, cb, cpb, csi, (n_tok, n_m, s_mabs, s_m, n_d, s_dabs, s_dk3, n_w, s_w, n_flag), amax)
-    if seq_max == 0:  # close the last sequence
+            seq_max, b, cur = max(seq_max, turn), min(turn, MAX_TURN), -1
+            st = np.uint64(((step[i] - lo) * N_TURN + b) * 4)  # the turn's row of steps (flat)
+            pit, p_abs, p_n, f_abs, f_n = _piece(k, at_[j + 1], 0, b, mm_, x_, k_, w_, cnt_, grid, gmax)
+            if turn >= 1 and f_n > 0:  # an example candidate: its row, first |m - o|, body sums, turn
+                if n_spans == len(spans):
+                    spans = _grown(spans, n_spans)
+                cur, n_spans = n_spans, n_spans + 1
+                spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, f_abs, p_abs, p_n, turn
+            _add_piece(steps, st, spans, -1, p_abs, p_n, f_abs, f_n)  # the span's body is in it already
+            seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
+    _close(seq_max, seq_abs, seq_n, seqs)
+    return spans, n_spans
+
+
+@njit(inline="always", **JIT)
+def _close(seq_max, seq_abs, seq_n, seqs):  # pragma: no cover - compiled
+    """Count the sequence just ended: single-turn (with its |m - o| sum and count), multi-turn, or neither."""
+    if seq_max == 0:
         seqs[0], seqs[2], seqs[3] = seqs[0] + 1.0, seqs[2] + seq_n, seqs[3] + seq_abs
     elif seq_max > 0:
         seqs[1] += 1.0
+
+
+@njit(**JIT)
+def _grown(spans, n_spans):  # pragma: no cover - compiled
+    out = np.empty((2 * len(spans), spans.shape[1]))
+    out[:n_spans] = spans[:n_spans]
+    return out
+
+
+@njit(inline="always", **JIT)
+def _rising(key_step, iteration, seq, h, i):  # pragma: no cover - compiled
+    """Row i's (step, iteration, seq) above row h's."""
+    a0, a1, a2, b0, b1, b2 = key_step[h], iteration[h], seq[h], key_step[i], iteration[i], seq[i]
+    return a0 < b0 or (a0 == b0 and (a1 < b1 or (a1 == b1 and a2 < b2)))
+
+
+@njit(inline="always", **JIT)
+def _changes(st, st0, it, it0, sq, sq0, ps, ps0, mk, mk0, new, ev):  # pragma: no cover - compiled
+    """new and ev of rows (slices; *0: the rows before them): a sequence starts, an event (a sequence start or
+    the mask changes); returns the count of rows whose pos does not rise inside a sequence. Branch-free."""
+    fall = 0
+    for q in range(len(st)):
+        nw = (st[q] != st0[q]) | (it[q] != it0[q]) | (sq[q] != sq0[q])
+        new[q] = nw
+        ev[q] = nw | (mk[q] != mk0[q])
+        fall += np.int64((not nw) & (ps[q] <= ps0[q]))
+    return fall
+
+
+@njit(inline="always", **JIT)
+def _rec_changes(rc, rc0, ev):  # pragma: no cover - compiled
+    for q in range(len(rc)):
+        ev[q] |= rc[q] != rc0[q]
+
+
+@njit(inline="always", **JIT)
+def _where(flags, at):  # pragma: no cover - compiled
+    """at[:k] = the indices of the True flags; returns k. Branch-free (a store at every row)."""
+    k = 0
+    for q in range(len(flags)):
+        at[k] = q
+        k += np.int64(flags[q])
+    return k
+
+
+@njit(inline="always", **JIT)
+def _short_sums(mm, x, kx, w, counts, k0, k1):  # pragma: no cover - compiled
+    """_cell_sums of rows k0..k1 of the chunk buffers in a plain loop: for runs of one or two rows, slicing five
+    arrays and entering a vectorised loop cost more."""
+    s_mabs = s_m = s_dabs = s_dk3 = s_w = 0.0
+    cnt, amax = 0, np.int64(0)
+    for j in range(k0, k1):
+        q = np.uint64(j)  # unsigned: no wraparound check on each load
+        v = mm[q]
+        s_mabs += abs(v)
+        s_m += v
+        amax = max(amax, np.float64(abs(v)).view(np.int64))
+        s_dabs += x[q]
+        s_dk3 += kx[q]
+        s_w += w[q]
+        cnt += counts[q]
+    return _unpacked(k1 - k0, cnt, s_mabs, s_m, s_dabs, s_dk3, s_w), amax
+
+
+LONG = 3  # rows of a cell's run from which _cell_sums on slices beats _short_sums (2.5x at 8 rows)
+
+
+@njit(inline="always", **JIT)
+def _add_cell(grid, gmax, b, pb, acc, amax):  # pragma: no cover - compiled
+    """Add a run's SUMS (acc) and max |m - o| (amax's bits, valid where acc's count of finite m - o is not 0) to
+    cell (b, pb) of grid [N_TURN * N_POS * SUMS] and gmax [N_TURN * N_POS], flat and indexed by unsigned ints:
+    numba checks every signed index of every axis for wraparound, and those checks cost more than the sums."""
+    c = np.uint64(b * N_POS + pb)
+    g = c * np.uint64(len(SUMS))
+    grid[g], grid[g + 1], grid[g + 2], grid[g + 3], grid[g + 4] = (
+        grid[g] + acc[0], grid[g + 1] + acc[1], grid[g + 2] + acc[2], grid[g + 3] + acc[3], grid[g + 4] + acc[4])
+    grid[g + 5], grid[g + 6], grid[g + 7], grid[g + 8], grid[g + 9] = (
+        grid[g + 5] + acc[5], grid[g + 6] + acc[6], grid[g + 7] + acc[7], grid[g + 8] + acc[8], grid[g + 9] + acc[9])
+    gmax[c] = max(gmax[c], np.int64(amax).view(np.float64) if acc[G_NM] > 0 else -np.inf)
+
+
+@njit(inline="always", **JIT)
+def _piece(k0, k1, pit, b, mm_, x_, k_, w_, cnt_, grid, gmax):  # pragma: no cover - compiled
+    """Add chunk rows k0..k1 of one turn (turn bucket b; pit: the position of row k0 in it) to their cells.
+    Returns (pit past the rows, the |m - o| sum and count of the rows after the turn's first token, and those
+    of its first token when row k0 is it: 0.0, 0.0 otherwise)."""
+    p_abs, p_n, first_abs, first_n = 0.0, 0.0, 0.0, 0.0
+    while pit < 3 and k0 < k1:  # positions 0, 1 and 2: a cell each
+        v = mm_[k0]
+        acc = _unpacked(1, cnt_[k0], abs(v), v, x_[k0], k_[k0], w_[k0])
+        _add_cell(grid, gmax, b, pit, acc, np.float64(abs(v)).view(np.int64))
+        if pit == 0:  # the turn's first token
+            first_abs, first_n = acc[G_MABS], acc[G_NM]
+        else:
+            p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
+        pit, k0 = pit + 1, k0 + 1
+    for pb, hi in ((3, 8), (4, 32), (5, 1 << 62)):  # the longer bins, in turn: a run of one cell each
+        if k0 < k1 and pit < hi:
+            k = min(k1, k0 + hi - pit)
+            if k - k0 >= LONG:
+                acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
+            else:
+                acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
+            _add_cell(grid, gmax, b, pb, acc, amax)
+            p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
+            pit, k0 = pit + (k - k0), k
+    return pit, p_abs, p_n, first_abs, first_n
+
+
+@njit(inline="always", **JIT)
+def _add_piece(steps, st, spans, cur, p_abs, p_n, first_abs, first_n):  # pragma: no cover - compiled
+    """Add a turn piece's |m - o| sums (_piece's: after its first token, and at it) to its step's row of steps
+    (flat, at st) and to the body of example span `cur` (-1: none)."""
+    steps[st], steps[st + 1] = steps[st] + p_abs + first_abs, steps[st + 1] + p_n + first_n
+    steps[st + 2], steps[st + 3] = steps[st + 2] + first_abs, steps[st + 3] + first_n
     if cur >= 0:
-        spans[cur, 2], spans[cur, 3] = sp_abs, sp_n
-    return n_spans
+        spans[cur, 2] += p_abs
+        spans[cur, 3] += p_n
 
 
 @njit(**JIT)
@@ -192,59 +316,14 @@ def seq_starts(step, iteration, seq, out):  # pragma: no cover - compiled
 
 
 @njit(**JIT)
-def in_order(new, step, iteration, seq, pos):  # pragma: no cover - compiled
-    """True when rows are grouped by sequence (new [n]: their starts) with pos rising inside one and the
-    sequences' (step, iteration, seq) strictly rising (the recorder's order: each sequence once).
-    False says only that this quick test cannot tell."""
-    head = -1
-    for i in range(len(new)):
-        if new[i]:
-            if head >= 0:
-                a, b = (step[head], iteration[head], seq[head]), (step[i], iteration[i], seq[i])
-                if not (a[0] < b[0] or (a[0] == b[0] and (a[1] < b[1] or (a[1] == b[1] and a[2] < b[2])))):
-                    return False
-            head = i
-        elif pos[i] <= pos[i - 1]:
-            return False
-    return True
-
-
-@njit(**JIT)
-def turn_starts(new, mask, rec):  # pragma: no cover - compiled
-    """An upper bound on the turn starts of the rows (fold's spans buffer): every sequence start, every
-    rise of the mask, and with a recorded turn (rec [n], else [0]) every change of it."""
-    count = 0
-    for i in range(len(new)):
-        count += new[i]
-        if i:
-            count += mask[i] and not mask[i - 1]
-            if len(rec):
-                count += rec[i] != rec[i - 1]
-    return count
-
-
-@njit(**JIT)
-def starts_in_order(step, iteration, seq, pos, out):  # pragma: no cover - compiled
-    """seq_starts and in_order in one pass: fills out (bool [n]), returns in_order's answer.
-
-    The rows' pass is branch-free (LLVM vectorises it): each start and, inside a sequence, whether pos
-    rises; only the starts' keys are compared in order, in a second loop over the few starts."""
+def seq_bounds(step, iteration, seq):  # pragma: no cover - compiled
+    """(the second sequence's first row, the last sequence's first row) of rows grouped by sequence; (n, 0)
+    for one sequence of n rows. Scans the first and the last sequence only."""
     n = len(seq)
-    if n == 0:
-        return True
-    out[0] = True
-    fall = 0
-    for i in range(1, n):
-        new = (step[i] != step[i - 1]) | (iteration[i] != iteration[i - 1]) | (seq[i] != seq[i - 1])
-        out[i] = new
-        fall += np.int64((not new) & (pos[i] <= pos[i - 1]))
-    if fall:
-        return False
-    head = 0
-    for i in range(1, n):
-        if out[i]:
-            a0, a1, a2, b0, b1, b2 = step[head], iteration[head], seq[head], step[i], iteration[i], seq[i]
-            if not (a0 < b0 or (a0 == b0 and (a1 < b1 or (a1 == b1 and a2 < b2)))):
-                return False
-            head = i
-    return True
+    head = 1
+    while head < n and step[head] == step[0] and iteration[head] == iteration[0] and seq[head] == seq[0]:
+        head += 1
+    cut = n - 1
+    while cut > 0 and step[cut - 1] == step[n - 1] and iteration[cut - 1] == iteration[n - 1] and seq[cut - 1] == seq[n - 1]:
+        cut -= 1
+    return min(head, n), max(cut, 0)

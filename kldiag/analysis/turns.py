@@ -35,11 +35,12 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag.analysis.kernel import bools
 from kldiag.analysis.runner import reduced
-from kldiag.analysis.turn_kernel import MAX_TURN, N_TURN, SUMS, fold, in_order, seq_starts, starts_in_order, turn_starts
+from kldiag.analysis.turn_kernel import MAX_TURN, N_POS, N_TURN, SUMS, fold, seq_bounds, seq_starts
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")
-N_POS = len(POS_EDGES)
+if len(POS_EDGES) != N_POS:
+    raise ImportError("turns.POS_EDGES must match turn_kernel's position bins")
 KEY = ("step", "iteration", "seq")  # with the part's rank: one sequence of one reuse iteration
 EXAMPLE_COLS = ("step", "rank", "seq", "iteration", "turn", "start_abs", "body_abs")
 
@@ -98,10 +99,25 @@ def turn_bucket(turn: np.ndarray) -> np.ndarray:
 # ---- one batch's figures --------------------------------------------------------------------
 
 
+_CONSTANT: dict[tuple, np.ndarray] = {}  # read-only arrays of one value, shared by every batch (_constant)
+
+
+def _constant(n: int, dtype: Any, value: Any) -> np.ndarray:
+    """n rows of `value`, read-only, from one array kept per (dtype, value): a fresh array per batch cost its
+    page faults, a third of the per-turn pass outside its kernel."""
+    key = (np.dtype(dtype).str, value)
+    a = _CONSTANT.get(key)
+    if a is None or len(a) < n:
+        a = np.full(max(n, 1 << 16), value, dtype)
+        a.flags.writeable = False
+        _CONSTANT[key] = a
+    return a[:n]
+
+
 def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     """The batch's columns as numpy, no copy where Arrow allows; nulls filled, with `valid_<name>` masks
-    for the log-probs (a null logp_old means on-policy: the kernel reads logp there)."""
-    n, ones = batch.num_rows, None
+    for the log-probs (a null logp_old means on-policy: the kernel reads logp there). Arrays may be read-only."""
+    n = batch.num_rows
     t: dict[str, np.ndarray] = {}
     for name, fill in (("step", 0), ("iteration", 0), ("seq", 0), ("pos", 0), ("mask", False), ("logp", 0.0),
                        ("logp_old", 0.0), ("logp_ref", 0.0), ("logp_sampler", 0.0), ("turn", -1)):
@@ -109,14 +125,12 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         if i < 0:
             if name == "turn":
                 continue
-            t[name] = np.zeros(n, np.float32 if name.startswith("logp") else np.int64)
-            t[f"valid_{name}"] = np.zeros(n, bool)
+            t[name] = _constant(n, np.float32 if name.startswith("logp") else np.int64, 0)
+            t[f"valid_{name}"] = _constant(n, bool, False)
             continue
         col = batch.column(i)
         if name.startswith("logp"):
-            if not col.null_count:  # one all-True mask serves every column without a null (read only)
-                ones = np.ones(n, bool) if ones is None else ones
-            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else ones
+            t[f"valid_{name}"] = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else _constant(n, bool, True)
         if name == "mask" and isinstance(batch, pa.RecordBatch):
             t[name] = bools(batch, name)  # Arrow's bitmap unpacked by numpy: 20x to_numpy's conversion
             continue
@@ -124,48 +138,48 @@ def _columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     return t
 
 
-def _sorted(t: dict[str, np.ndarray], new: np.ndarray,
-            ordered: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(rows grouped by sequence and ordered by pos inside one, their sequence starts); a batch already in
-    that order (the recorder's; `ordered`: known to be) is returned as it is."""
-    if ordered or in_order(new, t["step"], t["iteration"], t["seq"], t["pos"]):
-        return t, new
+def _sorted(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rows grouped by sequence and ordered by pos inside one: as they are when they already are (each
+    sequence's rows together, pos rising; fold's check asks more, the sequences in key order), else sorted."""
+    new = sequence_starts(t["step"], t["iteration"], t["seq"])
     heads = np.flatnonzero(new)
     pos_up = len(new) < 2 or bool(np.all(np.diff(t["pos"])[~new[1:]] > 0))
     keys = np.stack([t[k][heads].astype(np.int64) for k in KEY], 1)
     if pos_up and len(np.unique(keys, axis=0)) == len(heads):
-        return t, new
+        return t
     order = np.lexsort([t["pos"], t["seq"], t["iteration"], t["step"]])
-    t = {k: v[order] for k, v in t.items()}
-    return t, sequence_starts(t["step"], t["iteration"], t["seq"])
+    return {k: v[order] for k, v in t.items()}
 
 
-def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def _step_index(step: np.ndarray, ordered: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """(the distinct steps, an index per row, its offset): a row's step is steps[index - offset]. The
-    steps' own values with offset min(step) when they are a short range, else np.unique's inverse."""
+    steps' own values with offset min(step) when they are a short range, else np.unique's inverse.
+    `ordered`: steps taken to rise, so the first and last rows' are the least and largest (fold's check
+    says whether they do: a step outside the range is a row out of order)."""
     if not len(step):
         return np.zeros(0, np.int64), step, 0
-    lo, hi = int(step.min()), int(step.max())
-    if hi - lo < 1 << 16:
+    lo, hi = (int(step[0]), int(step[-1])) if ordered else (int(step.min()), int(step.max()))
+    if 0 <= hi - lo < 1 << 16:
         return np.arange(lo, hi + 1, dtype=np.int64), step, lo
     steps, inv = np.unique(step, return_inverse=True)
     return steps.astype(np.int64), inv.astype(np.int64), 0
 
 
-def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, thresholds, keep: int) -> dict[str, np.ndarray]:
-    """The partial of whole sequences (t sorted by sequence and pos, `new` their starts)."""
-    steps, idx, lo = _step_index(t["step"])
+def batch_partial(t: dict[str, np.ndarray], rank: int, thresholds, keep: int,
+                  check: bool = False) -> dict[str, np.ndarray] | None:
+    """The partial of whole sequences, t grouped by sequence and ordered by pos inside one; with `check`,
+    None when they are not in the recorder's order (fold's test; _sorted then orders them)."""
+    steps, idx, lo = _step_index(t["step"], check)
     grid, gmax = np.zeros((N_TURN, N_POS, len(SUMS))), np.full((N_TURN, N_POS), -np.inf)
-    mask = np.asarray(t["mask"], bool)
+    per_step, seqs = np.zeros((len(steps), N_TURN, 4)), np.zeros(4)
     rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
-    # an upper bound on turn starts (the spans buffer): every sequence start, every rise of the mask,
-    # and with a recorded turn every change of it
-    starts = turn_starts(new, mask, rec)
-    per_step, seqs, spans = np.zeros((len(steps), N_TURN, 4)), np.zeros(4), np.empty((starts, 5))  # a row a turn
     tau, limit, clamp = thresholds
-    n_spans = fold(new, mask, rec, idx, lo, t["logp"], t["logp_old"], t["valid_logp_old"],
-                   t["logp_ref"], t["valid_logp_ref"], t["logp_sampler"], t["valid_logp_sampler"],
-                   float(np.log(tau)), float(limit), float(clamp), 0.0, -np.inf, grid, gmax, per_step, seqs, spans)
+    params = np.array([np.log(tau), limit, clamp, 0.0, -np.inf])
+    spans, n_spans = fold(t["step"], t["iteration"], t["seq"], t["pos"], idx, lo, np.asarray(t["mask"], bool), rec,
+                          t["logp"], t["logp_old"], t["valid_logp_old"], t["logp_ref"], t["valid_logp_ref"],
+                          t["logp_sampler"], t["valid_logp_sampler"], params, check, grid, gmax, per_step, seqs)
+    if n_spans < 0:
+        return None
     used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
     out = {k: grid[:, :, j] for j, k in enumerate(SUMS)}
     out.update(mismatch_abs_max=gmax, step=steps[used], step_abs=per_step[used, :, 0], step_n=per_step[used, :, 1],
@@ -173,7 +187,7 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
                seq_single=np.array([seqs[0]], np.int64), seq_multi=np.array([seqs[1]], np.int64),
                single_n=seqs[2:3].copy(), single_abs=seqs[3:4].copy(),
                turn_max=np.array([_turn_max(grid)], np.int64))
-    sp = spans[_kept_spans(spans[:n_spans, 1], keep)]
+    sp = spans[:n_spans][_above_kth(spans[:n_spans, 1], keep)]
     rows = sp[:, 0].astype(np.int64)
     with np.errstate(invalid="ignore", divide="ignore"):
         body = np.where(sp[:, 3] > 0, sp[:, 2] / np.maximum(sp[:, 3], 1.0), np.nan)
@@ -181,14 +195,6 @@ def batch_partial(t: dict[str, np.ndarray], new: np.ndarray, rank: int, threshol
           "seq": t["seq"][rows].astype(np.int64), "iteration": t["iteration"][rows].astype(np.int64),
           "turn": sp[:, 4].astype(np.int64), "start_abs": sp[:, 1].copy(), "body_abs": body}
     return {**out, **{f"ex_{k}": v for k, v in top_examples(ex, keep).items()}}
-
-
-def _kept_spans(start_abs: np.ndarray, keep: int) -> np.ndarray:
-    """Rows of the spans whose first-token |mismatch| is finite and can be among the `keep` largest (top_examples'
-    own cut, made before any copy of the span rows: copying every finite row first cost a third of the
-    per-turn pass outside its kernel)."""
-    at = np.flatnonzero(np.isfinite(start_abs))
-    return at[_above_kth(start_abs[at], keep)]
 
 
 def _turn_max(grid: np.ndarray) -> int:
@@ -225,10 +231,10 @@ def merge_partials(partials, keep: int) -> dict[str, np.ndarray]:
     steps = np.concatenate([p["step"] for p in partials])
     uniq, inv = np.unique(steps, return_inverse=True)
     out["step"] = uniq
-    for k in ("step_abs", "step_n", "step_start_abs", "step_start_n"):
-        acc = np.zeros((len(uniq), N_TURN))
-        np.add.at(acc, inv, np.concatenate([p[k].reshape(-1, N_TURN) for p in partials]))
-        out[k] = acc
+    cell = (inv.reshape(-1, 1) * N_TURN + np.arange(N_TURN)).reshape(-1)  # a row's steps' cells, flat
+    for k in ("step_abs", "step_n", "step_start_abs", "step_start_n"):  # bincount: np.add.at's sums, 10x faster
+        rows = np.concatenate([p[k].reshape(-1, N_TURN) for p in partials]).reshape(-1)
+        out[k] = np.bincount(cell, rows, len(uniq) * N_TURN).reshape(len(uniq), N_TURN)
     ex = {k: np.concatenate([p[f"ex_{k}"] for p in partials]) for k in EXAMPLE_COLS}
     out.update({f"ex_{k}": v for k, v in top_examples(ex, keep).items()})
     return out
@@ -237,7 +243,7 @@ def merge_partials(partials, keep: int) -> dict[str, np.ndarray]:
 def empty(keep: int = 0) -> dict[str, np.ndarray]:
     """The partial of no token."""
     t = _columns(pa.RecordBatch.from_pydict({k: pa.array([], pa.int64()) for k in KEY}))
-    return batch_partial(t, np.zeros(0, bool), 0, (E.TAU, E.WEIGHT_LIMIT, E.CLAMP), keep)
+    return batch_partial(t, 0, (E.TAU, E.WEIGHT_LIMIT, E.CLAMP), keep)
 
 
 # ---- the reducer ------------------------------------------------------------------------------
@@ -259,7 +265,7 @@ class TurnReducer:
     clamp: float = E.CLAMP
     examples: int = 8  # sequence turns kept, by the |mismatch| of their first token
     name: str = "turns"
-    version: int = 1
+    version: int = 2  # 2: sums per run of a cell (another order of the float additions)
     columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref",
                                 "logp_sampler", "turn")
 
@@ -272,43 +278,40 @@ class TurnReducer:
 
     def add(self, state: _State, batch: pa.RecordBatch) -> None:
         t = _columns(batch)
-        if not len(t["seq"]):
+        n = len(t["seq"])
+        if not n:
             return
-        new = np.empty(len(t["seq"]), bool)
-        ordered = starts_in_order(t["step"], t["iteration"], t["seq"], t["pos"], new)  # so is any slice of it
-        if state.carry is not None:  # the carried sequence's rows go with this batch's first sequence only
+        head, cut = seq_bounds(t["step"], t["iteration"], t["seq"])  # the second sequence's first row, the last's
+        if state.carry is None:
+            head = 0
+        else:  # the carried sequence's rows go with this batch's first sequence only
             c = state.carry
-            head = int(np.argmax(new[1:])) + 1 if new[1:].any() else len(new)
             if any(c[k][-1] != t[k][0] for k in KEY):
                 head = 0  # the batch starts a new sequence: the carried one ends here
             joined = {k: np.concatenate([c[k], t[k][:head]]) for k in t if k in c}
-            if head == len(new):  # the whole batch goes on with the carried sequence: it may go on further
+            if head == n:  # the whole batch goes on with the carried sequence: it may go on further
                 state.carry = joined
                 return
-            state.partials.append(self._partial(joined, sequence_starts(
-                joined["step"], joined["iteration"], joined["seq"]), state.rank))
-            state.carry = None
-            t, new = {k: v[head:] for k, v in t.items()}, new[head:]
-            new[0] = True
-        cut = int(np.flatnonzero(new)[-1])  # the last sequence may go on in the next batch: carried
+            state.partials.append(self._partial(joined, state.rank))
+        if cut > head:  # the last sequence may go on in the next batch: carried
+            state.partials.append(self._partial({k: v[head:cut] for k, v in t.items()}, state.rank))
         state.carry = {k: v[cut:] for k, v in t.items()}
-        if cut:
-            state.partials.append(self._partial({k: v[:cut] for k, v in t.items()}, new[:cut], state.rank, ordered))
 
     def finish(self, state: _State, dropped: int) -> dict[str, np.ndarray]:
         if state.carry is not None and len(state.carry["seq"]):
-            c = state.carry
-            state.partials.append(self._partial(c, sequence_starts(c["step"], c["iteration"], c["seq"]), state.rank))
+            state.partials.append(self._partial(state.carry, state.rank))
             state.carry = None
         return self.merge(state.partials)
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials, self.examples)
 
-    def _partial(self, t: dict[str, np.ndarray], new: np.ndarray, rank: int,
-                 ordered: bool = False) -> dict[str, np.ndarray]:
-        t, new = _sorted(t, new, ordered)
-        return batch_partial(t, new, rank, (self.tau, self.weight_limit, self.clamp), self.examples)
+    def _partial(self, t: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
+        """The partial of whole sequences: in one pass where the rows are in the recorder's order (fold
+        checks it as it goes), else of the rows _sorted."""
+        th = (self.tau, self.weight_limit, self.clamp)
+        out = batch_partial(t, rank, th, self.examples, check=True)
+        return out if out is not None else batch_partial(_sorted(t), rank, th, self.examples)
 
 
 # ---- what faces read --------------------------------------------------------------------------
