@@ -5,14 +5,16 @@ estimator comparison needs the d = logp_ref - logp, x = logp - logp_old, expm1(d
 that the analysis computes, and most of its sums are the analysis's (k1 = -d, k2 = d^2 / 2, k3 and k3_is,
 K3's and K3_IS's |weight| and their histograms), so a dashboard's first pass reads each column once,
 exponentiates once and adds only what the analysis lacks (|d|, k3_clamped, flagged shares, the kept sets).
-It is a second compiled function, not a flag of the first: a bare `kldiag analyze` runs fused.fused_pass
-unchanged, its loop no larger (partials.AnalysisReducer.carry, reduce.PartFold).
+It is a second compiled function from the same source, not a run-time flag of the first: its chunk loop is
+fused.chunk_sums' own, compiled with the extras (fused.make_chunk_sums(True); numba prunes them from the bare
+one), and its sequence loop is made of fused_pass's helpers, so a bare `kldiag analyze` runs fused.fused_pass
+with its loop no larger (partials.AnalysisReducer.carry, reduce.PartFold).
 
 The two agree where every token in the loss has a finite d and x (and a reference log-prob). A chunk with
 another token (NaN, +-inf, a null reference: findings, rare) runs estimator_kernel.chunk_sums on its rows,
 which keeps the estimators' own conventions there (expm1 and exp of the raw values, not the analysis's
-zeroed ones). So each partial equals its standalone pass's: the analysis's bit for bit (its loop body is
-fused.chunk_sums'), the estimators' counts, maxima, histograms, kept tokens and sample exactly and their
+zeroed ones). So each partial equals its standalone pass's: the analysis's bit for bit (the same loop body
+and order of sums), the estimators' counts, maxima, histograms, kept tokens and sample exactly and their
 sums to rounding (added in other chunks): tests/test_fused_ride.py. The estimators' tokens are numbered in
 row order as in token_pass; chunks are cut at sequence starts here, so each chunk's first row and first
 token number go to chunk_r0 and chunk_j (estimator_kernel.token_rows_at reads them).
