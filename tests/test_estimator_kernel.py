@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from logp_batches import logp_columns
 
 from kldiag import estimators as E
 from kldiag.analysis.bins import abs_bins
@@ -52,28 +53,12 @@ def _numpy_partial(batch, config: AnalysisConfig, sample_size: int, seed: int) -
 def _batch(seed: int, n: int = 3000, absent: tuple[str, ...] = (), repeat_keys: bool = False) -> pa.RecordBatch:
     """Log-probs from ordinary to extreme, special values (NaN, +-inf, positive) and nulls scattered in."""
     rng = np.random.default_rng(seed)
-    s = -rng.exponential(2.0, n)
-    cols = {"logp": s, "logp_ref": s + rng.normal(0, rng.choice([0.01, 1.0, 8.0], n)),
-            "logp_old": s + rng.normal(0, 0.3, n), "logp_sampler": s + rng.normal(0, 0.05, n)}
-    arrays = {}
-    for c, v in cols.items():
-        v = v.astype(np.float32)
-        odd = rng.random(n) < 0.03
-        v[odd] = rng.choice(SPECIAL, odd.sum())
-        null = rng.random(n) < (0.0 if c == "logp" else 0.05)
-        if c in absent:
-            null[:] = True
-        arrays[c] = pa.array(v, mask=null)
+    cols = logp_columns(rng, n, SPECIAL, absent=absent)
     seq = np.repeat(np.arange(n // 30 + 1), 30)[:n]
     if repeat_keys:  # a sequence's rows split in two runs within the batch
         seq = np.concatenate([seq[n // 2:], seq[: n // 2]])
-    adv = rng.normal(0, 1, n)
-    adv[rng.random(n) < 0.2] = np.nan
-    mask = rng.random(n) < 0.8
-    return pa.RecordBatch.from_pydict({
-        "step": pa.array(seq // 7, pa.int64()), "seq": pa.array(seq, pa.int64()),
-        "advantage": pa.array(adv.astype(np.float32)), "mask": pa.array(mask, mask=rng.random(n) < 0.01),
-        **arrays})
+    return pa.RecordBatch.from_pydict({"step": pa.array(seq // 7, pa.int64()), "seq": pa.array(seq, pa.int64()),
+                                       **cols})
 
 
 def _assert_equal(got: VE.EstimatorPartial, want: VE.EstimatorPartial) -> None:

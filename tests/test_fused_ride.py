@@ -12,6 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from logp_batches import logp_columns
 
 from kldiag.analysis import AnalysisConfig, analyze, reduce, runner, stats
 from kldiag.analysis.engine import thresholds as run_thresholds
@@ -45,25 +46,11 @@ def full_batch(seed: int, n: int, absent: tuple[str, ...] = (), odd: float = 0.0
                steps: int = 7) -> pa.RecordBatch:
     """Log-probs from ordinary to extreme, special values (NaN, +-inf, positive) at rate `odd` per column,
     nulls, mask holes, sequences of seq_len rows, `steps` sequences a step: every column the analysis reads."""
-    rng = np.random.default_rng(seed)
-    s = -rng.exponential(2.0, n)
-    cols = {"logp": s, "logp_ref": s + rng.normal(0, rng.choice([0.01, 1.0, 8.0], n)),
-            "logp_old": s + rng.normal(0, 0.3, n), "logp_sampler": s + rng.normal(0, 0.05, n)}
-    arrays = {}
-    for c, v in cols.items():
-        v = v.astype(np.float32)
-        bad = rng.random(n) < odd
-        v[bad] = rng.choice(SPECIAL, bad.sum())
-        null = np.ones(n, bool) if c in absent else rng.random(n) < (0.0 if c == "logp" else odd)
-        arrays[c] = pa.array(v, mask=null)
+    cols = logp_columns(np.random.default_rng(seed), n, SPECIAL, odd, odd, absent)
     seq = np.arange(n) // seq_len
-    adv = rng.normal(0, 1, n)
-    adv[rng.random(n) < 0.2] = np.nan
     ints = {"step": seq // steps, "seq": seq, "micro": np.zeros(n), "iteration": np.zeros(n), "group": seq // 4,
             "pos": np.arange(n) % seq_len, "token_id": (np.arange(n) * 7) % 1000}
-    return pa.RecordBatch.from_pydict({
-        **{k: pa.array(v.astype(np.int64)) for k, v in ints.items()}, "advantage": pa.array(adv.astype(np.float32)),
-        "mask": pa.array(rng.random(n) < 0.8, mask=rng.random(n) < 0.01), **arrays})
+    return pa.RecordBatch.from_pydict({**{k: pa.array(v.astype(np.int64)) for k, v in ints.items()}, **cols})
 
 
 def thresholds(red: VE.EstimatorReducer) -> Thresholds:

@@ -315,12 +315,7 @@ def token_rows(mask, r_null, chunk_j, picks, out):  # pragma: no cover - compile
             c += 1
         if c * CHUNK > row:
             row, j = c * CHUNK, chunk_j[c]
-        while True:
-            tok = mask[row] and not r_null[row]
-            if tok and j == p:
-                break
-            j += np.int64(tok)
-            row += 1
+        row, j = walk_to(mask, r_null, row, j, p)
         out[q] = row
 
 
@@ -336,10 +331,16 @@ def token_rows_at(mask, r_null, chunk_r0, chunk_j, picks, out):  # pragma: no co
             c += 1
         if chunk_r0[c] > row:
             row, j = chunk_r0[c], chunk_j[c]
-        while True:
-            tok = mask[row] and not r_null[row]
-            if tok and j == p:
-                break
-            j += np.int64(tok)
-            row += 1
+        row, j = walk_to(mask, r_null, row, j, p)
         out[q] = row
+
+
+@njit(inline="always", **JIT)
+def walk_to(mask, r_null, row, j, p):  # pragma: no cover - compiled
+    """(row, number) of token p, walking rows from `row`, whose token number (or the next token's) is j."""
+    while True:
+        tok = mask[row] and not r_null[row]
+        if tok and j == p:
+            return row, j
+        j += np.int64(tok)
+        row += 1
