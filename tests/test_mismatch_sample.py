@@ -77,6 +77,21 @@ def test_merge_caps_the_sample_by_prompt_groups(grouping):
     assert again.group_share == pytest.approx(fit.group_share)
 
 
+def test_a_capped_partial_thins_the_parts_merged_after_it_even_under_the_cap():
+    """A large part capped alone, then a small one merged in under the cap: the small part's rows go by the
+    same share as in one merge of both (the rows kept never depend on the grouping)."""
+    big, small = partial(np.arange(0, 40), 0), partial(np.arange(40, 41), 1)
+    for p in (big, small):
+        p["group"] = p["seq"]
+    red = SS.SampleReducer(stride=1, cap=300)
+    once = red.merge([big, small])
+    twice = red.merge([red.merge([big]), small])
+    assert int(once["share_level"][0]) == int(twice["share_level"][0]) > 0
+    for c in once:
+        np.testing.assert_array_equal(np.concatenate(TS.chunks(twice[c])), np.concatenate(TS.chunks(once[c])),
+                                      err_msg=c)
+
+
 def test_capped_sample_stays_near_the_cap_whatever_the_runs_length():
     """The merged sample of a run 1x, 3x and 10x as long holds cap * 2^(-1/8) .. cap rows (the stride's
     doubling left it anywhere in (cap / 2, cap])."""

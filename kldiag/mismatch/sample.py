@@ -129,7 +129,9 @@ class SampleReducer:
         names = [c for c in partials[0] if c not in ("stride", "share_level")]
         cols = {c: [v for p in partials for v in chunks(p[c])] for c in names}
         keep = [_keep_every(c, every) for c in cols["step"]]
-        if sum(int(np.count_nonzero(k)) for k in keep) > self.cap:
+        # a partial capped at a level makes the others' rows go by it too, under the cap or not: else the
+        # rows kept would depend on how the parts were grouped
+        if level > 0 or sum(int(np.count_nonzero(k)) for k in keep) > self.cap:
             keep, level = _capped(cols, keep, level, self.cap)
         out = {c: [v if k.all() else v[k] for v, k in zip(vs, keep, strict=True) if k.any()] for c, vs in cols.items()}
         tail = {"stride": np.array([every], np.int64), "share_level": np.array([level], np.int64)}
