@@ -55,7 +55,7 @@ def test_merge_caps_the_sample_by_prompt_groups(grouping):
         merged = red.merge(([merged] if merged is not None else []) + parts[at:at + size])
         at += size
     want = concat(parts)
-    u = TS.group_hash(want["group"], want["seq"])
+    u = np.repeat(*TS.group_runs(want["group"], want["seq"]))
     kept = np.array([(u < s).sum() for s in SS.SHARE_LADDER])
     level = int(np.argmax(kept <= red.cap))
     assert level > 0 and kept[level - 1] > red.cap >= kept[level]
@@ -71,7 +71,7 @@ def test_merge_caps_the_sample_by_prompt_groups(grouping):
     # a fit's share is of every group, so it keeps a subset of the sample's rows: about fit_tokens of them
     fit = sample.thinned(10_000, all_iterations=True, fit_tokens=100)
     assert fit.group_share == pytest.approx(sample.share * 100 / len(sample))
-    np.testing.assert_array_equal(TS.group_hash(fit.group, fit.seq) < fit.group_share, True)
+    np.testing.assert_array_equal(np.repeat(*TS.group_runs(fit.group, fit.seq)) < fit.group_share, True)
     again = TS.fit_share(ts, 100)
     np.testing.assert_array_equal(again.pos, fit.pos)
     assert again.group_share == pytest.approx(fit.group_share)

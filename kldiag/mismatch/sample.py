@@ -199,7 +199,7 @@ class Sample:
         level = int(np.asarray(cols["share_level"]).reshape(-1)[0]) if "share_level" in cols else 0
         cols = {c: v for c, v in cols.items() if c not in ("stride", "share_level")}
         self.cols, self.stride, self.meta = cols, stride, dict(meta or {})
-        self.share = float(SHARE_LADDER[level])  # the prompt groups the cap kept: group_hash < share
+        self.share = float(SHARE_LADDER[level])  # the prompt groups the cap kept: group_runs hash < share
         self._sets: weakref.WeakValueDictionary[bool, TokenSet] = weakref.WeakValueDictionary()
         self._thin: dict[tuple[bool, int], TokenSet] = {}  # at most max_tokens tokens each: kept
 

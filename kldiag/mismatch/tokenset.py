@@ -48,7 +48,7 @@ class TokenSet:
     has_old: np.ndarray  # bool: logp_old was recorded
     step_stride: int = 1  # 1: every step; k: every k-th step of the run was kept
     meta: dict = field(default_factory=dict)
-    group_share: float = 1.0  # < 1: only the prompt groups with group_hash < group_share were kept
+    group_share: float = 1.0  # < 1: only the prompt groups whose group_runs hash < group_share were kept
 
     def __len__(self) -> int:
         return len(self.step)
@@ -305,14 +305,8 @@ def group_runs(group: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return u, np.diff(np.append(starts, len(key)))
 
 
-def group_hash(group: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """float64 [N]: each row's group_runs hash."""
-    u, lengths = group_runs(group, seq)
-    return np.repeat(u, lengths)
-
-
 def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
-    """bool [N]: the rows of about `share` of the prompt groups (group_hash < share), chosen by a hash of
+    """bool [N]: the rows of about `share` of the prompt groups (group_runs hash < share), chosen by a hash of
     the id alone: whole groups (the contexts a within-context fit needs), the same prompts at every step
     (the contexts a lag scan matches across steps), the same choice on every call."""
     u, lengths = group_runs(group, seq)

@@ -152,6 +152,7 @@ def ridden_arrays(b: Batch, out: dict[str, np.ndarray], config: AnalysisConfig, 
     arrays.update(sample_arrays(raw, absent, b.step[at], b.seq[at], kind, config))
     return arrays
 
+
 def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
     """`pages.nulls`, with one shared all-False array for the columns without a null (the usual case)."""
     n, none = batch.num_rows, None
