@@ -71,6 +71,8 @@ CASES = [
     ("serve-metrics-port-taken", "serve-metrics {run} --port {taken} --once"),
     ("mcp-root-missing", "mcp --root {missing}"),
     ("mcp-root-file", "mcp --root {file}"),
+    ("cache-missing", "cache {missing}"),
+    ("cache-not-a-run", "cache {dir}"),
     ("unknown-command", "bogus {run}"),
 ]
 # Run as a child process: a regression here would start a server or train (or, in-process, replace

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "kldiag.cli.crosswalk",
     "kldiag.cli.audit",
     "kldiag.cli.mcp",
+    "kldiag.cli.cache",
 )
 
 
