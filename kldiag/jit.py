@@ -11,17 +11,32 @@ a callee declared `inline="always"` by duck typing (`targetoptions` and `py_func
 numba/core/untyped_passes.py `InlineInlinables._do_work`, numba 0.68): a LazyKernel answers
 every attribute not its own from the compiled dispatcher, so to numba it is the dispatcher, and the
 caller's code (cached on disk with cache=True) is what an eager `numba.njit` would have produced.
+
+numba's disk cache knows a kernel's own file only: an entry is reused while that file's mtime and size
+hold (numba/core/caching.py, `_SourceFileBackedLocatorMixin.get_source_stamp`), though the machine code
+holds every kernel it calls or inlines from other files (fused_token's per-token maths in fused's and
+fused_ride's passes). So kldiag's kernels are cached by locators that add `kernel_stamp()`, the mtimes
+and sizes of every module listed in KERNEL_FILES: an edit of one of them compiles every kernel again,
+never runs a stale one (tests/test_jit.py keeps the list complete).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _LOCK = threading.Lock()  # two threads calling a kernel first build one dispatcher
+PACKAGE = Path(__file__).resolve().parent
+# Every module that defines a kernel, relative to the package (tests/test_jit.py: no module is missing).
+KERNEL_FILES = ("analysis/estimator_kernel.py", "analysis/fastexp.py", "analysis/fused.py", "analysis/fused_ride.py",
+                "analysis/fused_token.py", "analysis/scans.py", "analysis/turn_kernel.py", "diagnosis/scan.py",
+                "integrations/trl_kernel.py", "mismatch/decompose.py", "mismatch/sample.py", "mismatch/whatif.py")
 
 
 class LazyKernel:
@@ -43,6 +58,7 @@ class LazyKernel:
                 if self._dispatcher is None:
                     import numba
 
+                    install_locators()
                     self._dispatcher = numba.njit(**self.options)(self.py_func)
         return self._dispatcher
 
@@ -82,3 +98,50 @@ def njit(*args, **options):
     if args:
         raise TypeError("kldiag.jit.njit takes options by keyword (no signatures)")
     return lambda fn: LazyKernel(fn, options)
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_stamp() -> str:
+    """sha1 of the name, mtime and size of each of KERNEL_FILES (once per process)."""
+    h = hashlib.sha1()
+    for name in KERNEL_FILES:
+        try:
+            st = os.stat(PACKAGE / name)
+            h.update(f"{name} {st.st_mtime_ns} {st.st_size}\n".encode())
+        except OSError:
+            h.update(f"{name} -\n".encode())
+    return h.hexdigest()
+
+
+class _KernelStamp:
+    """A numba cache locator for kldiag's own files whose source stamp also holds kernel_stamp()."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            inside = Path(py_file).resolve().is_relative_to(PACKAGE)
+        except (OSError, ValueError):
+            inside = False
+        return super().from_function(py_func, py_file) if inside else None  # type: ignore[misc]
+
+    def get_source_stamp(self):
+        return super().get_source_stamp(), kernel_stamp()  # type: ignore[misc]
+
+
+_INSTALLED: list = []
+
+
+def install_locators() -> None:
+    """Put kldiag's locators before numba's own (the same three, in numba's order: NUMBA_CACHE_DIR, the
+    source tree's __pycache__, the user-wide cache), once."""
+    if _INSTALLED:
+        return
+    from numba.core import caching
+
+    ours = []
+    for name in ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"):
+        base = getattr(caching, name, None) or getattr(caching, f"_{name}")  # numba < 0.62: _-prefixed
+        ours.append(type(f"Kldiag{name}", (_KernelStamp, base), {}))
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    impl._locator_classes[:0] = ours
+    _INSTALLED.extend(ours)

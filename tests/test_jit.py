@@ -5,6 +5,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +85,43 @@ def test_bare_decorator_and_positional_signature():
         assert "keyword" in str(e)
     else:
         raise AssertionError("a signature should be refused")
+
+
+def test_every_module_with_a_kernel_is_in_the_stamp():
+    """A kernel module left out of KERNEL_FILES would be inlined into others' cached code unseen."""
+    from kldiag import jit
+
+    package = ROOT / "kldiag"
+    with_kernels = {str(p.relative_to(package)) for p in package.rglob("*.py")
+                    if p.name != "jit.py" and "@njit" in p.read_text()}
+    assert with_kernels == set(jit.KERNEL_FILES)
+
+
+def test_a_kernels_cache_entry_is_keyed_by_every_kernel_module(monkeypatch, tmp_path):
+    """numba keys a cached kernel by its own file; kldiag's locator adds every kernel module's stamp, so an
+    edit of fused_token.py (inlined into fused.py's pass) invalidates fused.py's cached pass too."""
+    from kldiag import jit
+    from kldiag.analysis import fastexp
+
+    out = np.empty(2)
+    fastexp.exp_array(np.zeros(2), out)
+    locator = fastexp.exp_array.dispatcher()._cache._impl._locator
+    assert isinstance(locator, jit._KernelStamp)
+    own, stamp = locator.get_source_stamp()
+    assert stamp == jit.kernel_stamp()
+    real = os.stat
+
+    def stat(grown: int):
+        def fake(path, *a, **kw):  # fused_token.py `grown` bytes longer, as after an edit
+            st = real(path, *a, **kw)
+            return SimpleNamespace(st_mtime_ns=st.st_mtime_ns,
+                                   st_size=st.st_size + (grown if str(path).endswith("fused_token.py") else 0))
+        return fake
+
+    monkeypatch.setattr(jit.os, "stat", stat(0))
+    assert jit.kernel_stamp.__wrapped__() == stamp
+    monkeypatch.setattr(jit.os, "stat", stat(1))
+    assert jit.kernel_stamp.__wrapped__() != stamp
+    outside = tmp_path / "mine.py"
+    outside.write_text("def f():\n    return 1\n")
+    assert locator.__class__.from_function(lambda: 1, str(outside)) is None  # another package's kernels: numba's own
