@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from kldiag import estimators as E
 from kldiag.analysis import turns as TU
 
 pytestmark = pytest.mark.filterwarnings("ignore:kldiag.*placeholder")
@@ -371,3 +372,27 @@ def test_reducer_equals_numpy_reference_over_ranks_batches_and_order(shuffle):
             np.testing.assert_allclose(np.asarray(got[k]).reshape(-1), np.asarray(ref[k]).reshape(-1), rtol=1e-12,
                                        atol=1e-12, err_msg=k)
     assert got["ex_step"].size == red.examples and TU.scalar(got["seq_multi"]) > 0
+
+
+@pytest.mark.parametrize("keep", [1, 3, 8])
+def test_fold_keeps_only_spans_that_can_be_examples_and_the_examples_are_unchanged(keep):
+    """The fold drops a turn's span once `keep` recorded ones have a larger first |m - o| (turn_kernel._compact):
+    the examples equal the `keep` largest of every span (ties included: start |m - o| on a coarse grid)."""
+    rng = np.random.default_rng(11)
+    n, n_seqs = 60_000, 600
+    cols = {"step": np.repeat(np.arange(6), n // 6), "iteration": np.zeros(n, np.int64),
+            "seq": np.repeat(np.arange(n_seqs), n // n_seqs), "pos": np.tile(np.arange(n // n_seqs), n_seqs),
+            "mask": rng.random(n) < 0.9}  # about ten turns a sequence
+    old = -rng.exponential(1.0, n)
+    cols.update(logp=old - 0.01, logp_old=old, logp_ref=old - 0.1,
+                logp_sampler=old + rng.integers(0, 40, n) / 8.0)  # ties in the first |m - o|
+    t = TU._columns(pa.RecordBatch.from_pydict({k: pa.array(v) for k, v in cols.items()}))
+    th = (E.TAU, E.WEIGHT_LIMIT, E.CLAMP)
+    every = TU.batch_partial(t, 0, th, 10**6)  # no span dropped: all of them, in example order
+    assert len(every["ex_step"]) > 40 * 8 * keep  # enough spans for several compactions
+    want = TU.top_examples({k: every[f"ex_{k}"] for k in TU.EXAMPLE_COLS}, keep)
+    got = TU.batch_partial(t, 0, th, keep)
+    for k in TU.EXAMPLE_COLS:
+        np.testing.assert_array_equal(got[f"ex_{k}"], want[k], err_msg=k)
+    for k in TU.SUMS:
+        np.testing.assert_array_equal(got[k], every[k], err_msg=k)

@@ -108,14 +108,15 @@ def _unpacked(n, counts, s_mabs, s_m, s_dabs, s_dk3, s_w):  # pragma: no cover -
 
 @njit(**SUMS_JIT)
 def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok, m, m_ok, params, check,
-         grid, gmax, steps, seqs):  # pragma: no cover - compiled
+         grid, gmax, steps, seqs, keep):  # pragma: no cover - compiled
     """One pass over rows grouped by sequence and ordered by pos inside one: sequence starts (a change of
     (key_step, iteration, seq)), each token's turn (turn_index's rule; rec [n], or [0] when no turn is
     recorded), then grid [N_TURN, N_POS, SUMS] and gmax (max |m - o|), steps [n_steps, N_TURN, 4] (|m - o|
     sum and count, and at turns' first tokens; a row's step index is step[i] - lo), seqs [4] (single-turn
     sequences, multi-turn ones, single-turn |m - o| count and sum). params: log(tau), weight_limit, clamp,
     0.0, -inf (_bad says why the last two are arguments). Returns (spans [k, 5]: row, |m - o| at the first
-    token, body sum and count, turn; of turns >= 1 whose first |m - o| is finite, their count k), or count -1
+    token, body sum and count, turn; of turns >= 1 whose first |m - o| is finite and can be among the `keep`
+    largest (tied with or above the keep-th: _compact), their count k), or count -1
     when `check` and the rows are not in the recorder's order (each sequence once, their (step, iteration,
     seq) rising, pos rising inside one; a step outside steps' rows counts as out of order): the sums are then
     incomplete, and the caller orders the rows and folds them again.
@@ -130,7 +131,8 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
     cnt_, new_, ev_ = np.empty(CHUNK, np.int64), np.empty(CHUNK, np.bool_), np.empty(CHUNK, np.bool_)
     at_ = np.empty(CHUNK + 1, np.int64)
     grid, gmax, steps = grid.reshape(-1), gmax.reshape(-1), steps.reshape(-1)  # _piece says why flat
-    spans = np.empty((max(16, n >> 6), 5))
+    spans = np.empty((max(16, min(8 * keep, n >> 6)), 5))  # _compact keeps it small
+    floor = -np.inf if keep > 0 else np.inf  # a turn whose first |m - o| is below it is no example
     n_spans, seen, base, pit, head = 0, 0, 0, 0, -1
     in_turn, seq_max, seq_abs, seq_n, cur, b, st = False, -1, 0.0, 0.0, -1, 0, np.uint64(0)
     for c0 in range(0, n, CHUNK):
@@ -170,9 +172,12 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
             seq_max, b, cur = max(seq_max, turn), min(turn, MAX_TURN), -1
             st = np.uint64(((step[i] - lo) * N_TURN + b) * 4)  # the turn's row of steps (flat)
             pit, p_abs, p_n, f_abs, f_n = _piece(k, at_[j + 1], 0, b, mm_, x_, k_, w_, cnt_, grid, gmax)
-            if turn >= 1 and f_n > 0:  # an example candidate: its row, first |m - o|, body sums, turn
-                if n_spans == len(spans):
-                    spans = _grown(spans, n_spans)
+            if turn >= 1 and f_n > 0 and f_abs >= floor:  # an example candidate: row, first |m - o|, body, turn
+                if n_spans == len(spans):  # full: only those that can still be kept stay (no span is open)
+                    n_spans, floor = _compact(spans, n_spans, keep, floor)
+                    if n_spans == len(spans):
+                        spans = _grown(spans, n_spans)
+            if turn >= 1 and f_n > 0 and f_abs >= floor:
                 cur, n_spans = n_spans, n_spans + 1
                 spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, f_abs, p_abs, p_n, turn
             _add_piece(steps, st, spans, -1, p_abs, p_n, f_abs, f_n)  # the span's body is in it already
@@ -188,6 +193,20 @@ def _close(seq_max, seq_abs, seq_n, seqs):  # pragma: no cover - compiled
         seqs[0], seqs[2], seqs[3] = seqs[0] + 1.0, seqs[2] + seq_n, seqs[3] + seq_abs
     elif seq_max > 0:
         seqs[1] += 1.0
+
+
+@njit(**JIT)
+def _compact(spans, n_spans, keep, floor):  # pragma: no cover - compiled
+    """Keep the spans whose first |m - o| is tied with or above the keep-th largest (the only ones that can be
+    among the keep largest once more spans come: the keep-th largest only rises), in order, at the front of
+    spans; returns (their count, the new floor). Called between turns: no span is open."""
+    kth = np.sort(spans[:n_spans, 1])[n_spans - keep] if n_spans >= keep else floor
+    j = 0
+    for i in range(n_spans):
+        if spans[i, 1] >= kth:
+            spans[j] = spans[i]
+            j += 1
+    return j, max(floor, kth)
 
 
 @njit(**JIT)
