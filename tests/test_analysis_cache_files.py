@@ -32,9 +32,12 @@ def run(tmp_path: Path) -> Path:
     return path
 
 
+LATER = 5.0  # seconds: a listing this long after the files were written (younger ones are kept)
+
+
 def folders(path: Path) -> dict[str, cache_files.FolderUsage]:
     r = open_run(path)
-    return {u.folder: u for u in cache_files.usage(r.cache_dir(), live(r))}
+    return {u.folder: u for u in cache_files.usage(r.cache_dir(), live(r), time.time() + LATER)}
 
 
 def stale_names(path: Path) -> dict[str, set[str]]:
@@ -62,7 +65,7 @@ def test_old_versions_and_other_settings_are_stale_and_a_prune_keeps_every_defau
     assert {(k, n) for k, ns in stale.items() for n in ns} == {(p.parent.name, p.name) for p in added}
     tables = kldiag.analyze(run, kldiag.AnalysisConfig(), DEFAULT)
 
-    rows = cache_files.prune(cache, live(open_run(run)))
+    rows = cache_files.prune(cache, live(open_run(run)), time.time() + LATER)
     assert sum(u.stale_files for u in rows) == len(added)
     assert {p for p in cache.rglob("*") if p.is_file()} == before  # the default reads' files, all of them
     assert stale_names(run) == {}
@@ -83,7 +86,7 @@ def test_parts_no_longer_listed_retired_folders_and_dead_temporary_files_are_sta
     young, dead = cache / "turns" / ".a.part.1.2.tmp", cache / "turns" / ".b.part.1.2.tmp"
     young.write_bytes(b"y")
     dead.write_bytes(b"z")
-    old = time.time() - 2 * cache_files.TMP_AGE_S
+    old = time.time() + LATER - 2 * cache_files.TMP_AGE_S
     os.utime(dead, (old, old))
     stale = stale_names(run)
     assert stale["context"] == {"0123.part"}
@@ -98,12 +101,27 @@ def test_folders_kldiag_does_not_know_are_kept(run):
     (mine / "a.part").write_bytes(b"1")
     got = folders(run)["my_reducer"]
     assert not got.judged and got.files == 1 and got.stale_files == 0
-    cache_files.prune(run / ".kldiag", live(open_run(run)))
+    cache_files.prune(run / ".kldiag", live(open_run(run)), time.time() + LATER)
     assert (mine / "a.part").exists()
+
+
+def test_a_file_written_after_the_listing_is_kept(run):
+    """A reader that went on while the live set was listed may have written a new part's partial: kept."""
+    since = time.time() + LATER
+    (run / ".kldiag" / "context").mkdir()
+    old, new = run / ".kldiag" / "context" / "old.part", run / ".kldiag" / "context" / "new.part"
+    old.write_bytes(b"o")
+    new.write_bytes(b"n")
+    os.utime(new, (since + 10, since + 10))
+    cache_files.prune(run / ".kldiag", live(open_run(run)), since)
+    assert not old.exists() and new.exists()
 
 
 def test_the_command_lists_and_prunes(run, capsys):
     kldiag.analyze(run, kldiag.AnalysisConfig(clamp=5.0), [])  # other thresholds: stale for the default reads
+    then = time.time() - LATER  # written a while before the command lists the run
+    for f in (run / ".kldiag").rglob("*"):
+        os.utime(f, (then, then))
     assert main(["cache", str(run)]) == 0
     out = capsys.readouterr().out
     assert "stale:" in out and "--prune" in out and "analysis" in out

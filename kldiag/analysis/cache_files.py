@@ -11,8 +11,9 @@ stale ones, which a later read at those settings would compute again.
 
 Left alone: results/ (the derived-results store keeps store.KEEP entries per name itself), prefix/seqs
 (a prefix removes the chunk files it stops listing), sequences/ (unnamed temporary files), any folder of a
-reducer kldiag does not know (a user's own: kept), and temporary files younger than TMP_AGE_S (a write in
-flight in another process).
+reducer kldiag does not know (a user's own: kept), temporary files younger than TMP_AGE_S (a write in
+flight in another process), and any file written since `since` (when the live set was listed: a reader
+that went on meanwhile may have written a new part's partial or a newer prefix).
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ def _json(path: Path) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def usage(cache_dir: Path, live: dict[str, set[str]], now: float | None = None) -> list[FolderUsage]:
-    """Every folder of the cache with its files, bytes and stale files (live: live_files'), by name."""
-    cache_dir, now = Path(cache_dir), time.time() if now is None else now
+def usage(cache_dir: Path, live: dict[str, set[str]], since: float | None = None) -> list[FolderUsage]:
+    """Every folder of the cache with its files, bytes and stale files (live: live_files', listed at time
+    `since`, default now), by name."""
+    cache_dir, since = Path(cache_dir), time.time() if since is None else since
     if not cache_dir.is_dir():
         return []
     out = []
@@ -90,7 +92,7 @@ def usage(cache_dir: Path, live: dict[str, set[str]], now: float | None = None) 
                 continue
             size = _size(f)
             u.files, u.bytes = u.files + 1, u.bytes + size
-            if judged and f.parent == folder and _stale(f, live.get(folder.name, set()), now):
+            if judged and f.parent == folder and _stale(f, live.get(folder.name, set()), since):
                 u.stale.append(f)
                 u.stale_files, u.stale_bytes = u.stale_files + 1, u.stale_bytes + size
         out.append(u)
@@ -104,23 +106,25 @@ def _size(f: Path) -> int:
         return 0
 
 
-def _stale(f: Path, live: set[str], now: float) -> bool:
-    """A file of a judged folder that no read asks for: not live, and not a temporary file young enough to be
-    a write in flight (save_arrays' `.<name>.<pid>.<thread>.tmp`, the prefixes' `.<ns>.json.<pid>.tmp`)."""
+def _stale(f: Path, live: set[str], since: float) -> bool:
+    """A file of a judged folder that no read asks for: not live, not written since the live set was listed,
+    and not a temporary file young enough to be a write in flight (save_arrays' `.<name>.<pid>.<thread>.tmp`,
+    the prefixes' `.<ns>.json.<pid>.tmp`)."""
     if f.name in live:
         return False
-    if f.name.startswith(".") and ".tmp" in f.name:
-        try:
-            return now - f.stat().st_mtime > TMP_AGE_S
-        except OSError:
-            return False
-    return True
+    try:
+        mtime = f.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return False
+    if mtime >= since - 1.0:  # 1 s: file systems whose mtimes are coarse
+        return False
+    return not (f.name.startswith(".") and ".tmp" in f.name) or since - mtime > TMP_AGE_S
 
 
-def prune(cache_dir: Path, live: dict[str, set[str]], now: float | None = None) -> list[FolderUsage]:
+def prune(cache_dir: Path, live: dict[str, set[str]], since: float | None = None) -> list[FolderUsage]:
     """Remove usage()'s stale files; returns usage() as it was (what was removed: the stale counts). A file
     another process removed meanwhile is skipped; one that cannot be removed (read-only cache) stays."""
-    before = usage(cache_dir, live, now)
+    before = usage(cache_dir, live, since)
     for u in before:
         for f in u.stale:
             try:

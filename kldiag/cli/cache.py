@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 from kldiag.analysis import cache_files, runner, topk
@@ -54,9 +55,9 @@ def as_json(rows: list[cache_files.FolderUsage], cache_dir, pruned: bool) -> dic
 
 def run(args: argparse.Namespace) -> int:
     r = open_run(args.run_dir)
-    cache_dir = r.cache_dir()
+    cache_dir, since = r.cache_dir(), time.time()
     want = live(r)
-    rows = cache_files.prune(cache_dir, want) if args.prune else cache_files.usage(cache_dir, want)
+    rows = cache_files.prune(cache_dir, want, since) if args.prune else cache_files.usage(cache_dir, want, since)
     if args.json:
         print(json.dumps(as_json(rows, cache_dir, args.prune), indent=2))
         return 0
