@@ -103,10 +103,15 @@ def njit(*args, **options):
 @functools.lru_cache(maxsize=1)
 def kernel_stamp() -> str:
     """sha1 of the name, mtime and size of each of KERNEL_FILES (once per process)."""
+    return stamp_of(os.stat)
+
+
+def stamp_of(stat: Callable[[Path], Any]) -> str:
+    """kernel_stamp() with the files' `stat` given (a test's)."""
     h = hashlib.sha1()
     for name in KERNEL_FILES:
         try:
-            st = os.stat(PACKAGE / name)
+            st = stat(PACKAGE / name)
             h.update(f"{name} {st.st_mtime_ns} {st.st_size}\n".encode())
         except OSError:
             h.update(f"{name} -\n".encode())
