@@ -144,3 +144,31 @@ def test_the_command_on_a_run_without_a_cache_and_on_no_run(tmp_path, capsys):
     assert main(["cache", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kldiag: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_the_command_on_an_s3_run_reads_its_local_cache(s3, tmp_path, monkeypatch, capsys):
+    """An s3:// run's cache is a local folder per URI (KLDIAG_CACHE_DIR): listed and pruned there, and no
+    credential reaches what the command prints."""
+    from s3util import SECRET
+
+    monkeypatch.setenv("KLDIAG_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"s3://{s3.bucket()}/runs/c"
+    with kldiag.Recorder(uri, beta=0.04, estimator="k3", rotate_seconds=None) as rec:
+        rng = np.random.default_rng(0)
+        for step in range(4):
+            logp = -rng.exponential(0.7, (4, 12)).astype(np.float32)
+            rec.record(step=step, logp=logp, logp_ref=logp - 0.1, logp_old=logp)
+    kldiag.analyze(uri, kldiag.AnalysisConfig(), DEFAULT)
+    kldiag.analyze(uri, kldiag.AnalysisConfig(weight_limit=3.0), [])  # other thresholds: stale
+    cache = open_run(uri).cache_dir()
+    assert str(cache).startswith(str(tmp_path / "cache"))
+    then = time.time() - LATER
+    for f in cache.rglob("*"):
+        os.utime(f, (then, then))
+    assert main(["cache", uri, "--json"]) == 0
+    out = capsys.readouterr().out
+    got = json.loads(out)
+    assert got["cache_dir"] == str(cache) and got["stale_bytes"] > 0 and SECRET not in out
+    assert main(["cache", uri, "--prune"]) == 0
+    assert SECRET not in capsys.readouterr().out
+    assert kldiag.analyze(uri, kldiag.AnalysisConfig(), DEFAULT).files_new == 0
