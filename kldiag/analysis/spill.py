@@ -10,7 +10,9 @@ prefix cache lists the named chunk files instead of copying their rows (prefix.p
 Files: CACHE/prefix/seqs/<uuid>.seqs (reduce.save_arrays' layout, one keyed table), or an unnamed
 temporary file when the cache is off or read-only; beside a chunk file, what is derived from it for
 every process (<uuid>.seqs.<digest>.parquet: its rows of the sequence table, seqrows.py;
-<uuid>.seqs.<digest>.arrays: its per-step counts and sums, `kept`), removed with it.
+<uuid>.seqs.<digest>.arrays: its per-step counts and sums, `kept`), removed with it; beside the last
+of a prefix's chunk files, those sums of all of them in one file (<uuid>.seqs.all.<digest>.<digest>.arrays,
+`kept_all`).
 """
 
 from __future__ import annotations
@@ -107,6 +109,48 @@ def kept(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], keyed.Keyed], version
     if not isinstance(c, Spilled) or c.name is None:
         return fn(materialize(c))
     return derived(c, tag, from_disk, handle=True)
+
+
+def kept_all(chunks: list[Chunk], tag: tuple, fn: Callable[[keyed.Keyed], keyed.Keyed], version: int) -> keyed.Keyed:
+    """keyed.concat of kept(c, tag, fn, version) over `chunks` in order, the leading named chunk files' part
+    read from one file (NAME.seqs.all.<digest of version, tag>.<digest of the names>.arrays, NAME the last
+    of them, written once): a warm analysis in a fresh process then opens one file per tag, not one per
+    chunk (41 at 1B rows, 400 at 10B tokens). Writing it removes the tag's files of other chunk lists."""
+    k = 0
+    while k < len(chunks) and isinstance(chunks[k], Spilled) and chunks[k].name is not None:
+        k += 1
+    rest = [kept(c, tag, fn, version) for c in chunks[k:]]
+    if k < 2:
+        return keyed.concat([kept(c, tag, fn, version) for c in chunks[:k]] + rest)
+    named: list[Spilled] = chunks[:k]  # type: ignore[assignment]
+    names = "\n".join(c.name for c in named)  # type: ignore[misc]
+    key = ("all", hashlib.sha1(names.encode()).hexdigest()[:16], tag)
+    with _lock:
+        if key in _memo:
+            _memo.move_to_end(key)
+            return keyed.concat([_memo[key], *rest])
+    whole = _whole(named, tag, fn, version, key[1])
+    with _lock:
+        _memo[key] = whole
+        while len(_memo) > MEMO_ENTRIES:
+            _memo.popitem(last=False)
+    return keyed.concat([whole, *rest])
+
+
+def _whole(named: list[Spilled], tag: tuple, fn, version: int, list_digest: str) -> keyed.Keyed:
+    """kept_all's table of the named chunks: from its file, else from each chunk's kept() and then written."""
+    tag_digest = hashlib.sha1(repr((version, tag)).encode()).hexdigest()[:16]
+    folder = Path(named[-1].f.name).parent
+    path = folder / f"{named[-1].name}.all.{tag_digest}.{list_digest}.arrays"
+    got = reduce.load_arrays(path)
+    if got is not None:
+        return got
+    got = keyed.concat([kept(c, tag, fn, version) for c in named])
+    if reduce.save_arrays(path, got):
+        for old in folder.glob(f"*{SUFFIX}.all.{tag_digest}.*.arrays"):  # another chunk list's: superseded
+            if old.name != path.name:
+                old.unlink(missing_ok=True)
+    return got
 
 
 def spill(table: keyed.Keyed, folder: Path | None) -> Chunk:

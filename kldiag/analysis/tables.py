@@ -107,8 +107,8 @@ def sequence_counts(p: keyed.Keyed, seqs: keyed.Keyed | list[keyed.Keyed], cfg: 
                     keys) -> tuple[np.ndarray, np.ndarray]:
     """Per-row number of sequences and the fraction the off-policy sequence mask drops. `seqs`: one
     table or step-disjoint chunks in step order (each reduced alone: integer counts, the same result)."""
-    red = keyed.concat([spill.kept(c, ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys),
-                                   DERIVED_VERSION) for c in raw_chunks(seqs)])
+    red = spill.kept_all(raw_chunks(seqs), ("counts", tuple(keys), cfg.opsm_delta), lambda k: _counts(k, cfg, keys),
+                         DERIVED_VERSION)
     if not red:
         return np.zeros(len(p["step"]), np.int64), np.full(len(p["step"]), np.nan)
     # Align with p's rows (same keys, both sorted); a step may have no sequence row.
@@ -145,8 +145,7 @@ def opsm_masked(seqs: keyed.Keyed, delta: float) -> tuple[np.ndarray, np.ndarray
 def opsm_counts(seqs: keyed.Keyed | list, deltas: tuple[float, ...] = OPSM_DELTAS) -> OpsmCounts:
     """The off-policy sequence mask per step at every delta, from the per-(step, seq) rows (one table or
     step-disjoint chunks, each counted alone and remembered with its chunk file: integer counts)."""
-    red = keyed.concat([spill.kept(c, ("opsm", tuple(deltas)), lambda k: _opsm_rows(k, deltas), DERIVED_VERSION)
-                        for c in raw_chunks(seqs)])
+    red = spill.kept_all(raw_chunks(seqs), ("opsm", tuple(deltas)), lambda k: _opsm_rows(k, deltas), DERIVED_VERSION)
     if not red:
         z = np.zeros(0, np.int64)
         return OpsmCounts(tuple(deltas), z, z, z, np.zeros((0, len(deltas)), np.int64))
@@ -252,9 +251,8 @@ def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], ru
     corrected = bool(config.get("use_bias_correction_kl")) or config.get("estimator") == "k3_is"
     sequence_level = corrected and config.get("importance_sampling_level") == "sequence"
     # a micro-batch's key leads with its step: step-disjoint chunks reduce alone to the same rows
-    micro = keyed.concat([spill.kept(c, ("micro", corrected, sequence_level),
-                                     lambda k: _micro_sums(k, corrected, sequence_level), DERIVED_VERSION)
-                          for c in raw_chunks(seqs)])
+    micro = spill.kept_all(raw_chunks(seqs), ("micro", corrected, sequence_level),
+                           lambda k: _micro_sums(k, corrected, sequence_level), DERIVED_VERSION)
     if not micro:
         return empty
     with np.errstate(invalid="ignore"):
