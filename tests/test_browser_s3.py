@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from test_browser import PAGES, SHOTS, _open, _serve, page  # noqa: F401 - page is a fixture
 
+import kldiag
+from kldiag.diagnosis import diagnose
 from kldiag.record.recorder import Recorder
+from kldiag.views import dashboard
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +29,10 @@ def s3_server(s3, tmp_path_factory):
             rec.record(step=step, logp=logp, logp_ref=(logp + d).clip(max=0).astype(np.float32),
                        advantages=rng.normal(size=6).astype(np.float32),
                        token_ids=rng.integers(0, 32, (6, 12)), group_ids=np.arange(6) // 3)
+    # The kernels this run's columns need, compiled into numba's disk cache before the server starts: in a
+    # fresh checkout its first render would compile them (tens of seconds on a 2-core machine) inside the
+    # page's wait. No analysis cache is written: the server still reads the run from S3, cold.
+    diagnose(kldiag.analyze(uri, kldiag.AnalysisConfig(use_cache=False), dashboard.reducers()))
     with _serve(uri) as url:
         yield url
 
