@@ -59,7 +59,7 @@ def live_files(cache_dir: Path, parts: Sequence[PartInfo], th: Thresholds,
     states = live.setdefault(reducer_prefix.FOLDER, set())
     for r in every[1:]:
         ns = reducer_prefix.namespace(r)
-        meta = _json(cache_dir / reducer_prefix.FOLDER / f"{ns}.json")
+        meta = reducer_prefix._meta(cache_dir / reducer_prefix.FOLDER, ns) or {}
         states.add(f"{ns}.json")
         if isinstance(meta.get("digest"), str):
             states.update(f"{ns}-{meta['digest']}.{ext}" for ext in ("state", "result"))

@@ -72,23 +72,41 @@ _lock = threading.Lock()
 MEMO_ENTRIES = 4096  # what was derived from named chunk files (small: per-step sums, Parquet pieces on disk)
 
 
+def _remembered(key: tuple, compute: Callable[[], Any]) -> Any:
+    """compute(), kept in the process's memo under `key` (what a named chunk file, or a list of them, gives:
+    their rows never change, a new name is a new file)."""
+    with _lock:  # a dashboard analyses in several threads
+        if key in _memo:
+            _memo.move_to_end(key)
+            return _memo[key]
+    value = compute()
+    with _lock:
+        _memo[key] = value
+        while len(_memo) > MEMO_ENTRIES:
+            _memo.popitem(last=False)
+    return value
+
+
 def derived(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], Any], handle: bool = False) -> Any:
     """fn(the chunk's rows), remembered for a named chunk file (its rows never change: a new name is
     a new file), so that an analysis of a grown run derives again only the rows after the prefix.
     handle: fn gets the Spilled handle of a named chunk instead (it reads the rows only if it must)."""
     if not isinstance(c, Spilled) or c.name is None:
         return fn(materialize(c))
-    key = (c.name, tag)
-    with _lock:  # a dashboard analyses in several threads
-        if key in _memo:
-            _memo.move_to_end(key)
-            return _memo[key]
-    value = fn(c if handle else c.load())
-    with _lock:
-        _memo[key] = value
-        while len(_memo) > MEMO_ENTRIES:
-            _memo.popitem(last=False)
-    return value
+    return _remembered((c.name, tag), lambda: fn(c if handle else c.load()))
+
+
+def _tag_digest(version: int, tag: tuple) -> str:
+    return hashlib.sha1(repr((version, tag)).encode()).hexdigest()[:16]
+
+
+def _from_file(path: Path, compute: Callable[[], keyed.Keyed]) -> tuple[keyed.Keyed, bool]:
+    """(the arrays kept in `path`, else compute()'s, then written there; whether they were written now)."""
+    got = reduce.load_arrays(path)
+    if got is not None:
+        return got, False
+    got = compute()
+    return got, reduce.save_arrays(path, got)
 
 
 def kept(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], keyed.Keyed], version: int) -> keyed.Keyed:
@@ -98,13 +116,8 @@ def kept(c: Chunk, tag: tuple, fn: Callable[[keyed.Keyed], keyed.Keyed], version
     it reads for the run's per-step tables no longer grows with the run's sequences. `version`: bump it
     when fn's result changes meaning. A read-only folder: derived again in every process, as before."""
     def from_disk(h: Spilled) -> keyed.Keyed:
-        digest = hashlib.sha1(repr((version, tag)).encode()).hexdigest()[:16]
-        path = Path(h.f.name).with_name(f"{h.name}.{digest}.arrays")
-        got = reduce.load_arrays(path)
-        if got is None:
-            got = fn(h.load())
-            reduce.save_arrays(path, got)
-        return got
+        path = Path(h.f.name).with_name(f"{h.name}.{_tag_digest(version, tag)}.arrays")
+        return _from_file(path, lambda: fn(h.load()))[0]
 
     if not isinstance(c, Spilled) or c.name is None:
         return fn(materialize(c))
@@ -119,34 +132,21 @@ def kept_all(chunks: list[Chunk], tag: tuple, fn: Callable[[keyed.Keyed], keyed.
     k = 0
     while k < len(chunks) and isinstance(chunks[k], Spilled) and chunks[k].name is not None:
         k += 1
-    rest = [kept(c, tag, fn, version) for c in chunks[k:]]
     if k < 2:
-        return keyed.concat([kept(c, tag, fn, version) for c in chunks[:k]] + rest)
+        return keyed.concat([kept(c, tag, fn, version) for c in chunks])
     named: list[Spilled] = chunks[:k]  # type: ignore[assignment]
-    names = "\n".join(c.name for c in named)  # type: ignore[misc]
-    key = ("all", hashlib.sha1(names.encode()).hexdigest()[:16], tag)
-    with _lock:
-        if key in _memo:
-            _memo.move_to_end(key)
-            return keyed.concat([_memo[key], *rest])
-    whole = _whole(named, tag, fn, version, key[1])
-    with _lock:
-        _memo[key] = whole
-        while len(_memo) > MEMO_ENTRIES:
-            _memo.popitem(last=False)
-    return keyed.concat([whole, *rest])
+    list_digest = hashlib.sha1("\n".join(c.name for c in named).encode()).hexdigest()[:16]  # type: ignore[misc]
+    whole = _remembered(("all", list_digest, tag), lambda: _whole(named, tag, fn, version, list_digest))
+    return keyed.concat([whole, *[kept(c, tag, fn, version) for c in chunks[k:]]])
 
 
 def _whole(named: list[Spilled], tag: tuple, fn, version: int, list_digest: str) -> keyed.Keyed:
     """kept_all's table of the named chunks: from its file, else from each chunk's kept() and then written."""
-    tag_digest = hashlib.sha1(repr((version, tag)).encode()).hexdigest()[:16]
+    tag_digest = _tag_digest(version, tag)
     folder = Path(named[-1].f.name).parent
     path = folder / f"{named[-1].name}.all.{tag_digest}.{list_digest}.arrays"
-    got = reduce.load_arrays(path)
-    if got is not None:
-        return got
-    got = keyed.concat([kept(c, tag, fn, version) for c in named])
-    if reduce.save_arrays(path, got):
+    got, written = _from_file(path, lambda: keyed.concat([kept(c, tag, fn, version) for c in named]))
+    if written:
         for old in folder.glob(f"*{SUFFIX}.all.{tag_digest}.*.arrays"):  # another chunk list's: superseded
             if old.name != path.name:
                 old.unlink(missing_ok=True)

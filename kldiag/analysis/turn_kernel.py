@@ -177,9 +177,10 @@ def fold(key_step, iteration, seq, pos, step, lo, mask, rec, s, o, o_ok, r, r_ok
                     n_spans, floor = _compact(spans, n_spans, keep, floor)
                     if n_spans == len(spans):
                         spans = _grown(spans, n_spans)
-            if turn >= 1 and f_n > 0 and f_abs >= floor:
-                cur, n_spans = n_spans, n_spans + 1
-                spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = i, f_abs, p_abs, p_n, turn
+                if f_abs >= floor:  # still, against the floor _compact may have raised
+                    cur, n_spans = n_spans, n_spans + 1
+                    spans[cur, 0], spans[cur, 1], spans[cur, 2], spans[cur, 3], spans[cur, 4] = (i, f_abs, p_abs,
+                                                                                                 p_n, turn)
             _add_piece(steps, st, spans, -1, p_abs, p_n, f_abs, f_n)  # the span's body is in it already
             seq_abs, seq_n = seq_abs + p_abs + f_abs, seq_n + p_n + f_n
     _close(seq_max, seq_abs, seq_n, seqs)
