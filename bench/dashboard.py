@@ -29,6 +29,8 @@ switches.
   the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
 --scale --cold-only: only the cold figures and their ratio.
+--shape grpo: the run written (when --run does not exist) has a GRPO run's shape instead of the short
+completions of the default (SHAPES); the ratios on both say how much the run's shape moves them.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
 states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
 kldiag.analysis.store; a change of kldiag's code makes those entries misses).
@@ -229,8 +231,15 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+# --shape: "bench", short completions without token ids and 5% of tokens outside the loss, one at a time (a
+# mask hole splits a turn: about 12 turns a sequence); "grpo", the shape of a GRPO run of a 7B-30B model,
+# 1,000-2,750 tokens a completion, token ids of a 151,936-token vocabulary, one contiguous loss span a sequence.
+SHAPES = {"bench": dict(seq_len=(150, 350), vocab_size=0),
+          "grpo": dict(seq_len=(1000, 2750), vocab_size=151_936, unmasked_frac=0.0)}
+
+
 def synth_config(args) -> SynthConfig:
-    return SynthConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, seq_len=(150, 350), vocab_size=0,
+    return SynthConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, **SHAPES[args.shape],
                        blowup_step=args.steps * 3 // 4, blowup_frac=0.001, seed=7)
 
 
@@ -465,7 +474,10 @@ def warm(run: Path, args, env: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--seqs-per-step", type=int, default=60, help="60: 30M rows at 2,000 steps; 600: 300M")
+    ap.add_argument("--seqs-per-step", type=int, default=60,
+                    help="60: 30M rows at 2,000 steps; 600: 300M (--shape grpo: 8 and 80)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                    help="the synthetic run written when --run does not exist (SHAPES)")
     ap.add_argument("--run", default="/tmp/kldiag_bench_dash")
     ap.add_argument("--scale", action="store_true", help="the fresh-process figures above instead of the default")
     ap.add_argument("--repeat", type=int, default=2)

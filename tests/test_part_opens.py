@@ -84,3 +84,51 @@ def test_dashboard_data_reads_each_part_once(tmp_path, opens):
     again = kldiag.analyze(run, kldiag.AnalysisConfig(), dashboard.reducers())
     estimators.from_arrays(runner.reduced(again, dashboard.estimator_reducer()))
     assert max(opens.values()) == 1  # cached: never again
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_diagnose_of_a_bare_analysis_reads_each_part_once_more(tmp_path, opens, use_cache):
+    """The README's `a = kldiag.analyze(run)` then `diagnose(a)`: the diagnosis's reducers, which that analysis was
+    not made with, are read together in one more pass (one pass each before: about 7 opens of every part), and
+    the diagnosis is the one of an analysis that read them along."""
+    import kldiag
+    from kldiag.diagnosis import diagnose
+    from kldiag.diagnosis.core import reducers
+
+    run = tmp_path / "r"
+    make_run(run, SynthConfig(steps=12, seqs_per_step=8, ranks=2, blowup_step=6, blowup_frac=0.02, vocab_size=64))
+    a = kldiag.analyze(run, kldiag.AnalysisConfig(use_cache=use_cache))
+    assert set(opens.values()) == {1}
+    dg = diagnose(a)
+    assert set(opens.values()) == {2} and len(opens) == 2  # a part per rank, each read once more
+    ref = diagnose(kldiag.analyze(run, kldiag.AnalysisConfig(use_cache=False), reducers()))
+    assert dg.verdict == ref.verdict == "unstable"
+    assert [(c.cause, c.onset, c.severity, c.evidence) for c in dg.causes] == \
+        [(c.cause, c.onset, c.severity, c.evidence) for c in ref.causes]
+    assert {n: a.reduced[n] is not None for n in ("scan", "tokens", "turns")} == dict.fromkeys(("scan", "tokens",
+                                                                                               "turns"), True)
+
+
+def test_read_along_reads_only_what_the_analysis_lacks(tmp_path, opens):
+    """runner.read_along: nothing when the analysis read every reducer along; else the missing ones in one pass,
+    after which `reduced` reads no part and gives what a pass of that reducer alone gives."""
+    import numpy as np
+
+    import kldiag
+    from kldiag.analysis import runner
+    from kldiag.diagnosis.scan import ScanReducer
+    from kldiag.analysis.turns import TurnReducer
+
+    run = tmp_path / "r"
+    make_run(run, SynthConfig(steps=8, seqs_per_step=8, ranks=2))
+    cfg = kldiag.AnalysisConfig(use_cache=False)
+    a = kldiag.analyze(run, cfg, [ScanReducer()])
+    opens.clear()
+    assert runner.read_along(a, [ScanReducer()]) == 0 and dict(opens) == {}
+    assert runner.read_along(a, [ScanReducer(), TurnReducer()]) == 1 and set(opens.values()) == {1}
+    opens.clear()
+    turns, scan = runner.reduced(a, TurnReducer()), runner.reduced(a, ScanReducer())
+    assert dict(opens) == {}
+    alone = runner.reduced(kldiag.analyze(run, cfg), TurnReducer())
+    assert turns.keys() == alone.keys() and all(np.array_equal(turns[k], alone[k], equal_nan=True) for k in turns)
+    assert "scan" in a.reduced and scan["sums"].shape[0] == 8

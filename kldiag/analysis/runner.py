@@ -242,12 +242,39 @@ def parts_of(analysis) -> tuple:
     return run, run.parts()
 
 
+def _bound_to(analysis, reducer: Reducer) -> tuple:
+    """(run, parts, reducer bound to the parts the analysis read, whether the analysis read it along)."""
+    run, parts = parts_of(analysis)
+    red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
+    return run, parts, red, analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced
+
+
 def reduced(analysis, reducer: Reducer) -> Arrays:
     """The merged partial of `reducer` on an analysed run: the one the analysis read along when it
     was made with the same reducer, else one more pass over the parts the analysis read (those whose
     partial is cached are not read)."""
-    run, parts = parts_of(analysis)
-    red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
-    if analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced:
+    run, parts, red, along = _bound_to(analysis, reducer)
+    if along:
         return analysis.reduced[red.name]
     return Pass(run.cache_dir(), parts, [red], analysis.config).merged(red)
+
+
+def read_along(analysis, reducers: Sequence[Reducer]) -> int:
+    """Read every one of `reducers` that the analysis did not read along in one pass over its parts, as if
+    it had: each is then in analysis.reduced (merged when first used) and `reduced` returns it without a
+    read. What `analyze(run)` then several `reduced` calls would read part by part, once per reducer, is read
+    once (a part whose partials are all cached, not at all). Returns how many reducers were read."""
+    bound_ = [_bound_to(analysis, r) for r in reducers]
+    missing = list({red.name: red for _, _, red, along in bound_ if not along}.values())
+    if not missing:
+        return 0
+    run, parts = bound_[0][0], bound_[0][1]
+    cfg, cache_dir = analysis.config, run.cache_dir()
+    accs = accumulators(cache_dir, parts, missing, cfg.use_cache)
+    Pass(cache_dir, parts, missing, cfg, wanted=lambda i, r: i >= accs[r.name].start).run(accs)
+    got = results(accs, cache_dir, parts, cfg.use_cache)
+    had = analysis.reduced
+    analysis.reduced = Reduced({**{n: functools.partial(had.__getitem__, n) for n in had if n not in got},
+                                **{n: functools.partial(got.__getitem__, n) for n in got}})
+    analysis.memo.update({("reducer", red.name): red for red in missing})
+    return len(missing)

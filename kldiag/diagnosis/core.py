@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 from kldiag.analysis import episodes as EP
-from kldiag.analysis import store
+from kldiag.analysis import runner, store
 from kldiag.analysis.alerts import rule_context
 from kldiag.analysis.routing import RoutingReducer
 from kldiag.analysis.staleness import StalenessReducer
@@ -79,8 +79,8 @@ def _call(detector, analysis, ctx: C.Context) -> list[Cause]:
 def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=None) -> Diagnosis:
     """Episodes, causes (each detector's, a failing detector warned about and skipped) and verdict.
 
-    Reads no part when `analysis` was made with `reducers()` (else the side scan and the parity
-    sample read the parts whose partials are not cached yet); `detectors` defaults to
+    Reads no part when `analysis` was made with `reducers()`; else the ones it lacks are read together,
+    in one more pass over the parts whose partials are not cached yet (`read_along`); `detectors` defaults to
     causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
     dropped when another detector named the same cause, or ran and lists its name in its `replaces`; any cause is
     dropped when a detector that found a cause lists its name in its `absorbs` (a root cause that explains it).
@@ -93,11 +93,25 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     own = [f"{getattr(d, '__module__', '')}:{getattr(d, '__qualname__', d)}" for d in dets]
     if detectors is None and config is not None and all(name.startswith("kldiag.") for name in own):
         return store.cached(analysis, "diagnosis", [dataclasses.asdict(config), own],
-                            lambda: _diagnose(analysis, config, dets))
-    return _diagnose(analysis, config, dets)
+                            lambda: _diagnose(analysis, config, dets, along=True))
+    return _diagnose(analysis, config, dets, along=detectors is None)
 
 
-def _diagnose(analysis, config: DiagnosisConfig | None, dets: Sequence) -> Diagnosis:
+def read_along(analysis, config: DiagnosisConfig | None) -> None:
+    """The built-in detectors' reducers that `analysis` was made without, read in one pass (runner.read_along):
+    `diagnose(kldiag.analyze(run))` reads each part once more, not once per reducer. On an error each
+    detector's own read goes on as before (and a failing one is warned about and skipped)."""
+    reds = [r for r in reducers(config or DiagnosisConfig()) if config is not None or r.name != ScanReducer.name]
+    try:
+        runner.read_along(analysis, reds)
+    except Exception as e:  # the detectors then read what they need themselves, as without it
+        warnings.warn(f"kldiag: the diagnosis's reducers were not read in one pass ({type(e).__name__}: {e})",
+                      stacklevel=3)
+
+
+def _diagnose(analysis, config: DiagnosisConfig | None, dets: Sequence, along: bool = False) -> Diagnosis:
+    if along:  # the built-in detectors read every one of reducers()
+        read_along(analysis, config)
     side = side_scan(analysis, config) if config is not None else {}
     eps, rctx, cols = run_episodes(analysis, config, side)
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
