@@ -75,7 +75,7 @@ def test_growing_run_equals_cold_merge(source, tmp_path, monkeypatch):
         for name, state in states.items():
             if state is not None:  # a prefix: only the parts after it are loaded
                 used += 1
-                assert len(tail[name]) == n - state.k, name  # tried: the new part has none yet
+                assert len(tail[name]) == n - state.k - 1, name  # the new part has none yet: not even tried
     assert used > len(staged) * len(reducers) // 2
     loads.clear()
     again = analyze(run, AnalysisConfig(), reducers)  # the listing the last states were written for

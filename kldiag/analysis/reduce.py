@@ -83,9 +83,13 @@ def save_arrays(path: Path, arrays: Arrays) -> bool:
     chunks of one array, written one after the other (no concatenated copy in memory).
     """
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")
+        except FileNotFoundError:  # the folder's first file (a mkdir each save cost a system call)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "wb")
+        with f:
             ok = write_arrays(f, arrays)
         if not ok:
             tmp.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ analysis's sealing merge). `opened_parts` counts the parts read, for tests and b
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -117,6 +118,9 @@ class Reduced(Mapping):
                     self._done[name] = make()
         return self._done[name]
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would merge it (its __getitem__) to answer
+        return name in self._make
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._make)
 
@@ -159,9 +163,27 @@ class Pass:
         self.wanted = wanted or (lambda i, r: True)
         self.failed: set[int] = set()
         self.computed = 0
+        self._paths: dict[tuple[int, str], Path] = {}
+        self._names: dict[str, set[str]] = {}
 
     def _path(self, i: int, r: Reducer) -> Path:
-        return reduce.cache_path(self.cache_dir, r, self.parts[i])
+        """Part i's cache file of r, its key hashed once a pass (looked up, then written)."""
+        path = self._paths.get((i, r.name))
+        if path is None:
+            path = self._paths[(i, r.name)] = reduce.cache_path(self.cache_dir, r, self.parts[i])
+        return path
+
+    def _listed(self, r: Reducer) -> set[str]:
+        """The names in r's cache folder, listed once a pass: on a fresh cache no part's file is opened to
+        find it missing (a file another process writes meanwhile is computed again, and written alike)."""
+        names = self._names.get(r.name)
+        if names is None:
+            try:
+                names = set(os.listdir(self.cache_dir / r.name))
+            except OSError:
+                names = set()
+            self._names[r.name] = names
+        return names
 
     def run(self, sinks: dict[str, Sink]) -> None:
         """Hand every wanted partial to sinks[reducer name], part by part in order."""
@@ -192,7 +214,10 @@ class Pass:
                 sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
 
     def _load(self, i: int, r: Reducer, loaded: dict) -> bool:
-        got = reduce.load_arrays(self._path(i, r))  # unreadable (another kldiag's, cut short): computed again
+        path = self._path(i, r)
+        if path.name not in self._listed(r):
+            return False
+        got = reduce.load_arrays(path)  # unreadable (another kldiag's, cut short): computed again
         if got is not None:
             loaded[(i, r.name)] = got
         return got is not None
