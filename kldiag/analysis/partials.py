@@ -63,7 +63,6 @@ def merge(partials: Sequence[Partial], top_k: int) -> Partial:
     )
 
 
-KERNEL_ROWS = 1 << 19  # rows per kernel call
 ALL_RANKS = -1  # the rank of a per-step row that holds every rank's tokens (per_rank off)
 
 
@@ -155,4 +154,4 @@ class AnalysisReducer:
 def compute_part(part: PartInfo, th: Thresholds, batch_size: int) -> Partial:
     """One part's Partial from one read of it (an unreadable part raises)."""
     red = AnalysisReducer(th)
-    return from_arrays(reduce.compute_part(part, [red], min(batch_size, KERNEL_ROWS))[red.name])
+    return from_arrays(reduce.compute_part(part, [red], min(batch_size, reduce.KERNEL_ROWS))[red.name])

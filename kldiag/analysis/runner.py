@@ -19,11 +19,10 @@ from pathlib import Path
 
 from kldiag.analysis import reduce, reducer_prefix, worker
 from kldiag.analysis.kernel import clip_range
-from kldiag.analysis.reduce import Arrays, Reducer
+from kldiag.analysis.reduce import KERNEL_ROWS, Arrays, Reducer
 from kldiag.errors import CorruptPartError, RunFormatError
 from kldiag.format import PartInfo, open_run
 
-KERNEL_ROWS = 1 << 19  # rows per batch handed to the reducers
 MERGE_EVERY = 32  # an Accumulator merges this many partials at a time
 opened_parts = 0  # parts read by any Pass in this process (tests: "each part at most once")
 Sink = Callable[[int, Arrays], None]  # (part index, partial), called in part order
