@@ -85,6 +85,7 @@ run, mode, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "freshcache"
 if cache:
     shutil.rmtree(os.path.join(run, ".kldiag"), ignore_errors=True)
 cfg = kldiag.AnalysisConfig(use_cache=cache)
+os.sync()  # the previous measurement's cache files written back now, not during this one
 t0 = time.perf_counter()
 if mode == "command":  # what the `kldiag analyze` command computes before it prints
     a = analyze_run(run, cfg)
