@@ -80,7 +80,7 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     """Episodes, causes (each detector's, a failing detector warned about and skipped) and verdict.
 
     Reads no part when `analysis` was made with `reducers()`; else the ones it lacks are read together,
-    in one more pass over the parts whose partials are not cached yet (`read_along`); `detectors` defaults to
+    in one more pass over the parts whose partials are not cached yet (`runner.read_along`); `detectors` defaults to
     causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
     dropped when another detector named the same cause, or ran and lists its name in its `replaces`; any cause is
     dropped when a detector that found a cause lists its name in its `absorbs` (a root cause that explains it).
@@ -97,7 +97,7 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
     return _diagnose(analysis, config, dets, along=detectors is None)
 
 
-def read_along(analysis, config: DiagnosisConfig | None) -> None:
+def _read_along(analysis, config: DiagnosisConfig | None) -> None:
     """The built-in detectors' reducers that `analysis` was made without, read in one pass (runner.read_along):
     `diagnose(kldiag.analyze(run))` reads each part once more, not once per reducer. On an error each
     detector's own read goes on as before (and a failing one is warned about and skipped)."""
@@ -111,7 +111,7 @@ def read_along(analysis, config: DiagnosisConfig | None) -> None:
 
 def _diagnose(analysis, config: DiagnosisConfig | None, dets: Sequence, along: bool = False) -> Diagnosis:
     if along:  # the built-in detectors read every one of reducers()
-        read_along(analysis, config)
+        _read_along(analysis, config)
     side = side_scan(analysis, config) if config is not None else {}
     eps, rctx, cols = run_episodes(analysis, config, side)
     ctx = C.Context(cols, analysis.manifest, rctx.estimator, config, side or {"step": cols["step"][:0]}, eps)
