@@ -105,8 +105,7 @@ def test_diagnose_of_a_bare_analysis_reads_each_part_once_more(tmp_path, opens, 
     assert dg.verdict == ref.verdict == "unstable"
     assert [(c.cause, c.onset, c.severity, c.evidence) for c in dg.causes] == \
         [(c.cause, c.onset, c.severity, c.evidence) for c in ref.causes]
-    assert {n: a.reduced[n] is not None for n in ("scan", "tokens", "turns")} == dict.fromkeys(("scan", "tokens",
-                                                                                               "turns"), True)
+    assert all(a.reduced[n] is not None for n in ("scan", "tokens", "turns"))
 
 
 def test_read_along_reads_only_what_the_analysis_lacks(tmp_path, opens):

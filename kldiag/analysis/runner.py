@@ -241,14 +241,19 @@ class Pass:
     def merged(self, r: Reducer) -> Arrays:
         """r's merge of every readable part's partial (a pass for this one reducer; from its cached
         prefix state, reducer_prefix.py, and the parts after it)."""
-        acc = accumulators(self.cache_dir, self.parts, [r], self.cfg.use_cache)[r.name]
+        return self.merged_all([r])[r.name]
+
+    def merged_all(self, reducers: Sequence[Reducer]) -> Reduced:
+        """Each reducer's merge of every readable part's partial, from one pass (each from its cached prefix
+        state and the parts after it), merged when first used."""
+        accs = accumulators(self.cache_dir, self.parts, reducers, self.cfg.use_cache)
         wanted = self.wanted
-        self.wanted = lambda i, red: i >= acc.start and wanted(i, red)
+        self.wanted = lambda i, red: i >= accs[red.name].start and wanted(i, red)
         try:
-            self.run({r.name: acc})
+            self.run(accs)
         finally:
             self.wanted = wanted
-        return acc.keep(self.cache_dir, self.parts) if self.cfg.use_cache else acc.result()
+        return results(accs, self.cache_dir, self.parts, self.cfg.use_cache)
 
 
 def bound(reducer: Reducer, parts: Sequence[PartInfo], clip: tuple[float, float] | None = None) -> Reducer:
@@ -292,11 +297,8 @@ def read_along(analysis, reducers: Sequence[Reducer]) -> int:
     missing = list({red.name: red for _, _, red, along in bound_ if not along}.values())
     if not missing:
         return 0
-    run, parts = bound_[0][0], bound_[0][1]
-    cfg, cache_dir = analysis.config, run.cache_dir()
-    accs = accumulators(cache_dir, parts, missing, cfg.use_cache)
-    Pass(cache_dir, parts, missing, cfg, wanted=lambda i, r: i >= accs[r.name].start).run(accs)
-    got = results(accs, cache_dir, parts, cfg.use_cache)
+    run, parts = parts_of(analysis)
+    got = Pass(run.cache_dir(), parts, missing, analysis.config).merged_all(missing)
     had = analysis.reduced
     analysis.reduced = Reduced({**{n: functools.partial(had.__getitem__, n) for n in had if n not in got},
                                 **{n: functools.partial(got.__getitem__, n) for n in got}})
