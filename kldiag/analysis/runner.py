@@ -271,18 +271,18 @@ def parts_of(analysis) -> tuple:
     return run, run.parts()
 
 
-def _bound_to(analysis, reducer: Reducer) -> tuple:
-    """(run, parts, reducer bound to the parts the analysis read, whether the analysis read it along)."""
-    run, parts = parts_of(analysis)
+def _bound_to(analysis, run, parts: Sequence[PartInfo], reducer: Reducer) -> tuple[Reducer, bool]:
+    """(reducer bound to `parts`, the analysis's (parts_of), whether the analysis read it along)."""
     red = bound(reducer, parts, clip_range(analysis.config.clip_low, analysis.config.clip_high, run.manifest))
-    return run, parts, red, analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced
+    return red, analysis.memo.get(("reducer", red.name)) == red and red.name in analysis.reduced
 
 
 def reduced(analysis, reducer: Reducer) -> Arrays:
     """The merged partial of `reducer` on an analysed run: the one the analysis read along when it
     was made with the same reducer, else one more pass over the parts the analysis read (those whose
     partial is cached are not read)."""
-    run, parts, red, along = _bound_to(analysis, reducer)
+    run, parts = parts_of(analysis)
+    red, along = _bound_to(analysis, run, parts, reducer)
     if along:
         return analysis.reduced[red.name]
     return Pass(run.cache_dir(), parts, [red], analysis.config).merged(red)
@@ -293,11 +293,11 @@ def read_along(analysis, reducers: Sequence[Reducer]) -> int:
     it had: each is then in analysis.reduced (merged when first used) and `reduced` returns it without a
     read. What `analyze(run)` then several `reduced` calls would read part by part, once per reducer, is read
     once (a part whose partials are all cached, not at all). Returns how many reducers were read."""
-    bound_ = [_bound_to(analysis, r) for r in reducers]
-    missing = list({red.name: red for _, _, red, along in bound_ if not along}.values())
+    run, parts = parts_of(analysis)  # once: a run listed again (no memo) could have grown meanwhile
+    bound_ = [_bound_to(analysis, run, parts, r) for r in reducers]
+    missing = list({red.name: red for red, along in bound_ if not along}.values())
     if not missing:
         return 0
-    run, parts = parts_of(analysis)
     got = Pass(run.cache_dir(), parts, missing, analysis.config).merged_all(missing)
     had = analysis.reduced
     analysis.reduced = Reduced({**{n: functools.partial(had.__getitem__, n) for n in had if n not in got},
