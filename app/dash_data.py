@@ -18,14 +18,15 @@ import streamlit as st
 
 import kldiag
 from kldiag import format as F
-from kldiag.views import pages as V
+from kldiag.analysis.runtime import runner
+from kldiag.cli import engine_opts as engines
+from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
 from kldiag.views import mismatch as VM
+from kldiag.views import pages as V
 from kldiag.views import sequences as VS
 from kldiag.views import topk as VT
-from kldiag.analysis import engines, runner
-from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
 RUNS_ENV = "KLDIAG_RUNS"
 LIVE_SECONDS = 3.0
@@ -214,7 +215,7 @@ def load(path: str) -> Loaded | None:
     except NotARunError as e:
         st.error(f"Not a kldiag run: {e}")
     except EmptyRunError:
-        from kldiag.analysis.lost import NOTHING_PUBLISHED, no_tokens_reason
+        from kldiag.analysis.runtime.lost import NOTHING_PUBLISHED, no_tokens_reason
 
         reason = no_tokens_reason(path)
         if reason == NOTHING_PUBLISHED:

@@ -10,8 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from kldiag import format as F
-from kldiag.views import pages as V
 from kldiag.views import groups as VG
+from kldiag.views import pages as V
 from kldiag.views import sequences as VS
 
 PER_ROW = 4

@@ -20,7 +20,7 @@ Each timing is the best of --repeat runs, interleaved, because the machine is sh
 --cpus N[,M...] times every figure on N cores (then M), interleaved, and prints each ratio per
 core count, so the scaling is measured: every thread of this process (the analysis's reader
 threads, Arrow's decode pool, DuckDB's) runs only on the first N cores this process may use
-(os.sched_setaffinity, which kldiag's thread count follows: kldiag.analysis.worker.cpus), and
+(os.sched_setaffinity, which kldiag's thread count follows: kldiag.analysis.runtime.worker.cpus), and
 the pools are sized to N (pyarrow.set_cpu_count / set_io_thread_count, DuckDB's `threads`; the
 numba kernels are not numba-parallel: they start no threads of their own). It also prints where
 one analysis's time goes on one core (decode, reduce, per-part finish, merge, tables), from which
@@ -32,23 +32,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import cores  # bench/cores.py, next to this script
 import numpy as np
 import pyarrow.parquet as pq
 
-from kldiag.analysis import AnalysisConfig, analyze, worker
-from kldiag.analysis.kernel import COLUMNS
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.core.batch import COLUMNS
+from kldiag.analysis.runtime import worker
 from kldiag.format import MANIFEST, TOKENS_DIR, list_parts
 from kldiag.tools.synth import SynthConfig, make_run
-
-import cores  # bench/cores.py, next to this script
 
 SEQS, MEAN_LEN = 1000, 500  # per step: 500k tokens
 

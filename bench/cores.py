@@ -2,7 +2,7 @@
 
 `use_cores(n)` pins every thread of this process to the first n cores it may use and sizes the
 pools to n: Arrow's CPU and I/O pools (pyarrow.set_cpu_count / set_io_thread_count); kldiag's
-reader threads follow the affinity (kldiag.analysis.worker.cpus); DuckDB's `threads` is set per
+reader threads follow the affinity (kldiag.analysis.runtime.worker.cpus); DuckDB's `threads` is set per
 connection by the caller from the same count. New threads inherit the affinity of the thread
 that starts them, threads already running are pinned one by one (/proc/self/task).
 
@@ -26,7 +26,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from kldiag.analysis import AnalysisConfig, engine, fused, partials, prefix, reduce, runner, scans, worker
+from kldiag.analysis import AnalysisConfig
+
+from kldiag.analysis.runtime import part_fold
+from kldiag.analysis import pipeline as engine
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import partials
+from kldiag.analysis.kernels import fused, scans
+from kldiag.analysis.runtime import runner, worker
 from kldiag.format import open_run
 
 ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -80,7 +87,7 @@ def profile(run: Path) -> dict[str, float]:
     cfg = AnalysisConfig(use_cache=False)
     th = engine.thresholds(cfg, r.manifest)
     red = partials.AnalysisReducer(th)
-    columns = reduce.union_columns([red])
+    columns = part_fold.union_columns([red])
     size = min(cfg.batch_size, runner.KERNEL_ROWS)
     stream = prefix.Stream(parts, th.top_k)
     t = dict.fromkeys(("decode", "reduce", "finish", "merge", "tables"), 0.0)
@@ -93,8 +100,8 @@ def profile(run: Path) -> dict[str, float]:
         clock = now
 
     def one_part(i: int, part) -> None:
-        fold = reduce.PartFold(part, [red])
-        batches = reduce.part_batches(part, columns, size)
+        fold = part_fold.PartFold(part, [red])
+        batches = part_fold.part_batches(part, columns, size)
         lap("decode")
         while (batch := next(batches, None)) is not None:  # one batch at a time, as the engine reads
             lap("decode")

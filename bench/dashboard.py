@@ -35,7 +35,7 @@ them in the OS's page cache, not only those after the first):
 completions of the default (SHAPES); the ratios on both say how much the run's shape moves them.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
 states, then one app process through every page, which stores what the pages derive in RUN/.kldiag/results:
-kldiag.analysis.store; a change of kldiag's code makes those entries misses).
+kldiag.analysis.cache.store; a change of kldiag's code makes those entries misses).
 --breakdown, instead: one thread, part by part (wall and this thread's CPU time, each the least of
 --repeat runs: the CPU figure holds on a loaded machine), the read of the analysis's columns and of the
 first pass's (the analysis and kldiag.views.dashboard.reducers()), each reducer's read + reduce
@@ -214,7 +214,8 @@ APP = APP.replace("__PUBLISH__", repr(PUBLISH))
 WARM = """
 import json, sys, time
 import kldiag
-from kldiag.analysis import reduce
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.runtime import part_fold
 from kldiag.views import dashboard
 opened, load = [], reduce.load_arrays
 reduce.load_arrays = lambda path, **kw: opened.append(str(path)) or load(path, **kw)
@@ -299,8 +300,10 @@ def tree() -> str:
 
 def breakdown(run: Path, args) -> None:
     """One thread, part by part: each reducer's read + reduce alone, and all in one read, per row."""
-    from kldiag.analysis import AnalysisConfig, partials, reduce, runner
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis import AnalysisConfig
+    from kldiag.analysis.core import partials
+    from kldiag.analysis.pipeline import thresholds
+    from kldiag.analysis.runtime import part_fold, runner
     from kldiag.format import open_run
     from kldiag.views import dashboard
 
@@ -325,16 +328,16 @@ def breakdown(run: Path, args) -> None:
     def read(columns) -> tuple[float, float]:
         def run():
             for p in parts:
-                for _ in reduce.part_batches(p, columns, runner.KERNEL_ROWS):
+                for _ in part_fold.part_batches(p, columns, runner.KERNEL_ROWS):
                     pass
         return least(run)
 
     n = sum(open_part_rows(p) for p in parts)
-    read(reduce.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
-    reduce.compute_part(parts[0], reds, runner.KERNEL_ROWS)
+    read(part_fold.union_columns(reds))  # warm-up, not timed: the page cache, imports, numba's kernels
+    part_fold.compute_part(parts[0], reds, runner.KERNEL_ROWS)
     base = None
-    for label, columns in (("read the analysis's columns", reduce.union_columns(reds[:1])),
-                           ("read the first pass's columns", reduce.union_columns(first))):
+    for label, columns in (("read the analysis's columns", part_fold.union_columns(reds[:1])),
+                           ("read the first pass's columns", part_fold.union_columns(first))):
         s, c = read(columns)
         print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
               f"({len(columns)} columns)")
@@ -345,7 +348,7 @@ def breakdown(run: Path, args) -> None:
                ("the dashboard's first pass, one read", first),
                ("the same and the Estimators reducer, one read", reds)]
     for label, group in groups:
-        s, c = least(lambda: [reduce.compute_part(p, group, runner.KERNEL_ROWS) for p in parts])
+        s, c = least(lambda: [part_fold.compute_part(p, group, runner.KERNEL_ROWS) for p in parts])
         base = base or c
         print(f"  {label:48s} {s:7.2f} s  {s / n * 1e9:6.1f} ns/row  CPU {c / n * 1e9:6.1f} ns/row  "
               f"{c / base:5.2f}x the analysis's CPU")
@@ -422,7 +425,7 @@ def scale(run: Path, args) -> None:
         return
     # warm the cache the way the dashboard leaves it once every page was visited: its first pass, then
     # the Estimators page's first visit (timed: a tree whose first pass lacks its reducer reads every part)
-    # and the Mismatch page's (its view stored: kldiag.analysis.store)
+    # and the Mismatch page's (its view stored: kldiag.analysis.cache.store)
     child(COLD, str(run), "dashboard", "freshcache")
     f = child(APP, str(MAIN), json.dumps({"first": "overview", "then": ["estimators", "mismatch"]}), env=env)
     print(f"\nafter a cold first pass: Overview {f['renders'][0][1]:.2f} s, then the Estimators page's first visit "

@@ -8,7 +8,7 @@ Blow-ups: the demo's K3 run (sample_logs/demo_k3, which `kldiag demo` trains wit
 trained with kldiag.tools.demo.run_pair), the known-truth scenarios with a K3 blow-up (kldiag/tools/truth.py:
 those of the suite, whose blow-up is a step, and RAMP_LIST, whose blow-up has a lead-up) and synthetic runs
 (kldiag.tools.synth, blowup_step=150). Per run: the first early-warning episode (kinds
-kldiag.analysis.warning.EARLY_KINDS, severity warning), the first critical episode's start, the
+kldiag.analysis.rules.early.EARLY_KINDS, severity warning), the first critical episode's start, the
 k3_weight_blowup cause's onset, and the lead time in steps to each (positive: the warning came first; "-": no
 early warning before it). Entropy collapses (the suite's two): the lead of early_entropy_drop to the step where
 entropy_collapse is confirmed (evidence confirmed_step) and to its onset. Healthy controls (the suite's
@@ -51,7 +51,7 @@ def _lead(target: int | None, first: int | None) -> str:
 
 def blowup_row(group: str, name: str, run: Path, check=None) -> dict:
     """The lead-time figures of one blow-up run."""
-    from kldiag.analysis.warning import EARLY_KINDS
+    from kldiag.analysis.rules.early import EARLY_KINDS
 
     a, dg = diagnosed(run)
     early = [e for e in dg.episodes if e.kind in EARLY_KINDS and e.severity == "warning"]
@@ -82,7 +82,7 @@ def closest(a) -> dict:
     tail (p99 or p999), of the blame share and of the flagged tokens a step."""
     import numpy as np
 
-    from kldiag.analysis import warning as W
+    from kldiag.analysis.rules import early as W
 
     def top(v) -> float:
         r, _ = W.levels(np.asarray(v, dtype=np.float64), W.EarlyWarning())
@@ -95,7 +95,7 @@ def closest(a) -> dict:
 
 
 def control_row(group: str, name: str, run: Path) -> dict:
-    from kldiag.analysis.warning import EARLY_KINDS
+    from kldiag.analysis.rules.early import EARLY_KINDS
 
     a, dg = diagnosed(run)
     early = [e for e in dg.episodes if e.kind in EARLY_KINDS]

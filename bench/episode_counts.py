@@ -2,7 +2,7 @@
 
     python bench/episode_counts.py
 
-"Before" runs the per-step alert code as it was before episodes (kldiag/analysis/alerts.py at
+"Before" runs the per-step alert code as it was before episodes (kldiag/analysis/rules/alerts.py at
 commit 6fb43df~1, read from git) on the same analysis tables; "after" is Analysis.alerts, one
 row per episode. Needs a git checkout.
 """
@@ -19,7 +19,7 @@ from kldiag.diagnosis import diagnose
 from kldiag.tools.synth import SynthConfig, make_run
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD = "6fb43df~1:kldiag/analysis/alerts.py"
+OLD = "6fb43df~1:kldiag/analysis/rules/alerts.py"
 
 
 def old_alerts():

@@ -32,8 +32,12 @@ from pathlib import Path
 import numpy as np
 
 import kldiag
-from kldiag.analysis import AnalysisConfig, partials, prefix, reduce
-from kldiag.analysis.engine import build, resolved, thresholds
+from kldiag.analysis import AnalysisConfig
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import partials
+from kldiag.analysis.runtime import part_fold
+from kldiag.analysis.pipeline import build, resolved, thresholds
 from kldiag.format import open_run
 
 NOCACHE = AnalysisConfig(use_cache=False)
@@ -91,11 +95,11 @@ def no_fsspec_http() -> None:
 
 def ray_data_analyze(run: Path) -> partials.Partial:
     """The alternative: Ray Data reads the parts, map_batches reduces each block to a partial."""
-    import ray
     import pyarrow as pa
+    import ray
 
-    from kldiag.analysis.kernel import COLUMNS
-    from kldiag.analysis.stats import batch_partials
+    from kldiag.analysis.core.batch import COLUMNS
+    from kldiag.analysis.core.stats import batch_partials
 
     r = open_run(run)
     parts = r.parts()
@@ -122,7 +126,7 @@ def ray_data_analyze(run: Path) -> partials.Partial:
 
 
 def keyed_merge(table):
-    from kldiag.analysis import keyed
+    from kldiag.analysis.core import keyed
 
     return keyed.merge([table])
 
@@ -163,7 +167,7 @@ def cost_model(run: Path, repeat: int, copies: list[int]) -> dict:
     reduce_s, ps = [], []
     for part in parts:
         t = time.perf_counter()
-        ps.append(partials.compute_part(part, th, 1 << 20))
+        ps.append(part_fold.partial_of(part, th, 1 << 20))
         reduce_s.append(time.perf_counter() - t)
     rows = [p.rows for p in ps]
     with tempfile.TemporaryDirectory() as d:

@@ -21,8 +21,8 @@ checked to be the checkout's). Printed per run: the driver's RSS after ray.init 
 its peak during the analysis (VmHWM of /proc/self/status: ru_maxrss would include the parent's RSS at
 fork, which Linux keeps across exec) and the growth between them; sampled every 5 ms, how much of it
 was anonymous memory and how much shared memory (Ray's object store, mapped by ray.get).
-Partial sizes come from this tree (kldiag.analysis.partials), by table; with the cache, the bytes of the
-sequence rows the merge spilled to chunk files (kldiag/analysis/spill.py) come with each measurement.
+Partial sizes come from this tree (kldiag.analysis.core.partials), by table; with the cache, the bytes of the
+sequence rows the merge spilled to chunk files (kldiag/analysis/core/spill.py) come with each measurement.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import sys
 from pathlib import Path
 
 from part_opens import commit  # a sibling script: the checkout's commit, and whether kldiag/ is dirty
-
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,13 +108,15 @@ def make_runs(root: Path, parts: list[int], ranks: list[int]) -> dict[str, tuple
 
 def sizes(run: Path, per_rank: bool) -> dict:
     """Per-part and merged partial sizes (bytes by table) of this tree's analysis reducer."""
-    from kldiag.analysis import AnalysisConfig, partials
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis import AnalysisConfig
+    from kldiag.analysis.core import partials
+    from kldiag.analysis.pipeline import thresholds
+    from kldiag.analysis.runtime import part_fold
     from kldiag.format import open_run
 
     r = open_run(run)
     th = thresholds(AnalysisConfig(per_rank=per_rank), r.manifest)
-    ps = [partials.compute_part(p, th, 1 << 20) for p in r.parts()]
+    ps = [part_fold.partial_of(p, th, 1 << 20) for p in r.parts()]
     merged = partials.merge(ps, th.top_k)
 
     def nbytes(p, t):
@@ -161,13 +162,16 @@ def stream_test(root: Path, cases: str) -> None:
 
     import numpy as np
 
-    from kldiag.analysis import AnalysisConfig, partials, prefix
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis import AnalysisConfig
+    from kldiag.analysis.cache import prefix
+    from kldiag.analysis.core import partials
+    from kldiag.analysis.pipeline import thresholds
+    from kldiag.analysis.runtime import part_fold
     from kldiag.format import open_run
 
     r = open_run(root / "p16")
     th = thresholds(AnalysisConfig(), r.manifest)
-    proto = partials.compute_part(r.parts()[0], th, 1 << 20)
+    proto = part_fold.partial_of(r.parts()[0], th, 1 << 20)
 
     @dataclass
     class Listed:  # what Stream reads of a part

@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 import torch
 
 import kldiag
-from kldiag.record import writer as W
 from kldiag import format as F
+from kldiag.record import writer as W
 
 VOCAB = 151_936
 

@@ -1,4 +1,4 @@
-"""The sequence table on disk (kldiag/analysis/seqrows.py): what a face's query costs through
+"""The sequence table on disk (kldiag/analysis/core/seqrows.py): what a face's query costs through
 `Analysis.sequence_rows` against pyarrow.dataset and DuckDB (one thread) on the same Parquet file.
 
     .venv/bin/python bench/sequence_query.py RUN     # e.g. bench/dashboard.py's 100M-row run
@@ -20,7 +20,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 import kldiag
-from kldiag.analysis import seqrows
+from kldiag.analysis.core import seqrows
 
 
 def best(fn, k: int = 5):

@@ -79,8 +79,8 @@ def record(path: Path, tokens: int, k: int, vocab: int, sides: int, seed: int) -
 
 def reducer_speed(run: Path) -> str:
     """The TopkReducer's pass over a run (no cache, this process): tokens per second."""
-    from kldiag.analysis import runner
-    from kldiag.analysis.topk import TopkReducer
+    from kldiag.analysis.reducers.topk import TopkReducer
+    from kldiag.analysis.runtime import runner
 
     r = TopkReducer()
     t0 = time.perf_counter()

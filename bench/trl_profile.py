@@ -30,9 +30,9 @@ TRAIN, WRITER = "training thread: ", "writer: "
 
 def instrument() -> tuple[dict[str, float], collections.Counter]:
     """Wrap the parts; returns (seconds, calls) by part name, filled as the run goes."""
-    from kldiag.record import writer as W
-    from kldiag.record import recorder as R
     from kldiag.integrations import trl as kt
+    from kldiag.record import recorder as R
+    from kldiag.record import writer as W
 
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -16,9 +16,9 @@ error in steps. Per healthy control: the verdict and the episodes by severity.
 from __future__ import annotations
 
 import argparse
-import shlex
 import importlib
 import importlib.util
+import shlex
 import sys
 import tempfile
 import time

@@ -33,7 +33,7 @@ MOVED = {
     "kldiag.analysis.cli": "kldiag.cli.analyze",
     "kldiag.crosswalk.cli": "kldiag.cli.crosswalk",
     "kldiag.export.cli": "kldiag.cli.export",
-    "kldiag.diagnosis.episodes": "kldiag.analysis.episodes",
+    "kldiag.diagnosis.episodes": "kldiag.analysis.rules.episodes",
     "kldiag.diagnosis.fixes": "kldiag.frameworks",
     "kldiag.diagnosis.decompose": "kldiag.mismatch.decompose",
     "kldiag.diagnosis.whatif": "kldiag.mismatch.whatif",

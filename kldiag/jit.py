@@ -34,8 +34,9 @@ from typing import Any
 _LOCK = threading.Lock()  # two threads calling a kernel first build one dispatcher
 PACKAGE = Path(__file__).resolve().parent
 # Every module that defines a kernel, relative to the package (tests/test_jit.py: no module is missing).
-KERNEL_FILES = ("analysis/estimator_kernel.py", "analysis/fastexp.py", "analysis/fused.py", "analysis/fused_ride.py",
-                "analysis/fused_token.py", "analysis/scans.py", "analysis/turn_kernel.py", "diagnosis/scan.py",
+KERNEL_FILES = ("analysis/kernels/estimators.py", "analysis/kernels/fastexp.py", "analysis/kernels/fused.py",
+                "analysis/kernels/ride.py", "analysis/kernels/token.py", "analysis/kernels/scans.py",
+                "analysis/kernels/turns.py", "analysis/kernels/side_scan.py",
                 "integrations/trl_kernel.py", "mismatch/decompose.py", "mismatch/sample.py", "mismatch/whatif.py")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+
 class Opaque:
     """A pickled object that torch.load(weights_only=True) refuses (a slime payload with a custom type)."""
 

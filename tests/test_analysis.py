@@ -272,7 +272,7 @@ def test_opsm_delta_defaults_to_the_manifest_threshold(tmp_path):
 
 def test_blame_share_is_zero_without_weight():
     """Policy equal to the reference: no |k3 weight| at all, so none on flagged tokens (not null)."""
-    from kldiag.analysis.tables import blame_share
+    from kldiag.analysis.core.tables import blame_share
 
     got = blame_share(np.array([0.0, 1.0, 0.0]), np.array([0.0, 4.0, 0.0]), np.array([5, 5, 0]))
     assert got[0] == 0.0 and got[1] == 0.25 and np.isnan(got[2])

@@ -1,4 +1,4 @@
-"""kldiag.analysis.cache_files and `kldiag cache`: which files of RUN/.kldiag the default reads ask for,
+"""kldiag.analysis.cache.files and `kldiag cache`: which files of RUN/.kldiag the default reads ask for,
 and a prune that removes only the others (every default read stays warm after it)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag.analysis import cache_files, topk
-from kldiag.analysis.turns import TurnReducer
+from kldiag.analysis.cache import files as cache_files
+from kldiag.analysis.reducers import topk
+from kldiag.analysis.reducers.turns import TurnReducer
 from kldiag.cli import main
 from kldiag.cli.cache import live
 from kldiag.format import open_run

@@ -1,4 +1,4 @@
-"""The report's context (kldiag/analysis/context.py): the token ids around given tokens, read from the row
+"""The report's context (kldiag/analysis/runtime/context.py): the token ids around given tokens, read from the row
 groups that hold them, equal to the same context cut from the whole run read as one table."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 import kldiag
 from kldiag import format as F
-from kldiag.analysis import context
+from kldiag.analysis.runtime import context
 from kldiag.report import build as RB
 
 

@@ -11,9 +11,10 @@ import pyarrow as pa
 import pytest
 
 from kldiag import estimators as E
-from kldiag.analysis import bins, fastexp, fused
-from kldiag.analysis.kernel import Thresholds
-from kldiag.analysis.stats import ABS_GRID, D_GRID, batch_partials
+from kldiag.analysis.core import bins
+from kldiag.analysis.core.batch import Thresholds
+from kldiag.analysis.core.stats import ABS_GRID, D_GRID, batch_partials
+from kldiag.analysis.kernels import fastexp, fused
 from kldiag.analysis.types import ABS_EDGES, D_EDGES
 from kldiag.format import TOKEN_SCHEMA
 
@@ -205,7 +206,7 @@ def test_kernel_sums_do_not_depend_on_where_the_arrays_live():
 def test_quantile_rows_equals_quantile_per_row():
     """The vectorised per-step quantile gives `quantile`'s value on every row: empty rows, rows whose
     quantile falls in the first or past the last edge, NaN and small vmax."""
-    from kldiag.analysis import bins
+    from kldiag.analysis.core import bins
     from kldiag.analysis.types import ABS_EDGES
 
     rng = np.random.default_rng(3)

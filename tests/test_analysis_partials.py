@@ -7,8 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from kldiag.analysis import keyed, partials, reduce
-from kldiag.analysis.kernel import Thresholds
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.core import keyed, partials
+from kldiag.analysis.core.batch import Thresholds
+from kldiag.analysis.runtime import part_fold
 from kldiag.format import list_parts, open_run
 from kldiag.tools.synth import SynthConfig, make_run
 
@@ -22,7 +24,7 @@ def parts(tmp_path_factory):
     make_run(run, SynthConfig(steps=6, seqs_per_step=8, seq_len=(5, 30), ranks=2, rows_per_file=300,
                               blowup_step=3, blowup_frac=0.05, nonfinite=((2, "logp"),)))
     found = list_parts(run)
-    return [partials.compute_part(p, TH, batch_size=97) for p in found]
+    return [part_fold.partial_of(p, TH, batch_size=97) for p in found]
 
 
 def assert_same(a: partials.Partial, b: partials.Partial) -> None:
@@ -91,11 +93,11 @@ def test_every_path_reduces_a_part_over_the_same_batches(tmp_path, monkeypatch):
     assert len(found) == 2 and all(p.size > 0 for p in found)
     red = partials.AnalysisReducer(TH)
     threaded = {i: partials.from_arrays(r[red.name])
-                for i, r in reduce.fold_parts([(p, [red]) for p in found], 97, (), threads=2)}
+                for i, r in part_fold.fold_parts([(p, [red]) for p in found], 97, (), threads=2)}
     pipelined = {i: partials.from_arrays(r[red.name])
-                 for i, r in reduce.fold_parts([(p, [red]) for p in found], 97, (), threads=1)}
+                 for i, r in part_fold.fold_parts([(p, [red]) for p in found], 97, (), threads=1)}
     for i, part in enumerate(found):
-        one = partials.compute_part(part, TH, 97)
+        one = part_fold.partial_of(part, TH, 97)
         assert_same(pipelined[i], one)
         for table in partials.TABLES:
             for col, v in getattr(one, table).items():
@@ -105,7 +107,8 @@ def test_every_path_reduces_a_part_over_the_same_batches(tmp_path, monkeypatch):
 def test_ranks_merge_on_the_way_in_unless_per_rank(tmp_path):
     """per_rank off: a part's per-step rows drop their rank, so the merged partial holds one row per
     step however many ranks record (the driver's memory at 1,024 ranks); the tables are the same."""
-    from kldiag.analysis import analyze, engine
+    from kldiag.analysis import analyze
+    from kldiag.analysis import pipeline as engine
     from kldiag.analysis.types import AnalysisConfig
 
     make_run(tmp_path / "r", SynthConfig(steps=4, seqs_per_step=6, ranks=3, vocab_size=0))
@@ -114,7 +117,7 @@ def test_ranks_merge_on_the_way_in_unless_per_rank(tmp_path):
     for per_rank in (False, True):
         th = engine.thresholds(AnalysisConfig(per_rank=per_rank), run.manifest)
         red = partials.AnalysisReducer(th)
-        parts = [reduce.compute_part(p, [red], 1 << 20)[red.name] for p in run.parts()]
+        parts = [part_fold.compute_part(p, [red], 1 << 20)[red.name] for p in run.parts()]
         merged[per_rank] = partials.from_arrays(red.merge(parts))
     assert len(merged[False].steps["step"]) == 4 and set(merged[False].steps["rank"]) == {partials.ALL_RANKS}
     assert len(merged[True].steps["step"]) == 12

@@ -1,4 +1,4 @@
-"""The merged-prefix cache (kldiag/analysis/prefix.py): a run analysed as it grows, part by
+"""The merged-prefix cache (kldiag/analysis/cache/prefix.py): a run analysed as it grows, part by
 part, with the prefix rewritten often, equals a full recompute bit for bit, and a refresh
 loads only the partials it needs."""
 
@@ -13,7 +13,11 @@ import pyarrow as pa
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, partials, prefix, reduce, seqrows, spill
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import partials, seqrows, spill
+from kldiag.analysis.runtime import part_fold
 from kldiag.errors import CorruptPartError
 from kldiag.format import open_run, part_name, publish_part, rank_dir
 from kldiag.tools.synth import SynthConfig, make_run
@@ -90,7 +94,7 @@ def test_growing_run_equals_full_recompute(source, tmp_path, monkeypatch, spille
 
 
 def prefix_th(run: Path, cfg: AnalysisConfig = AnalysisConfig()):
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis.pipeline import thresholds
 
     return thresholds(cfg, open_run(run).manifest)
 
@@ -131,11 +135,11 @@ def test_corrupt_part_is_never_inside_the_prefix(source, tmp_path, monkeypatch):
 
 
 def test_combine_without_prefix_is_merge(source):
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis.pipeline import thresholds
 
     run = open_run(source)
     th = thresholds(AnalysisConfig(), run.manifest)
-    ps = [partials.compute_part(p, th, 1 << 20) for p in run.parts()]
+    ps = [part_fold.partial_of(p, th, 1 << 20) for p in run.parts()]
     a, b = prefix.combine(None, [], ps, th.top_k), partials.merge(ps, th.top_k)
     for t in partials.TABLES:
         for col, v in getattr(b, t).items():
@@ -165,7 +169,7 @@ def test_restart_invalidates_the_prefix(tmp_path, monkeypatch):
 def test_the_streaming_merge_equals_one_merge_bit_for_bit(source, tmp_path, monkeypatch, seal_every):
     """prefix.Stream (the cold path: partials merged as they arrive, rows below the next part's first
     step sealed) gives exactly partials.merge of every part's partial, with two ranks' parts interleaved."""
-    from kldiag.analysis.engine import thresholds
+    from kldiag.analysis.pipeline import thresholds
 
     monkeypatch.setattr(prefix, "SEAL_EVERY", seal_every)
     for item in split_run(source, tmp_path / "run", rows=70):
@@ -174,7 +178,7 @@ def test_the_streaming_merge_equals_one_merge_bit_for_bit(source, tmp_path, monk
     parts = run.parts()
     th = thresholds(AnalysisConfig(per_rank=True), run.manifest)
     red = partials.AnalysisReducer(th)
-    each = [partials.from_arrays(reduce.compute_part(p, [red], 1 << 20)[red.name]) for p in parts]
+    each = [partials.from_arrays(part_fold.compute_part(p, [red], 1 << 20)[red.name]) for p in parts]
     stream = prefix.Stream(parts, th.top_k)
     for i, p in enumerate(each):
         stream.add(i, p)

@@ -1,4 +1,4 @@
-"""The Ray engine (kldiag/analysis/ray_engine.py) on a local Ray started here (2 CPUs, one
+"""The Ray engine (kldiag/analysis/runtime/ray.py) on a local Ray started here (2 CPUs, one
 session for the module): equal to the local engine on the shipped samples, on a multi-rank
 run with a corrupt part, on a run in S3; a worker SIGKILLed mid-pass is retried and the result
 equals the local engine's; a worker that keeps dying is retried, then its part named;
@@ -22,9 +22,13 @@ import pytest
 from analysis_same import assert_same_analysis
 
 import kldiag
-from kldiag.analysis import AnalysisConfig, engines, partials, ray_engine, reduce
-from kldiag.analysis.engine import thresholds
+from kldiag.analysis import AnalysisConfig
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.core import partials
+from kldiag.analysis.pipeline import thresholds
+from kldiag.analysis.runtime import ray as ray_engine
 from kldiag.cli import build_parser, main
+from kldiag.cli import engine_opts as engines
 from kldiag.errors import CorruptPartError, EngineError
 from kldiag.format import PartInfo, open_run
 from kldiag.tools.synth import SynthConfig, make_run

@@ -1,9 +1,9 @@
-"""kldiag.analysis.runner: the lazily merged Reduced mapping (the passes themselves: test_part_opens.py,
+"""kldiag.analysis.runtime.runner: the lazily merged Reduced mapping (the passes themselves: test_part_opens.py,
 test_reducer_prefix.py)."""
 
 from __future__ import annotations
 
-from kldiag.analysis.runner import Reduced
+from kldiag.analysis.runtime.runner import Reduced
 
 
 def test_reduced_answers_membership_without_merging():

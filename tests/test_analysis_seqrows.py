@@ -1,4 +1,4 @@
-"""The sequence table on disk (kldiag/analysis/seqrows.py): spilled past SPILL_ROWS rows, it equals the
+"""The sequence table on disk (kldiag/analysis/core/seqrows.py): spilled past SPILL_ROWS rows, it equals the
 in-memory table bit for bit (cold, cached, grown part by part), and its queries read what they show."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import pyarrow.compute as pc
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, keyed, prefix, reduce, seqrows, spill
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import keyed, seqrows, spill
 from kldiag.tools.synth import SynthConfig, make_run
 
 CFG = AnalysisConfig(use_cache=False, per_rank=True, trainer_compatible=True)
@@ -114,7 +117,7 @@ def test_spilled_chunks_read_back_equal(tmp_path):
 def test_a_fresh_process_opens_the_pieces_an_earlier_one_wrote(run, tmp_path, monkeypatch):
     """A chunk file's sequence rows are written once, beside it, for every later process: a warm analysis
     with nothing remembered in memory (a fresh process) builds no table row and gives the same table."""
-    from kldiag.analysis import tables
+    from kldiag.analysis.core import tables
 
     want = analyze(run, CFG).sequences
     monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)

@@ -1,4 +1,4 @@
-"""What is derived from a sequence-row chunk file (kldiag/analysis/spill.py): the per-step counts and sums
+"""What is derived from a sequence-row chunk file (kldiag/analysis/core/spill.py): the per-step counts and sums
 kept beside it are read by a fresh process instead of the chunk's rows, and give the same analysis."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import os
 import pytest
 from analysis_same import assert_same_analysis
 
-from kldiag.analysis import AnalysisConfig, analyze, prefix, reduce, seqrows, spill, tables
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import seqrows, spill, tables
 from kldiag.tools.synth import SynthConfig, make_run
 
 CFG = AnalysisConfig(per_rank=True, trainer_compatible=True)

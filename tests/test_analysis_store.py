@@ -1,4 +1,4 @@
-"""The result store (kldiag/analysis/store.py, codec.py): a stored result equals a recomputation field
+"""The result store (kldiag/analysis/cache/store.py, codec.py): a stored result equals a recomputation field
 by field; a new part, other settings or a corrupt entry make a miss, never a crash; nothing is stored
 for a run with a skipped part, without the cache, or where the cache cannot be written."""
 
@@ -14,7 +14,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from kldiag.analysis import AnalysisConfig, analyze, codec, store
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.cache import codec, store
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import core, diagnose
 from kldiag.diagnosis.types import Cause
@@ -134,7 +135,7 @@ def test_new_part_other_settings_and_corrupt_entries_are_misses(run):
 def test_tree_corrupted_inside_a_valid_file_is_a_miss(run):
     diagnose(fresh(run))
     (path,) = entries(run, "diagnosis")
-    from kldiag.analysis import reduce
+    from kldiag.analysis import protocol as reduce
 
     raw = dict(reduce.load_arrays(path))
     raw[codec.TREE] = np.frombuffer(b'{"__nope": 1}', np.uint8)
@@ -199,7 +200,7 @@ def test_mismatch_views_from_the_store_equal_recomputed(run, monkeypatch):
         same(y, z)
         same(x, z)
     assert view.has_sampler and len(view.tokens) > 0
-    from kldiag.analysis import turns as TU
+    from kldiag.analysis.reducers import turns as TU
     from kldiag.views import turns as VT
 
     VT.view_of(a)

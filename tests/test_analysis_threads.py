@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import kldiag
-from kldiag.analysis import AnalysisConfig, reduce, worker
+from kldiag.analysis import AnalysisConfig
+from kldiag.analysis.runtime import part_fold, worker
 from kldiag.cli import main
 from kldiag.tools.synth import SynthConfig, make_run
 
@@ -23,13 +24,13 @@ def run(tmp_path_factory):
 def pools(monkeypatch) -> list[int]:
     """The thread count of every fold_parts call of the local engine."""
     seen: list[int] = []
-    real = reduce.fold_parts
+    real = part_fold.fold_parts
 
     def spy(jobs, batch_size, errors, threads=None):
         seen.append(threads)
         return real(jobs, batch_size, errors, threads=threads)
 
-    monkeypatch.setattr(reduce, "fold_parts", spy)
+    monkeypatch.setattr(part_fold, "fold_parts", spy)
     return seen
 
 

@@ -61,7 +61,7 @@ def test_settings_from_the_manifest_and_coercion():
 
 
 def test_nemo_token_mult_prob_error_equals_the_diagnosis_scan():
-    from kldiag.diagnosis.scan import scan_of
+    from kldiag.analysis.reducers.scan import scan_of
 
     ref = scan_of(kldiag.analyze(DEMO))["token_mult_prob_error"]
     mine = np.array(X.crosswalk(DEMO, "nemo-rl").column("token_mult_prob_error").to_pylist())
@@ -69,7 +69,7 @@ def test_nemo_token_mult_prob_error_equals_the_diagnosis_scan():
 
 
 def test_slime_kl_loss_equals_slime_semantics_module(tmp_path):
-    from kldiag.analysis.slime_kl import trainer_kl
+    from kldiag.analysis.core.slime_kl import trainer_kl
 
     run = kldiag.open_run(DEMO)
     for unbiased in (False, True):

@@ -34,7 +34,6 @@ def skyrl():
     typing.TypedDict = typing_extensions.TypedDict  # Python 3.11 only: see the module doc
     try:
         from omegaconf import OmegaConf
-
         from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
         from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import compute_off_policy_correction
         from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
@@ -139,10 +138,10 @@ def test_is_ratio_is_null_with_why_when_no_correction_is_on(tmp_path):
 
 def test_the_hook_records_skyrls_micro_batches_and_its_crosswalk_equals_skyrl(skyrl, tmp_path):
     from omegaconf import OmegaConf
+    from skyrl.train.utils.callbacks import CallbackInput, TrainingControl
 
     from kldiag.format import open_run
     from kldiag.integrations import skyrl as H
-    from skyrl.train.utils.callbacks import CallbackInput, TrainingControl
 
     cfg = OmegaConf.create({"trainer": {"algorithm": {"kl_estimator_type": "k3", "use_kl_loss": True,
                                                       "kl_loss_coef": 0.001, "eps_clip_low": 0.2, "eps_clip_high": 0.28,

@@ -12,10 +12,11 @@ verl = pytest.importorskip("verl")
 pytest.importorskip("transformers")
 TIV = pytest.importorskip("test_integrations_verl")  # its batch builders and replayed update loop
 
-import kldiag.crosswalk as X  # noqa: E402
-from kldiag.integrations import verl as hook  # noqa: E402
 from verl.trainer.ppo import rollout_corr_helper as helper  # noqa: E402
 from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
+
+import kldiag.crosswalk as X  # noqa: E402
+from kldiag.integrations import verl as hook  # noqa: E402
 
 SETTINGS = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3,token_k1",
             "rollout_rs_threshold": "0.001,0.9_1.1"}

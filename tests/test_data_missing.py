@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag.analysis import episodes as EP
-from kldiag.analysis.lost import NOTHING_PUBLISHED, no_tokens_reason
+from kldiag.analysis.rules import episodes as EP
+from kldiag.analysis.runtime.lost import NOTHING_PUBLISHED, no_tokens_reason
 from kldiag.cli import main
 from kldiag.diagnosis import diagnose, missing
 from kldiag.errors import EmptyRunError
@@ -125,8 +125,9 @@ def test_watch_fails_on_it_from_a_real_process(truncated):
 
 
 def test_audit_fails_on_it(truncated, tmp_path, capsys):
-    import kldiag.crosswalk as X
     from test_audit import write_log
+
+    import kldiag.crosswalk as X
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped part

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import kldiag
-from kldiag.tools import demo
-from kldiag.tools import demo_train as T
 from kldiag import estimators as E
 from kldiag.cli import main
 from kldiag.errors import KldiagError
+from kldiag.tools import demo
+from kldiag.tools import demo_train as T
 
 SHORT_STEPS = 100  # the K3 run's weights first pass 100 near step 40 with the default seed
 

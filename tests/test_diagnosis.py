@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import kldiag
+from kldiag.analysis.rules import episodes as EP
 from kldiag.cli import main
 from kldiag.diagnosis import CAUSE_NAMES, Cause, diagnose
 from kldiag.diagnosis import causes as C
-from kldiag.analysis import episodes as EP
+from kldiag.format import Manifest, open_run, write_manifest
 from kldiag.frameworks import family, fix_for
 from kldiag.frameworks import plain as plain_fw
 from kldiag.frameworks import trl as trl_fw
-from kldiag.format import Manifest, open_run, write_manifest
 from kldiag.tools.synth import SynthConfig, make_run
 
 SMALL = {"seqs_per_step": 8, "seq_len": (8, 24), "vocab_size": 32}
@@ -211,8 +211,8 @@ def test_analyze_json_contract(tmp_path, capsys):
 
 def test_side_scan_rides_along_is_incremental_and_cached(tmp_path, monkeypatch):
     """The scan is a reducer: read in the analysis's pass, only new parts later, none once cached."""
-    from kldiag.analysis import runner
-    from kldiag.diagnosis import scan as S
+    from kldiag.analysis.runtime import runner
+    from kldiag.analysis.reducers import scan as S
 
     red = [S.ScanReducer()]
     make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(0, 3))
@@ -240,7 +240,7 @@ def test_scan_kernel_equals_the_numpy_formula():
 
     import pyarrow as pa
 
-    from kldiag.diagnosis import scan as S
+    from kldiag.analysis.reducers import scan as S
 
     rng = np.random.default_rng(3)
     n = 5000

@@ -11,10 +11,10 @@ import pytest
 
 import kldiag
 from kldiag.diagnosis import parity as DP
-from kldiag.mismatch import parity as P
-from kldiag.mismatch import tokenset as TS
-from kldiag.mismatch import sample as SS
 from kldiag.format.schema import TOKEN_SCHEMA
+from kldiag.mismatch import parity as P
+from kldiag.mismatch import sample as SS
+from kldiag.mismatch import tokenset as TS
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from kldiag.format.schema import TOKEN_SCHEMA
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import whatif as W
-from kldiag.format.schema import TOKEN_SCHEMA
 
 
 def batch(logp, logp_old, logp_sampler, advantage, seq, step=None) -> TS.TokenSet:

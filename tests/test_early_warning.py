@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kldiag.analysis import AnalysisConfig, analyze
-from kldiag.analysis import episodes as EP
-from kldiag.analysis import warning as W
+from kldiag.analysis.rules import early as W
+from kldiag.analysis.rules import episodes as EP
 from kldiag.cli import main
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers, verdict

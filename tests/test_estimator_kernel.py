@@ -11,10 +11,10 @@ import pytest
 from logp_batches import logp_columns
 
 from kldiag import estimators as E
-from kldiag.analysis.bins import abs_bins
+from kldiag.analysis.core.bins import abs_bins
+from kldiag.analysis.core.stats import ABS_GRID
+from kldiag.analysis.kernels import estimators as K
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
-from kldiag.analysis.stats import ABS_GRID
-from kldiag.analysis import estimator_kernel as K
 from kldiag.views import estimators as VE
 from kldiag.views.pages import LOGP_COLUMNS, derive, nulls
 

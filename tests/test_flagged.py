@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kldiag import estimators as E
-from kldiag.analysis.flagged import flagged_text, run_flagged, subset_text
+from kldiag.analysis.core.flagged import flagged_text, run_flagged, subset_text
 from kldiag.cli import main
 from kldiag.tools.synth import SynthConfig, make_run
 

@@ -68,7 +68,7 @@ def test_metric_equals_the_alert_and_report_copies(x, percent):
             return str(x)
         return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.3e}"
 
-    def alert_num(v, percent):  # kldiag/analysis/episodes.py _fmt (NaN read "nan" there)
+    def alert_num(v, percent):  # kldiag/analysis/rules/episodes.py _fmt (NaN read "nan" there)
         v = float(v)
         if not math.isfinite(v):
             return str(v)

@@ -1,4 +1,4 @@
-"""The Estimators page's reducer riding in the analysis's compiled pass (analysis/fused_ride.py) gives the
+"""The Estimators page's reducer riding in the analysis's compiled pass (analysis/kernels/ride.py) gives the
 partials the two give apart: the analysis's and the estimators' counts, maxima, histograms, kept rows and
 token sample exactly, their sums to rounding (added in other chunks)."""
 
@@ -14,10 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 from logp_batches import logp_columns
 
-from kldiag.analysis import AnalysisConfig, analyze, reduce, runner, stats
-from kldiag.analysis.engine import thresholds as run_thresholds
-from kldiag.analysis.kernel import Thresholds
-from kldiag.analysis.partials import AnalysisReducer
+from kldiag.analysis import AnalysisConfig, analyze
+
+from kldiag.analysis.core import stats
+from kldiag.analysis.core.batch import Thresholds
+from kldiag.analysis.core.partials import AnalysisReducer
+from kldiag.analysis.pipeline import thresholds as run_thresholds
+from kldiag.analysis.runtime import part_fold, runner
 from kldiag.format import open_run, part_name, publish_part, rank_dir
 from kldiag.tools.synth import SynthConfig, make_run
 from kldiag.views import dashboard as VD
@@ -118,12 +121,12 @@ def test_ridden_part_equals_each_reducer_alone(odd_run):
     host, est = AnalysisReducer(run_thresholds(cfg, run.manifest)), VD.estimator_reducer(cfg)
     assert len(run.parts()) == 4 and len({p.rank for p in run.parts()}) == 2
     for part in run.parts():
-        fold = reduce.PartFold(part, [host, est])
+        fold = part_fold.PartFold(part, [host, est])
         assert fold.carried == {1}
-        both = reduce.compute_part(part, [host, est], runner.KERNEL_ROWS)
-        assert_same(both["analysis"], reduce.compute_part(part, [host], runner.KERNEL_ROWS)["analysis"], "analysis",
+        both = part_fold.compute_part(part, [host, est], runner.KERNEL_ROWS)
+        assert_same(both["analysis"], part_fold.compute_part(part, [host], runner.KERNEL_ROWS)["analysis"], "analysis",
                     exact=True)
-        assert_same(both["estimators"], reduce.compute_part(part, [est], runner.KERNEL_ROWS)["estimators"], "est")
+        assert_same(both["estimators"], part_fold.compute_part(part, [est], runner.KERNEL_ROWS)["estimators"], "est")
         assert both["estimators"]["tokens"][0] > 1000 and both["estimators"]["flagged"][0] > 0
 
 
@@ -131,7 +134,7 @@ def test_other_thresholds_do_not_ride(odd_run):
     run = open_run(odd_run)
     host = AnalysisReducer(run_thresholds(AnalysisConfig(), run.manifest))
     est = VD.estimator_reducer(AnalysisConfig(clamp=3.0))
-    assert reduce.PartFold(run.parts()[0], [host, est]).carried == set()
+    assert part_fold.PartFold(run.parts()[0], [host, est]).carried == set()
 
 
 def test_cache_serves_each_reducer_whichever_pass_made_it(odd_run, tmp_path):

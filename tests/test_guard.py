@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag.live import guard as G
 from kldiag.diagnosis import DiagnosisConfig
+from kldiag.live import guard as G
 
 
 def batch(rng, blow: bool = False, nan: bool = False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import importer_fixtures as fx
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,6 @@ import kldiag
 from kldiag.cli import main
 from kldiag.errors import DumpError, UnsupportedDumpVersionError
 from kldiag.importers import import_dumps
-import importer_fixtures as fx
 
 
 def k3(s, r):

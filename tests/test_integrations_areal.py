@@ -15,7 +15,6 @@ import json
 import sys
 import types
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -23,12 +23,13 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("openrlhf") is None:
     pytest.skip("openrlhf 0.11.2 is not installed (make setup)", allow_module_level=True)
 
+from test_crosswalk_openrlhf import PPO_STUBS  # noqa: E402 - the same stand-ins as the crosswalk's ppo_train test
+
 import kldiag.crosswalk as X  # noqa: E402
 from kldiag.crosswalk.audit import audit  # noqa: E402
 from kldiag.errors import IntegrationError  # noqa: E402
 from kldiag.format import open_run  # noqa: E402
 from kldiag.integrations import openrlhf as H  # noqa: E402
-from test_crosswalk_openrlhf import PPO_STUBS  # noqa: E402 - the same stand-ins as the crosswalk's ppo_train test
 
 ROOT = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]).parent
 PACKAGES = ("openrlhf", "openrlhf.models", "openrlhf.trainer", "openrlhf.trainer.ppo_utils", "openrlhf.trainer.ray")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kldiag
-from kldiag.analysis import slime_kl
+from kldiag.analysis.core import slime_kl
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.integrations import slime as hook
 

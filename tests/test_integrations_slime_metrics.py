@@ -17,11 +17,11 @@ import types
 import numpy as np
 import pytest
 import torch
+from test_integrations_slime import fake_slime, make_args, rollout_data, sum_of_sample_mean_for  # noqa: F401
 
 import kldiag
 from kldiag.integrations import slime as hook
 from kldiag.integrations import slime_metrics
-from test_integrations_slime import fake_slime, make_args, rollout_data, sum_of_sample_mean_for  # noqa: F401
 
 NAMES = ("k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged_frac", "blame_share",
          "rho_max", "nonfinite_count")

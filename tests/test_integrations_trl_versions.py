@@ -16,7 +16,7 @@ import pytest
 import trl
 
 import kldiag
-from kldiag.analysis import staleness as S
+from kldiag.analysis.reducers import staleness as S
 from kldiag.integrations import trl as kt
 
 pytestmark = pytest.mark.slow

@@ -19,11 +19,7 @@ torch = pytest.importorskip("torch")
 verl = pytest.importorskip("verl")
 pytest.importorskip("transformers")
 
-import kldiag  # noqa: E402
 from tensordict.tensorclass import NonTensorData  # noqa: E402
-from kldiag.analysis import verl_kl  # noqa: E402
-from kldiag.errors import IntegrationError  # noqa: E402
-from kldiag.integrations import verl as hook  # noqa: E402
 from verl.trainer.ppo.core_algos import kl_penalty  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
@@ -31,6 +27,11 @@ from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logit
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, response_to_nested  # noqa: E402
+
+import kldiag  # noqa: E402
+from kldiag.analysis.core import verl_kl  # noqa: E402
+from kldiag.errors import IntegrationError  # noqa: E402
+from kldiag.integrations import verl as hook  # noqa: E402
 
 VOCAB = 61
 

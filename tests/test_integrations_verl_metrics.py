@@ -19,17 +19,18 @@ torch = pytest.importorskip("torch")
 verl = pytest.importorskip("verl")
 v1 = pytest.importorskip("verl.trainer.ppo.v1")
 
-import kldiag  # noqa: E402
-from kldiag.integrations import verl as hook  # noqa: E402
-from kldiag.integrations import verl_metrics  # noqa: E402
-from kldiag.integrations.step_metrics import StepWindow  # noqa: E402
-from kldiag.integrations.trl_metrics import batch_partials, log_metrics, merge_partials  # noqa: E402
 from tensordict.tensorclass import NonTensorData  # noqa: E402
 from test_integrations_verl import actor, forward, make_batch, model  # noqa: E402, F401 - the fixture too
 from test_integrations_verl_trainer import config, trainer_of  # noqa: E402, F401 - the fixture too
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
 from verl.utils.py_functional import append_to_dict  # noqa: E402
+
+import kldiag  # noqa: E402
+from kldiag.integrations import verl as hook  # noqa: E402
+from kldiag.integrations import verl_metrics  # noqa: E402
+from kldiag.integrations.step_metrics import StepWindow  # noqa: E402
+from kldiag.integrations.trl_metrics import batch_partials, log_metrics, merge_partials  # noqa: E402
 
 NAMES = ("k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged_frac", "blame_share",
          "rho_max", "nonfinite_count")

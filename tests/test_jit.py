@@ -5,8 +5,8 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -26,7 +26,7 @@ def test_package_import_does_not_import_numba():
         import sys
         import kldiag, kldiag.analysis, kldiag.views.pages, kldiag.format, kldiag.diagnosis, kldiag.mismatch
         import kldiag.report, kldiag.cli, kldiag.views.dashboard, kldiag.views.estimators
-        import kldiag.analysis.fused, kldiag.analysis.estimator_kernel, kldiag.diagnosis.scan
+        import kldiag.analysis.kernels.fused, kldiag.analysis.kernels.estimators, kldiag.analysis.reducers.scan
         print(sorted(m for m in sys.modules if m == "numba" or m.startswith("numba.")))
     """)
     assert out.strip() == "[]"
@@ -36,7 +36,7 @@ def test_kernel_imports_numba_on_first_call_and_matches_numpy():
     out = run_child("""
         import sys
         import numpy as np
-        from kldiag.analysis import fastexp, scans
+        from kldiag.analysis.kernels import fastexp, scans
         assert "numba" not in sys.modules and not fastexp.exp_array.compiled
         x = np.linspace(-50.0, 50.0, 1001)
         out = np.empty_like(x)
@@ -99,9 +99,9 @@ def test_every_module_with_a_kernel_is_in_the_stamp():
 
 def test_a_kernels_cache_entry_is_keyed_by_every_kernel_module(tmp_path):
     """numba keys a cached kernel by its own file; kldiag's locator adds every kernel module's stamp, so an
-    edit of fused_token.py (inlined into fused.py's pass) invalidates fused.py's cached pass too."""
+    edit of kernels/token.py (inlined into kernels/fused.py's pass) invalidates fused.py's cached pass too."""
     from kldiag import jit
-    from kldiag.analysis import fastexp
+    from kldiag.analysis.kernels import fastexp
 
     out = np.empty(2)
     fastexp.exp_array(np.zeros(2), out)
@@ -111,10 +111,10 @@ def test_a_kernels_cache_entry_is_keyed_by_every_kernel_module(tmp_path):
     assert stamp == jit.kernel_stamp()
 
     def stat(grown: int):
-        def fake(path):  # fused_token.py `grown` bytes longer, as after an edit
+        def fake(path):  # kernels/token.py `grown` bytes longer, as after an edit
             st = os.stat(path)
             return SimpleNamespace(st_mtime_ns=st.st_mtime_ns,
-                                   st_size=st.st_size + (grown if str(path).endswith("fused_token.py") else 0))
+                                   st_size=st.st_size + (grown if str(path).endswith("kernels/token.py") else 0))
         return fake
 
     assert jit.stamp_of(stat(0)) == stamp

@@ -8,9 +8,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kldiag.analysis import reduce
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.runtime import part_fold
 from kldiag.mismatch import sample as SS
 from kldiag.mismatch import tokenset as TS
+
 
 def partial(steps: np.ndarray, seed: int, stride: int = 1) -> dict:
     """A part's sample partial (SampleReducer.finish's layout): 10 rows a step, 2 sequences of 5 tokens."""
@@ -209,7 +211,7 @@ def test_a_capped_samples_share_reaches_the_crosswalk_and_the_caption(tmp_path):
     make_run(tmp_path / "run", SynthConfig(steps=6, seqs_per_step=16))
     run = open_run(tmp_path / "run")
     red = SS.SampleReducer(stride=1, cap=10_000_000)
-    whole = red.merge([reduce.compute_part(p, [red], 1 << 16)[red.name] for p in run.parts()])
+    whole = red.merge([part_fold.compute_part(p, [red], 1 << 16)[red.name] for p in run.parts()])
     capped = SS.SampleReducer(stride=1, cap=rows_of(whole) // 2).merge([whole])
     sample = SS.Sample(capped, 1)
     assert sample.share < 1 and len(sample) <= rows_of(whole) // 2

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_diagnosis_parity import engine_table
 
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
-
-from test_diagnosis_parity import engine_table
 
 
 def test_dense_inverse_is_np_unique_inverse():

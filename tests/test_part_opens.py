@@ -69,10 +69,9 @@ def test_analyze_and_report_share_one_read(tmp_path, opens, capsys):
 
 def test_dashboard_data_reads_each_part_once(tmp_path, opens):
     import kldiag
+    from kldiag.analysis.runtime import runner
     from kldiag.diagnosis import diagnose
     from kldiag.views import dashboard, estimators, mismatch
-
-    from kldiag.analysis import runner
 
     run = fresh_copy("demo_k3_is", tmp_path)
     a = kldiag.analyze(run, kldiag.AnalysisConfig(), dashboard.reducers())
@@ -114,9 +113,9 @@ def test_read_along_reads_only_what_the_analysis_lacks(tmp_path, opens):
     import numpy as np
 
     import kldiag
-    from kldiag.analysis import runner
-    from kldiag.diagnosis.scan import ScanReducer
-    from kldiag.analysis.turns import TurnReducer
+    from kldiag.analysis.reducers.turns import TurnReducer
+    from kldiag.analysis.runtime import runner
+    from kldiag.analysis.reducers.scan import ScanReducer
 
     run = tmp_path / "r"
     make_run(run, SynthConfig(steps=8, seqs_per_step=8, ranks=2))

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kldiag.analysis.engine import analyze
+from kldiag.analysis.pipeline import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import main
 from kldiag.diagnosis import diagnose

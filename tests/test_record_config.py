@@ -41,11 +41,12 @@ def test_an_unknown_keyword_lists_the_valid_ones(tmp_path):
 
 def test_old_module_paths_alias_the_moved_modules():
     import kldiag.guard
-    import kldiag.live.guard
     import kldiag.recorder
+    from kldiag.synth import make_run  # noqa: F401
+
+    import kldiag.live.guard
     import kldiag.record.recorder
     from kldiag import _compat
-    from kldiag.synth import make_run  # noqa: F401
 
     assert kldiag.recorder is kldiag.record.recorder and kldiag.guard is kldiag.live.guard
     assert "Recorder" in inspect.signature(kldiag.recorder.Recorder).parameters["options"].annotation

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kldiag
-from kldiag.record import writer as W
 from kldiag import format as F
 from kldiag.errors import RecorderError
+from kldiag.record import writer as W
 from kldiag.record.recorder import SEQ_ATTEMPT_BITS, SEQ_LOCAL_BITS, Recorder, seq_unit
 
 REPO = Path(__file__).resolve().parents[1]

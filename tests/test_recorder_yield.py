@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kldiag import format as F
-from kldiag.record import recorder as kr
 from kldiag.integrations import trl as kt
+from kldiag.record import recorder as kr
 from kldiag.record.recorder import Recorder
 
 

@@ -1,4 +1,4 @@
-"""The reducers' merged-prefix cache (kldiag/analysis/reducer_prefix.py): a run read with the dashboard's
+"""The reducers' merged-prefix cache (kldiag/analysis/cache/side_prefix.py): a run read with the dashboard's
 reducers as it grows, part by part, gives every reducer's merged partial equal bit for bit to a cold
 merge of every part, while a warm read loads one cache file per reducer and the partials after the prefix."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import pickle
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -15,7 +15,10 @@ import numpy as np
 import test_analysis_prefix
 from test_analysis_prefix import publish, split_run
 
-from kldiag.analysis import AnalysisConfig, analyze, reduce, reducer_prefix, runner
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis import protocol as reduce
+from kldiag.analysis.cache import side_prefix as reducer_prefix
+from kldiag.analysis.runtime import runner
 from kldiag.format import open_run
 from kldiag.views import dashboard as VD
 

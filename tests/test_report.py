@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kldiag
-from kldiag.analysis.episodes import KINDS
+from kldiag.analysis.rules.episodes import KINDS
 from kldiag.cli import main
 from kldiag.cli import report as cli_report
 from kldiag.diagnosis import CAUSE_NAMES, Cause, Diagnosis, DiagnosisConfig, Episode, diagnose

@@ -3,7 +3,7 @@ engine mismatch moves at step 0 and whose K3 weight blows up later, the K3 blow-
 
 from __future__ import annotations
 
-from kldiag.analysis.episodes import Episode
+from kldiag.analysis.rules.episodes import Episode
 from kldiag.diagnosis.types import Cause, Diagnosis
 from kldiag.report import build as R
 from kldiag.report.render import format_text, render_html
@@ -27,8 +27,8 @@ def test_principal_is_the_worst_cause_up_to_its_first_clause():
 
 
 def test_text_and_html_lead_with_the_principal_cause(tmp_path):
+    from kldiag.analysis.pipeline import analyze
     from kldiag.tools.synth import SynthConfig, make_run
-    from kldiag.analysis.engine import analyze
 
     make_run(tmp_path / "r", SynthConfig(steps=3, seqs_per_step=4, seq_len=(4, 8), vocab_size=0))
     rep = R.build_report(analyze(tmp_path / "r", reducers=R.reducers()), diagnosis=_diagnosis())

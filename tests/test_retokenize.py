@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kldiag.analysis.engine import analyze
+from kldiag.analysis.pipeline import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis import retokenize as RT

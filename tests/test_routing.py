@@ -7,13 +7,11 @@ import json
 import numpy as np
 import pytest
 
-import kldiag
 from kldiag.analysis import AnalysisConfig, analyze
-from kldiag.analysis.routing import RoutingReducer, routing_of
+from kldiag.analysis.reducers.routing import RoutingReducer, routing_of
 from kldiag.cli import main
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers
-
 from kldiag.tools.routing_runs import STEPS
 from kldiag.tools.routing_runs import batches as _data
 from kldiag.tools.routing_runs import write as _write

@@ -17,8 +17,8 @@ import pytest
 
 import kldiag
 from kldiag.analysis import AnalysisConfig, analyze
-from kldiag.analysis import staleness as S
-from kldiag.analysis import tasks as TK
+from kldiag.analysis.reducers import staleness as S
+from kldiag.analysis.reducers import tasks as TK
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers
 from kldiag.format import FORMAT_VERSION

@@ -1,4 +1,4 @@
-"""Top-k distribution-level mismatch (kldiag/analysis/topk.py): the bounds against the exact KL of
+"""Top-k distribution-level mismatch (kldiag/analysis/reducers/topk.py): the bounds against the exact KL of
 full categorical distributions, the rank figures, the reducer (merge equals one pass), and
 `kldiag analyze --json`'s "topk" key (null for a run without top-k lists)."""
 
@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 
 import kldiag
-from kldiag.analysis import reduce, runner
-from kldiag.analysis import topk as T
+from kldiag.analysis.reducers import topk as T
+from kldiag.analysis.runtime import part_fold
+from kldiag.analysis.runtime import runner
 from kldiag.cli import main
 from kldiag.format import list_parts
 
@@ -139,7 +140,7 @@ def one_pass(reducer, parts):
     """Every part's batches folded into one state: the single-pass reference for merge."""
     state = reducer.start(parts[0])
     for part in parts:
-        for batch in reduce.part_batches(part, reduce.union_columns([reducer]), batch_size=7):
+        for batch in part_fold.part_batches(part, part_fold.union_columns([reducer]), batch_size=7):
             reducer.add(state, batch)
     return reducer.finish(state, 0)
 

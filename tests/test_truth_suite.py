@@ -147,7 +147,7 @@ def moe():
 @pytest.mark.parametrize("name", ["moe_no_replay", "moe_replay", "moe_replay_broken_layer1", "moe_dense",
                                   "moe_same_routes_logit_noise"])
 def test_moe_scenario_is_diagnosed(moe, name, tmp_path):
-    from kldiag.analysis.routing import routing_of
+    from kldiag.analysis.reducers.routing import routing_of
 
     sc = moe.MOE_SCENARIOS[name]
     analysis, dg = moe.run_and_diagnose(sc, tmp_path / "run")

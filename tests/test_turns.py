@@ -1,4 +1,4 @@
-"""Turn index per token and the per-turn figures (kldiag/analysis/turns.py): the derivation's edge cases, the
+"""Turn index per token and the per-turn figures (kldiag/analysis/reducers/turns.py): the derivation's edge cases, the
 reducer's merge against one pass, `kldiag analyze --json`'s "turns", the recorded turn column, the report's section."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from kldiag import estimators as E
-from kldiag.analysis import turns as TU
+from kldiag.analysis.reducers import turns as TU
 
 pytestmark = pytest.mark.filterwarnings("ignore:kldiag.*placeholder")
 
@@ -170,7 +170,7 @@ def test_analyze_json_has_turns(agentic, capsys):
 
 
 def test_recorded_turn_column_is_read(agentic):
-    from kldiag.analysis.engine import analyze
+    from kldiag.analysis.pipeline import analyze
     from kldiag.analysis.types import AnalysisConfig
     from kldiag.format import open_run
 
@@ -182,7 +182,7 @@ def test_recorded_turn_column_is_read(agentic):
 
 
 def test_report_has_a_turn_section_for_multi_turn_runs(agentic, tmp_path):
-    from kldiag.analysis.engine import analyze
+    from kldiag.analysis.pipeline import analyze
     from kldiag.analysis.types import AnalysisConfig
     from kldiag.report import turns as RT
     from kldiag.report.build import reducers

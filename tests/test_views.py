@@ -10,12 +10,12 @@ from conftest import APP_EVIL_PIECE
 
 from kldiag import estimators as E
 from kldiag import format as F
-from kldiag.views import hists as H
-from kldiag.views import pages as V
-from kldiag.views import estimators as VE
 from kldiag.analysis.types import ABS_EDGES, D_EDGES, AnalysisConfig, Histograms
 from kldiag.errors import NotARunError
 from kldiag.tools.synth import SynthConfig, make_run
+from kldiag.views import estimators as VE
+from kldiag.views import hists as H
+from kldiag.views import pages as V
 
 
 def _cols(**kw):

@@ -84,8 +84,8 @@ def test_siblings_put_self_first():
 
 
 def test_read_group_reads_siblings_in_one_pass(tmp_path):
-    from kldiag.views import pages as V
     from kldiag.tools.synth import SynthConfig, make_run
+    from kldiag.views import pages as V
 
     make_run(tmp_path / "run", SynthConfig(steps=2, seqs_per_step=8, seq_len=(4, 9), vocab_size=16, seed=4))
     got = VG.read_group(tmp_path / "run", 1, [8, 9, 10])

@@ -20,7 +20,7 @@ def test_prepare_refresh_loads_the_passs_kernels_and_leaves_the_parts_alone(tmp_
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.glob("tokens/**/*"))
     code = f"""
         import sys
-        from kldiag.analysis import fused_ride
+        from kldiag.analysis.kernels import ride as fused_ride
         from kldiag.views import dashboard as VD
         assert "numba" not in sys.modules
         VD.prepare_refresh_in_background({str(run)!r}).join()

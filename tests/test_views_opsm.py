@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kldiag import estimators as E
-from kldiag.analysis import AnalysisConfig, analyze, keyed, prefix, seqrows, spill, tables
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import keyed, seqrows, spill, tables
 from kldiag.analysis.types import OPSM_DELTAS
 from kldiag.errors import KldiagError
 from kldiag.tools.synth import SynthConfig, make_run

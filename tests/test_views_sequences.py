@@ -7,7 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kldiag.analysis import AnalysisConfig, analyze, prefix, seqrows
+from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.cache import prefix
+from kldiag.analysis.core import seqrows
 from kldiag.tools.synth import SynthConfig, make_run
 from kldiag.views import sequences as VS
 from kldiag.views.numbers import fault_first
@@ -82,7 +84,7 @@ def test_empty_first_to_show():
 
 def test_tokens_and_group_stored_equal_read(tmp_path, monkeypatch):
     """tokens() and group_tokens() read the parts once: a fresh analysis of the same parts gets them from
-    the result store (kldiag.analysis.store), equal to pages.read_sequence / groups.read_group."""
+    the result store (kldiag.analysis.cache.store), equal to pages.read_sequence / groups.read_group."""
     from kldiag.format import open_run
     from kldiag.views import groups as VG
     from kldiag.views import pages as V

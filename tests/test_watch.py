@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kldiag.cli import main
-from kldiag.tools.synth import SynthConfig, make_run
 from kldiag.live.watch import Watcher
+from kldiag.tools.synth import SynthConfig, make_run
 
 SMALL = {"seqs_per_step": 8, "seq_len": (8, 24), "vocab_size": 0}
 HEALTHY = SynthConfig(steps=60, **SMALL)

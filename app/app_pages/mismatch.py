@@ -4,15 +4,15 @@ mismatch, what corrections would have done, and the run's framework's own metric
 import dash_data as D
 import streamlit as st
 
+from kldiag.crosswalk import FRAMEWORKS
+from kldiag.format import read_manifest
+from kldiag.mismatch import whatif as W
+from kldiag.views import audit as VA
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
-from kldiag.views import turns as VT
 from kldiag.views import routing as VR
-from kldiag.views import audit as VA
 from kldiag.views import tasks as VK
-from kldiag.crosswalk import FRAMEWORKS
-from kldiag.mismatch import whatif as W
-from kldiag.format import read_manifest
+from kldiag.views import turns as VT
 
 
 @st.cache_data(max_entries=64)

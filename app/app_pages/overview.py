@@ -5,12 +5,12 @@ import dash_controls as K
 import dash_data as D
 import streamlit as st
 
-from kldiag.views import pages as V
-from kldiag.views import diagnosis as DV
 from kldiag.views import charts as VC
-from kldiag.views import tasks as VK
+from kldiag.views import diagnosis as DV
 from kldiag.views import numbers as VN
+from kldiag.views import pages as V
 from kldiag.views import sequences as VS
+from kldiag.views import tasks as VK
 
 SEQUENCES_SHOWN = 1000
 

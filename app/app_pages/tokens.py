@@ -6,8 +6,8 @@ import dash_data as D
 import streamlit as st
 
 from kldiag import format as F
-from kldiag.views import pages as V
 from kldiag.views import numbers as VN
+from kldiag.views import pages as V
 from kldiag.views import topk as VT
 
 SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", "d", "rho",

@@ -117,7 +117,8 @@ def crosswalk(ws: Workspace, run: str, framework: str | None = None, settings: d
               offset: int = 0, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """Per step, the framework's own KL / IS / mismatch metrics recomputed from the tokens: the list
     `kldiag crosswalk RUN --framework F --set K=V ... --json` prints (docs/crosswalk.md)."""
-    from kldiag.crosswalk import CrosswalkError, crosswalk as cross, framework_of, parse_settings, records
+    from kldiag.crosswalk import CrosswalkError, framework_of, parse_settings, records
+    from kldiag.crosswalk import crosswalk as cross
 
     path = ws.resolve(run)
     r = F.open_run(path)
@@ -192,9 +193,10 @@ def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | 
 
 def _rule(cause: str) -> str:
     """The description of the detector that names `cause`."""
-    from kldiag.diagnosis import causes, core, parity  # noqa: F401 - core registers every detector
+    from kldiag.diagnosis import detectors as D
+    from kldiag.diagnosis import parity
 
-    by_name = {d.__name__: d for d in causes.detectors()}
+    by_name = {d.__name__: d for d in D.detectors()}
     if cause in parity.ROOTS:
         fn = by_name.get("engine_root_cause")
     else:

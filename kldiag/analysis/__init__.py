@@ -1,15 +1,21 @@
 """Streaming analysis of a run: `kldiag.analyze(run_dir, config=AnalysisConfig()) -> Analysis`.
 
-Modules: types (the contract: AnalysisConfig, Analysis), engine (analyze), reduce and runner (the
-reducer protocol and the one engine that runs reducers per part, cached), worker, engines and
-ray_engine (where a part's work runs), kernel/fused/fastexp/bins/stats/scans (one record batch ->
-partials), keyed/partials/prefix (mergeable partial results and their caches), tables/alerts (the
-result), episodes (the alert rules), context (the tokens around the worst ones), coverage (what a
-run cannot give), slime_kl/verl_kl (a framework's own KL). The CLI is kldiag/cli/analyze.py.
-Metrics are documented in docs/metrics.md.
+The contract is types.py (AnalysisConfig, Analysis; column names documented in docs/metrics.md), the entry
+point pipeline.py (`analyze`: every part read once, its partials cached, merged, the tables built). Every
+pass over a run's tokens is a reducer on one protocol (protocol.py). The rooms, lowest first:
+
+  kernels/    the compiled loops (numba only; internal)
+  core/       the analysis's own reducer: one record batch -> partials -> tables
+  cache/      what RUN/.kldiag keeps: merged prefixes, derived results
+  runtime/    where reducers run: the runner, part reading, threads, Ray, lost parts
+  reducers/   the side reducers (routing, staleness, tasks, turns, topk, scan, estimators)
+  rules/      per-step alert rules, episodes, early warnings
+
+Code outside kldiag.analysis imports this face, types, or a room's public modules (its __all__), never a
+kernel. docs/architecture.md follows one batch through them. The CLI is kldiag/cli/analyze.py.
 """
 
-from kldiag.analysis.engine import analyze
-from kldiag.analysis.types import Analysis, AnalysisConfig
+from kldiag.analysis.pipeline import analyze, thresholds
+from kldiag.analysis.types import Analysis, AnalysisConfig, Histograms
 
-__all__ = ["Analysis", "AnalysisConfig", "analyze"]
+__all__ = ["Analysis", "AnalysisConfig", "Histograms", "analyze", "thresholds"]

@@ -73,7 +73,7 @@ class Histograms:
 
 
 class _SequenceTable:
-    """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.seqrows.SequenceRows),
+    """Analysis.sequences: a pa.Table, or the on-disk table of a long run (analysis.core.seqrows.SequenceRows),
     read whole at each access and not kept (the caller keeps what it needs); `Analysis.sequence_rows`
     gives the file itself, to query only what a face shows (the worst N, one sequence, a step range)
     without reading the rest, as the dashboard does (kldiag.views.sequences)."""
@@ -121,12 +121,12 @@ class Analysis:
                 (`sequence_rows` queries part of it)
     flags:      worst tokens by |k3 weight| plus every non-finite/invalid one (FLAG_COLUMNS)
     histograms: per-step histograms of d, |k3 weight|, |k3_is weight|, rho
-    alerts:     ALERT_COLUMNS, one row per episode (kldiag.analysis.episodes), sorted by start
+    alerts:     ALERT_COLUMNS, one row per episode (kldiag.analysis.rules.episodes), sorted by start
     trainer_kl: step, micro-averaged KL as the trainer logs it, when trainer_compatible
     superseded: rank, attempt, rows: rows left out because a later attempt of the rank
                 re-recorded their steps (a restart); empty when the run has one attempt
     lost:       the parts none of whose rows were read (unreadable, 0 bytes, 0 rows), each with
-                its rank and step range (kldiag.analysis.lost.LostPart)
+                its rank and step range (kldiag.analysis.runtime.lost.LostPart)
     spans:      (rank, attempt, step_min, step_max) of each part that was read
     """
 
@@ -144,7 +144,7 @@ class Analysis:
     files_new: int = 0  # parts computed now (not from the cache)
     skipped: list[str] = field(default_factory=list)  # parts skipped as corrupt, by path
     superseded: pa.Table | None = None
-    lost: list[Any] = field(default_factory=list)  # kldiag.analysis.lost.LostPart, in part order
+    lost: list[Any] = field(default_factory=list)  # kldiag.analysis.runtime.lost.LostPart, in part order
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
@@ -153,7 +153,7 @@ class Analysis:
 
     @property
     def sequence_rows(self) -> Any:
-        """The sequence table on disk (analysis.seqrows.SequenceRows: .worst(n), .sequence(step, seq),
+        """The sequence table on disk (analysis.core.seqrows.SequenceRows: .worst(n), .sequence(step, seq),
         .steps(first, last), .table(columns, filter)) when the run's was spilled there, else None."""
         value = self.__dict__.get("_sequences")
         return None if isinstance(value, pa.Table) else value

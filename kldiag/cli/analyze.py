@@ -13,10 +13,11 @@ from typing import Any
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from kldiag.analysis import coverage, engines
-from kldiag.analysis.flagged import flagged_text, run_flagged
+from kldiag.analysis.core import coverage
+from kldiag.analysis.core.flagged import flagged_text, run_flagged
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 from kldiag.cli import warning_line
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.routing import apply_settings

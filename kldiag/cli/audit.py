@@ -80,7 +80,7 @@ def missing(run_dir: str) -> list[str]:
     """'data_missing (warning, from step 10): ...' when the run's tokens lack parts or steps, else []."""
     import warnings
 
-    from kldiag.analysis.engine import analyze
+    from kldiag.analysis import analyze
     from kldiag.diagnosis.missing import cause_of
 
     with warnings.catch_warnings():

@@ -18,8 +18,10 @@ import json
 import time
 from typing import Any
 
-from kldiag.analysis import cache_files, runner, topk
-from kldiag.analysis.engine import thresholds
+from kldiag.analysis.cache import files as cache_files
+from kldiag.analysis import thresholds
+from kldiag.analysis.reducers import topk
+from kldiag.analysis.runtime import runner
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.format import open_run

@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kldiag.analysis import engines
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 from kldiag.errors import KldiagError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kldiag.analysis.engine import analyze
+from kldiag.analysis import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import dashboard

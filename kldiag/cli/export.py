@@ -26,15 +26,15 @@ def add_parser(subparsers: Any) -> None:
     tb.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory (created; one per run)")
     tb.add_argument("--hold-last", action="store_true",
                     help="leave the newest step for the next export (a run still recording it)")
-    from kldiag.analysis import engines
+    from kldiag.cli import engine_opts as engines
 
     engines.add_arguments(tb)
     tb.set_defaults(func=run_tensorboard)
 
 
 def run_tensorboard(args: argparse.Namespace) -> int:
-    from kldiag.analysis import engines
     from kldiag.analysis.types import AnalysisConfig
+    from kldiag.cli import engine_opts as engines
     from kldiag.export.tensorboard import export_tensorboard
 
     r = export_tensorboard(args.run_dir, args.logdir, AnalysisConfig(**engines.options(args)),

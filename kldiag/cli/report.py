@@ -35,11 +35,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kldiag.analysis import engines
-from kldiag.analysis import episodes as EP
-from kldiag.analysis.engine import analyze as analyze_run
+from kldiag.analysis import analyze as analyze_run
+from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
 from kldiag.diagnosis.routing import apply_settings
 from kldiag.report.build import Report, ReportConfig, build_report, reducers

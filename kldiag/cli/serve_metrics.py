@@ -19,9 +19,9 @@ import argparse
 import sys
 import time
 
-from kldiag.analysis import engines
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 
 
 def port_or_any(text: str) -> int:
@@ -31,8 +31,9 @@ def port_or_any(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from kldiag.export.prometheus import Exporter
         import prometheus_client  # noqa: F401 - checked here, used by the exporter
+
+        from kldiag.export.prometheus import Exporter
     except ImportError:
         raise ValueError("serve-metrics needs prometheus-client: pip install 'kldiag[prometheus]'") from None
     exp = Exporter(args.run_dirs, AnalysisConfig(**engines.options(args)))

@@ -23,12 +23,12 @@ import argparse
 import sys
 import time
 
-from kldiag.analysis import engines
-from kldiag.analysis import episodes as EP
+from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.live.notify import Notifier
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 from kldiag.format import open_run
+from kldiag.live.notify import Notifier
 from kldiag.live.watch import Watcher, render
 
 NOTIFY_CLOSE_S = 15.0  # at exit, how long queued webhook messages may still take

@@ -27,8 +27,8 @@ from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.errors import KldiagError
 from kldiag.format import open_run
 from kldiag.frameworks import family
-from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import sample as SS
+from kldiag.mismatch import tokenset as TS
 
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf, "skyrl": skyrl,
               "areal": areal}

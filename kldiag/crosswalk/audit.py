@@ -18,9 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-from kldiag.crosswalk import (CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons,
-                              parse_settings)
+from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons, parse_settings
 from kldiag.crosswalk import audit_reasons as R
 from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.crosswalk.logs import Logs, LogsError, match_names, read_logs

@@ -18,7 +18,7 @@ Per token:
   --use-tis or --get-mismatch-metrics. With --use-rollout-logprobs (which slime forbids with --use-tis) the
   recompute exists only for --get-mismatch-metrics and the run holds the rollout as logp_old: null, with why.
 - `kl_loss`: compute_approx_kl(log_probs, ref, kl_loss_type), times rho = exp(log_probs - old) with
-  --use-unbiased-kl; low_var_kl clamped to +-10 after (kldiag.analysis.slime_kl.approx_kl).
+  --use-unbiased-kl; low_var_kl clamped to +-10 after (kldiag.analysis.core.slime_kl.approx_kl).
 log_probs is pi_theta at the step's first update (kldiag's logp). Not reproduced: samples that share a
 `rollout_id` (a custom rollout fanning one rollout out into several samples), whose `rollout_mask_sums`
 denominator is the rollout's total (slime/ray/rollout.py l. 690-700); kldiag records no rollout id.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.analysis.slime_kl import approx_kl
+from kldiag.analysis.core.slime_kl import approx_kl
 from kldiag.crosswalk.batch import StepBatch
 
 NAME = "slime"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.analysis.verl_kl import kl_loss_by_step
+from kldiag.analysis.core.verl_kl import kl_loss_by_step
 from kldiag.crosswalk.batch import StepBatch, masked_sum
 from kldiag.crosswalk.batch import masked_mean as _mean
 from kldiag.frameworks import family
@@ -327,7 +327,7 @@ def step_metrics(b: StepBatch, s: Settings) -> tuple[dict[str, float | None], di
 def run_overrides(run, s: Settings) -> dict[str, dict[int, float]]:
     """For a run the verl hook recorded (trainer "verl": micro = mini-batch * MICRO_SLOTS + micro-batch),
     actor/kl_loss exactly as verl reduces it over micro-batches, DP ranks, mini-batches and epochs
-    (kldiag.analysis.verl_kl); {} for other runs (the whole-step figure stands)."""
+    (kldiag.analysis.core.verl_kl); {} for other runs (the whole-step figure stands)."""
     if family(run.manifest) != "verl":
         return {}
     by_step = kl_loss_by_step(run, s.kl_loss_type, s.loss_agg_mode, s.loss_scale_factor)

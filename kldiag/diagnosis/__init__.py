@@ -7,7 +7,7 @@ Modules: types (the contract: Episode, Cause, Diagnosis, DiagnosisConfig), cause
 function per cause, `f(analysis) -> list[Cause]`), evidence (worst tokens of an episode), scan
 (entropy and token_mult_prob_error per step, cached per part), core (diagnose: the verdict), text
 (the terminal's rendering), parity (the engine-parity causes, from kldiag.mismatch.parity's fits).
-Elsewhere: the alert rules that make episodes are kldiag.analysis.episodes, the fixes in each
+Elsewhere: the alert rules that make episodes are kldiag.analysis.rules.episodes, the fixes in each
 trainer's option names kldiag.frameworks, the dashboard's rendering kldiag.views.diagnosis.
 Cause names: docs/metrics.md.
 """

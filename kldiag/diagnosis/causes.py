@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kldiag import fmt
-from kldiag.analysis import episodes as EP
+from kldiag.analysis.rules import episodes as EP
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis.types import Cause, DiagnosisConfig, Episode
 from kldiag.frameworks import CLAMPED_K3, clamps, fix_for
@@ -44,20 +44,15 @@ class Context:
 
 
 Detector = Callable[..., list[Cause]]
-DETECTORS: list[Detector] = []
+DETECTORS: list[Detector] = []  # detectors of other packages, added with `register`
 
 
 def register(detector: Detector) -> Detector:
-    """Add a detector to DETECTORS (usable as a decorator); registering twice is a no-op."""
+    """Add another package's detector (usable as a decorator); registering twice is a no-op. kldiag's own
+    detectors are listed in kldiag.diagnosis.detectors, which runs these after them."""
     if detector not in DETECTORS:
         DETECTORS.append(detector)
     return detector
-
-
-def detectors() -> list[Detector]:
-    """DETECTORS: the built-ins, then those other modules registered (kldiag.diagnosis.core imports
-    kldiag.diagnosis.parity, whose two detectors register themselves)."""
-    return list(DETECTORS)
 
 
 # ---- the built-in detectors ---------------------------------------------------------------
@@ -109,7 +104,6 @@ def _k3_summary(c, cfg: DiagnosisConfig, fire, onset: int, peak: float, peak_ste
             f"at step {peak_step} is {fmt.metric(ev['weight_k3_is_abs_max_at_peak'])}")
 
 
-@register
 def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     """K3 is the loss and its weight 1 - pi_ref/pi_theta passes blowup_weight (DeepSeek-V3.2 3.1):
     critical; or only flagged tokens carry over blame_share of the |k3 weight|: warning. Both need
@@ -140,7 +134,6 @@ def k3_weight_blowup(analysis, ctx: Context) -> list[Cause]:
     return [Cause("k3_weight_blowup", onset, severity, ev, fix_for("k3_weight_blowup", ctx.manifest), summary)]
 
 
-@register
 def clamp_dead_zone(analysis, ctx: Context) -> list[Cause]:
     """A clamping trainer gives tokens with k3 > 10 (pi_ref/pi_theta > 13.6) no KL gradient: over
     clamp_frac of a step's tokens there, sustained. The blame share of those tokens (K3's
@@ -204,7 +197,6 @@ def _finite_max(v: np.ndarray) -> float | None:
     return float(np.nanmax(v)) if np.isfinite(v).any() else None
 
 
-@register
 def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     """rho = pi_theta/pi_old: ESS below ess_low or mean outside rho_mean_range (verl rollout_corr.md
     troubleshooting), the k3_is loss's weight blowing up through rho, or an absolute level: the share of
@@ -240,7 +232,6 @@ def offpolicy_drift(analysis, ctx: Context) -> list[Cause]:
     return [Cause("offpolicy_drift", onset, severity, ev, fix_for("offpolicy_drift", ctx.manifest), summary)]
 
 
-@register
 def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
     """Sampler vs trainer. Warning when the mismatch dominates the off-policy gap (kldiag report's
     rule: mean KL(mu||pi_old) above mismatch_kl and sqrt(2 KL) above the mean policy drift
@@ -273,7 +264,6 @@ def engine_mismatch(analysis, ctx: Context) -> list[Cause]:
                   fix_for("engine_mismatch", ctx.manifest), summary)]
 
 
-@register
 def numerical_fault(analysis, ctx: Context) -> list[Cause]:
     """NaN/inf or positive log-probs, with where they first appear (step, seq, pos, rank, column)."""
     c = ctx.cols
@@ -319,7 +309,6 @@ def _entropy_onset(ent: np.ndarray, confirmed: int, level: float, spread: float,
     return int(inside[-1]) + 1 if len(inside) else 0
 
 
-@register
 def entropy_collapse(analysis, ctx: Context) -> list[Cause]:
     """The mean entropy falls below collapse_entropy_ratio x the run's own early level (the median of
     its first max(quiet_steps, steps/10) steps) for quiet_steps steps in a row; the onset is where it

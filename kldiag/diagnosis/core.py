@@ -14,25 +14,21 @@ import inspect
 import warnings
 from collections.abc import Sequence
 
-from kldiag.analysis import episodes as EP
-from kldiag.analysis import runner, store
-from kldiag.analysis.alerts import rule_context
-from kldiag.analysis.routing import RoutingReducer
-from kldiag.analysis.staleness import StalenessReducer
-from kldiag.analysis.tasks import TaskReducer
-from kldiag.analysis.turns import TurnReducer
+from kldiag.analysis.cache import store
+from kldiag.analysis.reducers.routing import RoutingReducer
+from kldiag.analysis.reducers.staleness import StalenessReducer
+from kldiag.analysis.reducers.tasks import TaskReducer
+from kldiag.analysis.reducers.turns import TurnReducer
+from kldiag.analysis.rules import episodes as EP
+from kldiag.analysis.rules.alerts import rule_context
+from kldiag.analysis.runtime import runner
 from kldiag.diagnosis import causes as C
+from kldiag.diagnosis import detectors as D
 from kldiag.diagnosis import evidence
-from kldiag.diagnosis import parity as _parity  # noqa: F401 - registers the engine-parity detectors
-from kldiag.diagnosis import truncation as _truncation  # noqa: F401 - registers engine_truncated_sampling
-from kldiag.diagnosis import retokenize as _retokenize  # noqa: F401 - registers engine_retokenization
-from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_missing
-from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_routing_mismatch, routing_replay_broken
-from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
-from kldiag.diagnosis import tasks as _tasks  # noqa: F401 - names the task that carries a cause
-from kldiag.diagnosis.scan import ScanReducer, scan_of
-from kldiag.mismatch.sample import SampleReducer
+from kldiag.diagnosis import tasks as TA  # names the task that carries a cause
+from kldiag.analysis.reducers.scan import ScanReducer, scan_of
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
+from kldiag.mismatch.sample import SampleReducer
 
 
 def verdict(causes: Sequence[Cause], episodes: Sequence[Episode]) -> str:
@@ -81,15 +77,15 @@ def diagnose(analysis, config: DiagnosisConfig = DiagnosisConfig(), detectors=No
 
     Reads no part when `analysis` was made with `reducers()`; else the ones it lacks are read together,
     in one more pass over the parts whose partials are not cached yet (`runner.read_along`); `detectors` defaults to
-    causes.detectors() (the built-ins, then those registered by other modules). A built-in cause is
+    kldiag.diagnosis.detectors.detectors() (kldiag's, then those other packages registered). A built-in cause is
     dropped when another detector named the same cause, or ran and lists its name in its `replaces`; any cause is
     dropped when a detector that found a cause lists its name in its `absorbs` (a root cause that explains it).
-    The result is kept in the run's result store (kldiag.analysis.store: keyed by the parts read, the
+    The result is kept in the run's result store (kldiag.analysis.cache.store: keyed by the parts read, the
     analysis's settings, the manifest, `config` and the code), so a fresh process on an unchanged run
     reads it; not when `detectors` is given or a detector of another package is registered (its code
     is not in the key).
     """
-    dets = C.detectors() if detectors is None else list(detectors)
+    dets = D.detectors() if detectors is None else list(detectors)
     own = [f"{getattr(d, '__module__', '')}:{getattr(d, '__qualname__', d)}" for d in dets]
     if detectors is None and config is not None and all(name.startswith("kldiag.") for name in own):
         return store.cached(analysis, "diagnosis", [dataclasses.asdict(config), own],
@@ -131,5 +127,5 @@ def _diagnose(analysis, config: DiagnosisConfig | None, dets: Sequence, along: b
     causes = [c for b, c in found if not (b and c.cause in replaced) and c.cause not in absorbed]
     rank = {s: i for i, s in enumerate(SEVERITIES)}
     causes.sort(key=lambda c: (-rank.get(c.severity, 0), c.onset if c.onset is not None else 1 << 62))
-    _tasks.name_carriers(analysis, causes)
+    TA.name_carriers(analysis, causes)
     return Diagnosis(verdict(causes, eps), causes, eps)

@@ -1,7 +1,7 @@
 """Cause `data_missing`: steps of the run whose rows the analysis never saw, so every figure and the
 verdict speak only for the rest.
 
-Two sources (the analysis keeps both facts: `Analysis.lost`, `Analysis.spans`, kldiag/analysis/lost.py):
+Two sources (the analysis keeps both facts: `Analysis.lost`, `Analysis.spans`, kldiag/analysis/runtime/lost.py):
 
 - a part that is unreadable, 0 bytes or 0 rows: its file name gives its rank and steps
   (docs/format.md, "File naming and publishing");
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause, DiagnosisConfig
 from kldiag.frameworks import fix_for
 
@@ -181,4 +180,3 @@ def cause_of(analysis, config: DiagnosisConfig = DiagnosisConfig()) -> Cause | N
     return Cause(CAUSE, int(cov.missing[0]) if n else None, severity, ev, fix, summary)
 
 
-C.register(data_missing)

@@ -15,16 +15,16 @@ import math
 
 import numpy as np
 
+from kldiag.analysis import analyze
+from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import truncation as TR
 from kldiag.diagnosis.types import Cause
 from kldiag.format import open_run
 from kldiag.frameworks import fix_for
-from kldiag.analysis.engine import analyze
-from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import parity as P
-from kldiag.mismatch import signatures as S
 from kldiag.mismatch import sample as SS
+from kldiag.mismatch import signatures as S
 
 
 def _onset(rep: P.ParityReport, fire: np.ndarray) -> int | None:
@@ -299,7 +299,4 @@ def parity_causes(run, config: P.ParityConfig = P.ParityConfig()) -> list[dict]:
 
 
 engine_mismatch.replaces = ("engine_mismatch",)  # the built-in one, even when this one finds nothing
-C.register(engine_temperature_mismatch)
-C.register(engine_mismatch)
-C.register(engine_root_cause)
 

@@ -10,7 +10,7 @@ pi_old(x_t | x~) is not pi_old(x_t | x) even with identical weights, and log mu 
     fading along the turn (the context difference recedes),
     absent from first turns and from single-turn sequences (no boundary was re-tokenised there).
 
-The detector reads the per-turn figures (kldiag/analysis/turns.py, `TurnReducer`) and names the cause
+The detector reads the per-turn figures (kldiag/analysis/reducers/turns.py, `TurnReducer`) and names the cause
 when all three hold, sustained over steps; it absorbs the generic engine mismatch it explains (the
 built-in rule's figures become its `explained_mismatch` evidence, and `diagnose` drops the
 engine-mismatch causes listed in `absorbs`). The fix is each framework's token-in-token-out path
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kldiag import fmt
-from kldiag.analysis import episodes as EP
-from kldiag.analysis import turns as TU
-from kldiag.analysis.runner import reduced
+from kldiag.analysis.reducers import turns as TU
+from kldiag.analysis.rules import episodes as EP
+from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause
 from kldiag.frameworks.turns import retokenize_fix
@@ -140,4 +140,3 @@ def engine_retokenization(analysis, ctx: C.Context, config: RetokenizeConfig = R
 
 # the generic engine-mismatch causes a re-tokenisation explains: each would also show in first turns
 engine_retokenization.absorbs = ("engine_mismatch", "engine_temperature_mismatch", "engine_precision")
-C.register(engine_retokenization)

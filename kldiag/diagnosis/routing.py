@@ -1,7 +1,7 @@
 """The MoE routing causes: `moe_routing_mismatch` and `routing_replay_broken`.
 
 Registered among the detectors on import (kldiag.diagnosis.core imports this module); the figures are
-kldiag.analysis.routing's (RoutingReducer, read with the analysis when it was made with core.reducers()).
+kldiag.analysis.reducers.routing's (RoutingReducer, read with the analysis when it was made with core.reducers()).
 
 - `moe_routing_mismatch` (warning): the engine/trainer mismatch concentrates on the tokens the two route
   to different expert sets. A token near a router tie goes to another expert in a low-precision engine
@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kldiag.analysis.routing import RoutingReducer, summary
-from kldiag.analysis.runner import reduced
-from kldiag.diagnosis import causes as C
+from kldiag.analysis.reducers.routing import RoutingReducer, summary
+from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis.types import Cause
 from kldiag.errors import KldiagError
 from kldiag.frameworks import fix_for
@@ -72,9 +71,13 @@ def apply_settings(manifest: Any, pairs: list[str]) -> None:
 
 
 def figures(analysis) -> dict[str, Any] | None:
-    """kldiag.analysis.routing.summary() of the run, None when it recorded no routes."""
-    s = summary(reduced(analysis, RoutingReducer()))
-    return s if s["routed"] else None
+    """kldiag.analysis.reducers.routing.summary() of the run, None when it recorded no routes; computed once
+    per analysis (analysis.memo), however many detectors and faces ask."""
+    key = ("routing", "summary")
+    if key not in analysis.memo:
+        s = summary(reduced(analysis, RoutingReducer()))
+        analysis.memo[key] = s if s["routed"] else None
+    return analysis.memo[key]
 
 
 def _layers(s: dict, key: str, floor: float = 0.0) -> list[dict]:
@@ -96,7 +99,15 @@ def _onset(s: dict, key: str, floor: float) -> int | None:
 
 
 def routing_cause(analysis, cfg: RoutingConfig = RoutingConfig()) -> tuple[Cause | None, bool]:
-    """(moe_routing_mismatch or None, whether it explains the generic mismatch)."""
+    """(moe_routing_mismatch or None, whether it explains the generic mismatch); made once per analysis and
+    settings, read by both routing detectors."""
+    key = ("routing", "cause", cfg)
+    if key not in analysis.memo:
+        analysis.memo[key] = _routing_cause(analysis, cfg)
+    return analysis.memo[key]
+
+
+def _routing_cause(analysis, cfg: RoutingConfig) -> tuple[Cause | None, bool]:
     s = figures(analysis)
     if s is None or replay_on(analysis.manifest) is not None or not _concentrated(s, cfg):
         return None, False
@@ -166,6 +177,3 @@ def routing_replay_broken(analysis, ctx, cfg: RoutingConfig = RoutingConfig()) -
 moe_routing_mismatch.absorbs = ("engine_mismatch", "engine_precision", "engine_temperature_mismatch")
 routing_replay_broken.absorbs = ("moe_routing_mismatch", "engine_mismatch", "engine_precision",
                                  "engine_temperature_mismatch")
-C.register(moe_routing_mismatch)
-C.register(moe_routing_mismatch_partial)
-C.register(routing_replay_broken)

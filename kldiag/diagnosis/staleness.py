@@ -1,7 +1,7 @@
 """`async_staleness`: with recorded weight versions, the drift or the clipped importance mass grows with
 the samples' staleness beyond what the run's correction (the PPO clip) absorbs.
 
-Read from the `staleness` reducer's merged partial (kldiag.analysis.staleness; diagnosis.core.reducers()
+Read from the `staleness` reducer's merged partial (kldiag.analysis.reducers.staleness; diagnosis.core.reducers()
 lists it, so the diagnosis reads no part twice). The rule, per staleness bucket with at least
 MIN_TOKENS tokens:
     grows    the stalest bucket's drift |log pi_theta - log pi_old| is at least GROWTH x the freshest
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kldiag.analysis import episodes as EP
-from kldiag.analysis import keyed
-from kldiag.analysis import staleness as S
-from kldiag.analysis.runner import reduced
+from kldiag.analysis.core import keyed
+from kldiag.analysis.reducers import staleness as S
+from kldiag.analysis.rules import episodes as EP
+from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause
 from kldiag.frameworks import fix_for
@@ -102,4 +102,3 @@ def async_staleness(analysis, ctx: C.Context) -> list[Cause]:
 
 
 async_staleness.absorbs = ("offpolicy_drift", "engine_async_lag")
-C.register(async_staleness)

@@ -1,7 +1,7 @@
 """A cause's evidence names the task that carries it, when the run recorded task labels (format v1.3).
 
 For a cause with a per-task figure (CAUSE_FIGURE), its figure per task over the steps from the cause's
-onset (kldiag.analysis.tasks.by_task): the carrier is the one task whose figure is at least CARRY x every
+onset (kldiag.analysis.reducers.tasks.by_task): the carrier is the one task whose figure is at least CARRY x every
 other task's. Its name goes into evidence["task"], the figures per task into evidence["by_task"], and the
 summary says so. Nothing changes on a run without tasks, or with one task only.
 """
@@ -12,8 +12,8 @@ import warnings
 
 import numpy as np
 
-from kldiag.analysis import tasks as T
-from kldiag.analysis.runner import reduced
+from kldiag.analysis.reducers import tasks as T
+from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis.types import Cause
 
 CARRY = 2.0  # the carrier's figure over every other task's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from kldiag.analysis.warning import EARLY_KINDS
+from kldiag.analysis.rules.early import EARLY_KINDS
 from kldiag.diagnosis.types import Diagnosis
 
 MARK = {"healthy": "HEALTHY", "warning": "WARNING", "unstable": "UNSTABLE"}

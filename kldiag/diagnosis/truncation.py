@@ -32,16 +32,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kldiag.analysis.episodes import Persistence, sustained
-from kldiag.diagnosis import causes as C
+from kldiag.analysis.rules.episodes import Persistence, sustained
 from kldiag.diagnosis.types import Cause
 from kldiag.frameworks import family
 from kldiag.frameworks import sampling as SF
 from kldiag.mismatch import kept as K
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import sample as SS
-from kldiag.mismatch.signatures import clustered_mean
 from kldiag.mismatch import tokenset as TS
+from kldiag.mismatch.signatures import clustered_mean
 
 CAUSE = "engine_truncated_sampling"
 
@@ -243,4 +242,3 @@ def engine_truncated_sampling(analysis, ctx) -> list[Cause]:
                   extra={"kept_mass": rep.kept_mass})]
 
 
-C.register(engine_truncated_sampling)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kldiag.analysis.episodes import SEVERITIES, DiagnosisConfig, Episode, json_safe
+from kldiag.analysis.rules.episodes import SEVERITIES, Episode, json_safe
+from kldiag.diagnosis.config import DiagnosisConfig
 
 __all__ = ["CAUSE_NAMES", "SEVERITIES", "VERDICTS", "Cause", "Diagnosis", "DiagnosisConfig", "Episode"]
 

@@ -55,6 +55,7 @@ FIXES = {
         "'Hello', and a chat template may re-render or drop earlier turns)."),
 }
 from kldiag.frameworks.sampling import TRUNCATION_FIXES  # noqa: E402 - the truncation fix lives with the sampling keys
+
 FIXES["engine_truncated_sampling"] = TRUNCATION_FIXES["plain"]
 # The recorder's own trouble, the same under every trainer (kldiag.diagnosis.missing).
 FIXES["data_missing"] = (

@@ -65,8 +65,10 @@ FIXES = {
         "env_mask on tool tokens), never ids re-encoded from decoded text."),
 }
 from kldiag.frameworks.sampling import TRUNCATION_FIXES  # noqa: E402 - the truncation fix lives with the sampling keys
+
 FIXES["engine_truncated_sampling"] = TRUNCATION_FIXES["trl"]
 from kldiag.frameworks.plain import FIXES as _PLAIN  # noqa: E402
+
 FIXES["data_missing"] = _PLAIN["data_missing"]  # the recorder's trouble, not TRL's
 
 # When the run's manifest already has what a fix sets (kldiag.frameworks.SETTINGS): the fix to give instead.

@@ -41,8 +41,8 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.areal import ESTIMATOR_OF, SUPPORTED
-from kldiag.integrations.versions import check_release
 from kldiag.integrations.failures import recording_failed
+from kldiag.integrations.versions import check_release
 
 ENV_RUN = "KLDIAG_RUN"
 SAMPLER_KEY = "kldiag_logp_sampler"

@@ -49,7 +49,6 @@ from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
 from kldiag.integrations.trl_kernel import TOPK_CHECK_NATS, TopkCapture
-from kldiag.integrations.trl_routes import RoutesCapture
 from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -58,6 +57,7 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     merge_partials,
     warm_kernel,
 )
+from kldiag.integrations.trl_routes import RoutesCapture
 
 _TRL_MIN, _TRL_MAX = (1, 15), (1, 17)  # 1.15: the wrapped methods are 1.16's line for line (tests/test_trl_versions.py)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kldiag import estimators as E
-from kldiag.analysis.bins import abs_bins, d_bins
+from kldiag.analysis.core.bins import abs_bins, d_bins
 from kldiag.analysis.types import HIST_EDGES
 from kldiag.export.tensorboard import FILE_SUFFIX, PREFIX, histogram_fields, step_events, tensorboard_modules
 

@@ -39,15 +39,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
 from kldiag.integrations import verl_metrics
-from kldiag.integrations.step_metrics import StepWindow
-from kldiag.integrations.verl_batch import non_tensor, engine_routes, policy_versions, sequence_ids
-from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 from kldiag.integrations.failures import recording_failed
+from kldiag.integrations.step_metrics import StepWindow
+from kldiag.integrations.verl_batch import engine_routes, non_tensor, policy_versions, sequence_ids
+from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
               "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",

@@ -13,7 +13,7 @@
 observe() copies the host arrays (the recorder's own host copies in the TRL hook) and hands
 them to a worker thread, which reduces them to per-step figures with kldiag.estimators (the
 analysis' definitions). end_step() waits (at most wait_s) for that step's figures, evaluates
-the episode rules of kldiag.analysis.episodes on the steps so far, and acts on each episode
+the episode rules of kldiag.analysis.rules.episodes on the steps so far, and acts on each episode
 of a kind in `on` that started: "log" (a warning on the `kldiag.live.guard` logger and stderr),
 "save" and "stop" (flags the trainer integration turns into a checkpoint and a clean stop;
 a plain loop reads guard.should_save / should_stop), "call" (the user's `callback(episode)`),
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from kldiag import estimators as E
-from kldiag.analysis import episodes as EP
+from kldiag.analysis.rules import episodes as EP
 from kldiag.diagnosis.types import DiagnosisConfig, Episode
 from kldiag.live.notify import Notifier
 

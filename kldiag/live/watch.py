@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import time
 import functools
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kldiag.analysis.engine import analyze as analyze_run
+from kldiag.analysis import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.diagnosis.text import verdict_line
 from kldiag.diagnosis.types import Diagnosis, Episode
 from kldiag.errors import EmptyRunError, NotARunError
-from kldiag.format import open_run
 from kldiag.fmt import num
+from kldiag.format import open_run
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A live dashboard analyses its run again at each new part. The token sample (kldiag.mismatch.sample) is
 every k-th step's tokens, so a new part rarely adds to it; the refreshed analysis's sample then holds
 the very arrays of the one before: the merged sample's chunks as the reducer prefix cache read them
-(kldiag.analysis.reducer_prefix, memory-mapped, read-only, remembered while the file is unchanged).
+(kldiag.analysis.cache.side_prefix, memory-mapped, read-only, remembered while the file is unchanged).
 The thinned tokens, the parity fit, the signatures and the truncation test are functions of those
 tokens and their settings alone (kldiag.mismatch.parity, .signatures, kldiag.diagnosis.truncation),
 so `kept` gives the value computed for the latest sample whose arrays are the same objects, all

@@ -13,7 +13,7 @@ The fits behind two causes (kldiag.diagnosis.parity turns them into causes):
   (biased: c varies with the context's entropy), and says so in `method`. i.i.d. noise in the
   engine's logits also pulls the slope below 1 (tokens are drawn from mu), so a temperature also
   needs the slope's effect |slope - 1| * x_std to be at least `explain_ratio` x the residual, and
-  per-step slopes off the same way on sustained steps (kldiag.analysis.episodes.sustained).
+  per-step slopes off the same way on sustained steps (kldiag.analysis.rules.episodes.sustained).
 - `engine_mismatch`: a constant offset (log mu - log pi_old has a mean far from 0 at slope 1),
   a first step where pi_old and mu already disagree beyond float noise (before any update the
   two are the same weights), and mismatch that grows with the steps while the policy drift
@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kldiag.analysis.engine import analyze
-from kldiag.analysis.episodes import Persistence, sustained
+from kldiag.analysis import analyze
+from kldiag.analysis.rules.episodes import Persistence, sustained
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import kept as K
-from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import sample as SS
+from kldiag.mismatch import tokenset as TS
 
 COLUMNS = ("step", "seq", "group", "pos", "token_id", "iteration", "logp", "logp_old", "logp_sampler")
 

@@ -12,11 +12,24 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis import runner
+from kldiag.analysis.runtime import runner
 from kldiag.jit import njit
-from kldiag.mismatch.tokenset import (COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, TokenSet, first_iteration, kept_runs,
-                                      chunks, columns_of, fit_share, from_columns, group_runs, keep_groups, rows,
-                                      thin)
+from kldiag.mismatch.tokenset import (
+    COLUMNS,
+    FLOAT_COLUMNS,
+    INT_COLUMNS,
+    TokenSet,
+    chunks,
+    columns_of,
+    first_iteration,
+    fit_share,
+    from_columns,
+    group_runs,
+    keep_groups,
+    kept_runs,
+    rows,
+    thin,
+)
 
 
 def sample_stride(parts, max_tokens: int) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kldiag.analysis.episodes import sustained
+from kldiag.analysis.rules.episodes import sustained
 from kldiag.mismatch import kept as K
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import sample as SS

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from kldiag import estimators as E
-from kldiag.analysis import context, runner, store
-from kldiag.analysis.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
+from kldiag.analysis.cache import store
+from kldiag.analysis.rules.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
+from kldiag.analysis.runtime import context, runner
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.diagnosis.types import Diagnosis, DiagnosisConfig
@@ -193,7 +194,7 @@ def reducers(config: ReportConfig = ReportConfig()) -> list:
 
 def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
     """The tokens with the largest |k3 weight|, with `context_width` tokens on each side (read from the
-    row groups of their sequences: analysis.context.around; kept in the run's result store)."""
+    row groups of their sequences: analysis.runtime.context.around; kept in the run's result store)."""
     flags = analysis.flags
     if flags.num_rows == 0:
         return []

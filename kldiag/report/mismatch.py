@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from kldiag.diagnosis import diagnose
-from kldiag.mismatch import whatif as W
 from kldiag.fmt import num
+from kldiag.mismatch import whatif as W
 from kldiag.report.tables import html_table
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM

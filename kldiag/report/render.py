@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kldiag.analysis.flagged import flagged_text, run_flagged
+from kldiag.analysis.core.flagged import flagged_text, run_flagged
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
-from kldiag.report.tables import html_table
 from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
+from kldiag.report.tables import html_table
 
 # ---- text -----------------------------------------------------------------------------
 

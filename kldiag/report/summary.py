@@ -7,15 +7,17 @@ import math
 import os
 from typing import Any
 
-from kldiag.analysis import coverage, runner, topk
-from kldiag.analysis.engine import analyze
-from kldiag.analysis.flagged import run_flagged
-from kldiag.analysis.routing import routing_of
-from kldiag.analysis.staleness import OPSM_DELTA, StalenessReducer
-from kldiag.analysis.staleness import summary as staleness_summary
-from kldiag.analysis.tasks import TaskReducer
-from kldiag.analysis.tasks import summary as tasks_summary
-from kldiag.analysis.turns import turns_of
+from kldiag.analysis.core import coverage
+from kldiag.analysis.core.flagged import run_flagged
+from kldiag.analysis import analyze
+from kldiag.analysis.reducers import topk
+from kldiag.analysis.reducers.routing import routing_of
+from kldiag.analysis.reducers.staleness import OPSM_DELTA, StalenessReducer
+from kldiag.analysis.reducers.staleness import summary as staleness_summary
+from kldiag.analysis.reducers.tasks import TaskReducer
+from kldiag.analysis.reducers.tasks import summary as tasks_summary
+from kldiag.analysis.reducers.turns import turns_of
+from kldiag.analysis.runtime import runner
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.report.build import reducers as report_reducers

@@ -32,6 +32,7 @@ from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.record.recorder import Recorder
 
+
 @dataclass(frozen=True)
 class Expect:
     """One cause the diagnosis must name, at `onset` +/- `tol` steps."""

@@ -43,7 +43,7 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
     import pyarrow as pa
 
     from kldiag import format as F
-    from kldiag.analysis.engine import analyze
+    from kldiag.analysis import analyze
 
     parts = F.list_parts(run_dir)
     if not parts:

@@ -3,8 +3,8 @@
 A reducer (`EstimatorReducer`) the dashboard hands to `analyze`: computed in the analysis's one read
 of each part (`kldiag.views.dashboard.reducers()` lists it), cached with it, merged (`merge_partials`), so a
 live run costs only its new files. Read with the analysis, it rides in the analysis's compiled pass
-(`kldiag/analysis/fused_ride.py`: one loop over each batch for both, `ridden_arrays`); read alone (the
-analysis's partial cached, or other thresholds), it runs its own (`kldiag/analysis/estimator_kernel.py`,
+(`kldiag/analysis/kernels/ride.py`: one loop over each batch for both, `ridden_arrays`); read alone (the
+analysis's partial cached, or other thresholds), it runs its own (`kldiag/analysis/kernels/estimators.py`,
 `batch_arrays`). Only tokens in the loss (mask) with a reference log-prob count. Per-token maths:
 `kldiag.estimators` (Schulman 2020; k3_is is DeepSeek-V3.2 eq. 7, its weight eq. 9).
 """
@@ -23,21 +23,33 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag import format as F
-from kldiag.analysis import reduce
-from kldiag.analysis.fused_ride import EstimatorRide
-from kldiag.analysis.kernel import Batch, bools
-from kldiag.analysis.stats import ABS_GRID
+from kldiag.analysis.reducers import estimator_pass as K
+from kldiag.analysis.reducers.estimator_pass import ABS_GRID, Batch, EstimatorRide, bools
 from kldiag.analysis.types import ABS_EDGES, AnalysisConfig
 from kldiag.errors import RunFormatError
-from kldiag.analysis import estimator_kernel as K
 from kldiag.views.estimator_sample import (  # noqa: F401 - the sample's names, read as estimators.X too
-    DTYPES, KEEP_FLAGGED, KEEP_TOP, KINDS, PER_ESTIMATOR, SAMPLE_COLUMNS, SAMPLED, SCALARS, kept_pick,
-    kept_pick_index, kind_index, largest, merge_arrays, sample_pick)
+    DTYPES,
+    KEEP_FLAGGED,
+    KEEP_TOP,
+    KINDS,
+    PER_ESTIMATOR,
+    SAMPLE_COLUMNS,
+    SAMPLED,
+    SCALARS,
+    kept_pick,
+    kept_pick_index,
+    kind_index,
+    largest,
+    merge_arrays,
+    sample_pick,
+)
 from kldiag.views.hists import hist_quantiles
 from kldiag.views.pages import DEFAULT_CONFIG, LOGP_COLUMNS, derive
 
 COMPARED = ("k1", "k2", "k3", "k3_is", "k3_clamped")
 READ_COLUMNS = ["step", "seq", "mask", *LOGP_COLUMNS]
+
+L = K.LAYOUT  # the compiled pass's output layout
 
 
 @dataclass
@@ -96,14 +108,14 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
     top_w, top_j, worst_w, worst_j = np.empty(KEEP_TOP), np.empty(KEEP_TOP, np.int64), np.empty(KEEP_FLAGGED), \
         np.empty(KEEP_FLAGGED, np.int64)
     step, seq = (np.ascontiguousarray(batch.column(c).to_numpy()) for c in ("step", "seq"))
-    chunk_j = np.empty(-(-n // K.CHUNK) + 1, np.int64)
+    chunk_j = np.empty(-(-n // L.CHUNK) + 1, np.int64)
     lost = K.token_pass(raw["logp"], raw["logp_old"], raw["logp_ref"], raw["logp_sampler"], absent["logp"],
                         absent["logp_old"], absent["logp_ref"], absent["logp_sampler"], mask, np.log(config.tau),
                         config.weight_limit, config.clamp, ABS_GRID, fsum, icount, hist, scal, top_w, top_j,
                         worst_w, worst_j, np.empty(0), np.empty(0, bool), np.empty(0, np.int64), chunk_j)
     out = kernel_arrays(n, fsum, icount, hist, scal, lost)
-    m = int(scal[K.S_TOKENS])
-    pick, kind = kept_pick_index(top_j[: scal[K.S_TOP]], worst_j[: scal[K.S_WORST]], m, sample_size, seed)
+    m = int(scal[L.S_TOKENS])
+    pick, kind = kept_pick_index(top_j[: scal[L.S_TOP]], worst_j[: scal[L.S_WORST]], m, sample_size, seed)
     at = np.empty(len(pick), np.int64)
     K.token_rows(mask, absent["logp_ref"], chunk_j, pick, at)
     out.update(sample_arrays({c: raw[c][at] for c in LOGP_COLUMNS}, {c: v[at] for c, v in absent.items()},
@@ -114,12 +126,12 @@ def batch_arrays(batch: pa.RecordBatch | pa.Table, config: AnalysisConfig, sampl
 def kernel_arrays(n: int, fsum: np.ndarray, icount: np.ndarray, hist: np.ndarray, scal: np.ndarray,
                   lost: float) -> dict[str, np.ndarray]:
     """A batch's partial but its sample, as named arrays, from estimator_kernel.token_pass's outputs."""
-    out = {"rows": np.array([n]), "tokens": scal[K.S_TOKENS:K.S_TOKENS + 1].copy(),
-           "flagged": scal[K.S_FLAGGED:K.S_FLAGGED + 1].copy(),
-           "clamp_saturated": scal[K.S_CLAMP:K.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
-    for k, row in (("value_sum", fsum[K.F_VALUE]), ("value_nonfinite", icount[K.I_NONFINITE]),
-                   ("weight_abs_sum", fsum[K.F_WABS]), ("weight_abs_flagged", fsum[K.F_WFLAG]),
-                   ("weight_abs_max", fsum[K.F_WMAX])):
+    out = {"rows": np.array([n]), "tokens": scal[L.S_TOKENS:L.S_TOKENS + 1].copy(),
+           "flagged": scal[L.S_FLAGGED:L.S_FLAGGED + 1].copy(),
+           "clamp_saturated": scal[L.S_CLAMP:L.S_CLAMP + 1].copy(), "k3_weight_lost": np.array([float(lost)])}
+    for k, row in (("value_sum", fsum[L.F_VALUE]), ("value_nonfinite", icount[L.I_NONFINITE]),
+                   ("weight_abs_sum", fsum[L.F_WABS]), ("weight_abs_flagged", fsum[L.F_WFLAG]),
+                   ("weight_abs_max", fsum[L.F_WMAX])):
         out.update({f"{k}/{name}": row[e:e + 1].copy() for e, name in enumerate(COMPARED)})
     out.update({f"weight_hist/{name}": hist[e] for e, name in enumerate(COMPARED)})
     return out
@@ -140,7 +152,7 @@ def ridden_arrays(b: Batch, out: dict[str, np.ndarray], config: AnalysisConfig, 
     its sums added in that pass's chunks."""
     scal = out["scal"]
     arrays = kernel_arrays(b.n, out["fsum"], out["icount"], out["hist"], scal, float(out["k3_weight_lost"][0]))
-    pick, kind = kept_pick_index(out["top_j"], out["worst_j"], int(scal[K.S_TOKENS]), sample_size, seed)
+    pick, kind = kept_pick_index(out["top_j"], out["worst_j"], int(scal[L.S_TOKENS]), sample_size, seed)
     null = [None if b.raw[c] is None else b.null[c] for c in LOGP_COLUMNS]  # None: absent, or no null
     r_null = null[LOGP_COLUMNS.index("logp_ref")]
     no_null = np.zeros(b.n, bool)
@@ -169,7 +181,7 @@ def _nulls(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class EstimatorReducer:
-    """The Estimators page's partial as a reducer (kldiag.analysis.reduce): read in the analysis's
+    """The Estimators page's partial as a reducer (kldiag.analysis.protocol): read in the analysis's
     pass over each part, cached with it, merged in part order."""
 
     tau: float = DEFAULT_CONFIG.tau
@@ -200,7 +212,7 @@ class EstimatorReducer:
         state["parts"].append(batch_arrays(batch, self.config(), self.sample_size, seed))
 
     def ride(self, state: dict) -> EstimatorRide:
-        """Its per-token work in the analysis's compiled pass (reduce.PartFold, when both are in one group):
+        """Its per-token work in the analysis's compiled pass (K.PartFold, when both are in one group):
         each batch's partial from that pass's outputs (`ridden_arrays`)."""
         def take(b: Batch, out: dict) -> None:
             seed = state["seed"] + len(state["parts"])
@@ -246,7 +258,7 @@ def part_partial(part: F.PartInfo, config: AnalysisConfig = DEFAULT_CONFIG,
     A corrupt part is skipped with a warning and listed in `skipped` (strict: raises).
     """
     red = EstimatorReducer(config.tau, config.weight_limit, config.clamp, sample_size)
-    got = reduce.compute_part(part, [red], batch_size, () if config.strict else (RunFormatError, OSError,
+    got = K.compute_part(part, [red], batch_size, () if config.strict else (RunFormatError, OSError,
                                                                                  pa.ArrowException))
     if isinstance(got, Exception):
         warnings.warn(f"kldiag: skipping {part.path}: {got}", stacklevel=2)

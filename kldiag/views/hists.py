@@ -1,5 +1,5 @@
 """Histogram maths for display: step x bin heatmaps and percentile bands read from the mergeable
-per-step histograms (`Analysis.histograms`, fixed edges: kldiag.analysis.bins). Pure numpy and pandas."""
+per-step histograms (`Analysis.histograms`, fixed edges: kldiag.analysis.core.bins). Pure numpy and pandas."""
 
 from __future__ import annotations
 

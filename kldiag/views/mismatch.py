@@ -13,14 +13,14 @@ from typing import Any
 
 import pandas as pd
 
-from kldiag.mismatch import decompose as DC
-from kldiag.analysis import store
-from kldiag.analysis.engine import analyze
+from kldiag.analysis.cache import store
+from kldiag.analysis import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.crosswalk import crosswalk, framework_of, null_reasons
+from kldiag.mismatch import decompose as DC
 from kldiag.mismatch import parity as P
-from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import sample as SS
+from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import whatif as W
 
 DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is none of the frameworks
@@ -29,7 +29,7 @@ DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is non
 @dataclass
 class MismatchView:
     """Everything the page draws before any widget is touched. Kept in the run's result store
-    (kldiag.analysis.store): a fresh process reads it, and reads the token sample (`tokens`) only
+    (kldiag.analysis.cache.store): a fresh process reads it, and reads the token sample (`tokens`) only
     when a what-if that is not stored yet replays it."""
 
     parity: P.ParityReport | None

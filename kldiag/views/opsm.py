@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from kldiag.analysis.tables import ratio
+from kldiag.analysis.core.tables import ratio
 from kldiag.analysis.types import OpsmCounts
 from kldiag.errors import KldiagError
 

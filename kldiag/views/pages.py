@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag import format as F
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.mismatch import sample as SS
 from kldiag.fmt import num
+from kldiag.mismatch import sample as SS
 
 DEFAULT_CONFIG = AnalysisConfig()
 LOGP_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler")

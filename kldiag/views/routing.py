@@ -1,5 +1,5 @@
 """MoE routing display: the Mismatch page's routing section and the report's. Data from
-kldiag/analysis/routing.py (`routing_of`), shaped here; no Streamlit.
+kldiag/analysis/reducers/routing.py (`routing_of`), shaped here; no Streamlit.
 
 A run recorded without routes (format v1.3's experts/experts_sampler): `RoutingView.routed` is False and
 the faces leave the section out.
@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from kldiag.analysis import routing as RO
+from kldiag.analysis.reducers import routing as RO
 from kldiag.views import charts as VC
 
 TABLE_COLUMNS = {"side": "tokens", "tokens": "count", "mismatch_abs_mean": "mean |log mu - log pi_old|",
@@ -24,7 +24,7 @@ SIDE_LABELS = {"agree": "routed alike", "disagree": "routed differently"}
 
 @dataclass(frozen=True)
 class RoutingView:
-    """The routing figures of one run: `summary` is analysis.routing.summary()."""
+    """The routing figures of one run: `summary` is analysis.reducers.routing.summary()."""
 
     summary: dict[str, Any]
 

@@ -1,12 +1,12 @@
 """What the pages show of the per-sequence table, read without holding it whole.
 
-A long run's sequence table lives on disk (`Analysis.sequence_rows`, analysis/seqrows.py: about 20M
+A long run's sequence table lives on disk (`Analysis.sequence_rows`, analysis/core/seqrows.py: about 20M
 rows at 10B tokens); a page shows a few of its rows: the worst N (Overview), the sequences of one step
 (Sequence page, group view), the run's first faulty or worst sequence (where the Sequence page opens).
 Each function here reads only those rows (predicate pushdown on the Parquet pieces) and falls back to
 the in-memory table of a short run, with the same result either way (tests/test_views_sequences.py).
 A long run's answers, and the tokens of the sequences a page shows, are kept in the run's result store
-(kldiag.analysis.store): a fresh process reads them, not the Parquet pieces or parts again.
+(kldiag.analysis.cache.store): a fresh process reads them, not the Parquet pieces or parts again.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag.analysis import store
+from kldiag.analysis.cache import store
 from kldiag.views import groups as VG
 from kldiag.views import pages as V
 from kldiag.views.numbers import fault_first

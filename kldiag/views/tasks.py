@@ -1,6 +1,6 @@
 """The dashboard's task selector: the per-step figures of one task (format v1.3's `task` column).
 
-Data from kldiag/analysis/tasks.py (the diagnosis's `tasks` reducer, read along with the analysis);
+Data from kldiag/analysis/reducers/tasks.py (the diagnosis's `tasks` reducer, read along with the analysis);
 shaped here into the frames the Overview and Mismatch pages already chart, so a page swaps its frame
 for the selected task's and draws the same charts. No Streamlit.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kldiag.analysis import tasks as TK
-from kldiag.analysis.runner import reduced
+from kldiag.analysis.reducers import tasks as TK
+from kldiag.analysis.runtime.runner import reduced
 
 ALL = "all tasks"
-# the steps table's columns a task's figures give (kldiag.analysis.tasks.FIGURES), by the same names
+# the steps table's columns a task's figures give (kldiag.analysis.reducers.tasks.FIGURES), by the same names
 STEP_FIGURES = tuple(f for f in TK.FIGURES if f != "tokens")
 # the Mismatch page's per-step frame (kldiag.mismatch.decompose.by_step) from a task's figures
 MISMATCH_FIGURES = {"drift_abs": "drift_abs_mean", "mismatch_abs": "mismatch_abs_mean"}

@@ -1,7 +1,7 @@
 """The Tokens page's top-k section: both sides' distributions at one token, the per-step figures.
 
 Shown only for a run that recorded top-k lists (format v1.2's optional `topk_*` columns; the maths
-and the reducer are kldiag/analysis/topk.py). The bar chart puts the engine's (mu) and the
+and the reducer are kldiag/analysis/reducers/topk.py). The bar chart puts the engine's (mu) and the
 trainer's (pi) listed probabilities side by side over the union of their ids; an id one side did
 not list has no bar on that side (its probability is only known to be below that side's smallest
 listed one, drawn as a dotted line).
@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kldiag import format as F
-from kldiag.analysis import runner
-from kldiag.analysis import topk as T
+from kldiag.analysis.reducers import topk as T
+from kldiag.analysis.runtime import runner
 from kldiag.errors import KldiagError
 from kldiag.views import charts as VC
 from kldiag.views.pages import decode

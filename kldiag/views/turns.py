@@ -1,5 +1,5 @@
 """Per-turn display for multi-turn (agentic) runs: the Mismatch page's chart, the Sequence page's turns,
-the report's section. Data from kldiag/analysis/turns.py (`turns_of`), shaped here; no Streamlit.
+the report's section. Data from kldiag/analysis/reducers/turns.py (`turns_of`), shaped here; no Streamlit.
 
 Single-turn runs: `TurnsView.multi_turn` is False and the faces leave their turn sections out.
 """
@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from kldiag.analysis import store
-from kldiag.analysis import turns as TU
+from kldiag.analysis.cache import store
+from kldiag.analysis.reducers import turns as TU
 from kldiag.views import charts as VC
 from kldiag.views import pages as V
 
@@ -29,7 +29,7 @@ TOOL_STYLE = "background: rgba(148,163,184,0.18); color: #64748b; opacity: 0.75"
 
 @dataclass(frozen=True)
 class TurnsView:
-    """The per-turn figures of one run: `summary` is analysis.turns.summary()."""
+    """The per-turn figures of one run: `summary` is analysis.reducers.turns.summary()."""
 
     summary: dict[str, Any]
 
@@ -40,7 +40,7 @@ class TurnsView:
 
 def view_of(analysis) -> TurnsView:
     """The run's per-turn figures (read with the analysis when it was made with diagnosis.core.reducers()),
-    kept in the run's result store (kldiag.analysis.store)."""
+    kept in the run's result store (kldiag.analysis.cache.store)."""
     return store.cached(analysis, "turns_view", [], lambda: TurnsView(TU.turns_of(analysis)))
 
 
@@ -87,7 +87,7 @@ def start_vs_body(view: TurnsView) -> go.Figure:
 
 def annotate(df: pd.DataFrame) -> pd.DataFrame:
     """A sequence's tokens (read_sequence: sorted by iteration, pos) with `turn` and `pos_in_turn`:
-    the recorded turn where present, else derived from the mask (analysis.turns.turn_index)."""
+    the recorded turn where present, else derived from the mask (analysis.reducers.turns.turn_index)."""
     if "pos_in_turn" in df:  # annotated already (the page annotates the whole sequence, then shows a window)
         return df
     out = df.copy()

@@ -1,0 +1,74 @@
+"""What the side reducers share (the reducer protocol: kldiag.analysis.protocol).
+
+`ClippedListReducer`, the body of the staleness and per-task reducers: the run's PPO clip range, bound by
+the runner from the analysis's thresholds (runner.bound), one partial per record batch kept in a list, and
+one merge at the end. `column`, `ratio` and `num`: reading a column with its nulls, a mean as a ratio of
+merged sums (NaN where the count is 0, never 0), and a figure as JSON (None where not finite).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+DEFAULT_CLIP = (0.2, 0.2)  # PPO's epsilon (Schulman et al. 2017) when no range is bound
+
+
+
+def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(values [N] with nulls filled, valid mask [N]) of a column; all invalid when the batch lacks it."""
+    n = batch.num_rows
+    i = batch.schema.get_field_index(name)
+    if i < 0:
+        return np.full(n, fill, dtype), np.zeros(n, bool)
+    col = batch.column(i)
+    valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else np.ones(n, bool)
+    return (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False).astype(dtype), valid
+
+
+def ratio(a: Any, n: Any) -> np.ndarray:
+    """a / n elementwise, float64; NaN where n is 0 (a mean of nothing is unknown, not 0)."""
+    a, n = np.asarray(a, np.float64), np.asarray(n, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, a / np.where(n > 0, n, 1), np.nan)
+
+
+def num(v: Any) -> float | None:
+    """A figure for JSON: a float, or None when it is missing or not finite."""
+    if v is None:
+        return None
+    v = float(v)
+    return v if np.isfinite(v) else None
+
+
+class ClippedListReducer:
+    """Mixin of a frozen dataclass reducer with a `clip` field, `partial(batch, clip)` and `merge(partials)`."""
+
+    clip: tuple[float, float] | None
+
+    def partial(self, batch: pa.RecordBatch, clip: tuple[float, float]) -> Any:
+        raise NotImplementedError
+
+    def merge(self, partials: list) -> Any:
+        raise NotImplementedError
+
+    def with_clip(self, clip: tuple[float, float]):
+        return self if self.clip is not None else replace(self, clip=(float(clip[0]), float(clip[1])))
+
+    def bound_clip(self) -> tuple[float, float]:
+        return self.clip or DEFAULT_CLIP
+
+    def start(self, part) -> list:
+        return []
+
+    def add(self, state: list, batch: pa.RecordBatch) -> None:
+        p = self.partial(batch, self.bound_clip()) if batch.num_rows else None
+        if p is not None:
+            state.append(p)
+
+    def finish(self, state: list, dropped: int) -> Any:
+        return self.merge(state)
