@@ -15,7 +15,7 @@ Step time: bench/trl_overhead.py --topk K, blocks mode: one attached run whose g
 alternate top-k on and off (both recording), so the ratio is the top-k capture's cost alone, against
 the tiny model's forward (vocabulary ~30: the extra LM-head projection is nearly free here; on a real
 vocabulary it is one more [tokens x hidden] x [hidden x vocab] product per micro-batch, see
-kldiag/integrations/trl_kernel.py TopkCapture).
+kldiag/integrations/trl/kernel.py TopkCapture).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def head_cost(k: int, vocab: int, hidden: int, tokens: int, pairs: int) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from kldiag.integrations.trl_kernel import TopkCapture
+    from kldiag.integrations.trl.kernel import TopkCapture
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=1,

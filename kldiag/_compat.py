@@ -44,6 +44,22 @@ MOVED = {
     "kldiag.integrations.importers.slime": "kldiag.importers.slime",
     "kldiag.integrations.importers.nemo_rl": "kldiag.importers.nemo_rl",
     "kldiag.integrations.importers.prime_rl": "kldiag.importers.prime_rl",
+    "kldiag.crosswalk.audit_reasons": "kldiag.crosswalk.audit.reasons",
+    "kldiag.crosswalk.logs": "kldiag.crosswalk.audit.logs",
+    "kldiag.integrations.trl_guard": "kldiag.integrations.trl.guard",
+    "kldiag.integrations.trl_histograms": "kldiag.integrations.trl.histograms",
+    "kldiag.integrations.trl_kernel": "kldiag.integrations.trl.kernel",
+    "kldiag.integrations.trl_metrics": "kldiag.integrations.trl.metrics",
+    "kldiag.integrations.trl_routes": "kldiag.integrations.trl.routes",
+    "kldiag.integrations.verl_batch": "kldiag.integrations.verl.batch",
+    "kldiag.integrations.verl_metrics": "kldiag.integrations.verl.metrics",
+    "kldiag.integrations.verl_plugin": "kldiag.integrations.verl.plugin",
+    "kldiag.integrations.verl_trainer": "kldiag.integrations.verl.trainer",
+    "kldiag.integrations.slime_metrics": "kldiag.integrations.slime.metrics",
+    "kldiag.integrations.failures": "kldiag.integrations.common.failures",
+    "kldiag.integrations.ids": "kldiag.integrations.common.ids",
+    "kldiag.integrations.step_metrics": "kldiag.integrations.common.step_metrics",
+    "kldiag.integrations.versions": "kldiag.integrations.common.versions",
 }
 
 

@@ -18,6 +18,7 @@ from kldiag.analysis import AnalysisConfig, analyze
 from kldiag.analysis.cache import codec, store
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import core, diagnose
+from kldiag.diagnosis.detectors import detectors
 from kldiag.diagnosis.types import Cause
 from kldiag.mismatch import whatif as W
 from kldiag.tools.synth import SynthConfig, make_run
@@ -102,7 +103,7 @@ def entries(run: Path, name: str = "") -> list[Path]:
 
 
 def recomputed(a):
-    return core._diagnose(a, core.DiagnosisConfig(), C.detectors())
+    return core._diagnose(a, core.DiagnosisConfig(), detectors())
 
 
 def test_stored_diagnosis_equals_a_fresh_one(run, monkeypatch):

@@ -2,7 +2,7 @@
 
 Planted disagreements: a synthetic run (varied lengths, a sampler, one NaN logp at step 4), and one
 metric log per kind whose planted values are computed here the wrong way with pandas from the raw
-token rows, independently of kldiag.crosswalk.audit_reasons; the audit must name exactly that kind
+token rows, independently of kldiag.crosswalk.audit.reasons; the audit must name exactly that kind
 at exactly the planted steps. The real TRL run is in test_audit_trl.py.
 """
 
@@ -17,7 +17,7 @@ import kldiag
 import kldiag.crosswalk as X
 from kldiag.cli import main
 from kldiag.crosswalk.audit import AuditError, audit
-from kldiag.crosswalk.logs import LogsError
+from kldiag.crosswalk.audit.logs import LogsError
 from kldiag.tools.synth import SynthConfig, make_run
 
 DIFF = "sampling/sampling_logp_difference/mean"

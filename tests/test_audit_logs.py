@@ -1,4 +1,4 @@
-"""kldiag.crosswalk.logs: each trainer log format read back per metric and step, its kind detected
+"""kldiag.crosswalk.audit.logs: each trainer log format read back per metric and step, its kind detected
 from the path; names matched to crosswalk columns; a source it cannot read fails naming the fix."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kldiag.crosswalk.logs import LogsError, detect, match_names, read_logs
+from kldiag.crosswalk.audit.logs import LogsError, detect, match_names, read_logs
 
 KL = {1: 0.5, 2: 0.25, 3: 0.125}
 

@@ -15,6 +15,7 @@ from kldiag.analysis.rules import episodes as EP
 from kldiag.cli import main
 from kldiag.diagnosis import CAUSE_NAMES, Cause, diagnose
 from kldiag.diagnosis import causes as C
+from kldiag.diagnosis.detectors import BUILTIN
 from kldiag.format import Manifest, open_run, write_manifest
 from kldiag.frameworks import family, fix_for
 from kldiag.frameworks import plain as plain_fw
@@ -177,7 +178,7 @@ def test_registered_detectors_replace_and_fail_safely(tmp_path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        builtins = [d for d in C.DETECTORS if d.__module__ == C.__name__]  # parity.py's, once imported, left out
+        builtins = [d for d in BUILTIN if d.__module__ == C.__name__]  # parity.py's left out
         dg = diagnose(a, detectors=[*builtins, parity, broken])
     (m,) = [c for c in dg.causes if c.cause == "engine_mismatch"]
     assert m.evidence == {"source": "parity"} and m.to_dict()["implied_temperature"] == 0.7

@@ -21,7 +21,7 @@ from test_integrations_slime import fake_slime, make_args, rollout_data, sum_of_
 
 import kldiag
 from kldiag.integrations import slime as hook
-from kldiag.integrations import slime_metrics
+from kldiag.integrations.slime import metrics as slime_metrics
 
 NAMES = ("k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged_frac", "blame_share",
          "rho_max", "nonfinite_count")

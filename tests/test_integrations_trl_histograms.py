@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kldiag import estimators as E  # noqa: E402
 from kldiag.analysis.types import HIST_EDGES  # noqa: E402
-from kldiag.integrations.trl_histograms import LiveHistograms, token_counts  # noqa: E402
+from kldiag.integrations.trl.histograms import LiveHistograms, token_counts  # noqa: E402
 
 NAMES = ("d", "weight_k3_abs", "weight_k3_is_abs", "rho")
 

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from kldiag.integrations import verl_batch as hook  # noqa: E402
+from kldiag.integrations.verl import batch as hook  # noqa: E402
 
 
 def test_row_hash_is_the_same_on_cuda_and_cpu():

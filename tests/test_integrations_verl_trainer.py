@@ -20,8 +20,8 @@ v1 = pytest.importorskip("verl.trainer.ppo.v1")
 
 import kldiag  # noqa: E402
 from kldiag.integrations import verl as hook  # noqa: E402
-from kldiag.integrations import verl_plugin  # noqa: E402
-from kldiag.integrations.verl_trainer import run_of  # noqa: E402
+from kldiag.integrations.verl import plugin as verl_plugin  # noqa: E402
+from kldiag.integrations.verl.trainer import run_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")

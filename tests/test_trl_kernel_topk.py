@@ -1,4 +1,4 @@
-"""kldiag.integrations.trl_kernel.TopkCapture on its own: the lists it takes from the backbone's
+"""kldiag.integrations.trl.kernel.TopkCapture on its own: the lists it takes from the backbone's
 hidden states equal the top-k of the log_softmax of the model's own (tempered, scaled, soft-capped)
 logits, padding positions masked, in float32 and bfloat16, over chunk boundaries; and on a CUDA
 device the capture never syncs (torch.cuda.set_sync_debug_mode("error"); skipped without a GPU)."""
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kldiag.integrations import trl_kernel  # noqa: E402
+from kldiag.integrations.trl import kernel as trl_kernel  # noqa: E402
 
 K, KEEP, TEMP = 5, 6, 0.7
 

@@ -1,4 +1,4 @@
-"""kldiag.integrations.trl_metrics: the compiled per-micro-batch partials (trl_kernel) equal the same
+"""kldiag.integrations.trl.metrics: the compiled per-micro-batch partials (trl_kernel) equal the same
 sums built from kldiag.estimators' own functions (one numpy call per estimator, as before)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kldiag import estimators as E
-from kldiag.integrations import trl_metrics as M
+from kldiag.integrations.trl import metrics as M
 
 
 def _nansum(x: np.ndarray) -> float:
@@ -89,7 +89,7 @@ def test_empty_mask_gives_zero_partials() -> None:
 
 
 def test_the_kernel_releases_the_gil() -> None:
-    from kldiag.integrations import trl_kernel
+    from kldiag.integrations.trl import kernel as trl_kernel
 
     assert trl_kernel.JIT["nogil"] and M.batch_partials(*inputs(1))["tokens"] > 0
     assert trl_kernel.partials_kernel.targetoptions["nogil"]

@@ -75,8 +75,14 @@ OPTIONAL_SCHEMA = pa.schema(
     ]
 )
 TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler")
-ROUTE_COLUMNS = ("route_layers", "route_differ", "route_missing", "route_overlap", "route_differ_at",
-                 "route_missing_at", "experts", "experts_sampler")  # v1.3
+# v1.3 route columns, each name once: the per-token summary, the layer sets, the full routes (trainer, engine)
+ROUTE_LAYERS, ROUTE_DIFFER, ROUTE_MISSING, ROUTE_OVERLAP = "route_layers", "route_differ", "route_missing", "route_overlap"
+ROUTE_DIFFER_AT, ROUTE_MISSING_AT = "route_differ_at", "route_missing_at"
+EXPERTS, EXPERTS_SAMPLER = "experts", "experts_sampler"
+ROUTE_SUMMARY = (ROUTE_LAYERS, ROUTE_DIFFER, ROUTE_MISSING, ROUTE_OVERLAP)
+ROUTE_LAYER_SETS = (ROUTE_DIFFER_AT, ROUTE_MISSING_AT)
+ROUTE_ARGS = (EXPERTS, EXPERTS_SAMPLER)  # Recorder.record's full routes, [B, T, L, k]: one L and k for both sides
+ROUTE_COLUMNS = (*ROUTE_SUMMARY, *ROUTE_LAYER_SETS, *ROUTE_ARGS)
 RUN_SCHEMA = pa.schema([*TOKEN_SCHEMA, *OPTIONAL_SCHEMA])  # every column a reader may ask for, in order
 # absent from older parts: attempt (v1) is filled from the part's name, the v1.2/v1.3 columns with nulls
 OPTIONAL_ON_READ = ("attempt", *OPTIONAL_SCHEMA.names)

@@ -8,7 +8,7 @@ cast_lm_head_to_fp32, bf16); tests/test_frameworks.py checks every backticked na
 
 from __future__ import annotations
 
-SUPPORTED = ">=1.15,<1.17"  # keep in step with the `trl` extra in pyproject.toml and _TRL_MIN in integrations/trl.py
+SUPPORTED = ">=1.15,<1.17"  # keep in step with the `trl` extra in pyproject.toml and _TRL_MIN in integrations/trl/__init__.py
 
 FIXES = {
     "async_staleness": (

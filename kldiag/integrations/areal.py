@@ -26,7 +26,7 @@ step = the partial's `current_version` = `engine.get_version()` = the trainer's 
 stats are committed at (rl_trainer.py l. 768-772, 1275): `kldiag audit` aligns at offset 0. micro = the loss
 call within the step; iteration 0 (AReaL trains each sample once per step). Ids: AReaL keeps none per sample
 (`versions` per token; rows are permuted by the mini- and micro-batch splits), so seq = a hash of the sample's
-tokens and mu, group = a hash of its prompt tokens (kldiag.integrations.ids). rank = the data-parallel rank;
+tokens and mu, group = a hash of its prompt tokens (kldiag.integrations.common.ids). rank = the data-parallel rank;
 only data-parallel heads write (`is_data_parallel_head`), as AReaL's controller keeps only their results.
 Recording failures warn once and never reach training (KLDIAG_STRICT=1 raises them).
 """
@@ -41,8 +41,10 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.areal import ESTIMATOR_OF, SUPPORTED
-from kldiag.integrations.failures import recording_failed
-from kldiag.integrations.versions import check_release
+from kldiag.integrations.common.failures import recording_failed
+from kldiag.integrations.common.ids import sequence_ids
+from kldiag.integrations.common.versions import check_release
+from kldiag.record.recorder import Recorder
 
 ENV_RUN = "KLDIAG_RUN"
 SAMPLER_KEY = "kldiag_logp_sampler"
@@ -97,8 +99,6 @@ STATE = _State()
 
 def _recorder(engine: Any) -> Any:
     if STATE.recorder is None:
-        from kldiag.record.recorder import Recorder
-
         run = os.environ.get(ENV_RUN)
         if not run:
             raise IntegrationError(f"set {ENV_RUN} on the train workers to the kldiag run the AReaL hook records into")
@@ -129,8 +129,6 @@ def _unpack(x: Any, cu: Any, width: int) -> Any:
 def record_micro_batch(engine: Any, logprobs: Any, entropy: Any, data: dict, step: int) -> None:
     """Record one packed micro-batch of grpo_loss_fn (module doc)."""
     import torch
-
-    from kldiag.integrations.ids import sequence_ids
 
     if not getattr(engine, "is_data_parallel_head", lambda: True)():
         return

@@ -24,7 +24,7 @@ is imported (never importing deepspeed or vLLM itself). The patch wraps:
 - `__init__`: reads that checkpoint's `global_step` from the `PolicyModelActor` that builds the trainer.
 
 Ids: OpenRLHF keeps no sample id on the actor (`Experience.index` is reset when the batch is split), so
-seq = a hash of the sample's tokens and old log-probs (kldiag.integrations.ids); group = a hash of its
+seq = a hash of the sample's tokens and old log-probs (kldiag.integrations.common.ids); group = a hash of its
 prompt text (`experience.prompts`: the n_samples_per_prompt samples of a prompt share it).
 micro = the training_step call within its epoch, iteration = the epoch (ppo_train runs
 len(replay_buffer) // micro_batch_size calls per epoch, drop_last; with dynamic batches: micro = the call
@@ -45,8 +45,10 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.openrlhf import ESTIMATOR_OF, SUPPORTED
-from kldiag.integrations.failures import recording_failed
-from kldiag.integrations.versions import check_release
+from kldiag.integrations.common.failures import recording_failed
+from kldiag.integrations.common.ids import sequence_ids, text_ids
+from kldiag.integrations.common.versions import check_release
+from kldiag.record.recorder import Recorder
 
 ENV_RUN = "KLDIAG_RUN"
 MODULE = "openrlhf.trainer.ray.ppo_actor"
@@ -141,8 +143,6 @@ def _ranks(strategy: Any) -> tuple[int, int, bool]:
 
 def _recorder(trainer: Any) -> Any:
     if STATE.recorder is None:
-        from kldiag.record.recorder import Recorder
-
         run = os.environ.get(ENV_RUN)
         if not run:
             raise IntegrationError(f"set {ENV_RUN} to the kldiag run directory (or URI) the OpenRLHF hook records into")
@@ -166,8 +166,6 @@ def step_of(trainer: Any) -> int:
 def record_micro_batch(trainer: Any, experience: Any, logp: Any) -> None:
     """Record one micro-batch of ActorPPOTrainer.training_step (module doc)."""
     import torch
-
-    from kldiag.integrations.ids import sequence_ids, text_ids
 
     if not _ranks(trainer.strategy)[2]:
         return

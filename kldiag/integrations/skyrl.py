@@ -17,7 +17,7 @@ What SkyRL drops, and what kldiag does: pi_theta of each mini-batch stays on the
 returns only metrics), so logp = the pre-update forward, which is pi_theta for the first mini-batch of the first
 epoch only (the manifest's null_reasons say so); the prompt uids are popped before the callback (l. 429), so
 `convert_to_training_input` is wrapped to keep them: group = a hash of the uid; seq = a hash of the sample's
-tokens and log-probs (kldiag.integrations.ids).
+tokens and log-probs (kldiag.integrations.common.ids).
 rank and micro are SkyRL's worker micro-batches: each mini-batch (`metadata["policy_mini_batch_boundaries"]`) is
 cut into `dp_size` contiguous chunks (`MeshDispatch.stage_chunks`, distributed/dispatch.py l. 126-163), each
 chunk into micro-batches of `trainer.micro_train_batch_size_per_gpu` (worker.py l. 1011); micro =
@@ -35,8 +35,10 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.skyrl import ESTIMATOR_OF, SUPPORTED
-from kldiag.integrations.failures import recording_failed
-from kldiag.integrations.versions import check_release
+from kldiag.integrations.common.failures import recording_failed
+from kldiag.integrations.common.ids import sequence_ids, text_ids
+from kldiag.integrations.common.versions import check_release
+from kldiag.record.recorder import Recorder
 
 ENV_RUN = "KLDIAG_RUN"
 MICRO_SLOTS = 256  # micro-batches per DP chunk of a mini-batch
@@ -100,8 +102,6 @@ def record_step(recorder: Any, batch: Any, step: int, cfg: dict, dp_size: int, u
     import numpy as np
     import torch
 
-    from kldiag.integrations.ids import sequence_ids, text_ids
-
     mask = batch["loss_mask"].bool()
     n, r = mask.shape
     old = batch["action_log_probs"]
@@ -140,8 +140,6 @@ class _Callback:
     def on_step_end(self, trainer: Any, callback_input: Any, control: Any) -> None:
         try:
             if self.recorder is None:
-                from kldiag.record.recorder import Recorder
-
                 self.config = settings(trainer.cfg)
                 coef = self.config["kl_loss_coef"] if self.config["use_kl_loss"] else None
                 low, high = self.config["eps_clip_low"], self.config["eps_clip_high"]

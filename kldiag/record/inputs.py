@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.format import EXPERTS, EXPERTS_SAMPLER, ROUTE_ARGS
+
 TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids",
               "turn")
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
-ROUTE_ARGS = ("experts", "experts_sampler")  # v1.3 [B, T, L, k]: one L and k for both sides
 # v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings)
 VERSION_ARGS = ("policy_version", "task")
 
@@ -76,7 +77,7 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         if ids in args and shape_of(args[ids]) != shape_of(args[logps]):
             raise ValueError(f"{ids} has shape {shape_of(args[ids])} but {logps} has {shape_of(args[logps])}; "
                              "pass one log-prob per top-k id (same K)")
-    if all(name in args for name in ROUTE_ARGS) and shape_of(args["experts"]) != shape_of(args["experts_sampler"]):
+    if all(name in args for name in ROUTE_ARGS) and shape_of(args[EXPERTS]) != shape_of(args[EXPERTS_SAMPLER]):
         got = shape_of(args["experts_sampler"])
         raise ValueError(f"experts_sampler has shape {got} but experts has {shape_of(args['experts'])}; pass both "
                          f"with the same layers L and top-k (-1 where a side has no route), shape "

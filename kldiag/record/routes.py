@@ -17,12 +17,12 @@ Runs in the writer thread (rows.host_columns): the training thread only validate
 """
 
 from __future__ import annotations
+from kldiag.format import ROUTE_ARGS
 
 from typing import Any
 
 import numpy as np
 
-ROUTE_ARGS = ("experts", "experts_sampler")
 ID_MAX = np.iinfo(np.int16).max  # ids are stored as int16 (the largest MoE has a few hundred experts)
 
 

@@ -31,10 +31,10 @@ TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_s
                  ("topk_logp_sampler", np.float32))
 # v1.3 routes (kldiag.record.routes): per-token summary [B, T]; the layer masks [B, T, L] written as lists of
 # layer indices; the full lists [B, T, L * k] when asked
-ROUTE_GATHERED = (("route_layers", np.int16), ("route_differ", np.int16), ("route_missing", np.int16),
-                  ("route_overlap", np.float32))
-ROUTE_LAYER_SETS = ("route_differ_at", "route_missing_at")
-ROUTE_LISTS = (("experts", np.int16), ("experts_sampler", np.int16))
+ROUTE_GATHERED = ((F.ROUTE_LAYERS, np.int16), (F.ROUTE_DIFFER, np.int16), (F.ROUTE_MISSING, np.int16),
+                  (F.ROUTE_OVERLAP, np.float32))
+ROUTE_LAYER_SETS = F.ROUTE_LAYER_SETS
+ROUTE_LISTS = ((F.EXPERTS, np.int16), (F.EXPERTS_SAMPLER, np.int16))
 # v1.3 per-sequence inputs, [B]: repeated on each sequence's tokens. `task` (strings) is gathered as int32 codes
 # into Rows.labels["task"] and written as a string column (Parquet dictionary-encoded, schema.PARQUET_WRITE_OPTIONS)
 VERSION_GATHERED = (("policy_version", np.int64),)

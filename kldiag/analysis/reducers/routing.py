@@ -30,8 +30,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag import format as F
+from kldiag.analysis.reducers.base import column as _col
+from kldiag.analysis.reducers.base import num as _num
+from kldiag.analysis.reducers.base import ratio
 from kldiag.analysis.runtime.runner import reduced
-from kldiag.analysis.reducers.base import column as _col, ratio, num as _num
 
 LN2 = float(np.log(2.0))
 SIDES = ("agree", "disagree")
@@ -62,10 +65,10 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     logp, ok_p = _col(batch, "logp", 0.0, np.float64)
     old, ok_o = _col(batch, "logp_old", 0.0, np.float64)
     mu, ok_m = _col(batch, "logp_sampler", 0.0, np.float64)
-    layers, _ = _col(batch, "route_layers", 0, np.int64)
-    differ, _ = _col(batch, "route_differ", 0, np.int64)
-    missing, _ = _col(batch, "route_missing", 0, np.int64)
-    overlap, ok_v = _col(batch, "route_overlap", np.nan, np.float64)
+    layers, _ = _col(batch, F.ROUTE_LAYERS, 0, np.int64)
+    differ, _ = _col(batch, F.ROUTE_DIFFER, 0, np.int64)
+    missing, _ = _col(batch, F.ROUTE_MISSING, 0, np.int64)
+    overlap, ok_v = _col(batch, F.ROUTE_OVERLAP, np.nan, np.float64)
     old = np.where(ok_o, old, logp)
     steps, idx = np.unique(step[mask], return_inverse=True)
     s = len(steps)
@@ -104,7 +107,7 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     sel_rows = np.zeros(batch.num_rows, bool)
     for name in LAYER_SETS:
         sel_rows[:] = mask & (layers > 0)
-        row, layer = _layer_hits(batch, f"route_{name}_at", sel_rows)
+        row, layer = _layer_hits(batch, dict(zip(LAYER_SETS, F.ROUTE_LAYER_SETS, strict=True))[name], sel_rows)
         width = int(layer.max()) + 1 if len(layer) else 0
         grid = np.zeros((s, width))
         if len(layer):
@@ -148,8 +151,8 @@ class RoutingReducer:
 
     name: str = "routing"
     version: int = 2  # 2: batches without routes leave no partial
-    columns: tuple[str, ...] = ("step", "mask", "logp", "logp_old", "logp_sampler", "route_layers", "route_differ",
-                                "route_missing", "route_overlap", "route_differ_at", "route_missing_at")
+    columns: tuple[str, ...] = ("step", "mask", "logp", "logp_old", "logp_sampler", *F.ROUTE_SUMMARY,
+                                *F.ROUTE_LAYER_SETS)
 
     def settings(self) -> dict:
         return {"ln2": LN2, "overlap_bins": list(OVERLAP_BINS)}
@@ -160,7 +163,7 @@ class RoutingReducer:
     def add(self, state: list, batch: pa.RecordBatch) -> None:
         # a batch without routes (every run before format v1.3, every dense model) costs no per-token work
         names = batch.schema.names
-        if batch.num_rows and "route_layers" in names and batch.column("route_layers").null_count < batch.num_rows:
+        if batch.num_rows and F.ROUTE_LAYERS in names and batch.column(F.ROUTE_LAYERS).null_count < batch.num_rows:
             state.append(batch_partial(batch))
 
     def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """The `kldiag/...` metrics the verl hook adds to the metrics verl's trainer logs (W&B, TensorBoard, console).
 
-The same figures as the TRL hook's (kldiag.integrations.trl_metrics.log_metrics), per recorded step:
+The same figures as the TRL hook's (kldiag.integrations.trl.metrics.log_metrics), per recorded step:
 
 - Worker side (`report`, in the process that runs the recording loss): the recorder's writer
   thread computes each recorded micro-batch's partial sums (trl_metrics.batch_partials) from the
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kldiag.integrations.step_metrics import SUM_KEYS, StepWindow
-from kldiag.integrations.trl_metrics import METRIC_PREFIX, log_metrics
+from kldiag.integrations.common.step_metrics import SUM_KEYS, StepWindow
+from kldiag.integrations.trl.metrics import METRIC_PREFIX, log_metrics
 
 PARTIALS = "kldiag_partials/"  # what the loss reports; verl's driver prefixes it with "actor/"
 _DRIVER = "actor/" + PARTIALS

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kldiag.integrations.trl_metrics import _MAX_KEYS, _SUM_KEYS, batch_partials, merge_partials, warm_kernel
+from kldiag.integrations.trl.metrics import _MAX_KEYS, _SUM_KEYS, batch_partials, merge_partials, warm_kernel
 
 SUM_KEYS, MAX_KEYS = _SUM_KEYS, _MAX_KEYS  # partials summed / maximised across batches and ranks
 

@@ -48,8 +48,9 @@ import numpy as np
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
-from kldiag.integrations.trl_kernel import TOPK_CHECK_NATS, TopkCapture
-from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
+from kldiag.integrations.trl.guard import install_guard
+from kldiag.integrations.trl.kernel import TOPK_CHECK_NATS, TopkCapture
+from kldiag.integrations.trl.metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
     batch_partials,
@@ -57,7 +58,8 @@ from kldiag.integrations.trl_metrics import (  # re-exported: kldiag.integration
     merge_partials,
     warm_kernel,
 )
-from kldiag.integrations.trl_routes import RoutesCapture
+from kldiag.integrations.trl.routes import RoutesCapture
+from kldiag.record.recorder import Recorder
 
 _TRL_MIN, _TRL_MAX = (1, 15), (1, 17)  # 1.15: the wrapped methods are 1.16's line for line (tests/test_trl_versions.py)
 SEQ_KEY = "kldiag_seq"  # [B] int64 carried in TRL's buffered inputs through shuffle and split
@@ -85,7 +87,7 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     """Record every loss micro-batch of `trainer` (a trl.GRPOTrainer or subclass) into `run_dir`.
 
     `guard`: a kldiag.Guard fed the same host copies; it logs, saves a checkpoint, stops
-    training or calls back when an episode it watches starts (kldiag/integrations/trl_guard.py).
+    training or calls back when an episode it watches starts (kldiag/integrations/trl/guard.py).
 
     `recorder_options` go to `kldiag.Recorder` (e.g. rotate_steps, every_n_steps, strict);
     A `config` given there is merged over the one the hook derives from GRPOConfig.
@@ -93,7 +95,7 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     Raises IntegrationError for an unsupported TRL version or a trainer already attached.
 
     `histograms=True` (or a directory) also writes live TensorBoard histograms of d, |k3 weight|,
-    |k3_is weight| and rho at each log (kldiag/integrations/trl_histograms.py; needs tensorboard).
+    |k3_is weight| and rho at each log (kldiag/integrations/trl/histograms.py; needs tensorboard).
 
     `topk=k` also records the trainer's k most likely token ids and their log-probs at every
     completion token (columns topk_ids/topk_logp; trl_kernel.TopkCapture: one more LM-head
@@ -107,8 +109,6 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
         raise IntegrationError(f"attach(topk={topk!r}): give the number of top tokens to record (e.g. 20), or None")
     if getattr(trainer, "_kldiag_hook", None) is not None:
         raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
-    from kldiag.record.recorder import Recorder
-
     options = recorder_defaults(trainer)
     options["config"] = {**options["config"], **(recorder_options.pop("config", None) or {})}
     options.update(recorder_options)
@@ -118,12 +118,10 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     hook.topk = topk
     hook.install()
     if histograms:
-        from kldiag.integrations.trl_histograms import LiveHistograms
+        from kldiag.integrations.trl.histograms import LiveHistograms
 
         hook.histograms = LiveHistograms(histograms)
     if guard is not None:
-        from kldiag.integrations.trl_guard import install_guard
-
         install_guard(trainer, hook, guard, options["config"])
     return rec
 

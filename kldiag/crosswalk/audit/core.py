@@ -6,7 +6,7 @@ metric against kldiag's recomputation of it from the recorded tokens (kldiag.cro
     [m.name for m in result.disagreements]
 
 A metric agrees when every compared step has |logged - recomputed| <= rtol * max(|recomputed|,
-atol / rtol). A disagreeing step gets the reasons (kldiag.crosswalk.audit_reasons) whose alternative
+atol / rtol). A disagreeing step gets the reasons (kldiag.crosswalk.audit.reasons) whose alternative
 recomputation matches the logged value by the same rule; none: "unexplained". Step alignment:
 kldiag step = logged step + step_offset (0 for kldiag's TRL and verl hooks: both record the step the
 trainer logs at). The JSON shape of AuditResult.to_dict() is documented in docs/audit.md.
@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons, parse_settings
-from kldiag.crosswalk import audit_reasons as R
+from kldiag.crosswalk.audit import reasons as R
 from kldiag.crosswalk.batch import StepBatch, pad
-from kldiag.crosswalk.logs import Logs, LogsError, match_names, read_logs
+from kldiag.crosswalk.audit.logs import Logs, LogsError, match_names, read_logs
 from kldiag.format import open_run
 from kldiag.mismatch import tokenset as TS
 

@@ -26,7 +26,7 @@ PPO epoch). kldiag rank = data-parallel rank; only the rank that owns the data r
 Tracker metrics: the first loss call of each step returns, besides verl's own metrics, the
 previous step's `kldiag_partials/...` (computed in the recorder's writer thread, never waited
 for); the kldiag trainer subclass turns them into `kldiag/k3_mean`, `kldiag/weight_k3_abs_max`, ...
-and `kldiag/step` in the metrics verl logs (kldiag.integrations.verl_metrics).
+and `kldiag/step` in the metrics verl logs (kldiag.integrations.verl.metrics).
 `rollout_is_weights` is not a column of run format v1.1: with logp_old, logp_sampler and the
 manifest's `rollout_correction` block, kldiag.crosswalk recomputes them.
 """
@@ -42,11 +42,12 @@ from typing import Any
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.verl import ESTIMATOR_OF, MICRO_SLOTS, SUPPORTED
-from kldiag.integrations import verl_metrics
-from kldiag.integrations.failures import recording_failed
-from kldiag.integrations.step_metrics import StepWindow
-from kldiag.integrations.verl_batch import engine_routes, non_tensor, policy_versions, sequence_ids
-from kldiag.integrations.verl_trainer import ENV_RUN, config_get, make_trainer
+from kldiag.integrations.common.failures import recording_failed
+from kldiag.integrations.common.step_metrics import StepWindow
+from kldiag.integrations.verl import metrics as verl_metrics
+from kldiag.integrations.verl.batch import engine_routes, non_tensor, policy_versions, sequence_ids
+from kldiag.integrations.verl.trainer import ENV_RUN, config_get, make_trainer
+from kldiag.record.recorder import Recorder
 
 ACTOR_KEYS = ("use_kl_loss", "kl_loss_type", "kl_loss_coef", "loss_agg_mode", "loss_scale_factor", "clip_ratio",
               "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "ppo_epochs",
@@ -236,8 +237,6 @@ def owns_data() -> bool:
 def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict[str, Any] | None) -> Any:
     if STATE.recorder is None:
         import torch
-
-        from kldiag.record.recorder import Recorder
 
         run = run or os.environ.get(ENV_RUN)
         if not run:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kldiag.integrations.verl_metrics import finish
+from kldiag.integrations.verl.metrics import finish
 
 ENV_RUN = "KLDIAG_RUN"
 

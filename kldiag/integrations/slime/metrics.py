@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kldiag.integrations.step_metrics import MAX_KEYS, SUM_KEYS, StepWindow
-from kldiag.integrations.trl_metrics import METRIC_PREFIX, log_metrics
+from kldiag.integrations.common.step_metrics import MAX_KEYS, SUM_KEYS, StepWindow
+from kldiag.integrations.trl.metrics import METRIC_PREFIX, log_metrics
 
 PARTIALS = "kldiag_partials/"
 _FLAGS = ("unit", "ranks", "late", "step", "has_ref")

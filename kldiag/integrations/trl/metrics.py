@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.integrations.trl.kernel import partials_kernel
+
 METRIC_PREFIX = "kldiag/"
 
 # Partial sums merged across micro-batches and ranks: summed, except the maxima.
@@ -42,7 +44,6 @@ def batch_partials(logp: np.ndarray, logp_ref: np.ndarray | None, logp_old: np.n
     s = np.ascontiguousarray(s, dtype=dtype).ravel()
     r, o, u = (s if a is None else np.ascontiguousarray(a, dtype=dtype).ravel() for a in (r, o, u))
     keep = keep.ravel()
-    from kldiag.integrations.trl_kernel import partials_kernel  # numba is imported here, not with the TRL hook
 
     sums, counts = partials_kernel(s, r, o, u, keep, logp_ref is not None)
     # Without a reference the kernel leaves the k3 sums, maxima and flags at 0.

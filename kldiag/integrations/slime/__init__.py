@@ -26,7 +26,7 @@ l. 601), as `kldiag import slime` assigns them.
 
 With `policy_loss`, slime's logged train-step metrics also get `kldiag/k3_mean`,
 `kldiag/weight_k3_abs_max`, ... and `kldiag/step` (the previous rollout's figures, computed in the
-recorder's writer thread, carried through slime's own loss-log reduction: kldiag.integrations.slime_metrics).
+recorder's writer thread, carried through slime's own loss-log reduction: kldiag.integrations.slime.metrics).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks import slime as slime_frameworks
 from kldiag.importers import slime as dump
 from kldiag.importers.sink import Sequence, pack
-from kldiag.integrations import slime_metrics
-from kldiag.integrations.step_metrics import StepWindow
+from kldiag.integrations.common.step_metrics import StepWindow
+from kldiag.integrations.slime import metrics as slime_metrics
+from kldiag.record.recorder import Recorder
 
 ENV_RUN = "KLDIAG_RUN"
 LOSS_PATH = "kldiag.integrations.slime.policy_loss"
@@ -78,8 +79,6 @@ def owns_data(mpu: Any) -> bool:
 def recorder(args: Any, mpu: Any) -> Any:
     """This process's Recorder (kldiag rank = DP rank), opened at the first call."""
     if STATE.recorder is None:
-        from kldiag.record.recorder import Recorder
-
         run = os.environ.get(ENV_RUN)
         if not run:
             raise ValueError(f"set {ENV_RUN} to the kldiag run directory (or URI) the slime hooks record into")

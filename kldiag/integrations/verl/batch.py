@@ -9,56 +9,13 @@ from typing import Any
 
 import numpy as np
 
+from kldiag.integrations.common.ids import mix, row_hash
+
 
 def non_tensor(data: Any, key: str) -> Any:
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data=data, key=key, default=None) if key in data.keys() else None
-
-
-def _mix(x: Any) -> Any:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic, logical shifts; any device)."""
-    m1, m2 = -4658895280553007687, -7723592293110705685  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB as int64
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * m1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * m2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
-_MULTIPLIERS: dict[Any, Any] = {}  # device -> int64 [n] random odd multipliers, one per position
-
-
-def _multipliers(n: int, device: Any) -> Any:
-    """Fixed (seeded) random odd int64 multipliers for positions 0..n-1 on `device`, grown on demand."""
-    import torch
-
-    m = _MULTIPLIERS.get(device)
-    if m is None or m.shape[0] < n:
-        size = max(n, 2 * (m.shape[0] if m is not None else 4096))
-        g = torch.Generator().manual_seed(0x6B6C64)
-        m = (torch.randint(-(1 << 62), 1 << 62, (size,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
-        _MULTIPLIERS[device] = m
-    return m
-
-
-def row_hash(values: Any, lengths: Any) -> Any:
-    """int64 [B] hash of each row of a ragged int64 array (values [N], lengths [B]), on its device.
-
-    sum_t (x_t + 1) * M_t (wrapping, M_t seeded random odd numbers) per row, then splitmix64's
-    finaliser mixed with the length: three passes over the tokens, no host sync.
-    """
-    import torch
-
-    b, n = lengths.shape[0], values.shape[0]
-    starts = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
-    ends = torch.cumsum(lengths, 0)
-    starts.index_add_(0, ends[:-1], torch.ones(b - 1 if b else 0, dtype=torch.int64, device=values.device))
-    row = torch.cumsum(starts[:n], 0)
-    t = torch.arange(n, device=values.device) - (ends - lengths)[row]
-    h = (values.to(torch.int64) + 1) * _multipliers(max(n, 1), values.device)[t]  # n >= every length: no sync
-    acc = torch.zeros(b, dtype=torch.int64, device=values.device).index_add_(0, row, h)
-    return _mix(acc ^ (lengths.to(torch.int64) * 0x9E3779B9))
 
 
 def _ragged(x: Any, lengths: Any) -> tuple[Any, Any]:
@@ -96,7 +53,7 @@ def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
     toks, tok_len = _ragged(data[key], lengths)
     old, old_len = _ragged(data["old_log_probs"], lengths)
     bits = old.detach().to(torch.float32).contiguous().view(torch.int32)
-    seq = _mix(row_hash(toks, tok_len) * 31 + row_hash(bits, old_len)) & ((1 << 62) - 1)
+    seq = mix(row_hash(toks, tok_len) * 31 + row_hash(bits, old_len)) & ((1 << 62) - 1)
     uid = non_tensor(data, "uid") if "uid" in data.keys() else None
     uid = uid.tolist() if hasattr(uid, "tolist") else uid
     if isinstance(uid, (list, tuple)) and len(uid) == len(lengths):
@@ -104,7 +61,7 @@ def sequence_ids(data: Any, lengths: Any) -> tuple[Any, Any]:
                           & ((1 << 62) - 1) for u in uid], dtype=np.int64)
     elif "prompts" in data.keys() and data["prompts"].is_nested:
         p = data["prompts"]
-        group = _mix(row_hash(p.values(), p.offsets().diff())) & ((1 << 62) - 1)
+        group = mix(row_hash(p.values(), p.offsets().diff())) & ((1 << 62) - 1)
     else:
         group = None
     return seq, group

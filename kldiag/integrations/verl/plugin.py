@@ -24,7 +24,8 @@ import importlib.machinery
 import sys
 from typing import Any
 
-from kldiag.integrations.verl_trainer import make_trainer, run_of
+from kldiag.integrations.verl import attach
+from kldiag.integrations.verl.trainer import make_trainer, run_of
 
 TARGET = "verl.trainer.ppo.v1"
 MODES = {"kldiag_sync": "PPOTrainerSync", "kldiag_colocate_async": "PPOTrainerColocateAsync",
@@ -37,7 +38,6 @@ def register(module: Any | None = None) -> list[str]:
     No version check here: an unsupported verl fails when a kldiag mode attaches (IntegrationError
     naming the supported range), never when verl merely imports its trainers.
     """
-    from kldiag.integrations.verl import attach  # only once verl's trainer package is there
 
     v1 = module if module is not None else importlib.import_module(TARGET)
     for name, base in MODES.items():
