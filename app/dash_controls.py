@@ -66,14 +66,14 @@ def restore(labels: dict[str, str]) -> None:
     if run in labels:
         st.session_state["run_label"] = run
     elif run is not None and labels:
-        shown = run_label() or next(iter(labels))
+        shown = chosen_label(labels) or next(iter(labels))
         notice(f"The link names a run `{run}` that this dashboard does not show: showing `{shown}` instead "
                f"(runs here: {', '.join(f'`{k}`' for k in labels)}).")
     if "steps" in params or "flags" in params:  # the Tokens page's filters
         st.session_state["tok_pick"] = {"steps": VD.parse_range(params.get("steps")),
                                         "flags": [f for f in (params.get("flags") or "").split(",") if f]}
     if "step" in link:  # the Sequence page checks that the step and sequence exist
-        chosen = labels.get(run) if run in labels else labels.get(run_label() or "")
+        chosen = labels.get(run) if run in labels else labels.get(chosen_label(labels) or "")
         st.session_state["seq_pick"] = {"path": chosen, "step": link["step"], "seq": link.get("seq"),
                                         "pos": link.get("pos", 0), "focus": "pos" in link, "link": True}
 
@@ -109,11 +109,9 @@ def restore_tokens(lo: int, hi: int) -> None:
         st.session_state["tok_flags"] = known
 
 
-def run_label() -> str | None:
-    """The label of the run the pages show (the sidebar's choice, else the first run)."""
-    import dash_data as D
-
-    names = list(D.labels(D.run_paths()))
+def chosen_label(labels: dict[str, str]) -> str | None:
+    """Of the runs' `labels` (dash_data.labels), the one the pages show: the sidebar's choice, else the first."""
+    names = list(labels)
     chosen = st.session_state.get("run_label")
     return chosen if chosen in names else (names[0] if names else None)
 

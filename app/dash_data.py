@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 
+import dash_controls
 import pandas as pd
 import streamlit as st
 
@@ -228,6 +229,11 @@ def load(path: str) -> Loaded | None:
     return None
 
 
+def run_label() -> str | None:
+    """The label of the run the pages show (the sidebar's choice, else the first run)."""
+    return dash_controls.chosen_label(labels(run_paths()))
+
+
 def current() -> Loaded | None:
     """The run chosen in the sidebar, loaded; shows a message and returns None otherwise."""
     paths = run_paths()
@@ -243,8 +249,6 @@ def page(title: str) -> Loaded:
     """Every run page's prelude: its title, the chosen run loaded (or stop with a message)
     and notices for columns the run lacks."""
     st.title(title)
-    import dash_controls
-
     run = current()
     dash_controls.show_notices()  # a deep link to something that does not exist: what was shown instead
     if run is None:

@@ -113,3 +113,38 @@ def test_report_offenders_carry_their_context(run):
     assert len(worst) == 5 and [(o.step, o.seq, o.pos) for o in worst] == [(k[0], k[2], k[4]) for k in keys]
     assert [(o.before, o.after) for o in worst] == [(piece(want[k][0]), piece(want[k][1])) for k in keys]
     assert any(o.before or o.after for o in worst)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 7, 1 << 20])
+def test_the_pass_keeps_the_context_of_every_flagged_token(run, batch_size, monkeypatch):
+    """analysis.core.around: each flagged token's context as the pass read it (sequences cut by record batches of
+    1, 3, 7 rows) equals the context cut from the whole run, at every width up to around.WIDTH; of_flagged then
+    reads no part."""
+    from kldiag.analysis.core import around as kept
+    from kldiag.format import parts as format_parts
+
+    a = kldiag.analyze(run, kldiag.AnalysisConfig(batch_size=batch_size, use_cache=False))
+    keys = [tuple(r[c] for c in ("step", "rank", "seq", "iteration", "pos")) for r in a.flags.to_pylist()]
+    assert len(keys) > 20 and set(a.flag_context) == set(keys)
+    want = {width: _brute(run, keys, width) for width in (0, 2, kept.WIDTH)}
+    opened = []
+    real = format_parts.PartInfo.open
+    monkeypatch.setattr(format_parts.PartInfo, "open", lambda self: opened.append(self) or real(self))
+    got = {width: context.of_flagged(a, keys, width) for width in want}
+    assert got == want and opened == []
+
+
+def test_rows_out_of_pos_order_are_read_from_the_part(tmp_path):
+    """A writer whose sequence rows are not in pos order: the pass keeps no context for their tokens (UNKNOWN), and
+    of_flagged reads it from the part, equal to the context cut from the whole run."""
+    from kldiag.analysis.core import around as kept
+
+    F.write_manifest(tmp_path, F.Manifest(kldiag_version="test", config={"beta": 0.04, "estimator": "k3"}))
+    t = _table(range(0, 3), 0, seed=5)
+    order = np.arange(t.num_rows)
+    order[[3, 4]] = order[[4, 3]]  # two rows of the first sequence swapped
+    F.publish_part(t.take(pa.array(order)), F.rank_dir(tmp_path, 0), F.part_name(0, 2, 0))
+    a = kldiag.analyze(tmp_path, kldiag.AnalysisConfig(use_cache=False))
+    keys = [tuple(r[c] for c in ("step", "rank", "seq", "iteration", "pos")) for r in a.flags.to_pylist()]
+    unknown = [k for k in keys if (a.flag_context[k] == kept.UNKNOWN).all()]
+    assert unknown and context.of_flagged(a, keys, 3) == _brute(tmp_path, keys, 3)

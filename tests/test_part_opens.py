@@ -1,7 +1,7 @@
 """Faces read each part once: `kldiag report`, `kldiag analyze` and the dashboard's data open every
 part at most once on a cold cache and never while the cache is warm (the one-engine rule). The report's
-worst tokens then read their context from the row groups of their sequences: a part that holds one is
-opened once more, once per run (the context is kept in the run's result store)."""
+worst tokens take their context from the analysis's pass (kldiag.analysis.core.around), which reads it
+with their batch: no part is opened again for it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 
 from kldiag.cli import main
 from kldiag.format import parts as format_parts
-from kldiag.report.build import ReportConfig
 from kldiag.tools.synth import SynthConfig, make_run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs"
@@ -45,8 +44,7 @@ def test_report_opens_each_part_once_cold_and_never_warm(name, tmp_path, opens, 
     parts = [str(p) for p in sorted((run / "tokens").rglob("part-*.parquet"))]
     main(["report", str(run), "-o", str(tmp_path / "cold.html")])
     cold = capsys.readouterr().out
-    assert set(opens) == set(parts) and max(opens.values()) <= 2, dict(opens)  # the pass, then the context
-    assert sum(opens.values()) - len(parts) <= ReportConfig().top_tokens
+    assert set(opens) == set(parts) and max(opens.values()) == 1, dict(opens)  # the pass, its context with it
     opens.clear()
     main(["report", str(run), "-o", str(tmp_path / "warm.html")])
     assert dict(opens) == {}
@@ -60,8 +58,7 @@ def test_analyze_and_report_share_one_read(tmp_path, opens, capsys):
     first = dict(opens)
     assert first and max(first.values()) == 1
     main(["report", str(tmp_path / "r"), "-o", str(tmp_path / "r.html")])
-    again = {p: n - first[p] for p, n in opens.items() if n > first[p]}  # its worst tokens' context only
-    assert set(opens) == set(first) and len(again) <= ReportConfig().top_tokens and max(again.values()) == 1
+    assert dict(opens) == first  # the worst tokens' context too: kept by the analysis's pass
     opens.clear()
     main(["report", str(tmp_path / "r"), "-o", str(tmp_path / "r2.html")])
     assert dict(opens) == {}  # every partial and the context from the cache
@@ -130,3 +127,17 @@ def test_read_along_reads_only_what_the_analysis_lacks(tmp_path, opens):
     alone = runner.reduced(kldiag.analyze(run, cfg), TurnReducer())
     assert turns.keys() == alone.keys() and all(np.array_equal(turns[k], alone[k], equal_nan=True) for k in turns)
     assert "scan" in a.reduced and scan["sums"].shape[0] == 8
+
+
+def test_a_report_after_the_dashboard_opens_no_part(tmp_path, opens, capsys):
+    """The dashboard's analysis (cache on) holds every partial the report reads, its worst tokens' context
+    included: the report then opens no part."""
+    import kldiag
+    from kldiag.views import dashboard
+
+    run = fresh_copy("demo_k3", tmp_path)
+    kldiag.analyze(run, kldiag.AnalysisConfig(), dashboard.reducers())
+    assert max(opens.values()) == 1
+    opens.clear()
+    main(["report", str(run), "-o", str(tmp_path / "r.html")])
+    assert "top offending tokens" in capsys.readouterr().out and dict(opens) == {}

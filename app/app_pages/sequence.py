@@ -64,7 +64,7 @@ df = VT.annotate(df)  # turn and pos_in_turn: a multi-turn sequence is shown tur
 row = in_step[in_step["seq"] == seq].iloc[0]
 focus = st.session_state.get("seq_focus")
 focus_pos = focus[2] if focus and focus[:2] == (int(step), int(seq)) else None
-K.copy_link(K.publish(K.run_label(), step=int(step), seq=int(seq), pos=focus_pos))
+K.copy_link(K.publish(D.run_label(), step=int(step), seq=int(seq), pos=focus_pos))
 st.caption(f"{len(df)} tokens · advantage {row['advantage']:.3g} · mean k3 {row['k3_mean']:.3g} · "
            f"mean k3_is {row['k3_is_mean']:.3g} · flagged tokens {int(row['flagged_count'])} · "
            "hover a token for its values; underlined tokens carry a flag" + VT.sequence_caption(df))

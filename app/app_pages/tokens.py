@@ -86,7 +86,7 @@ descending = c4.toggle("Descending", True, key="tok_desc")
 table = V.filter_flags(flags, step_range, kinds, threshold, sort_by, descending)
 st.caption(VN.flags_caption(flags, len(table), run.steps) + " Select a row to open its sequence.")
 K.downloads(table, "flags", "tok_flags_dl")
-K.copy_link(K.publish(K.run_label(), steps=f"{step_range[0]}-{step_range[1]}", flags=",".join(kinds) or None))
+K.copy_link(K.publish(D.run_label(), steps=f"{step_range[0]}-{step_range[1]}", flags=",".join(kinds) or None))
 event = st.dataframe(table[[c for c in SHOWN if c in table.columns]], hide_index=True, width="stretch",
                      on_select="rerun", selection_mode="single-row", key="tok_table")
 rows = event.selection.rows if event is not None else []

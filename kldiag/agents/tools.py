@@ -17,7 +17,16 @@ from typing import Any
 from kldiag import format as F
 from kldiag.agents.paging import DEFAULT_LIMIT, AgentToolError, page
 from kldiag.agents.workspace import Workspace, find_runs
+from kldiag.crosswalk import CrosswalkError, framework_of, parse_settings, records
+from kldiag.crosswalk import crosswalk as cross
+from kldiag.crosswalk.audit import audit as run_audit
+from kldiag.diagnosis import detectors as D
+from kldiag.diagnosis import parity
+from kldiag.diagnosis.types import CAUSE_NAMES
+from kldiag.format.schema import Manifest
+from kldiag.frameworks import fix_for
 from kldiag.report.summary import clean, rows
+from kldiag.views.pages import headline, read_sequence
 
 MAX_COMPARE = 8  # runs in one compare
 SEQUENCE_COLUMNS = ("iteration", "pos", "token_id", "piece", "mask", "logp", "logp_old", "logp_ref", "logp_sampler",
@@ -92,8 +101,6 @@ def sequence(ws: Workspace, run: str, step: int, seq: int, offset: int = 0, limi
     """One sequence's tokens at `step` (every recorded iteration), in order: token id, decoded piece,
     loss mask, the four log-probs (logp = pi_theta, logp_old, logp_ref, logp_sampler = the engine's),
     advantage, the k3 weight and rho."""
-    from kldiag.views.pages import read_sequence
-
     path = ws.resolve(run)
     df = read_sequence(path, int(step), int(seq), vocab=F.open_run(path).vocab())
     cols = [c for c in SEQUENCE_COLUMNS if c in df.columns]
@@ -117,9 +124,6 @@ def crosswalk(ws: Workspace, run: str, framework: str | None = None, settings: d
               offset: int = 0, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """Per step, the framework's own KL / IS / mismatch metrics recomputed from the tokens: the list
     `kldiag crosswalk RUN --framework F --set K=V ... --json` prints (docs/crosswalk.md)."""
-    from kldiag.crosswalk import CrosswalkError, framework_of, parse_settings, records
-    from kldiag.crosswalk import crosswalk as cross
-
     path = ws.resolve(run)
     r = F.open_run(path)
     fw = framework or framework_of(r.manifest)
@@ -137,8 +141,6 @@ def audit(ws: Workspace, run: str, logs: str, framework: str | None = None,
           settings: dict[str, Any] | None = None, step_offset: int = 0) -> dict[str, Any]:
     """What the trainer logged (`logs`: a TensorBoard dir, trainer_state.json, W&B .csv, .jsonl, under a
     root) against kldiag's recomputation: the object of `kldiag audit RUN --logs SRC --json` (docs/audit.md)."""
-    from kldiag.crosswalk.audit import audit as run_audit
-
     path, src = ws.resolve(run), ws.resolve(logs, "logs")
     given = {str(k).strip().replace("-", "_"): str(v) for k, v in (settings or {}).items()}
     out = run_audit(str(path), str(src), framework, step_offset=step_offset, **given).to_dict()
@@ -149,8 +151,6 @@ def compare(ws: Workspace, runs: list[str]) -> dict[str, Any]:
     """Several runs side by side: verdict, causes (name, severity, onset, summary), alert count and the
     headline figures of each (kldiag.views.pages.headline, as the dashboard's Compare page)."""
     import pandas as pd
-
-    from kldiag.views.pages import headline
 
     if not runs or len(runs) > MAX_COMPARE:
         raise AgentToolError(f"compare takes 1 to {MAX_COMPARE} runs; got {len(runs or [])}")
@@ -167,10 +167,6 @@ def compare(ws: Workspace, runs: list[str]) -> dict[str, Any]:
 def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | None = None) -> dict[str, Any]:
     """What a cause means (its detector's rule), its fix (in `framework`'s option names, else the run's
     trainer's, else plain torch) and, with `run`, the cause's evidence in that run."""
-    from kldiag.diagnosis.types import CAUSE_NAMES
-    from kldiag.format.schema import Manifest
-    from kldiag.frameworks import fix_for
-
     if cause not in CAUSE_NAMES:
         raise AgentToolError(f"unknown cause {cause!r}; the causes are {list(CAUSE_NAMES)}")
     found = None
@@ -193,9 +189,6 @@ def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | 
 
 def _rule(cause: str) -> str:
     """The description of the detector that names `cause`."""
-    from kldiag.diagnosis import detectors as D
-    from kldiag.diagnosis import parity
-
     by_name = {d.__name__: d for d in D.detectors()}
     if cause in parity.ROOTS:
         fn = by_name.get("engine_root_cause")

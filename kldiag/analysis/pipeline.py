@@ -175,6 +175,7 @@ def build(run, cfg: AnalysisConfig, merged: partials.Partial, files: int, comput
         sequences=sequences, flags=flags,
         histograms=tables.histograms(per_step), alerts=alerts.compute_alerts(steps, flags, cfg, run.manifest),
         steps_by_rank=by_rank, trainer_kl=trainer_kl, opsm=opsm,
+        flag_context=tables.flag_context(merged.top, merged.bad),
         files=files, files_new=computed, skipped=skipped, superseded=tables.superseded_table(merged.superseded),
         info={"rows": merged.rows, "seconds": seconds, "tokens_per_s": merged.rows / max(seconds, 1e-9),
               "superseded_rows": int(merged.superseded["n_rows"].sum()) if merged.superseded else 0,

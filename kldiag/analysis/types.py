@@ -128,6 +128,8 @@ class Analysis:
     lost:       the parts none of whose rows were read (unreadable, 0 bytes, 0 rows), each with
                 its rank and step range (kldiag.analysis.runtime.lost.LostPart)
     spans:      (rank, attempt, step_min, step_max) of each part that was read
+    flag_context: (step, rank, seq, iteration, pos) of each flagged token -> the token ids around it, as the
+                pass read them (kldiag.analysis.core.around: int32 [2 * WIDTH])
     """
 
     run_dir: Path | str  # a Path, or the URI of a remote run
@@ -150,6 +152,7 @@ class Analysis:
     reduced: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # reducer name -> merged partial
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # what faces derived from it (a parity fit)
     opsm: OpsmCounts | None = None  # the off-policy sequence mask per step at every delta of OPSM_DELTAS
+    flag_context: dict[tuple[int, int, int, int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def sequence_rows(self) -> Any:

@@ -26,9 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any
 
+from kldiag.analysis import analyze
 from kldiag.cli import args as checks
+from kldiag.crosswalk import FRAMEWORKS, CrosswalkError
+from kldiag.crosswalk.audit import ATOL, RTOL, audit
+from kldiag.diagnosis.missing import cause_of
 from kldiag.fmt import num
 
 FAIL_ON = ("disagreement", "unexplained", "any", "data_missing")
@@ -44,9 +49,6 @@ def _rules(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: Any) -> None:
-    from kldiag.crosswalk import FRAMEWORKS
-    from kldiag.crosswalk.audit import ATOL, RTOL
-
     p = subparsers.add_parser("audit", help="check a trainer's logged KL/IS metrics against the recorded tokens",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI")
@@ -78,11 +80,6 @@ def failing(result, rules: tuple[str, ...]) -> list[str]:
 
 def missing(run_dir: str) -> list[str]:
     """'data_missing (warning, from step 10): ...' when the run's tokens lack parts or steps, else []."""
-    import warnings
-
-    from kldiag.analysis import analyze
-    from kldiag.diagnosis.missing import cause_of
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the audit's own read of the run warned about each skipped part
         c = cause_of(analyze(run_dir))
@@ -90,9 +87,6 @@ def missing(run_dir: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kldiag.crosswalk import CrosswalkError
-    from kldiag.crosswalk.audit import audit
-
     given = {}
     for item in args.settings:  # values stay text: crosswalk's parse_settings coerces them
         if "=" not in item:

@@ -18,12 +18,13 @@ import sys
 from typing import Any
 
 from kldiag.cli import args as checks
+from kldiag.crosswalk import (FRAMEWORKS, CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings,
+                              records)
 from kldiag.fmt import num
+from kldiag.format import open_run
 
 
 def add_parser(subparsers: Any) -> None:
-    from kldiag.crosswalk import FRAMEWORKS
-
     p = subparsers.add_parser("crosswalk", help="a framework's own KL/IS/mismatch metrics, from the recorded tokens",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN", type=checks.run_dir, help="a run directory or URI")
@@ -36,9 +37,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings, records
-    from kldiag.format import open_run
-
     r = open_run(args.run_dir)
     fw = args.framework or framework_of(r.manifest)
     if fw is None:

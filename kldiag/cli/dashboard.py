@@ -21,7 +21,9 @@ from pathlib import Path
 
 from kldiag.cli import args as checks
 from kldiag.cli import engine_opts as engines
+from kldiag.crosswalk.audit.logs import detect
 from kldiag.errors import KldiagError
+from kldiag.views.pages import check_run_dirs
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/
 
@@ -56,8 +58,6 @@ def _env(args: argparse.Namespace | None = None) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kldiag.views.pages import check_run_dirs  # pandas: only when launching
-
     runs = check_run_dirs(args.runs)
     logs = logs_by_run(runs, getattr(args, "logs", None) or [])
     checks.check_port(args.host, args.port)  # before the URL is announced
@@ -74,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 def logs_by_run(runs: list[Path], logs: list[str]) -> dict[str, str]:
     """{run path as the app gets it: the metric log given for it}; checks each log's format here."""
-    from kldiag.crosswalk.logs import detect
-
     if len(logs) > len(runs):
         raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN_DIR, "
                           "in the runs' order")

@@ -16,7 +16,7 @@ from kldiag.analysis import analyze
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import dashboard
-from kldiag.report.build import reducers
+from kldiag.report.build import build_report, reducers
 from kldiag.tools.demo import format_summary, run_pair, summarize
 
 
@@ -30,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
         analysis = analyze(r.run_dir, AnalysisConfig(), reducers())  # what the summary and report read
         print(format_summary(summarize(r, analysis)))
         if not args.no_report:
-            from kldiag.report.build import build_report
-            from kldiag.report.render import write_html
+            from kldiag.report.render import write_html  # plotly: only when writing the page
 
             path = out / f"{r.run_dir.name}.report.html"
             rep = build_report(analysis)

@@ -12,7 +12,9 @@ import argparse
 import sys
 from typing import Any
 
+from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
+from kldiag.cli import engine_opts as engines
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,16 +28,12 @@ def add_parser(subparsers: Any) -> None:
     tb.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory (created; one per run)")
     tb.add_argument("--hold-last", action="store_true",
                     help="leave the newest step for the next export (a run still recording it)")
-    from kldiag.cli import engine_opts as engines
-
     engines.add_arguments(tb)
     tb.set_defaults(func=run_tensorboard)
 
 
 def run_tensorboard(args: argparse.Namespace) -> int:
-    from kldiag.analysis.types import AnalysisConfig
-    from kldiag.cli import engine_opts as engines
-    from kldiag.export.tensorboard import export_tensorboard
+    from kldiag.export.tensorboard import export_tensorboard  # start-up: `kldiag --help` loads no exporter
 
     r = export_tensorboard(args.run_dir, args.logdir, AnalysisConfig(**engines.options(args)),
                            hold_last=args.hold_last)

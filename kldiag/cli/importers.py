@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:
         if args.framework != "nemo-rl":
             raise KldiagError(f"--config is read for nemo-rl imports only, not {args.framework}; drop it")
-        from kldiag.importers.nemo_rl import read_run_config
+        from kldiag.importers.nemo_rl import read_run_config  # start-up: `kldiag --help` does not load it
 
         options = {**read_run_config(args.config), **{k: v for k, v in options.items() if v is not None}}
     with warnings.catch_warnings(record=True) as caught:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     for root in args.roots or ():
         if "://" not in root and not os.path.isdir(root):
             raise ValueError(f"--root {root} is not a directory: pass a directory holding runs (or an s3:// prefix)")
-    from kldiag.agents.server import serve_stdio
+    from kldiag.agents.server import serve_stdio  # start-up: `kldiag --help` loads no agents module
     from kldiag.agents.workspace import Workspace
 
     serve_stdio(Workspace(args.roots, use_cache=not args.no_cache))

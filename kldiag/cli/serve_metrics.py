@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import prometheus_client  # noqa: F401 - checked here, used by the exporter
 
-        from kldiag.export.prometheus import Exporter
+        from kldiag.export.prometheus import Exporter  # start-up: `kldiag --help` loads no exporter
     except ImportError:
         raise ValueError("serve-metrics needs prometheus-client: pip install 'kldiag[prometheus]'") from None
     exp = Exporter(args.run_dirs, AnalysisConfig(**engines.options(args)))

@@ -18,7 +18,7 @@ __all__ = ["CAUSE_NAMES", "Cause", "Diagnosis", "DiagnosisConfig", "Episode", "d
 
 
 def __getattr__(name: str):
-    if name == "diagnose":
+    if name == "diagnose":  # start-up: the trainer's Guard imports the contract (types), not the detectors
         from kldiag.diagnosis.core import diagnose
 
         return diagnose

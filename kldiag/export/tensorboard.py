@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kldiag.analysis import analyze
 from kldiag.analysis.types import Analysis, AnalysisConfig, Histograms
 from kldiag.errors import ExportError
 
@@ -193,8 +194,6 @@ def write_analysis(a: Analysis, logdir: str | os.PathLike, run_id: str, hold_las
 def export_tensorboard(run: str | os.PathLike, logdir: str | os.PathLike, config: AnalysisConfig | None = None,
                        hold_last: bool = False) -> ExportResult:
     """Analyse RUN (incrementally) and append its new steps to LOGDIR as TensorBoard events."""
-    from kldiag.analysis import analyze
-
     tensorboard_modules()  # fail before analysing when tensorboard is missing
     check_logdir(Path(logdir), run)  # and when LOGDIR cannot take this run's export
     a = analyze(run, config)

@@ -18,7 +18,7 @@ import numpy as np
 from kldiag import estimators as E
 from kldiag.analysis.cache import store
 from kldiag.analysis.rules.episodes import DEFAULT_ESTIMATOR, LOSS_WEIGHT_COLUMN
-from kldiag.analysis.runtime import context, runner
+from kldiag.analysis.runtime import context
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.diagnosis.types import Diagnosis, DiagnosisConfig
@@ -187,14 +187,14 @@ def comparison(steps_table, histograms=None) -> list[dict[str, Any]]:
 def reducers(config: ReportConfig = ReportConfig()) -> list:
     """What the report reads besides the analysis tables, for `analyze(run, cfg, reducers(config))`:
     the diagnosis's side scan and token sample (its Mismatch sections and crosswalk share the sample).
-    With them every part is read once, and never while cached; the offending tokens' context is read
-    afterwards from the few row groups that hold it (`offenders`)."""
+    With them every part is read once, and never while cached; the offending tokens' context comes with the
+    analysis's flagged rows (`offenders`)."""
     return list(diagnosis_reducers(config.diagnosis))
 
 
 def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
-    """The tokens with the largest |k3 weight|, with `context_width` tokens on each side (read from the
-    row groups of their sequences: analysis.runtime.context.around; kept in the run's result store)."""
+    """The tokens with the largest |k3 weight|, with `context_width` tokens on each side (as the analysis's
+    pass kept them: analysis.runtime.context.of_flagged; kept in the run's result store)."""
     flags = analysis.flags
     if flags.num_rows == 0:
         return []
@@ -202,8 +202,8 @@ def offenders(analysis, limit: int, context_width: int) -> list[Offender]:
     order = np.argsort(-w, kind="stable")[:limit]
     rows = [flags.slice(int(i), 1).to_pylist()[0] for i in order]
     keys = [tuple(int(r[c]) for c in ("step", "rank", "seq", "iteration", "pos")) for r in rows]
-    around = store.cached(analysis, "context", [keys, context_width],  # a second report reads no part
-                          lambda: context.around(*runner.parts_of(analysis), keys, context_width))
+    around = store.cached(analysis, "context", [keys, context_width],
+                          lambda: context.of_flagged(analysis, keys, context_width))
     vocab = open_run(analysis.run_dir).vocab() or {}
 
     def piece(t: int | None) -> str:

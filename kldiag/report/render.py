@@ -20,8 +20,12 @@ from typing import Any
 from kldiag.analysis.core.flagged import flagged_text, run_flagged
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
+from kldiag.report import mismatch as RM
+from kldiag.report import routing as RR
+from kldiag.report import turns as RT
 from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
 from kldiag.report.tables import html_table
+from kldiag.views import charts as VC
 
 # ---- text -----------------------------------------------------------------------------
 
@@ -84,16 +88,10 @@ def format_text(rep: Report) -> str:
             if c["estimator"] != "k1"))
     lines.append("recommendations (the diagnosis's causes, worst first):")
     lines += [textwrap.fill(r, 100, initial_indent="  - ", subsequent_indent="    ") for r in rep.recommendations]
-    if rep.analysis is not None:
-        from kldiag.report.mismatch import text_lines  # issue 15: engine parity and drift vs mismatch
-
-        lines += text_lines(rep.analysis, rep.diagnosis)
-        from kldiag.report.turns import text_lines as turn_lines  # multi-turn runs only
-
-        lines += turn_lines(rep.analysis)
-        from kldiag.report.routing import text_lines as routing_lines  # MoE runs with recorded routes only
-
-        lines += routing_lines(rep.analysis)
+    if rep.analysis is not None:  # engine parity and drift; multi-turn runs; MoE runs with recorded routes
+        lines += RM.text_lines(rep.analysis, rep.diagnosis)
+        lines += RT.text_lines(rep.analysis)
+        lines += RR.text_lines(rep.analysis)
     return "\n".join(lines)
 
 
@@ -103,8 +101,6 @@ def format_text(rep: Report) -> str:
 def figures(rep: Report) -> list[Any]:
     """The dashboard Overview's step trends (kldiag.views.charts), the diagnosis's onsets marked
     and the blow-up limit drawn on the |gradient weight| chart."""
-    from kldiag.views import charts as VC
-
     return VC.step_trends(rep.analysis.steps.to_pandas(), VC.trend_onsets(rep.diagnosis),
                           blowup_weight=rep.facts["blowup_weight"])
 
@@ -174,22 +170,19 @@ def _fired(rep: Report) -> str:
 
 
 def _mismatch(rep: Report, include_plotlyjs: bool) -> str:
-    from kldiag.report.mismatch import section_html  # issue 15: the dashboard's Mismatch page, as HTML
-
-    return (section_html(rep.analysis, rep.analysis.manifest, include_plotlyjs, rep.diagnosis)
+    """The dashboard's Mismatch page, as HTML: engine parity, and drift against mismatch."""
+    return (RM.section_html(rep.analysis, rep.analysis.manifest, include_plotlyjs, rep.diagnosis)
             if rep.analysis is not None else "")
 
 
 def _turns(rep: Report) -> str:
-    from kldiag.report.turns import section_html  # the per-turn figures of a multi-turn run
-
-    return section_html(rep.analysis) if rep.analysis is not None else ""
+    """The per-turn figures of a multi-turn run."""
+    return RT.section_html(rep.analysis) if rep.analysis is not None else ""
 
 
 def _routing(rep: Report) -> str:
-    from kldiag.report.routing import section_html  # MoE routing, when the run recorded routes
-
-    return section_html(rep.analysis) if rep.analysis is not None else ""
+    """MoE routing, when the run recorded routes."""
+    return RR.section_html(rep.analysis) if rep.analysis is not None else ""
 
 
 def write_html(rep: Report, path: str | Path) -> Path:

@@ -7,8 +7,14 @@ import os
 import tempfile
 import threading
 
+import pyarrow as pa
+
+from kldiag import format as F
+from kldiag.analysis import analyze
 from kldiag.analysis.types import AnalysisConfig
+from kldiag.diagnosis import truncation as TR
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
+from kldiag.mismatch import signatures as S
 from kldiag.views.estimators import EstimatorReducer
 
 DEFAULT_CONFIG = AnalysisConfig()
@@ -40,11 +46,6 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
     - the diagnosis's fits on the token sample (parity, signatures, truncation) of the run as it is, kept
       for the next analysis while its sample is the same (kldiag.mismatch.kept: a new part rarely adds to it).
     Nothing is returned; a run with no part is left alone."""
-    import pyarrow as pa
-
-    from kldiag import format as F
-    from kldiag.analysis import analyze
-
     parts = F.list_parts(run_dir)
     if not parts:
         return
@@ -63,9 +64,6 @@ def prepare_refresh(run_dir: str | os.PathLike, config: AnalysisConfig = DEFAULT
 
 
 def _prepare_fits(analysis) -> None:
-    from kldiag.diagnosis import truncation as TR
-    from kldiag.mismatch import signatures as S
-
     S.report_for(analysis)  # and the parity fit it reads
     TR.report_for(analysis)
 

@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kldiag.analysis.core import keyed
+from kldiag.analysis.core import around, keyed
 from kldiag.analysis.core.batch import COLUMNS, Thresholds
 from kldiag.analysis.core.stats import batch_partials, select_first, select_top
 from kldiag.analysis.kernels.ride import EstimatorRide
 from kldiag.format import PartInfo
 
-# bump when the meaning or layout of a partial changes (7: n_placeholder; o, m read in the loss only)
-PARTIAL_VERSION = 7
+# bump when the meaning or layout of a partial changes (7: n_placeholder; o, m read in the loss only; 8: the
+# flagged rows' context)
+PARTIAL_VERSION = 8
 TABLES = ("steps", "seqs", "top", "bad", "superseded")
 
 
@@ -77,9 +78,13 @@ class PartReducer:
         self.bad: keyed.Keyed = {}
         self.rows, self.floor = 0, -np.inf
         self.ride: EstimatorRide | None = None  # a reducer riding in this pass (AnalysisReducer.carry)
+        self.edge = around.Edge()  # the previous batch's rows at its edges: the flagged rows' context
 
     def add(self, batch) -> None:
-        r = batch_partials(batch, self.part.rank, self.th, self.floor, self.ride)
+        self.edge.head = None
+        r = batch_partials(batch, self.part.rank, self.th, self.floor, self.ride, self.edge)
+        if self.edge.head is not None:  # the rows left open by the batches before: an empty batch leaves them open
+            self.top, self.bad = around.close(self.top, self.edge.head), around.close(self.bad, self.edge.head)
         self.steps.append(r.steps)
         self.seqs.append(r.seqs)
         # a batch's top is already ordered and cut to top_k: only a second batch needs a merge
@@ -92,7 +97,8 @@ class PartReducer:
     def result(self, dropped: int = 0) -> Partial:
         superseded = {"rank": np.array([self.part.rank], np.int64), "attempt": np.array([self.part.attempt], np.int64),
                       "n_rows": np.array([dropped], np.int64)} if dropped else {}
-        return Partial(keyed.merge(self.steps), keyed.merge(self.seqs), self.top, self.bad, superseded, self.rows)
+        return Partial(keyed.merge(self.steps), keyed.merge(self.seqs), around.done(self.top), around.done(self.bad),
+                       superseded, self.rows)
 
 
 def to_arrays(p: Partial) -> dict[str, np.ndarray]:

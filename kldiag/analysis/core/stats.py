@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kldiag.analysis.core import bins
+from kldiag.analysis.core import around, bins
 from kldiag.analysis.core.batch import LOGPS, Batch, Thresholds
 from kldiag.analysis.core.keyed import Keyed
 from kldiag.analysis.kernels import fused, scans
@@ -158,7 +158,8 @@ def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
 
 
 def flag_rows(b: Batch, rank: int, rows: np.ndarray, wabs: np.ndarray) -> Keyed:
-    """The raw columns of the given rows (for `flags`), plus their |k3 weight| (NaN: none)."""
+    """The raw columns of the given rows (for `flags`), plus their |k3 weight| (NaN: none) and their index in
+    the batch (around.ROW, for around.attach once they are selected)."""
     take = pa.array(rows, pa.int64())
     out: Keyed = {"step": b.step[rows], "rank": np.full(len(rows), rank, np.int64), "seq": b.seq[rows],
                   "pos": b.at("pos", rows), "micro": b.at("micro", rows), "iteration": b.at("iteration", rows),
@@ -169,6 +170,7 @@ def flag_rows(b: Batch, rank: int, rows: np.ndarray, wabs: np.ndarray) -> Keyed:
         out[name] = np.full(len(rows), np.nan) if vals is None else vals[rows].astype(np.float64)
         out[f"{name}_null"] = (np.ones(len(rows), bool) if vals is None else
                                np.zeros(len(rows), bool) if null is None else null[rows])
+    out[around.ROW] = np.asarray(rows, np.int64)
     return out
 
 
@@ -201,8 +203,9 @@ def top_threshold(h_w: np.ndarray, top_k: int) -> float:
     return float(ABS_EDGES[len(from_top) - 2 - i])
 
 
-def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
-    """The top_k masked rows by |k3 weight| among those with |k3 weight| >= thr.
+def top_rows(b: Batch, rank: int, th: Thresholds, thr: float, tail: Keyed | None = None) -> Keyed:
+    """The top_k masked rows by |k3 weight| among those with |k3 weight| >= thr, with the token ids around
+    them (around.attach; `tail`: the part's rows before the batch).
 
     |1 - exp(d)| >= thr holds for d >= log1p(thr), or d <= log1p(-thr) when thr < 1: rows
     are preselected by d, with margins for rounding, then w is recomputed with numpy.
@@ -224,17 +227,18 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float) -> Keyed:
     if len(cand) > th.top_k:  # keep the k largest values and their ties, then order exactly
         kth = np.partition(w, len(cand) - th.top_k)[len(cand) - th.top_k]
         cand, w = cand[w >= kth], w[w >= kth]
-    return select_top(flag_rows(b, rank, cand, w), th.top_k)
+    return around.attach(select_top(flag_rows(b, rank, cand, w), th.top_k), b, tail)
 
 
 # ---- one batch ---------------------------------------------------------------------------
 
 
 def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf,
-                   ride: fused_ride.EstimatorRide | None = None) -> BatchResult:
+                   ride: fused_ride.EstimatorRide | None = None, edge: around.Edge | None = None) -> BatchResult:
     """Everything the analysis keeps from one record batch of format v1 columns; with `ride`, the
     Estimators page's per-token work in the same compiled pass (fused_ride.py). A batch the pass reads
-    otherwise (empty, or sorted first) goes to the ride's own pass (`alone`): its tokens numbered as stored."""
+    otherwise (empty, or sorted first) goes to the ride's own pass (`alone`): its tokens numbered as stored.
+    `edge`: what the part's previous batch left (around.Edge), advanced past this one."""
     if batch.num_rows == 0:
         if ride is not None:
             ride.alone(batch)
@@ -258,7 +262,9 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)
     thr = max(top_threshold(steps["h_weight_k3_abs"], th.top_k), top_floor)
-    top = top_rows(b, rank, th, thr) if th.top_k > 0 else {}
-    bad_sel = select_first(flag_rows(b, rank, bad_any, np.full(len(bad_any), np.nan)), th.top_k) \
-        if len(bad_any) else {}
+    edge = edge if edge is not None else around.Edge()
+    top = top_rows(b, rank, th, thr, edge.tail) if th.top_k > 0 else {}
+    bad_sel = around.attach(select_first(flag_rows(b, rank, bad_any, np.full(len(bad_any), np.nan)), th.top_k),
+                            b, edge.tail) if len(bad_any) else {}
+    around.advance(edge, b)
     return BatchResult(steps, seqs, top, bad_sel)

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag import estimators as E
-from kldiag.analysis.core import bins, keyed, slime_kl, spill, verl_kl
+from kldiag.analysis.core import around, bins, keyed, slime_kl, spill, verl_kl
 from kldiag.analysis.types import (
     ABS_EDGES,
     FLAG_COLUMNS,
@@ -228,6 +228,16 @@ def flag_table(top: keyed.Keyed, bad: keyed.Keyed, vocab: dict[int, str] | None,
     bad_first = ~(nonfinite | invalid)
     order = np.lexsort([-np.nan_to_num(np.abs(vals["weight_k3"]), nan=-1.0), rows["step"], bad_first])
     return table.take(pa.array(order))
+
+
+def flag_context(top: keyed.Keyed, bad: keyed.Keyed) -> dict[tuple[int, int, int, int, int], np.ndarray]:
+    """(step, rank, seq, iteration, pos) -> the token ids around that flagged token (around.CONTEXT's row)."""
+    out = {}
+    for t in (bad, top):
+        if t and around.CONTEXT in t:
+            keys = zip(*(t[c].tolist() for c in ("step", "rank", "seq", "iteration", "pos")), strict=True)
+            out.update(zip(keys, t[around.CONTEXT], strict=True))
+    return out
 
 
 def trainer_kl(seqs: keyed.Keyed | list[keyed.Keyed], config: dict[str, Any], run: Any = None) -> pa.Table:

@@ -1,12 +1,13 @@
-"""The token ids around given tokens of a run, read where they are: a few row groups, not a pass.
+"""The token ids around given tokens of a run: as the analysis's pass kept them, else read where they are.
 
 The report lists a run's worst tokens (largest |k3 weight|, from the analysis's flags table) with
 `width` token ids on each side in their sequence. A token is keyed by (step, rank, seq, iteration,
-pos); its sequence lives in the parts of its rank whose step range holds its step, and within a part
-in the row groups whose `step` statistics (written for every part) hold it (format.Run.read_rows).
-Only those row groups are read, five columns of them: the context of the report's ten
-tokens costs a few row groups whatever the run's size, where reading it along with the analysis
-cost a reducer over every token.
+pos). The analysis's pass keeps the context of every flagged token as it reads its batch
+(kldiag.analysis.core.around, Analysis.flag_context): `of_flagged` takes it from there, so the
+report reads no part again. A token it lacks (a width above around.WIDTH, rows out of pos order) is
+read by `around`: its sequence lives in the parts of its rank whose step range holds its step, and
+within a part in the row groups whose `step` statistics (written for every part) hold it
+(format.Run.read_rows); only those row groups are read, five columns of them.
 
 Rows superseded by a later attempt of their rank are not context (format.parts.superseded_mask), as
 the analysis does not read them. A position outside the sequence has no token and is left out; a
@@ -22,11 +23,29 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag.analysis.core import around as kept
+from kldiag.analysis.runtime import runner
 from kldiag.format import PartInfo, Run
 
 Key = tuple[int, int, int, int, int]  # (step, rank, seq, iteration, pos)
 COLUMNS = ("step", "seq", "iteration", "pos", "token_id")
 NULL_TOKEN = -1
+
+
+def of_flagged(analysis, keys: Iterable[Key], width: int) -> dict[Key, tuple[list[int], list[int]]]:
+    """`around` of the analysis's flagged tokens `keys`: from the context its pass kept (Analysis.flag_context),
+    the parts it read (runner.parts_of) read only for a token whose context the pass could not keep."""
+    keys = list(dict.fromkeys(tuple(int(x) for x in k) for k in keys))
+    out = {}
+    for k in keys:
+        ctx = analysis.flag_context.get(k) if width <= kept.WIDTH else None
+        if ctx is not None and not (ctx == kept.UNKNOWN).any():
+            out[k] = ([int(t) for t in ctx[kept.WIDTH - width:kept.WIDTH] if t != kept.ABSENT],
+                      [int(t) for t in ctx[kept.WIDTH:kept.WIDTH + width] if t != kept.ABSENT])
+    rest = [k for k in keys if k not in out]
+    if rest:
+        out.update(around(*runner.parts_of(analysis), rest, width))
+    return out
 
 
 def around(run: Run, parts: Sequence[PartInfo], keys: Iterable[Key],

@@ -1,0 +1,155 @@
+"""The token ids around each flagged row, read off the record batches the analysis reads anyway.
+
+The report shows its worst tokens between their neighbours. A flagged row (stats.flag_rows) carries
+`context`, int32 [n, 2 * WIDTH]: the token ids at pos - WIDTH .. pos - 1, then pos + 1 .. pos + WIDTH, of
+its sequence (step, seq, iteration). The analysis reads a sequence's rows as one run (scans.seq_starts),
+in pos order as every writer stores them, so those are the rows just before and after the flagged one:
+no second read of the part. Across record batches of one part, the previous batch's last WIDTH rows
+(`Edge.tail`) stand before the batch's first row, and a row whose sequence reaches the batch's end stays
+open (`OPEN`: the after-rows scanned so far) until the part's next batch (`close`) or its end.
+
+Slots: a token id; NULL_TOKEN where the id is null; ABSENT where the sequence has no such position;
+UNKNOWN (the whole row) where the rows in reach are out of pos order: kldiag.analysis.runtime.context
+then reads that token's context from the part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kldiag.analysis.core.batch import Batch
+from kldiag.analysis.core.keyed import Keyed
+
+WIDTH = 5  # token ids kept on each side (the report shows 5: ReportConfig.context)
+NULL_TOKEN, ABSENT, UNKNOWN = -1, -2, -3
+CONTEXT, OPEN = "context", "context_open"  # the flagged rows' columns; OPEN is dropped when the part ends
+ROW = "batch_row"  # a flagged row's index in its batch, until `attach` turns it into its context
+KEYS = ("step", "seq", "iteration")
+ROW_COLUMNS = (*KEYS, "pos", "token_id")
+
+
+@dataclass
+class Edge:
+    """What one record batch leaves to the next of its part: its last WIDTH rows (with the rows before
+    them when it has fewer), and its first WIDTH rows, which close the rows left open before it."""
+
+    tail: Keyed | None = None
+    head: Keyed | None = None
+
+
+def rows_at(b: Batch, idx: np.ndarray) -> Keyed:
+    """ROW_COLUMNS of the batch at `idx` (null ids as NULL_TOKEN, a null iteration or pos as 0)."""
+    idx = np.asarray(idx, np.int64)
+    return {"step": b.step[idx].astype(np.int64), "seq": b.seq[idx].astype(np.int64),
+            "iteration": b.at("iteration", idx), "pos": b.at("pos", idx), "token_id": b.at("token_id", idx, NULL_TOKEN)}
+
+
+def _concat(a: Keyed | None, b: Keyed) -> Keyed:
+    return b if not a else {c: np.concatenate([a[c], b[c]]) for c in ROW_COLUMNS}
+
+
+def advance(edge: Edge, b: Batch) -> None:
+    """The edge after batch `b` (read once its flagged rows took their context)."""
+    n = b.n
+    edge.head = rows_at(b, np.arange(min(n, WIDTH)))
+    edge.tail = {c: v[-WIDTH:] for c, v in _concat(edge.tail, rows_at(b, np.arange(max(n - WIDTH, 0), n))).items()}
+
+
+def attach(table: Keyed, b: Batch, tail: Keyed | None) -> Keyed:
+    """The batch's selected flagged rows (`table`, with their ROW) with CONTEXT and OPEN in place of ROW."""
+    if not table:
+        return table
+    out = {c: v for c, v in table.items() if c != ROW}
+    out[CONTEXT], out[OPEN] = context_of(b, table[ROW], tail)
+    return out
+
+
+def context_of(b: Batch, rows: np.ndarray, tail: Keyed | None) -> tuple[np.ndarray, np.ndarray]:
+    """(CONTEXT [len(rows), 2 * WIDTH] int32, OPEN [len(rows)] int64: after-rows scanned when the sequence
+    reaches the batch's end, else -1) of the batch's `rows`, the previous batch's `tail` before it."""
+    rows = np.asarray(rows, np.int64)
+    ctx = np.full((len(rows), 2 * WIDTH), ABSENT, np.int32)
+    open_ = np.full(len(rows), -1, np.int64)
+    if not len(rows):
+        return ctx, open_
+    me = rows_at(b, rows)
+    k = len(tail["pos"]) if tail else 0
+    steps = np.arange(1, WIDTH + 1)
+    j = np.concatenate([rows[:, None] - steps, rows[:, None] + steps], axis=1)  # [n, 2W]: before, then after
+    got = {c: v.reshape(j.shape) for c, v in _at(b, tail, k, np.clip(j, -k, b.n - 1).ravel()).items()}
+    inside = (j >= -k) & (j < b.n)
+    same = inside & np.all([got[c] == me[c][:, None] for c in KEYS], axis=0)
+    bad = np.zeros(len(rows), bool)
+    for side, cols in ((-1, range(WIDTH)), (1, range(WIDTH, 2 * WIDTH))):
+        alive = np.ones(len(rows), bool)  # still inside the sequence, in pos order
+        last = me["pos"].copy()
+        for d, col in enumerate(cols, 1):
+            if side > 0:
+                open_[alive & ~inside[:, col] & (open_ < 0)] = d - 1
+            alive &= same[:, col]
+            at = np.flatnonzero(alive)
+            if not len(at):
+                break
+            q = got["pos"][at, col]
+            ordered = (q > last[at]) if side > 0 else (q < last[at])
+            bad[at[~ordered]] = True
+            last[at] = q
+            off = (q - me["pos"][at]) * side  # 1..: the slot's distance from the row
+            near = ordered & (off <= WIDTH)
+            ctx[at[near], (WIDTH - 1 + off if side > 0 else WIDTH - off)[near]] = got["token_id"][at[near], col]
+            alive[at[off >= WIDTH]] = False  # every later position is farther
+    ctx[bad] = UNKNOWN
+    open_[bad] = -1
+    return ctx, open_
+
+
+def _at(b: Batch, tail: Keyed | None, k: int, j: np.ndarray) -> Keyed:
+    """ROW_COLUMNS at batch indices j (j < 0: the tail's row k + j)."""
+    out = rows_at(b, np.maximum(j, 0))
+    before = np.flatnonzero(j < 0)
+    if len(before):
+        for c in ROW_COLUMNS:
+            out[c][before] = tail[c][k + j[before]]
+    return out
+
+
+def close(table: Keyed, head: Keyed | None) -> Keyed:
+    """The flagged rows of `table` with their open after-context continued from `head` (the part's next
+    batch's first rows); head None: the part ended, so their sequences did (no later position)."""
+    if not table or OPEN not in table or not (table[OPEN] >= 0).any():
+        return table
+    table = {c: v.copy() if c in (CONTEXT, OPEN) else v for c, v in table.items()}
+    ctx, open_ = table[CONTEXT], table[OPEN]
+    for i in np.flatnonzero(open_ >= 0):
+        open_[i] = _go_on(ctx[i], int(open_[i]), {c: int(table[c][i]) for c in (*KEYS, "pos")}, head)
+    return table
+
+
+def _go_on(ctx: np.ndarray, scanned: int, me: dict[str, int], head: Keyed | None) -> int:
+    """Fill one open row's after-slots (`ctx`, in place) from `head`; its new OPEN value."""
+    if head is None:
+        return -1
+    p = me["pos"]
+    filled = np.flatnonzero(ctx[WIDTH:] != ABSENT)
+    last = p + 1 + int(filled[-1]) if len(filled) else p
+    for h in range(len(head["pos"])):
+        if any(int(head[c][h]) != me[c] for c in KEYS):
+            return -1  # the sequence ended with the batch
+        q = int(head["pos"][h])
+        if q <= last:
+            ctx[:] = UNKNOWN
+            return -1
+        if q - p > WIDTH:
+            return -1
+        ctx[WIDTH - 1 + q - p] = head["token_id"][h]
+        last, scanned = q, scanned + 1
+        if q - p == WIDTH or scanned >= WIDTH:
+            return -1
+    return scanned  # the head was shorter than what is still wanted: open until the next batch
+
+
+def done(table: Keyed) -> Keyed:
+    """The part's flagged rows once it ended: every open context closed, the OPEN column dropped."""
+    return {c: v for c, v in close(table, None).items() if c != OPEN} if table else table
