@@ -99,7 +99,7 @@ def run_family(family: str) -> dict:
     row.update(forward=True, expected_layers=sorted(expected), captured_layers=sorted(cap.chunks),
                share_equal=equal / total if total else float("nan"), dense=dense,
                dense_ok=dense == [i for i in range(got.shape[2]) if i not in expected], k=got.shape[-1],
-               margin_median=None if margin is None else float(np.nanmedian(margin.numpy())),
+               margin_median=None if margin is None else float(np.nanmedian(margin[0].numpy())),
                notes=NOTES.get(family, ""))
     return row
 

@@ -202,7 +202,18 @@ def router_logits_modules(model: Any) -> dict[int, tuple[Any, int]]:
 
 
 def describe(uncaptured: dict[str, str], limit: int = 6) -> str:
-    """'model.layers.1.mlp (FooMoE), ...' for a warning or a manifest."""
-    items = [f"{n} ({c})" for n, c in uncaptured.items()]
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    """'layers 0, 1 (model.layers.N.mlp.experts: FooExperts, ...)' for a warning or a manifest."""
+    layers, shapes, loose = set(), {}, []
+    for name, cls in uncaptured.items():
+        where = layer_of(name)
+        if where is None:
+            loose.append(f"{name} ({cls})")
+            continue
+        layers.add(where[1])
+        shapes.setdefault(f"{where[0]}.N{name[len(where[0]) + 1 + len(str(where[1])):]}", cls)
+    parts = []
+    if layers:
+        items = [f"{n}: {c}" for n, c in list(shapes.items())[:limit]]
+        parts.append(f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, sorted(layers)))} "
+                     f"({', '.join(items)}{' ...' if len(shapes) > limit else ''})")
+    return "; ".join(parts + loose[:limit])

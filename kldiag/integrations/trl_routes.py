@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from kldiag.integrations.moe_capture import MoeLayout, find_sources, ids_of, router_logits_modules
+from kldiag.integrations.moe_capture import MoeLayout, describe, find_sources, ids_of, router_logits_modules
 
 
 def routers(model: Any) -> dict[int, Any]:
@@ -102,13 +102,14 @@ class RoutesCapture:
             out[:, :, layer, : idx.shape[-1]] = idx
         return out
 
-    def margin(self) -> Any:
-        """[B, logits_to_keep] float32: the minimum over layers of the router's logit margin (module docstring);
-        None when the model declares no router logits for its routed layers. NaN where no layer has one."""
+    def margin(self) -> tuple[Any, Any] | None:
+        """([B, logits_to_keep] float32, [B, logits_to_keep] int16): the minimum over layers of the router's
+        logit margin (module docstring) and the layer giving it; None when the model declares no router
+        logits for its routed layers. NaN (layer -1) where no layer has one."""
         import torch
 
         b, s = self.shape
-        margins = []
+        margins, layers = [], []
         for layer, parts in self.logits.items():
             if layer not in self.chunks or sum(p.numel() // p.shape[-1] for p in parts) != b * s:
                 continue  # not one row of logits per token (Doge's product keys)
@@ -117,10 +118,14 @@ class RoutesCapture:
             if logits.shape[-1] <= int(ids.max()):  # not one logit per expert (Doge's product keys)
                 continue
             margins.append(layer_margin(logits, ids))
+            layers.append(layer)
         if not margins:
             return None
-        low = torch.stack(margins, -1).nan_to_num(nan=float("inf")).amin(-1)  # NaN layers left out
-        return low.where(low.isfinite(), torch.tensor(float("nan"), device=low.device))
+        layers = torch.tensor(layers)
+        low, at = torch.stack(margins, -1).nan_to_num(nan=float("inf")).min(-1)  # NaN layers left out
+        found = low.isfinite()
+        nan = torch.tensor(float("nan"), device=low.device)
+        return low.where(found, nan), layers.to(at.device)[at].where(found, -1).to(torch.int16)
 
 
 def layer_margin(logits: Any, ids: Any) -> Any:
@@ -139,3 +144,30 @@ def unwrap(trainer: Any, model: Any) -> Any:
     """The plain transformers model behind the trainer's (accelerate, PEFT) wrappers."""
     model = trainer.accelerator.unwrap_model(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def routes_config(layout: MoeLayout | None, engine_missing: str) -> tuple[dict[str, Any], str | None]:
+    """(manifest config["routes"], the attach warning or None) for a policy's MoE layout.
+
+    config["routes"]: {"captured": "trainer" | "none", "missing": {side: why}, "uncaptured": {module: class}};
+    `engine_missing` says why the engine's side is not recorded by this hook."""
+    if layout is None:
+        return {"captured": "none", "missing": {"trainer": "kldiag could not inspect the policy's modules",
+                                                "engine": engine_missing}}, None
+    if not layout.moe:
+        return {"captured": "none", "missing": {"trainer": "the policy has no MoE layer",
+                                                "engine": "the policy has no MoE layer"}}, None
+    out: dict[str, Any] = {"captured": "trainer" if layout.sources else "none", "missing": {"engine": engine_missing}}
+    if not layout.uncaptured:
+        return out, None
+    out["uncaptured"] = dict(layout.uncaptured)
+    what = describe(layout.uncaptured)
+    if not layout.sources:
+        out["missing"]["trainer"] = f"no MoE block of a shape kldiag reads: {what}"
+    else:
+        out["missing"]["trainer_layers"] = f"MoE modules of a shape kldiag does not read: {what}"
+    warning = (f"kldiag: the policy has MoE layers whose routes kldiag cannot capture: {what}. Their routes are "
+               "not recorded (no `experts` for them, routing analysis without them; the manifest's "
+               "config['routes'] says so). Pass the routes to Recorder.record(experts=...) yourself, or report "
+               "the model class to kldiag.")
+    return out, warning

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids",
-              "turn")
+              "turn", "route_margin_trainer", "route_margin_layer")  # v1.3 router margins: [B, T] too
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
 ROUTE_ARGS = ("experts", "experts_sampler")  # v1.3 [B, T, L, k]: one L and k for both sides

@@ -32,7 +32,7 @@ TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_s
 # v1.3 routes (kldiag.record.routes): per-token summary [B, T]; the layer masks [B, T, L] written as lists of
 # layer indices; the full lists [B, T, L * k] when asked
 ROUTE_GATHERED = (("route_layers", np.int16), ("route_differ", np.int16), ("route_missing", np.int16),
-                  ("route_overlap", np.float32))
+                  ("route_overlap", np.float32), ("route_margin_trainer", np.float32), ("route_margin_layer", np.int16))
 ROUTE_LAYER_SETS = ("route_differ_at", "route_missing_at")
 ROUTE_LISTS = (("experts", np.int16), ("experts_sampler", np.int16))
 # v1.3 per-sequence inputs, [B]: repeated on each sequence's tokens. `task` (strings) is gathered as int32 codes
