@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_families as mf  # noqa: E402
 
-from kldiag.integrations.moe_capture import find_sources, index_param, layer_of  # noqa: E402
-from kldiag.integrations.trl_routes import RoutesCapture, layer_margin  # noqa: E402
+from kldiag.integrations.moe_capture import find_sources, index_param, layer_margin, layer_of  # noqa: E402
+from kldiag.integrations.trl_routes import RoutesCapture  # noqa: E402
 
 B, S = 2, 9
 

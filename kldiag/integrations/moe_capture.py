@@ -201,6 +201,29 @@ def router_logits_modules(model: Any) -> dict[int, tuple[Any, int]]:
     return out
 
 
+def layer_margin(logits: Any, ids: Any) -> Any:
+    """[..., E] logits and [..., k] chosen ids -> [...] min(chosen logit) - max(other logit); NaN when every
+    expert is chosen. For a plain top-k router this is the k-th minus the (k+1)-th largest logit."""
+    import torch
+
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, ids.clamp(min=0), True)
+    low = logits.masked_fill(~chosen, float("inf")).amin(-1)
+    high = logits.masked_fill(chosen, float("-inf")).amax(-1)
+    out = low - high
+    return out.where(out.isfinite(), torch.tensor(float("nan"), device=out.device))
+
+
+def min_over_layers(margins: list[Any], layers: list[int]) -> tuple[Any, Any]:
+    """([...] float32 minimum over the layers' margins, [...] int16 layer giving it): NaN layers left out;
+    NaN and -1 where every layer is NaN."""
+    import torch
+
+    low, at = torch.stack(margins, -1).float().nan_to_num(nan=float("inf")).min(-1)
+    found = low.isfinite()
+    layer = torch.tensor(layers, device=at.device)[at]
+    return low.where(found, torch.tensor(float("nan"), device=low.device)), layer.where(found, -1).to(torch.int16)
+
+
 def describe(uncaptured: dict[str, str], limit: int = 6) -> str:
     """'layers 0, 1 (model.layers.N.mlp.experts: FooExperts, ...)' for a warning or a manifest."""
     layers, shapes, loose = set(), {}, []

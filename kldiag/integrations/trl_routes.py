@@ -19,7 +19,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from kldiag.integrations.moe_capture import MoeLayout, describe, find_sources, ids_of, router_logits_modules
+from kldiag.integrations.moe_capture import (
+    MoeLayout,
+    describe,
+    find_sources,
+    ids_of,
+    layer_margin,
+    min_over_layers,
+    router_logits_modules,
+)
 
 
 def routers(model: Any) -> dict[int, Any]:
@@ -106,8 +114,6 @@ class RoutesCapture:
         """([B, logits_to_keep] float32, [B, logits_to_keep] int16): the minimum over layers of the router's
         logit margin (module docstring) and the layer giving it; None when the model declares no router
         logits for its routed layers. NaN (layer -1) where no layer has one."""
-        import torch
-
         b, s = self.shape
         margins, layers = [], []
         for layer, parts in self.logits.items():
@@ -119,25 +125,7 @@ class RoutesCapture:
                 continue
             margins.append(layer_margin(logits, ids))
             layers.append(layer)
-        if not margins:
-            return None
-        layers = torch.tensor(layers)
-        low, at = torch.stack(margins, -1).nan_to_num(nan=float("inf")).min(-1)  # NaN layers left out
-        found = low.isfinite()
-        nan = torch.tensor(float("nan"), device=low.device)
-        return low.where(found, nan), layers.to(at.device)[at].where(found, -1).to(torch.int16)
-
-
-def layer_margin(logits: Any, ids: Any) -> Any:
-    """[..., E] logits and [..., k] chosen ids -> [...] min(chosen logit) - max(other logit); NaN when every
-    expert is chosen. For a plain top-k router this is the k-th minus the (k+1)-th largest logit."""
-    import torch
-
-    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, ids.clamp(min=0), True)
-    low = logits.masked_fill(~chosen, float("inf")).amin(-1)
-    high = logits.masked_fill(chosen, float("-inf")).amax(-1)
-    out = low - high
-    return out.where(out.isfinite(), torch.tensor(float("nan"), device=out.device))
+        return min_over_layers(margins, layers) if margins else None
 
 
 def unwrap(trainer: Any, model: Any) -> Any:
