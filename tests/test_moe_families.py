@@ -129,6 +129,8 @@ def test_recorded_routes_are_what_each_block_hands_its_experts(family):
     assert row["captured_layers"] == row["expected_layers"]
     assert row["share_equal"] == 1.0
     assert row["dense_ok"], f"dense layers {row['dense']} against expected routed {row['expected_layers']}"
+    if family == "aria":  # k is the block's own (moe_topk), not a config's num_experts_per_tok
+        assert row["k"] == 3
 
 
 def test_margin_is_the_kth_minus_the_next_logit():
