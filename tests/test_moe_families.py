@@ -142,6 +142,18 @@ def test_margin_is_the_kth_minus_the_next_logit():
     assert torch.isnan(layer_margin(logits[:, :2], torch.tensor([[0, 1], [0, 1]]))).all()
 
 
+def test_moe_blocks_of_a_second_layer_list_are_named_not_merged():
+    """Two towers with MoE layers (a thinker and a talker): the first tower's routes are captured, the
+    second's MoE modules are listed as uncaptured instead of landing on the same layer indices."""
+    thinker, _ = mf.build("qwen3_moe")
+    talker, _ = mf.build("qwen3_moe", seed=1)
+    both = torch.nn.Module()
+    both.thinker, both.talker = thinker, talker
+    layout = find_sources(both)
+    assert all(s.name.startswith("thinker.") for s in layout.sources.values()) and sorted(layout.sources) == [0, 1, 2]
+    assert set(layout.uncaptured) == {f"talker.model.layers.{i}.mlp.{m}" for i in range(3) for m in ("experts", "gate")}
+
+
 def main() -> None:
     print("| family | model | module class captured | captured | share equal | dense layers | notes |")
     print("|---|---|---|---|---|---|---|")

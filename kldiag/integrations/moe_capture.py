@@ -16,7 +16,8 @@ top-k of the logits on a few percent of pairs only). Four shapes cover the famil
     embedding_ids    experts stored as an nn.Embedding indexed by the ids (Doge's `DogeCDMoE.down_embed`)
 
 A layer is the index after the first ModuleList in a module's name (`model.layers.3.mlp.experts`,
-`transformer.blocks.0.ffn.experts`, `h.5...`); L is that list's length. A layer holds an MoE block when a
+`transformer.blocks.0.ffn.experts`, `h.5...`); L is that list's length. The routes are those of one layer
+list, the first holding a routed block; MoE modules of any other list (a second tower) are listed as uncaptured. A layer holds an MoE block when a
 module in it declares more than one expert (num_experts, num_local_experts, n_routed_experts,
 moe_num_experts); `uncaptured` lists such layers that none of the shapes above covers.
 """
@@ -122,13 +123,16 @@ def find_sources(model: Any) -> MoeLayout:
     moe_layers: dict[int, list[str]] = {}
     lists: dict[str, int] = {}
     unlayered: dict[str, str] = {}
+    primary = None  # the layer list of the first routed block: MoE blocks of another list (a second tower) are named
     for name, module in modules.items():
         where = layer_of(name)
         parent_name = name.rpartition(".")[0]
         parent = modules.get(parent_name) if name else None
         kind = _kind(name, module, parent, dict(parent.named_children()) if parent is not None else {})
         if expert_count(module) or kind is not None:
-            if where is None:
+            if where is not None and kind is not None and primary is None:
+                primary = where[0]
+            if where is None or where[0] != (primary or where[0]):
                 unlayered[name] = type(module).__name__
                 continue
             moe_layers.setdefault(where[1], []).append(name)
@@ -139,7 +143,7 @@ def find_sources(model: Any) -> MoeLayout:
             if held is None or (ATTENTION_RE.search(held.name) and not ATTENTION_RE.search(name)):
                 out.sources[where[1]] = source
     # A container above the layers (the CausalLM's own num_experts, for its aux loss) is no block of its own.
-    inside = [n for names in moe_layers.values() for n in names]
+    inside = [n for names in moe_layers.values() for n in names] + [n for n in unlayered if layer_of(n)]
     out.uncaptured.update({n or "<model>": c for n, c in unlayered.items()
                            if not any(m.startswith(n + ".") or not n for m in inside)})
     out.layers = max([*lists.values(), *(i + 1 for i in moe_layers)], default=0)
