@@ -116,12 +116,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "beam": {"mlp_layer_types": ["dense", "sparse", "sparse"]},
     "gemma4": {"enable_moe_block": True},
     "doge": {"is_moe": True},
-    "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_attention_heads": 8, "num_key_value_heads": 2},  # rotary
-    # part 0.334 x head_dim even; its sliding layers double the kv heads
-    "glm4v_moe": {"head_dim": 128},
+    # MiMo: a rotary part of 0.334 x head_dim must be even; its sliding layers double the kv heads
+    "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_attention_heads": 8, "num_key_value_heads": 2},
+    "glm4v_moe": {"head_dim": 128},  # its default mrope_section [8, 12, 12] spans a 64-wide rotary half
     "aria": {"moe_topk": 3},  # k from the module: Aria's config has no num_experts_per_tok
     "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe", "moe"]},  # a hash-routed layer beside top-k ones
-    "hy_v4_vl": {"qk_rope_head_dim": 64},  # its default mrope_section [12, 10, 10] spans a 32-wide rotary half  # its default mrope_section [8, 12, 12] spans a 64-wide rotary half
     "longcat_flash": {"head_dim": 8},  # its rotary embedding is head_dim wide: the MLA rope part
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"]},
     "zaya": {"num_experts_per_tok": 1},

@@ -38,7 +38,7 @@ def _expected_hooks(model, want: dict[int, list]):
         layer = where[1]
         if leaf == "experts" and index_param(module) is not None and "attention" not in name:
             def pre(m, args, kwargs, layer=layer):
-                want.setdefault(layer, []).append((kwargs.get("top_k_index", args[1] if len(args) > 1 else None)))
+                want.setdefault(layer, []).append(kwargs.get("top_k_index", args[1] if len(args) > 1 else None))
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         elif type(module).__name__ == "Llama4Router":  # its scores are zero outside topk(logits)
             handles.append(module.register_forward_hook(
@@ -94,7 +94,8 @@ def run_family(family: str) -> dict:
         g = got[:, :, layer, : e.shape[-1]] if layer < got.shape[2] else None
         for t in np.ndindex(e.shape[:2]):
             total += 1
-            equal += g is not None and set(g[t].tolist()) == set(e[t].tolist()) and (got[t][layer] >= 0).sum() == e.shape[-1]
+            same = g is not None and set(g[t].tolist()) == set(e[t].tolist())
+            equal += same and (got[t][layer] >= 0).sum() == e.shape[-1]
     dense = [i for i in range(got.shape[2]) if (got[:, :, i] < 0).all()]
     row.update(forward=True, expected_layers=sorted(expected), captured_layers=sorted(cap.chunks),
                share_equal=equal / total if total else float("nan"), dense=dense,

@@ -60,7 +60,7 @@ def test_verl_manifest_says_which_side_of_the_routes_it_records():
 def test_verl_r2_routes_are_recorded_as_the_trainers(tmp_path):
     """Under R2, verl's `routed_experts` is the trainer's own old-log-prob record: the hook writes it as
     `experts` (the trainer's side), never as the engine's."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("verl")
     from kldiag.integrations import verl as kv
 

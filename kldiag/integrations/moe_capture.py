@@ -17,9 +17,9 @@ top-k of the logits on a few percent of pairs only). Four shapes cover the famil
 
 A layer is the index after the first ModuleList in a module's name (`model.layers.3.mlp.experts`,
 `transformer.blocks.0.ffn.experts`, `h.5...`); L is that list's length. The routes are those of one layer
-list, the first holding a routed block; MoE modules of any other list (a second tower) are listed as uncaptured. A layer holds an MoE block when a
-module in it declares more than one expert (num_experts, num_local_experts, n_routed_experts,
-moe_num_experts); `uncaptured` lists such layers that none of the shapes above covers.
+list, the first holding a routed block; MoE modules of any other list (a second tower) are listed as uncaptured.
+A layer holds an MoE block when a module in it declares more than one expert (num_experts, num_local_experts,
+n_routed_experts, moe_num_experts); `uncaptured` lists such layers that none of the shapes above covers.
 """
 
 from __future__ import annotations

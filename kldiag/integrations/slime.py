@@ -104,8 +104,8 @@ def recorder(args: Any, mpu: Any) -> Any:
 
 # THUDM/slime@624b824a: the trainer's routes live in RoutingReplay (slime/utils/routing_replay.py, recorded at
 # the old-log-prob pass with --use-routing-replay, filled from the engine's with R3) and reach no hook; with
-# R3, MegatronTrainRayActor.fill_routing_replay (backends/megatron_utils/actor.py l. 308-352, called at l. 430-431) deletes
-# rollout_data["rollout_routed_experts"] before the postprocess hook runs (l. 505-506).
+# R3, MegatronTrainRayActor.fill_routing_replay (backends/megatron_utils/actor.py l. 308-352, called at
+# l. 430-431) deletes rollout_data["rollout_routed_experts"] before the postprocess hook runs (l. 505-506).
 TRAINER_ROUTES_MISSING = ("slime keeps the trainer's routes inside RoutingReplay (slime/utils/routing_replay.py "
                           "RoutingReplay.top_indices_list) and hands none to the loss or the postprocess hook")
 ENGINE_ROUTES_DELETED = ("with --use-rollout-routing-replay, slime's fill_routing_replay deletes "

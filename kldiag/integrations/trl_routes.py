@@ -45,7 +45,7 @@ class RoutesCapture:
         self.chunks: dict[int, list[Any]] = {}
         self.logits: dict[int, list[Any]] = {}
         self.handles = []
-        for layer, source in self.layout.sources.items():
+        for source in self.layout.sources.values():
             if source.kind in ("experts_input", "embedding_ids"):
                 self.handles.append(source.module.register_forward_pre_hook(self._pre(source), with_kwargs=True))
             else:

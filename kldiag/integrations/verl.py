@@ -140,7 +140,8 @@ def routes_sides(replay: str | None) -> dict[str, Any]:
         return {"captured": "engine", "source": "routed_experts returned by the rollout (R3)",
                 "missing": {"trainer": UPDATE_ROUTES_MISSING}}
     return {"captured": "none", "missing": {
-        "engine": "routing replay is off: the rollout returns no routed_experts (rollout.enable_rollout_routing_replay)",
+        "engine": "routing replay is off: the rollout returns no routed_experts "
+                  "(rollout.enable_rollout_routing_replay)",
         "trainer": UPDATE_ROUTES_MISSING}}
 
 
