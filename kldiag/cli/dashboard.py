@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def logs_by_run(runs: list[Path], logs: list[str]) -> dict[str, str]:
     """{run path as the app gets it: the metric log given for it}; checks each log's format here."""
-    from kldiag.crosswalk.logs import detect
+    from kldiag.crosswalk.audit.logs import detect
 
     if len(logs) > len(runs):
         raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN_DIR, "
