@@ -314,3 +314,28 @@ def test_min_global_steps_is_the_policy_version(tmp_path, model):
     assert t["policy_version"].notna().all()
     stale = (t["step"] - t["policy_version"]).groupby(t["group"]).unique()
     assert sorted(int(v[0]) for v in stale) == [0, 2]
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_routed_experts_go_to_the_side_the_replay_mode_says(tmp_path, model, mode):
+    """verl's `routed_experts` through its own ppo_loss: under R2 it is the trainer's old-log-prob record (written
+    as the trainer's routes: route_layers counted, no comparison), under R3 the engine's (no trainer side: nothing
+    but the manifest's config["routes"] says so)."""
+    cfg = actor()
+    rollout = {"enable_rollout_routing_replay": mode == "R3"}
+    settings = hook.settings({**cfg.__dict__, "megatron": {"router_replay": {"mode": mode}}}, None, verl.__version__,
+                             rollout)
+    loss = hook.loss_fn(cfg, tmp_path / "run", settings)
+    data = make_batch(4, 2, seed=5)
+    layers, k = 3, 2
+    width = int(data["input_ids"].offsets().diff().max()) + int(data["responses"].offsets().diff().max())
+    data["routed_experts"] = torch.randint(0, 8, (4, width, layers, k), dtype=torch.int16)
+    replay_update(model, data, cfg, loss, mini=4, micro=4, epochs=1)
+    hook.close()
+    run = kldiag.open_run(tmp_path / "run")
+    t = run.read(["route_layers", "route_differ", "mask"]).to_pandas()
+    routes = run.manifest.config["routes"]
+    if mode == "R2":
+        assert routes["captured"] == "trainer" and (t.route_layers == layers).all() and t.route_differ.isna().all()
+    else:
+        assert routes["captured"] == "engine" and "trainer" in routes["missing"] and t.route_layers.isna().all()

@@ -43,3 +43,53 @@ def test_verl_engine_routes_and_replay_mode():
     assert kv.routing_replay({"megatron": {"router_replay": {"mode": "R2"}}}) == "R2"
     assert kv.routing_replay({"megatron": {"router_replay": {"mode": "disabled"}}}) is None
     assert kv.routing_replay({}) is None
+
+
+def test_verl_manifest_says_which_side_of_the_routes_it_records():
+    pytest.importorskip("verl")
+    from kldiag.integrations import verl as kv
+
+    r3 = kv.settings({"megatron": {"router_replay": {"mode": "R3"}}}, rollout={"enable_rollout_routing_replay": True})
+    assert r3["routes"]["captured"] == "engine" and "update's forward" in r3["routes"]["missing"]["trainer"]
+    r2 = kv.settings({"megatron": {"router_replay": {"mode": "R2"}}})
+    assert r2["routes"]["captured"] == "trainer" and "engine" in r2["routes"]["missing"]
+    off = kv.settings({})
+    assert off["routes"]["captured"] == "none" and set(off["routes"]["missing"]) == {"engine", "trainer"}
+
+
+def test_verl_r2_routes_are_recorded_as_the_trainers(tmp_path):
+    """Under R2, verl's `routed_experts` is the trainer's own old-log-prob record: the hook writes it as
+    `experts` (the trainer's side), never as the engine's."""
+    pytest.importorskip("torch")
+    pytest.importorskip("verl")
+    from kldiag.integrations import verl as kv
+
+    kv.close()
+    cfg = kv.settings({"megatron": {"router_replay": {"mode": "R2"}}})
+    kv._recorder(None, None, str(tmp_path / "run"), cfg)
+    assert kv.STATE.route_side == "experts"
+    kv.close()
+    kv._recorder(None, None, str(tmp_path / "run2"), kv.settings({}))
+    assert kv.STATE.route_side == "experts_sampler"
+    kv.close()
+    assert kldiag.open_run(tmp_path / "run").manifest.config["routes"]["captured"] == "trainer"
+
+
+def test_slime_manifest_says_which_side_of_the_routes_it_records():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from kldiag.integrations import slime as ks
+
+    r3 = ks.routes_sides(SimpleNamespace(use_rollout_routing_replay=True))
+    assert r3["captured"] == "none" and "fill_routing_replay" in r3["missing"]["engine"]
+    assert "RoutingReplay" in r3["missing"]["trainer"]
+    plain = ks.routes_sides(SimpleNamespace())
+    assert plain["captured"] == "engine" and set(plain["missing"]) == {"trainer"}
+    # the slime code the R3 claim rests on (golden excerpt, THUDM/slime@624b824a)
+    golden = (Path(__file__).parent / "golden" / "slime_routing_replay_624b824a.txt").read_text()
+    assert 'del rollout_data["rollout_routed_experts"]' in golden
+    lines = [int(x.split(":")[0]) for x in golden.splitlines() if x[:1].isdigit()]
+    fill_call = next(int(x.split(":")[0]) for x in golden.splitlines() if "self.fill_routing_replay(" in x)
+    post_call = next(int(x.split(":")[0]) for x in golden.splitlines() if "self.rollout_data_postprocess(" in x)
+    assert lines and fill_call < post_call

@@ -162,6 +162,11 @@ def test_moe_scenario_is_diagnosed(moe, name, tmp_path):
         assert r["kl_share_disagree"] > 0.5 > r["differ_share"]
         if sc.replay:  # only the skipped layer differs
             assert [x["layer"] for x in r["layers"] if x["differ_share"]] == [sc.replay_skip_layer]
+        # the tokens that flip are the ones near a router tie: their trainer margin is far below the others'
+        margin = next(c for c in dg.causes if c.cause in ("moe_routing_mismatch", "routing_replay_broken")
+                      ).evidence["router_margin"]
+        assert margin["flipped"]["tokens"] == r["disagree"]["tokens"]
+        assert margin["flipped"]["median"] < 0.5 * margin["kept"]["median"]
 
 
 def test_moe_routes_are_the_models_own(moe):

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kldiag.analysis.reducers.route_margin import RouteMarginReducer
+from kldiag.analysis.reducers.route_margin import summary as margin_summary
 from kldiag.analysis.reducers.routing import RoutingReducer, summary
 from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis.types import Cause
@@ -80,6 +82,21 @@ def figures(analysis) -> dict[str, Any] | None:
     return analysis.memo[key]
 
 
+def margins(analysis) -> dict[str, Any] | None:
+    """The trainer router's margins on flipped and kept tokens (kldiag.analysis.reducers.route_margin), None when the
+    run recorded none (the evidence then says nothing about router confidence)."""
+    s = margin_summary(reduced(analysis, RouteMarginReducer()))
+    return s if s["measured"] else None
+
+
+def _margin_text(m: dict[str, Any] | None) -> str:
+    if m is None or m["flipped"]["median"] is None or m["kept"]["median"] is None:
+        return ""
+    return (f"; the trainer router's margin (k-th minus (k+1)-th expert logit, lowest layer) has median "
+            f"{m['flipped']['median']:.3g} on the tokens routed differently against {m['kept']['median']:.3g} on "
+            "the others")
+
+
 def _layers(s: dict, key: str, floor: float = 0.0) -> list[dict]:
     rows = [r for r in s["layers"] if (r[key] or 0.0) > floor]
     return sorted(rows, key=lambda r: -r[key])
@@ -117,6 +134,7 @@ def _routing_cause(analysis, cfg: RoutingConfig) -> tuple[Cause | None, bool]:
     ev = {"agreement": s["agreement"], "differ_share": s["differ_share"], "overlap_mean": s["overlap_mean"],
           "kl_share_disagree": share, "agree": a, "disagree": d, "layers": layers,
           "areal_k3_mean": s["areal_k3_mean"], "areal_extreme_frac": s["areal_extreme_frac"],
+          "router_margin": margins(analysis),
           "thresholds": {"concentration": cfg.concentration, "share_over_tokens": cfg.share_over_tokens,
                          "float_noise": cfg.float_noise, "explain_share": cfg.explain_share}}
     where = ", ".join(f"{r['layer']} ({r['differ_share']:.1%})" for r in layers[:4])
@@ -125,7 +143,7 @@ def _routing_cause(analysis, cfg: RoutingConfig) -> tuple[Cause | None, bool]:
                 "|log mu - log pi_old| "
                 f"averages {d['mismatch_abs_mean']:.3g} nats on them against "
                 + (f"{a['mismatch_abs_mean']:.3g}" if a["mismatch_abs_mean"] is not None else "none")
-                + f" on tokens routed alike (IS ratio up to {d['is_max']:.3g})")
+                + f" on tokens routed alike (IS ratio up to {d['is_max']:.3g})" + _margin_text(ev["router_margin"]))
     onset = _onset(s, "differ_share", 0.0)
     return (Cause("moe_routing_mismatch", onset, "warning", ev, fix_for("moe_routing_mismatch", analysis.manifest),
                   summary_), share >= cfg.explain_share)
@@ -158,7 +176,7 @@ def routing_replay_broken(analysis, ctx, cfg: RoutingConfig = RoutingConfig()) -
     ev = {"routing_replay": mode, "differ_share": differ, "missing_share": missing, "max_differ_share": lim,
           "layers": layers, "missing_layers": gone, "steps": steps, "agreement": s["agreement"],
           "overlap_mean": s["overlap_mean"], "agree": s["agree"], "disagree": s["disagree"],
-          "kl_share_disagree": s["kl_share_disagree"]}
+          "kl_share_disagree": s["kl_share_disagree"], "router_margin": margins(analysis)}
     what = []
     if differ > lim:
         what.append(f"expert sets differ on {differ:.1%} of the routed loss tokens, at layers "
@@ -168,7 +186,7 @@ def routing_replay_broken(analysis, ctx, cfg: RoutingConfig = RoutingConfig()) -
                     + ", ".join(str(r["layer"]) for r in gone[:6]))
     shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
     text = (f"routing replay is on (routing_replay={mode!r}) but did not take: " + "; ".join(what)
-            + f" (limit {lim:.0%}), at steps {shown}")
+            + f" (limit {lim:.0%}), at steps {shown}" + _margin_text(ev["router_margin"]))
     return [Cause("routing_replay_broken", steps[0] if steps else None, "critical", ev,
                   fix_for("routing_replay_broken", analysis.manifest), text)]
 

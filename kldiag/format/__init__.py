@@ -72,6 +72,9 @@ from kldiag.format.schema import (
     ROUTE_DIFFER_AT,
     ROUTE_LAYERS,
     ROUTE_LAYER_SETS,
+    ROUTE_MARGIN_LAYER,
+    ROUTE_MARGIN_TRAINER,
+    ROUTE_MARGINS,
     ROUTE_MISSING,
     ROUTE_MISSING_AT,
     ROUTE_OVERLAP,
@@ -102,7 +105,7 @@ def rank_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 __all__ = [
     "CACHE_DIR", "FLOAT_COLUMNS", "FORMAT_NAME", "FORMAT_VERSION", "INT_ID_COLUMNS", "MANIFEST", "OPTIONAL_ON_READ",
     "OPTIONAL_SCHEMA", "PARQUET_WRITE_OPTIONS", "PART_RE", "RANK_RE", "RANK_RE_V1", "READABLE_VERSIONS", "RUN_SCHEMA",
-    "ROUTE_COLUMNS", "EXPERTS", "EXPERTS_SAMPLER", "ROUTE_ARGS", "ROUTE_DIFFER", "ROUTE_DIFFER_AT", "ROUTE_LAYERS", "ROUTE_LAYER_SETS", "ROUTE_MISSING", "ROUTE_MISSING_AT", "ROUTE_OVERLAP", "ROUTE_SUMMARY", "TOKENS_DIR", "TOKEN_SCHEMA", "TOPK_COLUMNS", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest",
+    "ROUTE_COLUMNS", "EXPERTS", "EXPERTS_SAMPLER", "ROUTE_ARGS", "ROUTE_DIFFER", "ROUTE_DIFFER_AT", "ROUTE_LAYERS", "ROUTE_LAYER_SETS", "ROUTE_MARGIN_LAYER", "ROUTE_MARGIN_TRAINER", "ROUTE_MARGINS", "ROUTE_MISSING", "ROUTE_MISSING_AT", "ROUTE_OVERLAP", "ROUTE_SUMMARY", "TOKENS_DIR", "TOKEN_SCHEMA", "TOPK_COLUMNS", "VOCAB", "VOCAB_SCHEMA", "WRITERS_DIR", "WRITER_STATS", "Manifest",
     "PartInfo", "Run", "Store", "absent_column", "attempt_hulls", "check_schema", "column_field", "columns_schema",
     "clean_stale_temps", "is_uri", "list_parts", "next_attempt", "next_index", "open_part", "open_run",
     "part_batches", "part_name", "part_schema", "publish", "publish_part", "rank_dir", "rank_dir_name", "rank_rel",

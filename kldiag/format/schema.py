@@ -69,6 +69,10 @@ OPTIONAL_SCHEMA = pa.schema(
         pa.field("route_missing_at", pa.list_(pa.int16())),  # the layers counted in route_missing
         pa.field("experts", pa.list_(pa.int16())),  # full routes only when asked: trainer ids, L*k, -1 none
         pa.field("experts_sampler", pa.list_(pa.int16())),  # the engine's, same layout
+        # v1.3 router confidence: min over MoE layers of the trainer router's margin at the token (the chosen
+        # experts' lowest logit minus the others' highest), and the layer giving that minimum
+        pa.field("route_margin_trainer", pa.float32()),
+        pa.field("route_margin_layer", pa.int16()),
         # v1.3 (asynchronous RL): per sequence, repeated on its tokens
         pa.field("policy_version", pa.int64()),  # weight version (trainer step) that generated the sequence
         pa.field("task", pa.string()),  # task / environment label (Parquet dictionary-encoded)
@@ -79,10 +83,12 @@ TOPK_COLUMNS = ("topk_ids", "topk_logp", "topk_ids_sampler", "topk_logp_sampler"
 ROUTE_LAYERS, ROUTE_DIFFER, ROUTE_MISSING, ROUTE_OVERLAP = "route_layers", "route_differ", "route_missing", "route_overlap"
 ROUTE_DIFFER_AT, ROUTE_MISSING_AT = "route_differ_at", "route_missing_at"
 EXPERTS, EXPERTS_SAMPLER = "experts", "experts_sampler"
+ROUTE_MARGIN_TRAINER, ROUTE_MARGIN_LAYER = "route_margin_trainer", "route_margin_layer"
 ROUTE_SUMMARY = (ROUTE_LAYERS, ROUTE_DIFFER, ROUTE_MISSING, ROUTE_OVERLAP)
+ROUTE_MARGINS = (ROUTE_MARGIN_TRAINER, ROUTE_MARGIN_LAYER)  # the trainer router's confidence, per token
 ROUTE_LAYER_SETS = (ROUTE_DIFFER_AT, ROUTE_MISSING_AT)
 ROUTE_ARGS = (EXPERTS, EXPERTS_SAMPLER)  # Recorder.record's full routes, [B, T, L, k]: one L and k for both sides
-ROUTE_COLUMNS = (*ROUTE_SUMMARY, *ROUTE_LAYER_SETS, *ROUTE_ARGS)
+ROUTE_COLUMNS = (*ROUTE_SUMMARY, *ROUTE_LAYER_SETS, *ROUTE_ARGS, *ROUTE_MARGINS)
 RUN_SCHEMA = pa.schema([*TOKEN_SCHEMA, *OPTIONAL_SCHEMA])  # every column a reader may ask for, in order
 # absent from older parts: attempt (v1) is filled from the part's name, the v1.2/v1.3 columns with nulls
 OPTIONAL_ON_READ = ("attempt", *OPTIONAL_SCHEMA.names)
@@ -99,7 +105,7 @@ PARQUET_WRITE_OPTIONS: dict[str, Any] = {
     "compression_level": 1,
     "use_dictionary": ["task"],  # v1.3: a few labels repeated on every token; no other column
     "column_encoding": {**dict.fromkeys((*INT_ID_COLUMNS, "turn", "policy_version"), "DELTA_BINARY_PACKED"),
-                        **dict.fromkeys(("route_overlap",), "BYTE_STREAM_SPLIT"),
+                        **dict.fromkeys(("route_overlap", "route_margin_trainer"), "BYTE_STREAM_SPLIT"),
                         **dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
                         # a list column's values are its leaf "<name>.list.element"; absent columns are ignored
                         **dict.fromkeys(("topk_logp.list.element", "topk_logp_sampler.list.element"),

@@ -11,7 +11,7 @@ import numpy as np
 from kldiag.format import EXPERTS, EXPERTS_SAMPLER, ROUTE_ARGS
 
 TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask", "completion_mask", "token_ids",
-              "turn")
+              "turn", "route_margin_trainer", "route_margin_layer")  # v1.3 router margins: [B, T] too
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
 # v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings)

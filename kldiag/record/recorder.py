@@ -156,8 +156,8 @@ class Recorder:
                seq_ids: Any = None, group_ids: Any = None, entropy: Any = None, micro: int = 0,
                iteration: int = 0, turn: Any = None, topk_ids: Any = None, topk_logp: Any = None,
                topk_ids_sampler: Any = None, topk_logp_sampler: Any = None,
-               experts: Any = None, experts_sampler: Any = None,
-               policy_version: Any = None, task: Any = None) -> None:
+               experts: Any = None, experts_sampler: Any = None, route_margin_trainer: Any = None,
+               route_margin_layer: Any = None, policy_version: Any = None, task: Any = None) -> None:
         """Queue one micro-batch. Shapes are checked before anything is copied or queued.
 
         Format v1.2, optional: turn [B, T] ints (the token's turn in its sequence: 0, 1, ...);
@@ -167,7 +167,9 @@ class Recorder:
 
         Format v1.3, optional: experts/experts_sampler [B, T, L, k] ints, the trainer's and the engine's
         routed expert ids per token and MoE layer (-1: no route). Stored as a per-token comparison
-        (kldiag.record.routes), the lists themselves only with full_routes=True.
+        (kldiag.record.routes), the lists themselves only with full_routes=True. route_margin_trainer [B, T]
+        floats and route_margin_layer [B, T] ints: the trainer router's confidence at the token (the minimum
+        over MoE layers of its margin, NaN where none was measured) and the layer giving it.
         Format v1.3, optional, one value per sequence [B]: policy_version (ints: the trainer step
         whose weights generated the sequence; staleness = step - policy_version) and task (strings:
         the sequence's task or environment).
@@ -179,6 +181,7 @@ class Recorder:
                  "topk_logp_sampler": topk_logp_sampler,
                  "policy_version": policy_version, "task": task}
         routes = {"experts": experts, "experts_sampler": experts_sampler}  # v1.3
+        given.update(route_margin_trainer=route_margin_trainer, route_margin_layer=route_margin_layer)
         given.update({k: v for k, v in routes.items() if v is not None})
         args = {k: v for k, v in given.items() if v is not None}
         step, micro, iteration = int(step), int(micro), int(iteration)

@@ -17,11 +17,13 @@ Runs in the writer thread (rows.host_columns): the training thread only validate
 """
 
 from __future__ import annotations
-from kldiag.format import ROUTE_ARGS
 
 from typing import Any
 
 import numpy as np
+
+from kldiag import format as F
+from kldiag.format import ROUTE_ARGS
 
 ID_MAX = np.iinfo(np.int16).max  # ids are stored as int16 (the largest MoE has a few hundred experts)
 
@@ -69,10 +71,10 @@ def compare(experts: np.ndarray, experts_sampler: np.ndarray) -> dict[str, np.nd
     n_both = both.sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         frac = np.where(both, inter / np.maximum(size, 1), 0.0).sum(-1) / n_both
-    return {"route_layers": routed.sum(-1).astype(np.int16), "route_differ": differ.sum(-1).astype(np.int16),
-            "route_missing": missing.sum(-1).astype(np.int16),
-            "route_overlap": np.where(n_both > 0, frac, np.nan).astype(np.float32),
-            "route_differ_at": differ, "route_missing_at": missing}
+    return {F.ROUTE_LAYERS: routed.sum(-1).astype(np.int16), F.ROUTE_DIFFER: differ.sum(-1).astype(np.int16),
+            F.ROUTE_MISSING: missing.sum(-1).astype(np.int16),
+            F.ROUTE_OVERLAP: np.where(n_both > 0, frac, np.nan).astype(np.float32),
+            F.ROUTE_DIFFER_AT: differ, F.ROUTE_MISSING_AT: missing}
 
 
 def summarize(columns: dict[str, np.ndarray], full: bool) -> dict[str, np.ndarray]:
@@ -86,9 +88,9 @@ def summarize(columns: dict[str, np.ndarray], full: bool) -> dict[str, np.ndarra
     out = {k: v for k, v in columns.items() if k not in ROUTE_ARGS}
     given = {name: np.asarray(columns[name]) for name in ROUTE_ARGS if name in columns}
     if len(given) == 2:
-        out.update(compare(given["experts"], given["experts_sampler"]))
-    elif "experts" in given:
-        out["route_layers"] = (given["experts"] >= 0).any(-1).sum(-1).astype(np.int16)
+        out.update(compare(given[F.EXPERTS], given[F.EXPERTS_SAMPLER]))
+    elif F.EXPERTS in given:
+        out[F.ROUTE_LAYERS] = (given[F.EXPERTS] >= 0).any(-1).sum(-1).astype(np.int16)
     if full:
         for name, x in given.items():
             out[name] = x.reshape(*x.shape[:2], -1).astype(np.int16)

@@ -32,7 +32,8 @@ TOPK_GATHERED = (("topk_ids", np.int32), ("topk_logp", np.float32), ("topk_ids_s
 # v1.3 routes (kldiag.record.routes): per-token summary [B, T]; the layer masks [B, T, L] written as lists of
 # layer indices; the full lists [B, T, L * k] when asked
 ROUTE_GATHERED = ((F.ROUTE_LAYERS, np.int16), (F.ROUTE_DIFFER, np.int16), (F.ROUTE_MISSING, np.int16),
-                  (F.ROUTE_OVERLAP, np.float32))
+                  (F.ROUTE_OVERLAP, np.float32), (F.ROUTE_MARGIN_TRAINER, np.float32),
+                  (F.ROUTE_MARGIN_LAYER, np.int16))
 ROUTE_LAYER_SETS = F.ROUTE_LAYER_SETS
 ROUTE_LISTS = ((F.EXPERTS, np.int16), (F.EXPERTS_SAMPLER, np.int16))
 # v1.3 per-sequence inputs, [B]: repeated on each sequence's tokens. `task` (strings) is gathered as int32 codes

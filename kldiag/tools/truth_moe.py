@@ -19,6 +19,10 @@ the trainer's routers, as Miles' HF router replay does (radixark/miles@31f1ca96
 `miles/backends/fsdp_utils/models/replay_routers.py`: linear, softmax, gather at the given experts,
 renormalise).
 
+The trainer's router margin (kldiag.analysis.reducers.route_margin) is recorded with each routed token: its chosen
+experts' lowest router logit minus the others' highest, the minimum over layers (`--margins` prints its
+median on the tokens routed differently and on the others, per run).
+
 Scenarios (MOE_LIST): no replay (moe_routing_mismatch); replay applied (healthy, agreement 1); replay
 configured but not applied on one layer (routing_replay_broken naming it); a dense model (no routing
 cause); identical routing with engine logit noise (an engine mismatch, no routing cause).
@@ -121,9 +125,11 @@ class Routes:
         self.gates = {i: l.mlp.gate for i, l in enumerate(model.model.layers) if hasattr(l.mlp, "gate")}
         self.layers = len(model.model.layers)
         self.seen: dict[int, Any] = {}
+        self.logits: dict[int, Any] = {}
         self.forced: dict[int, Any] = {}
         for i, gate in self.gates.items():
             gate.register_forward_hook(lambda mod, args, out, i=i: self.seen.__setitem__(i, out[2]))
+            gate.register_forward_hook(lambda mod, args, out, i=i: self.logits.__setitem__(i, out[0]))
             gate.forward = self._forward(gate, i)
 
     def _forward(self, gate: Any, i: int):
@@ -145,6 +151,18 @@ class Routes:
             return logits, top.to(logits.dtype), idx
 
         return forward
+
+    def margin(self, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """([B, S] float32, [B, S] int16) of the last forward: the minimum over layers of the router's margin
+        (its chosen experts' lowest logit minus the others' highest) and the layer giving it; None when dense.
+        Under replay the chosen experts are the forced ones: a negative margin is a token the replay moved."""
+        from kldiag.integrations.common.moe_capture import layer_margin, min_over_layers
+
+        layers = sorted(i for i in self.seen if i in self.logits)
+        if not layers:
+            return None
+        low, at = min_over_layers([layer_margin(self.logits[i].double(), self.seen[i]) for i in layers], layers)
+        return low.reshape(batch, seq).numpy(), at.reshape(batch, seq).numpy()
 
     def stacked(self, batch: int, seq: int, k: int) -> np.ndarray:
         """[B, S, L, k] of the last forward (-1 on layers without a router)."""
@@ -205,11 +223,15 @@ def step_data(sc: MoeScenario, trainer: Any, engine: Any, r_t: Routes, r_e: Rout
     with torch.no_grad():
         t_logits = trainer(input_ids=ids).logits
     t_routes = r_t.stacked(*ids.shape, sc.top_k)
+    margin = r_t.margin(*ids.shape)
     start = sc.prompt_len
     logp = _logp_of(t_logits, ids, start)
-    return {"logp": logp, "logp_old": logp, "logp_sampler": _logp_of(e_logits, ids, start),
-            "token_ids": ids[:, start:].numpy(), "experts": _aligned(t_routes, start),
-            "experts_sampler": _aligned(e_routes, start)}
+    out = {"logp": logp, "logp_old": logp, "logp_sampler": _logp_of(e_logits, ids, start),
+           "token_ids": ids[:, start:].numpy(), "experts": _aligned(t_routes, start),
+           "experts_sampler": _aligned(e_routes, start)}
+    if margin is not None:  # the trainer router's confidence at each completion token
+        out["route_margin_trainer"], out["route_margin_layer"] = (_aligned(x, start) for x in margin)
+    return out
 
 
 def make_run(run_dir: str | Path, sc: MoeScenario) -> Path:
@@ -236,7 +258,8 @@ def _write(run_dir: str | Path, sc: MoeScenario) -> Path:
                   tags=["kldiag.tools.truth_moe"]) as rec:
         for step in range(sc.steps):
             d = step_data(sc, trainer, engine, r_t, r_e, step, rng)
-            routes = {} if sc.dense else {"experts": d["experts"], "experts_sampler": d["experts_sampler"]}
+            routes = {} if sc.dense else {k: d[k] for k in ("experts", "experts_sampler", "route_margin_trainer",
+                                                             "route_margin_layer") if k in d}
             rec.record(step=step, logp=d["logp"], logp_old=d["logp_old"], logp_sampler=d["logp_sampler"],
                        token_ids=d["token_ids"], group_ids=np.arange(sc.seqs) + step * sc.seqs, **routes)
     return Path(run_dir)
@@ -275,9 +298,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="write the tiny-MoE known-truth runs (kldiag/tools/truth_moe.py)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--scenario", nargs="*", choices=list(MOE_SCENARIOS), help="default: all")
+    ap.add_argument("--margins", action="store_true", help="print the trainer router's margins per run")
     args = ap.parse_args(argv)
     for name in args.scenario or list(MOE_SCENARIOS):
         print(make_run(args.out / name, MOE_SCENARIOS[name]))
+        if args.margins:
+            print("  " + margins_line(args.out / name))
+
+
+def margins_line(run_dir: str | Path) -> str:
+    """The trainer router's margin medians on flipped / kept / all tokens of a run, as one line."""
+    from kldiag.analysis.reducers.route_margin import RouteMarginReducer, summary
+    from kldiag.analysis.runtime.runner import reduced
+
+    m = summary(reduced(analyze(run_dir, AnalysisConfig()), RouteMarginReducer()))
+    if not m["measured"]:
+        return "router margin: not recorded (a dense model)"
+    parts = [f"{g} {m[g]['tokens']} tokens, median {m[g]['median']:.4g}" for g in ("flipped", "kept", "all")
+             if m[g]["median"] is not None]
+    return "router margin: " + "; ".join(parts)
 
 
 if __name__ == "__main__":

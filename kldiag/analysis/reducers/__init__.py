@@ -2,7 +2,7 @@
 (kldiag.analysis.protocol) and run by the one runner, cached per part like the analysis.
 
 One module a feature, named as in every other layer (record/routes, diagnosis/routing, views/routing):
-routing (MoE expert agreement), staleness (asynchronous policy lag), tasks (per task label), turns (per
+routing (MoE expert agreement), route_margin (the trainer router's confidence), staleness (asynchronous policy lag), tasks (per task label), turns (per
 agentic turn), topk (distribution-level mismatch from top-k lists), scan (entropy and sampler sums for the
 diagnosis), estimator_pass (the Estimators page's per-token pass). base holds what they share: the
 clip-range-bound list reducer and the column and ratio helpers. A new reducer is a new module here.
@@ -10,6 +10,6 @@ clip-range-bound list reducer and the column and ratio helpers. A new reducer is
 Public modules (imported from outside kldiag.analysis): those in __all__.
 """
 
-from kldiag.analysis.reducers import estimator_pass, routing, scan, staleness, tasks, topk, turns
+from kldiag.analysis.reducers import estimator_pass, route_margin, routing, scan, staleness, tasks, topk, turns
 
-__all__ = ["estimator_pass", "routing", "scan", "staleness", "tasks", "topk", "turns"]
+__all__ = ["estimator_pass", "route_margin", "routing", "scan", "staleness", "tasks", "topk", "turns"]

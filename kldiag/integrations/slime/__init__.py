@@ -91,6 +91,7 @@ def recorder(args: Any, mpu: Any) -> Any:
             config["beta"] = getattr(args, "kl_loss_coef", None)
         if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine's routes replayed (routing causes)
             config["routing_replay"] = "R3"
+        config["routes"] = routes_sides(args)
         if getattr(args, "eps_clip", None) is not None:
             config["clip_range"] = [args.eps_clip, getattr(args, "eps_clip_high", None) or args.eps_clip]
         STATE.recorder = Recorder(run, rank=mpu.get_data_parallel_rank(with_context_parallel=False),
@@ -98,6 +99,33 @@ def recorder(args: Any, mpu: Any) -> Any:
                                   trainer="slime", config=config)
         STATE.window = StepWindow(STATE.recorder)
     return STATE.recorder
+
+
+# THUDM/slime@624b824a: the trainer's routes live in RoutingReplay (slime/utils/routing_replay.py, recorded at
+# the old-log-prob pass with --use-routing-replay, filled from the engine's with R3) and reach no hook; with
+# R3, MegatronTrainRayActor.fill_routing_replay (backends/megatron_utils/actor.py l. 308-352, called at
+# l. 430-431) deletes rollout_data["rollout_routed_experts"] before the postprocess hook runs (l. 505-506).
+TRAINER_ROUTES_MISSING = ("slime keeps the trainer's routes inside RoutingReplay (slime/utils/routing_replay.py "
+                          "RoutingReplay.top_indices_list) and hands none to the loss or the postprocess hook")
+ENGINE_ROUTES_DELETED = ("with --use-rollout-routing-replay, slime's fill_routing_replay deletes "
+                         "rollout_data['rollout_routed_experts'] before the postprocess hook "
+                         "(backends/megatron_utils/actor.py, THUDM/slime@624b824a)")
+
+
+def routes_sides(args: Any) -> dict[str, Any]:
+    """Manifest config["routes"]: which side of the MoE routes the slime hooks record, and why not the other.
+
+    The engine's routes (`rollout_routed_experts`) are recorded by `postprocess` when they reach it, which
+    slime's R3 prevents (ENGINE_ROUTES_DELETED); the trainer's never do (TRAINER_ROUTES_MISSING)."""
+    missing = {"trainer": TRAINER_ROUTES_MISSING}
+    if getattr(args, "use_rollout_routing_replay", False):
+        missing["engine"] = ENGINE_ROUTES_DELETED
+    elif _loss_wrapped(args):
+        missing["engine"] = "the loss hook records the update's batches, which carry no rollout_routed_experts"
+    else:
+        return {"captured": "engine", "source": "rollout_routed_experts in the postprocess hook's rollout data, "
+                "when the engine returned them", "missing": missing}
+    return {"captured": "none", "missing": missing}
 
 
 def _loss_wrapped(args: Any) -> bool:

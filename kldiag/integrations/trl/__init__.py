@@ -50,6 +50,7 @@ from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
 from kldiag.integrations.trl.guard import install_guard
 from kldiag.integrations.trl.kernel import TOPK_CHECK_NATS, TopkCapture
+from kldiag.integrations.trl.routes import RoutesCapture, routes_config
 from kldiag.integrations.trl.metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -58,7 +59,6 @@ from kldiag.integrations.trl.metrics import (  # re-exported: kldiag.integration
     merge_partials,
     warm_kernel,
 )
-from kldiag.integrations.trl.routes import RoutesCapture
 from kldiag.record.recorder import Recorder
 
 _TRL_MIN, _TRL_MAX = (1, 15), (1, 17)  # 1.15: the wrapped methods are 1.16's line for line (tests/test_trl_versions.py)
@@ -110,12 +110,15 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     if getattr(trainer, "_kldiag_hook", None) is not None:
         raise IntegrationError("kldiag is already attached to this trainer; call attach() once per trainer")
     options = recorder_defaults(trainer)
+    layout, routes_warning = _moe_layout(trainer, options["config"])
     options["config"] = {**options["config"], **(recorder_options.pop("config", None) or {})}
     options.update(recorder_options)
     warm_kernel()  # compiled (or loaded from numba's cache) here, not in the first step, beside the trainer
     rec = Recorder(run_dir, **options)
     hook = _Hook(trainer, rec, strict=bool(options.get("strict", False)))
-    hook.topk = topk
+    hook.topk, hook.layout = topk, layout
+    if routes_warning:
+        warnings.warn(routes_warning, stacklevel=2)
     hook.install()
     if histograms:
         from kldiag.integrations.trl.histograms import LiveHistograms
@@ -124,6 +127,24 @@ def attach(trainer: Any, run_dir: Any, guard: Any = None, **recorder_options: An
     if guard is not None:
         install_guard(trainer, hook, guard, options["config"])
     return rec
+
+
+# TRL's generation batch holds completions and sampling log-probs, never the engine's expert ids.
+ENGINE_ROUTES_MISSING = ("TRL's generation batch carries no engine routes (neither vLLM's nor transformers' "
+                         "generate returns them to GRPOTrainer)")
+
+
+def _moe_layout(trainer: Any, config: dict) -> tuple[Any, str | None]:
+    """The policy's MoE layout (kldiag.integrations.common.moe_capture) and the attach warning; sets config["routes"]."""
+    from kldiag.integrations.common.moe_capture import find_sources
+    from kldiag.integrations.trl.routes import unwrap
+
+    try:
+        layout = find_sources(unwrap(trainer, trainer.model))
+    except Exception:  # noqa: BLE001 - said in the manifest; the loss's first call looks again
+        layout = None
+    config["routes"], warning = routes_config(layout, ENGINE_ROUTES_MISSING)
+    return layout, warning
 
 
 def check_supported(trainer: Any) -> None:
@@ -240,6 +261,8 @@ class _Hook:
         self.topk: int | None = None  # attach(topk=k): the trainer's top-k per completion token
         self.topk_check: float | None = None  # trl_kernel.TopkCapture's label check, first batch
         self._routes: Any = None  # MoE models: the trainer's routes of the loss's forward (trl_routes)
+        self._margin: Any = None  # and the router's margin per token, (min over layers, its layer)
+        self.layout: Any = None  # moe_capture.MoeLayout of the policy, found at attach
         self._moe: bool | None = None  # whether the policy has routers (looked up at the first loss call)
 
     def install(self) -> None:
@@ -276,7 +299,7 @@ class _Hook:
         captured, self._captured = self._captured, None
         if captured is not None:
             self._guarded(self._record, inputs, *captured)
-        self._routes = None
+        self._routes = self._margin = None
         return loss
 
     def _on_logps(self, original, *args, **kwargs):
@@ -286,8 +309,8 @@ class _Hook:
         return self._on_logps_topk(original, first, *args, **kwargs)
 
     def _with_routes(self, original, args, kwargs):
-        self._routes, opened = None, []
-        self._guarded(lambda: opened.append(RoutesCapture.around(self.trainer, original, args, kwargs)))
+        self._routes, self._margin, opened = None, None, []
+        self._guarded(lambda: opened.append(RoutesCapture.around(self.trainer, original, args, kwargs, self.layout)))
         capture = opened[0] if opened else None
         self._moe = capture is not None
         try:
@@ -297,6 +320,7 @@ class _Hook:
                 capture.close()
         if capture is not None:
             self._guarded(lambda: setattr(self, "_routes", capture.result()))
+            self._guarded(lambda: setattr(self, "_margin", capture.margin()))
         return out
 
     def _on_logps_topk(self, original, first, *args, **kwargs):
@@ -380,6 +404,9 @@ class _Hook:
         top = dict(zip(("topk_ids", "topk_logp"), topk, strict=True)) if topk else {}
         if self._routes is not None:  # format v1.3: the trainer's routes (the engine's: not in TRL's batch)
             top["experts"] = self._routes if self.off_thread() else _host(self._routes)
+        if self._routes is not None and self._margin is not None:  # the router's confidence per token
+            margin = dict(zip(("route_margin_trainer", "route_margin_layer"), self._margin, strict=True))
+            top.update(margin if self.off_thread() else {k: _host(v) for k, v in margin.items()})
         if self.off_thread():
             return self._record_tensors(inputs, step, micro, iteration, seq, logp, entropy, top)
         completion = _host(inputs["completion_mask"]).astype(bool)

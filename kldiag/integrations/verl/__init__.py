@@ -113,7 +113,36 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     replay = routing_replay(actor, rollout)
     if replay is not None:  # the routing causes read it (kldiag/diagnosis/routing.py)
         out["routing_replay"] = replay
+    out["routes"] = routes_sides(replay)
     return out
+
+
+# verl 0.9.1 puts one side of the routes in the update's batch, under one key, `routed_experts`
+# (trainer/ppo/ray_trainer.py l. 1308-1320, 1602; workers/engine/megatron/transformer_impl.py l. 955-1019).
+UPDATE_ROUTES_MISSING = ("verl 0.9.1 returns no routes from the update's forward: Megatron's RouterReplay applies the "
+                         "replayed ids inside the router (utils/megatron/router_replay_patch.py get_replay_topk) and "
+                         "keeps no copy of what it used")
+
+
+def routes_sides(replay: str | None) -> dict[str, Any]:
+    """Manifest config["routes"]: which side of the MoE routes the verl hook records, and why not the other.
+
+    R2: `routed_experts` is the trainer's own record of the old-log-prob pass (RECORD), which the update
+    replays: the trainer's side; the engine's routes are never returned with R2 (R2 with
+    enable_rollout_routing_replay raises). R3: `routed_experts` is the engine's (the rollout's
+    routed experts): the engine's side; the trainer's update routes are not returned. Off: none."""
+    mode = str(replay or "").upper()
+    if mode == "R2":
+        return {"captured": "trainer", "source": "routed_experts recorded by verl's R2 old-log-prob pass",
+                "missing": {"engine": "verl returns no engine routes under R2 (R2 with "
+                                      "rollout.enable_rollout_routing_replay raises in ray_trainer.py)"}}
+    if mode == "R3":
+        return {"captured": "engine", "source": "routed_experts returned by the rollout (R3)",
+                "missing": {"trainer": UPDATE_ROUTES_MISSING}}
+    return {"captured": "none", "missing": {
+        "engine": "routing replay is off: the rollout returns no routed_experts "
+                  "(rollout.enable_rollout_routing_replay)",
+        "trainer": UPDATE_ROUTES_MISSING}}
 
 
 def routing_replay(actor: Any, rollout: Any = None) -> str | None:
@@ -146,6 +175,7 @@ class _State:
     failures: int = 0
     window: Any = None  # step_metrics.StepWindow: the kldiag/* figures of each step, from the writer thread
     world: int = 1  # data-parallel ranks (verl averages the loss metrics over them)
+    route_side: str = "experts_sampler"  # what `routed_experts` holds: the engine's (R3), the trainer's (R2)
 
 
 STATE = _State()
@@ -254,6 +284,7 @@ def _recorder(config: Any, dp_group: Any, run: str | None, manifest_config: dict
                                   clip_range=clip, config=cfg)
         STATE.window = StepWindow(STATE.recorder)
         STATE.world = world
+        STATE.route_side = "experts" if str(cfg.get("routing_replay") or "").upper() == "R2" else "experts_sampler"
     return STATE.recorder
 
 
@@ -304,8 +335,8 @@ def record_micro_batch(config: Any, model_output: dict[str, Any], data: Any, dp_
         cols["mask"] = cols["mask"].bool() & completion
         seq, group = sequence_ids(data, lengths)
         routes = data["routed_experts"] if "routed_experts" in data.keys() else None
-        if routes is not None and not routes.is_nested and routes.dim() == 4:  # format v1.3: the engine's
-            cols["experts_sampler"] = engine_routes(routes, t)
+        if routes is not None and not routes.is_nested and routes.dim() == 4:  # format v1.3: one side (routes_sides)
+            cols[STATE.route_side] = engine_routes(routes, t)
     previous = STATE.step
     step, micro = _advance(data, logp.shape[0])
     # Before this batch is recorded: the writer's window then holds the previous step only.
