@@ -38,8 +38,11 @@ from typing import Any
 import numpy as np
 
 from kldiag.analysis import AnalysisConfig, analyze
+from kldiag.analysis.reducers.route_margin import RouteMarginReducer, summary
+from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
+from kldiag.integrations.common.moe_capture import layer_margin, min_over_layers
 from kldiag.record.recorder import Recorder
 from kldiag.tools import truth as T
 from kldiag.tools.truth import Expect, bf16
@@ -156,7 +159,6 @@ class Routes:
         """([B, S] float32, [B, S] int16) of the last forward: the minimum over layers of the router's margin
         (its chosen experts' lowest logit minus the others' highest) and the layer giving it; None when dense.
         Under replay the chosen experts are the forced ones: a negative margin is a token the replay moved."""
-        from kldiag.integrations.common.moe_capture import layer_margin, min_over_layers
 
         layers = sorted(i for i in self.seen if i in self.logits)
         if not layers:
@@ -308,8 +310,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def margins_line(run_dir: str | Path) -> str:
     """The trainer router's margin medians on flipped / kept / all tokens of a run, as one line."""
-    from kldiag.analysis.reducers.route_margin import RouteMarginReducer, summary
-    from kldiag.analysis.runtime.runner import reduced
 
     m = summary(reduced(analyze(run_dir, AnalysisConfig()), RouteMarginReducer()))
     if not m["measured"]:

@@ -48,9 +48,9 @@ import numpy as np
 from kldiag.errors import IntegrationError
 from kldiag.frameworks import sampling as sampling_settings
 from kldiag.frameworks.trl import SUPPORTED
+from kldiag.integrations.common.moe_capture import find_sources
 from kldiag.integrations.trl.guard import install_guard
 from kldiag.integrations.trl.kernel import TOPK_CHECK_NATS, TopkCapture
-from kldiag.integrations.trl.routes import RoutesCapture, routes_config
 from kldiag.integrations.trl.metrics import (  # re-exported: kldiag.integrations.trl.batch_partials, ...
     METRIC_PREFIX,  # noqa: F401
     _reduce_across_ranks,
@@ -59,6 +59,7 @@ from kldiag.integrations.trl.metrics import (  # re-exported: kldiag.integration
     merge_partials,
     warm_kernel,
 )
+from kldiag.integrations.trl.routes import RoutesCapture, routes_config, unwrap
 from kldiag.record.recorder import Recorder
 
 _TRL_MIN, _TRL_MAX = (1, 15), (1, 17)  # 1.15: the wrapped methods are 1.16's line for line (tests/test_trl_versions.py)
@@ -135,10 +136,8 @@ ENGINE_ROUTES_MISSING = ("TRL's generation batch carries no engine routes (neith
 
 
 def _moe_layout(trainer: Any, config: dict) -> tuple[Any, str | None]:
-    """The policy's MoE layout (kldiag.integrations.common.moe_capture) and the attach warning; sets config["routes"]."""
-    from kldiag.integrations.common.moe_capture import find_sources
-    from kldiag.integrations.trl.routes import unwrap
-
+    """The policy's MoE layout (kldiag.integrations.common.moe_capture) and the attach warning; sets
+    config["routes"]."""
     try:
         layout = find_sources(unwrap(trainer, trainer.model))
     except Exception:  # noqa: BLE001 - said in the manifest; the loss's first call looks again
