@@ -17,6 +17,14 @@ where null: on-policy) and rho = exp(logp - o):
 Staleness buckets are 0 .. MAX_STALE - 1 and MAX_STALE for "MAX_STALE or more"; a version above its
 step (negative staleness) is counted apart (`ahead`). Rows without a version are bucket -1, so a run
 that recorded none has only that bucket and `summary` says `versions: false`.
+
+Versions per token (a partial or interruptible rollout that straddles a weight update records each
+token's generating version): the cells are per token, so each token counts at its own staleness; a
+sequence's row takes its first token's (its oldest weights), and counts its version changes (a
+sequence spans changes + 1 versions) with its mismatch |log mu - log pi_old| and KL(mu||pi_old) (k3
+of pi_old/mu, an estimate on tokens drawn from mu), in all and from its first change on. The tokens
+where the version changes are kept as rows (step, seq, pos, version before, after), at most
+MAX_CHANGES of them (`version_figures`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,10 @@ NO_VERSION = -1
 CELL_F = ("sum_drift", "sum_rho", "sum_rho2", "sum_clip_mass")
 CELL_I = ("n_tokens", "n_clip", "n_ahead")  # keyed.py: a column without a sum_/n_/max_ prefix is a key
 SEQ_KEYS = ("step", "iteration", "seq")
-SEQ_F = ("sum_gap", "n_gap", "sum_adv", "n_adv")
+SEQ_F = ("sum_gap", "n_gap", "sum_adv", "n_adv", "sum_vchanges", "sum_mis", "n_mis", "sum_klmo", "sum_mis_after",
+         "n_mis_after")
+CHANGE_KEYS = ("step", "seq", "pos", "from", "to")  # the tokens where a sequence's version changes
+MAX_CHANGES = 1000
 OPSM_DELTA = 1e-4  # estimators.opsm_drop's delta when the manifest names none (kldiag.analysis.engine's default)
 
 
@@ -135,11 +146,42 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
         "sum_clip_mass": np.where(clipped, np.abs(rho - np.clip(rho, lo, hi)), 0.0)}, {"max_rho": rho})
     gap = np.where(ok_m, mu, o) - logp
     in_gap = mask & ok_s & np.isfinite(gap)
+    iteration, seq = _col(batch, "iteration", 0, np.int64)[0], _col(batch, "seq", 0, np.int64)[0]
+    change, after = version_changes(step, iteration, seq, version, has_v)
+    d = mu - o
+    in_mis = ok & ok_m & np.isfinite(d)
+    mis = np.where(in_mis, np.abs(d), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        klmo = np.where(in_mis, np.expm1(-d) + d, 0.0)  # k3 of r = pi_old/mu: r - 1 - log r
     seqs = _sequences({
-        "step": step, "iteration": _col(batch, "iteration", 0, np.int64)[0], "seq": _col(batch, "seq", 0, np.int64)[0],
+        "step": step, "iteration": iteration, "seq": seq,
         "stale": bucket, "sum_gap": np.where(in_gap, gap, 0.0), "n_gap": in_gap.astype(np.float64),
-        "sum_adv": np.where(ok_a & mask, adv, 0.0), "n_adv": (ok_a & mask).astype(np.float64)})
-    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()}}
+        "sum_adv": np.where(ok_a & mask, adv, 0.0), "n_adv": (ok_a & mask).astype(np.float64),
+        "sum_vchanges": change.astype(np.float64), "sum_mis": mis, "n_mis": in_mis.astype(np.float64),
+        "sum_klmo": np.where(np.isfinite(klmo), klmo, 0.0), "sum_mis_after": np.where(after, mis, 0.0),
+        "n_mis_after": (after & in_mis).astype(np.float64)})
+    at = np.flatnonzero(change)[:MAX_CHANGES]
+    pos = _col(batch, "pos", 0, np.int64)[0]
+    moves = {"step": step[at], "seq": seq[at], "pos": pos[at], "from": version[at - 1], "to": version[at]}
+    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()},
+            **{f"v_{k}": v for k, v in moves.items()}}
+
+
+def version_changes(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray, version: np.ndarray,
+                    has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(change, after) bool [N]: the token's version differs from the previous token's of the same sequence
+    (rows of a sequence consecutive, in position order); the token lies at or after its sequence's first
+    change."""
+    n = len(step)
+    change = np.zeros(n, bool)
+    if n < 2:
+        return change, change.copy()
+    same = (step[1:] == step[:-1]) & (iteration[1:] == iteration[:-1]) & (seq[1:] == seq[:-1])
+    change[1:] = same & has[1:] & has[:-1] & (version[1:] != version[:-1])
+    starts = keyed.segment_starts([step, iteration, seq])
+    seen = np.cumsum(change)
+    before = np.repeat(seen[starts] - change[starts], np.diff(np.append(starts, n)))  # changes before each run
+    return change, seen - before > 0
 
 
 def merge_partials(partials) -> dict[str, np.ndarray]:
@@ -149,7 +191,9 @@ def merge_partials(partials) -> dict[str, np.ndarray]:
         return empty()
     cells = keyed.reduce_by_key({k[2:]: np.concatenate([p[k] for p in partials]) for k in partials[0] if k[:2] == "c_"})
     seqs = keyed.reduce_by_key({k[2:]: np.concatenate([p[k] for p in partials]) for k in partials[0] if k[:2] == "s_"})
-    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()}}
+    moves = {k: np.concatenate([p[f"v_{k}"] for p in partials])[:MAX_CHANGES] for k in CHANGE_KEYS}
+    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()},
+            **{f"v_{k}": v for k, v in moves.items()}}
 
 
 def empty() -> dict[str, np.ndarray]:
@@ -157,6 +201,7 @@ def empty() -> dict[str, np.ndarray]:
     out.update({f"c_{k}": np.zeros(0) for k in (*CELL_F, "max_rho")})
     out.update({f"s_{k}": np.zeros(0, np.int64) for k in (*SEQ_KEYS, "stale")})
     out.update({f"s_{k}": np.zeros(0) for k in SEQ_F})
+    out.update({f"v_{k}": np.zeros(0, np.int64) for k in CHANGE_KEYS})
     return out
 
 
@@ -167,9 +212,9 @@ class StalenessReducer(ClippedListReducer):
 
     clip: tuple[float, float] | None = None
     name: str = "staleness"
-    version: int = 1
-    columns: tuple[str, ...] = ("step", "iteration", "seq", "mask", "logp", "logp_old", "logp_sampler", "advantage",
-                                "policy_version")
+    version: int = 2
+    columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_sampler",
+                                "advantage", "policy_version")
 
     def settings(self) -> dict:
         return {"clip": list(self.bound_clip()), "max_stale": MAX_STALE}
@@ -262,3 +307,32 @@ def summary(m: dict[str, np.ndarray], delta: float = OPSM_DELTA) -> dict[str, An
             "ahead_tokens": int(m["c_n_ahead"].sum()),
             "histogram": {bucket_label(b): int(c) for b, c in enumerate(total) if c},
             "by_staleness": buckets, "steps": steps}
+
+
+def version_figures(m: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Sequences that span more than one weight version (`mixed`) against those of one (`single`), over the
+    sequences with a version: run-wide and per step, the count and the mean per token of |log mu - log pi_old|
+    (`mis`) and of KL(mu||pi_old) (`klmo`); in mixed sequences the mismatch before and from the first change;
+    the change rows (CHANGE_KEYS, at most MAX_CHANGES). NaN where a side has no token."""
+    has = m["s_stale"] >= 0
+    mixed = has & (m["s_sum_vchanges"] > 0)
+    single = has & ~mixed
+    out: dict[str, Any] = {"sequences": int(has.sum()), "mixed": int(mixed.sum()), "single": int(single.sum()),
+                           "versions_max": int(m["s_sum_vchanges"][has].max(initial=0)) + 1 if has.any() else 0}
+    for name, sel in (("mixed", mixed), ("single", single)):
+        n = m["s_n_mis"][sel].sum()
+        out[f"{name}_mis"] = _ratio(m["s_sum_mis"][sel].sum(), n).item()
+        out[f"{name}_klmo"] = _ratio(m["s_sum_klmo"][sel].sum(), n).item()
+    n_after = m["s_n_mis_after"][mixed].sum()
+    out["mixed_mis_after"] = _ratio(m["s_sum_mis_after"][mixed].sum(), n_after).item()
+    out["mixed_mis_before"] = _ratio(m["s_sum_mis"][mixed].sum() - m["s_sum_mis_after"][mixed].sum(),
+                                     m["s_n_mis"][mixed].sum() - n_after).item()
+    steps = np.unique(m["s_step"][has])
+    idx = np.searchsorted(steps, m["s_step"])
+    for name, sel in (("mixed", mixed), ("single", single)):
+        w = lambda k: np.bincount(idx[sel], weights=m[k][sel], minlength=len(steps))  # noqa: E731
+        out[f"step_{name}_mis"] = _ratio(w("s_sum_mis"), w("s_n_mis"))
+        out[f"step_{name}_seqs"] = np.bincount(idx[sel], minlength=len(steps))
+    out["step"] = steps
+    out["changes"] = {k: m[f"v_{k}"] for k in CHANGE_KEYS}
+    return out

@@ -30,6 +30,10 @@ from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_
 from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_routing_mismatch, routing_replay_broken
 from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
 from kldiag.diagnosis import tasks as _tasks  # noqa: F401 - names the task that carries a cause
+# issue 46: versions per token, the wrong weights served, low-precision rollouts
+from kldiag.diagnosis import versions as _versions  # noqa: F401 - registers mixed_version_rollout
+from kldiag.diagnosis import wrong_weights as _wrong_weights  # noqa: F401 - registers engine_wrong_weights
+from kldiag.diagnosis import low_precision as _low_precision  # noqa: F401 - registers engine_low_precision
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.sample import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
