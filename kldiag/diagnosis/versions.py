@@ -15,7 +15,8 @@ mixed sequences; onset: the first sustained step (DiagnosisConfig.persistence, o
 sequences) where the step's mixed sequences pass the same test against the run's single-version level.
 Evidence: both levels (|D| and KL(mu||pi_old) per token), the share of mixed sequences, the mismatch before
 and after the change inside them, and where the versions change (positions, examples). Without per-token
-versions: `kldiag.diagnosis.version_jumps` looks for the jump inside the sequences instead.
+versions (none changes inside a sequence): `kldiag.diagnosis.version_jumps` looks for the jump of
+|log mu - log pi_old| inside the sequences instead.
 It absorbs `engine_mismatch` and the mismatch root causes it explains (`ABSORBS`).
 """
 
@@ -30,8 +31,10 @@ from kldiag.analysis import episodes as EP
 from kldiag.analysis import staleness as S
 from kldiag.analysis.runner import reduced
 from kldiag.diagnosis import causes as C
+from kldiag.diagnosis import version_jumps as VJ
 from kldiag.diagnosis.types import Cause
 from kldiag.frameworks import fix_for
+from kldiag.mismatch import parity as P
 
 ABSORBS = ("engine_mismatch", "engine_precision", "engine_async_lag", "engine_stale_weights")
 
@@ -81,9 +84,31 @@ def _summary(vf: dict, ev: dict) -> str:
     return text + ": the engine loaded new weights mid-rollout, over the old weights' KV cache"
 
 
+def _unstamped(analysis, ctx: C.Context) -> list[Cause]:
+    """The cause from jumps inside the sequences (kldiag.diagnosis.version_jumps), for a run without version
+    changes recorded inside its sequences."""
+    ts = P.tokens_for(analysis)
+    found = None if ts is None else VJ.jump_evidence(ts, ctx.config)
+    if found is None:
+        return []
+    onset, ev = found
+    ev["persistence"] = ctx.config.persistence.describe()
+    other = ev["level_other_sequences"]
+    summary = (f"{ev['jumping_sequences']} of {ev['sequences']} sampled sequences ({ev['jump_share']:.0%}) have their "
+               f"|log mu - log pi_old| step up mid-sequence, from {ev['level_before_jump']:.3g} to "
+               f"{ev['level_after_jump']:.3g} nats a token (median position {ev['jump_position_median']:.0f}"
+               + (f"; the other sequences {other:.3g}" if other is not None else "") + "), and stay up: what a "
+               "weight update mid-rollout leaves; no per-token policy_version is recorded to confirm it (record it "
+               "as [B, T])")
+    return [Cause("mixed_version_rollout", onset, "warning", ev, fix_for("mixed_version_rollout", ctx.manifest),
+                  summary)]
+
+
 def mixed_version_rollout(analysis, ctx: C.Context, cfg: MixedVersionConfig = MixedVersionConfig()) -> list[Cause]:
-    """The cause (module docstring); none without per-token versions that change inside a sequence."""
+    """The cause (module docstring); from the jumps inside the sequences when no version changes inside one."""
     vf = S.version_figures(reduced(analysis, S.StalenessReducer()))
+    if vf["mixed"] == 0:
+        return _unstamped(analysis, ctx)
     if vf["mixed"] < cfg.min_sequences or vf["single"] < cfg.min_sequences:
         return []
     if not _fires(np.array([vf["mixed_mis"]]), vf["single_mis"], cfg)[0]:

@@ -137,6 +137,10 @@ FP8 = dict(versions=True, rollout_dtype="fp8")  # one weight sync a step (policy
 ISSUE_46: tuple[Scenario, ...] = (
     _s("mixed_version_rollout", "warning", (Expect("mixed_version_rollout", 0),), mixed_noise=0.3, **MIXED),
     _s("mixed_version_twin", **MIXED),
+    # the same runs without versions: the jump of |log mu - log pi_old| inside the sequences is the evidence
+    _s("mixed_version_unstamped", "warning", (Expect("mixed_version_rollout", 0),), mixed_noise=0.3,
+       **{**MIXED, "versions": False}),
+    _s("mixed_version_unstamped_twin", **{**MIXED, "versions": False}),
     # from step 150 the engine serves pi_ref's weights (slime #1695); the twin's pi_ref starts at pi_theta and
     # stays within 0.05 nats of logit of it, so the engine agrees with both
     _s("engine_wrong_weights", "unstable", (Expect("engine_wrong_weights", 150),), wrong_from=150),
