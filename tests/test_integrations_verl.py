@@ -313,3 +313,12 @@ def test_min_global_steps_is_the_policy_version(tmp_path, model):
     assert t["policy_version"].notna().all()
     stale = (t["step"] - t["policy_version"]).groupby(t["group"]).unique()
     assert sorted(int(v[0]) for v in stale) == [0, 2]
+
+
+def test_rollout_dtype_from_the_rollout_config():
+    """engine_low_precision's input: `rollout.quantization` when set, else `rollout.dtype` (verl 0.9.1 keys)."""
+    from kldiag.integrations import verl as kv
+
+    assert kv.rollout_dtype({"quantization": "fp8", "dtype": "bfloat16"}) == "fp8"
+    assert kv.rollout_dtype({"quantization": None, "dtype": "bfloat16"}) == "bfloat16"
+    assert kv.rollout_dtype(None) is None and kv.rollout_dtype({}) is None

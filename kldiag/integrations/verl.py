@@ -113,7 +113,22 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     replay = routing_replay(actor, rollout)
     if replay is not None:  # the routing causes read it (kldiag/diagnosis/routing.py)
         out["routing_replay"] = replay
+    dtype = rollout_dtype(rollout)
+    if dtype is not None:  # engine_low_precision reads it (kldiag/diagnosis/low_precision.py)
+        out["rollout_dtype"] = dtype
     return out
+
+
+def rollout_dtype(rollout: Any) -> str | None:
+    """The engine's weight dtype: `rollout.quantization` (e.g. "fp8") when set, else `rollout.dtype` (verl 0.9.1
+    `_generated_ppo_trainer.yaml`: `quantization: null`, `dtype: bfloat16`); None without a rollout config."""
+    if rollout is None:
+        return None
+    quant = config_get(rollout, "quantization")
+    if quant:
+        return str(quant)
+    dtype = config_get(rollout, "dtype")
+    return str(dtype) if dtype else None
 
 
 def routing_replay(actor: Any, rollout: Any = None) -> str | None:
