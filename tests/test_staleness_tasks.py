@@ -128,6 +128,7 @@ def test_run_without_versions_reads_as_none(tmp_path):
     _, a = _run(tmp_path, "healthy_offpolicy_bf16")
     out = S.summary(a.reduced["staleness"])
     assert out["versions"] is False and out["histogram"] == {} and out["steps"] == []
+    assert out["versions_spanned"] == {}
 
 
 def _two_tasks(tmp_path) -> str:
@@ -242,3 +243,4 @@ def test_versions_per_token_round_trip_and_count_changes(tmp_path):
     assert ch["pos"].tolist() == [3] and ch["from"].tolist() == [3] and ch["to"].tolist() == [4]
     ps = S.per_step(m)  # a sequence's staleness: its first token's (its oldest weights)
     assert ps["histogram"][0][[1, 2, 3]].tolist() == [1, 1, 1]
+    assert S.summary(m)["versions_spanned"] == {"1": 2, "2": 1}

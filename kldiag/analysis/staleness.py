@@ -303,7 +303,10 @@ def summary(m: dict[str, np.ndarray], delta: float = OPSM_DELTA) -> dict[str, An
               "histogram": {bucket_label(b): int(c) for b, c in enumerate(ps["histogram"][i]) if c}}
              for i, s in enumerate(ps["step"])]
     total = ps["histogram"].sum(0) if versions else np.zeros(MAX_STALE + 1, np.int64)
+    spans = m["s_sum_vchanges"][m["s_stale"] >= 0].astype(np.int64) + 1  # versions each sequence spans
     return {"versions": versions, "max_stale_bucket": MAX_STALE,
+            "versions_spanned": {str(int(k)): int(c) for k, c in zip(*np.unique(spans, return_counts=True),
+                                                                      strict=True)},
             "ahead_tokens": int(m["c_n_ahead"].sum()),
             "histogram": {bucket_label(b): int(c) for b, c in enumerate(total) if c},
             "by_staleness": buckets, "steps": steps}
@@ -330,8 +333,8 @@ def version_figures(m: dict[str, np.ndarray]) -> dict[str, Any]:
     steps = np.unique(m["s_step"][has])
     idx = np.searchsorted(steps, m["s_step"])
     for name, sel in (("mixed", mixed), ("single", single)):
-        w = lambda k: np.bincount(idx[sel], weights=m[k][sel], minlength=len(steps))  # noqa: E731
-        out[f"step_{name}_mis"] = _ratio(w("s_sum_mis"), w("s_n_mis"))
+        total, n = (np.bincount(idx[sel], weights=m[k][sel], minlength=len(steps)) for k in ("s_sum_mis", "s_n_mis"))
+        out[f"step_{name}_mis"] = _ratio(total, n)
         out[f"step_{name}_seqs"] = np.bincount(idx[sel], minlength=len(steps))
     out["step"] = steps
     out["changes"] = {k: m[f"v_{k}"] for k in CHANGE_KEYS}

@@ -93,7 +93,7 @@ def levels(ts, steps: np.ndarray, window: np.ndarray) -> dict[str, np.ndarray]:
         cw = np.zeros(int(cell.max()) + 1 if len(cell) else 0, np.int64)
         cw[cell] = w
         se = np.sqrt(np.bincount(cw, weights=r * r, minlength=k)) / n
-    first = np.array([steps[np.flatnonzero(window == i)[0]] for i in range(k)], np.int64)
+    first = steps[np.r_[0, np.flatnonzero(np.diff(window)) + 1]] if len(steps) else np.zeros(0, np.int64)
     return {"first_step": first, "tokens": n.astype(np.int64), "level": mean, "se": se}
 
 

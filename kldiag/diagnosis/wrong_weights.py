@@ -12,7 +12,9 @@ the tokens in the loss with log mu, log pi_old and log pi_ref:
     d_ref = mean |log mu - log pi_ref|      d_old = mean |log mu - log pi_old|
 
 A step fires when d_ref <= `ratio` x d_old and d_old - d_ref >= `min_gap` nats; the onset is the first
-sustained step (DiagnosisConfig.persistence). Critical: every importance weight, KL term and advantage of the
+sustained step (DiagnosisConfig.persistence) from which at least `hold_share` of the steps to the run's end
+fire: wrong weights stay served, while an engine that starts stale (its first sync still ahead, or a lag)
+serves the initial weights, which are pi_ref's, only until its first sync. Critical: every importance weight, KL term and advantage of the
 run is computed against samples of another model. It absorbs `engine_mismatch` and the mismatch root causes it
 explains (ABSORBS): the figures of the mismatch are this cause's.
 """
@@ -39,6 +41,7 @@ class WrongWeightsConfig:
     ratio: float = 0.25  # d_ref at most this x d_old ...
     min_gap: float = 0.02  # ... and below it by this many nats a token (far above bf16 rounding)
     min_tokens: int = 20  # a step's figures need this many tokens with all three log-probs
+    hold_share: float = 0.8  # from the onset to the run's end, this share of the steps fire
 
 
 def distances(ts) -> dict[str, np.ndarray]:
@@ -56,6 +59,14 @@ def _fire(d: dict, cfg: WrongWeightsConfig) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         hit = (d["d_ref"] <= cfg.ratio * d["d_old"]) & (d["d_old"] - d["d_ref"] >= cfg.min_gap)
     return np.nan_to_num(hit, nan=False).astype(bool) & (d["tokens"] >= cfg.min_tokens)
+
+
+def _onset(step: np.ndarray, fire: np.ndarray, cfg: WrongWeightsConfig, dcfg) -> int | None:
+    """The first sustained firing step from which hold_share of the steps to the end fire."""
+    held = EP.sustained(fire, dcfg.persistence)
+    rest = np.cumsum(fire[::-1])[::-1] / np.arange(len(fire), 0, -1)  # share firing from each step to the end
+    hit = np.flatnonzero(held & (rest >= cfg.hold_share))
+    return int(step[hit[0]]) if len(hit) else None
 
 
 def _mean(v: np.ndarray) -> float | None:
@@ -81,7 +92,7 @@ def engine_wrong_weights(analysis, ctx: C.Context, cfg: WrongWeightsConfig = Wro
         return []
     d = distances(ts)
     fire = _fire(d, cfg)
-    onset = EP.first_sustained(d["step"], fire, ctx.config)
+    onset = _onset(d["step"], fire, cfg, ctx.config)
     if onset is None:
         return []
     ev = _evidence(d, fire, onset, cfg)

@@ -39,7 +39,7 @@ FIXES = {
     "plain": PLAIN,
     "trl": {
         "mixed_version_rollout": (
-            "Bound the versions a sample may span (`max_staleness` in TRL's async GRPO) and sync the vLLM weights "
+            "Bound the versions a sample may span (max_staleness in TRL's async GRPO config) and sync the vLLM weights "
             "between generations, not during one; " + PLAIN["mixed_version_rollout"].split(": ", 1)[1]),
         "engine_wrong_weights": (
             "vLLM samples another model than the policy: with a PEFT/LoRA policy check that the merged or adapter "
@@ -50,9 +50,9 @@ FIXES = {
     },
     "verl": {
         "mixed_version_rollout": (
-            "Partial rollouts span weight updates: lower `async_training.staleness_threshold` (fully-async recipe) or "
-            "`trainer.v1.sampler.max_off_policy_threshold`, and reject what remains per token with "
-            "`algorithm.rollout_correction.rollout_rs` / `rollout_rs_threshold`."),
+            "Partial rollouts span weight updates: lower async_training.staleness_threshold (the fully-async recipe) "
+            "or `trainer.v1.sampler.max_off_policy_threshold`, and reject what remains per token with "
+            "`algorithm.rollout_correction.rollout_rs` and `algorithm.rollout_correction.rollout_rs_threshold`."),
         "engine_wrong_weights": (
             "The rollout samples another model than the actor: with `actor_rollout_ref.model.lora_rank` > 0, check "
             "that vLLM applies the adapter after each sync (vLLM #34186, #34591: an adapter silently not applied, "
@@ -61,15 +61,15 @@ FIXES = {
         "engine_low_precision": (
             "`actor_rollout_ref.rollout.quantization=fp8` with per-tensor scales grows the mismatch sync after sync "
             "(verl #7519: rollout_corr/kl 3.1x over a run, MXFP8 flat): use block-wise or MXFP8 quantisation, or "
-            "drop `quantization`; keep `algorithm.rollout_correction` on for what remains."),
+            "unset `actor_rollout_ref.rollout.quantization`; keep `algorithm.rollout_correction` on for what remains."),
     },
     "slime": {
         "mixed_version_rollout": (
-            "Partial rollouts (`--partial-rollout`) continue sequences across a weight update: record Miles' "
-            "`response_weight_version_segments` (`--sglang-enable-response-weight-version-segments`) and bound the "
-            "versions (`--max-weight-staleness` in Miles), or mask the tokens generated before the last update."),
+            "Partial rollouts (`--partial-rollout`) continue sequences across a weight update: mask their off-policy "
+            "tokens (`--mask-offpolicy-in-partial-rollout`); in Miles, record response_weight_version_segments "
+            "(--sglang-enable-response-weight-version-segments) and bound the versions (--max-weight-staleness)."),
         "engine_wrong_weights": (
-            "After a resume (`--load`) with `--ref-load`, slime's Megatron actor loaded the reference snapshot last and "
+            "After a resume (--load) with `--ref-load`, slime's Megatron actor loaded the reference snapshot last and "
             "the first weight sync pushed it to SGLang (slime #1695, fixed by #2380: switch back to the actor snapshot "
             "after loading `ref`): upgrade slime, then check the first rollout's log-probs against the actor's. In "
             "Miles, the weight version resets after a resume (Miles #2835): check the version the engine reports."),
