@@ -39,13 +39,15 @@ FIXES = {
     "plain": PLAIN,
     "trl": {
         "mixed_version_rollout": (
-            "Bound the versions a sample may span (max_staleness in TRL's async GRPO config) and sync the vLLM weights "
-            "between generations, not during one; " + PLAIN["mixed_version_rollout"].split(": ", 1)[1]),
+            "Sequences straddle a weight update: sync the vLLM weights between generations, never during one, and "
+            "bound the versions a sample may span (max_staleness in TRL's async GRPO config); record "
+            "policy_version per token ([B, T]) to keep measuring it."),
         "engine_wrong_weights": (
-            "vLLM samples another model than the policy: with a PEFT/LoRA policy check that the merged or adapter "
-            "weights reach vLLM after each sync (vLLM #34186, #34591: an adapter silently not applied); after "
-            "`resume_from_checkpoint`, check the first sync pushes the loaded weights. " + PLAIN["engine_wrong_weights"]
-            .split("; with LoRA", 1)[0].split(": ", 1)[1] + "."),
+            "vLLM samples another model than the policy: with a PEFT/LoRA policy, check that the merged or adapter "
+            "weights reach vLLM after each sync (vLLM #34186, #34591: an adapter silently not applied, the base "
+            "model sampled); after `resume_from_checkpoint`, check that the first sync pushes the loaded weights "
+            "(compare a prompt's log-probs from vLLM with the trainer's). The steps since the onset trained on "
+            "samples of another model: restart from the last checkpoint before it."),
         "engine_low_precision": PLAIN["engine_low_precision"],
     },
     "verl": {
