@@ -148,7 +148,8 @@ def _cause(lv: dict, z: np.ndarray, big: np.ndarray, onset: int, dtype: str | No
                      zip(lv["first_step"][:12], lv["level"][:12], strict=True)]}
     said = f"the rollout dtype is {dtype}" if dtype else "no rollout dtype is recorded (--set rollout_dtype=fp8)"
     summary = (f"the mismatch |log mu - log pi_old| jumps at {ev['changes_with_jump']} of {ev['version_changes']} "
-               f"weight version changes (|z| > {cfg.z_min:g}; median |z| {ev['abs_z_median']:.2g}), each version at its "
+               f"weight version changes (|z| > {cfg.z_min:g}; median |z| {ev['abs_z_median']:.2g}), each version "
+               f"at its "
                f"own level between {ev['level_min']:.3g} and {ev['level_max']:.3g} nats, first quarter {first:.3g} "
                f"and last {last:.3g}; {said}: each sync quantises new weights, unlike a flat bf16 mismatch")
     return Cause("engine_low_precision", onset, "warning", ev, fix_for("engine_low_precision", ctx.manifest), summary)

@@ -77,7 +77,8 @@ def _summary(vf: dict, ev: dict) -> str:
             f"{vf['mixed_klmo']:.2g}) against {vf['single_mis']:.3g} ({vf['single_klmo']:.2g}) in the single-version "
             f"ones" + (f", x{ev['ratio']:.3g}" if ev["ratio"] is not None else ""))
     if math.isfinite(vf["mixed_mis_after"]) and math.isfinite(vf["mixed_mis_before"]):
-        text += (f"; inside them {vf['mixed_mis_before']:.3g} before the version change and {vf['mixed_mis_after']:.3g} "
+        text += (f"; inside them {vf['mixed_mis_before']:.3g} before the version change and "
+                 f"{vf['mixed_mis_after']:.3g} "
                  "from it on")
     if where["position_median"] is not None:
         text += f"; the version changes at position {where['position_median']:.0f} (median)"

@@ -14,9 +14,9 @@ the tokens in the loss with log mu, log pi_old and log pi_ref:
 A step fires when d_ref <= `ratio` x d_old and d_old - d_ref >= `min_gap` nats; the onset is the first
 sustained step (DiagnosisConfig.persistence) from which at least `hold_share` of the steps to the run's end
 fire: wrong weights stay served, while an engine that starts stale (its first sync still ahead, or a lag)
-serves the initial weights, which are pi_ref's, only until its first sync. Critical: every importance weight, KL term and advantage of the
-run is computed against samples of another model. It absorbs `engine_mismatch` and the mismatch root causes it
-explains (ABSORBS): the figures of the mismatch are this cause's.
+serves the initial weights, which are pi_ref's, only until its first sync. Critical: every importance weight,
+KL term and advantage of the run is computed against samples of another model. It absorbs `engine_mismatch` and
+the mismatch root causes it explains (ABSORBS): the figures of the mismatch are this cause's.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def engine_wrong_weights(analysis, ctx: C.Context, cfg: WrongWeightsConfig = Wro
                f"({ev['steps_firing']} of {ev['steps_after_onset']} steps from there)")
     if ev["d_ref_before"] is not None:
         summary += f"; before it {ev['d_ref_before']:.3g} and {ev['d_old_before']:.3g}"
-    summary += ": the rollout engine serves the wrong weights (a resume that loaded the base, a LoRA adapter not applied)"
+    summary += (": the rollout engine serves the wrong weights (a resume that loaded the base, a LoRA adapter not "
+                "applied)")
     return [Cause("engine_wrong_weights", onset, "critical", ev, fix_for("engine_wrong_weights", ctx.manifest),
                   summary)]
 

@@ -82,7 +82,8 @@ FIXES = {
     "areal": {
         "mixed_version_rollout": (
             "AReaL's interruptible generation continues sequences across weight updates (per-token `versions`): lower "
-            "`rollout.max_head_offpolicyness`, keep `actor.use_decoupled_loss=true` with `actor.recompute_logprob=true`, "
+            "`rollout.max_head_offpolicyness`, keep `actor.use_decoupled_loss=true` with "
+            "`actor.recompute_logprob=true`, "
             "and mask tokens with `actor.rejection_sampling.level=token`."),
         "engine_wrong_weights": PLAIN["engine_wrong_weights"],
         "engine_low_precision": PLAIN["engine_low_precision"],

@@ -88,7 +88,7 @@ class Scenario:
     mixed_noise: float = 0.0  # engine logit noise added after the update (the new weights over the old KV cache)
     wrong_from: int | None = None  # from this step the engine serves pi_ref's weights (a resume that loaded the base)
     quant: tuple[float, float] | None = None  # engine logit noise of each weight version, first -> last step ...
-    quant_jitter: float = 0.0  # ... times a lognormal factor of this sigma, drawn per version (per step: one sync a step)
+    quant_jitter: float = 0.0  # ... times a lognormal factor of this sigma drawn per version (one sync a step)
     rollout_dtype: str = ""  # written as the manifest's config["rollout_dtype"] when set
     verdict: str = "healthy"  # the verdict diagnose must give
     expect: tuple[Expect, ...] = ()  # the causes it must name; any other cause is a false positive
