@@ -241,6 +241,12 @@ def test_versions_per_token_round_trip_and_count_changes(tmp_path):
     assert vf["mixed_mis_before"] == 0.0 and vf["mixed_mis_after"] == pytest.approx(0.5)
     ch = vf["changes"]
     assert ch["pos"].tolist() == [3] and ch["from"].tolist() == [3] and ch["to"].tolist() == [4]
+    # a negative version is none, and a version change across tokens without one still counts
+    gap = np.array([[4, 4, -1, -1, 5, 5], [-1, 3, 3, 3, 3, 3], [2, 2, 2, 2, 2, 2]])
+    with Recorder(tmp_path / "g") as rec:
+        rec.record(step=5, logp=logp, logp_old=logp, logp_sampler=mu, policy_version=gap)
+    vg = S.version_figures(analyze(tmp_path / "g", AnalysisConfig(), [S.StalenessReducer()]).reduced["staleness"])
+    assert (vg["mixed"], vg["single"]) == (1, 2) and vg["changes"]["pos"].tolist() == [4]
     ps = S.per_step(m)  # a sequence's staleness: its first token's (its oldest weights)
     assert ps["histogram"][0][[1, 2, 3]].tolist() == [1, 1, 1]
     assert S.summary(m)["versions_spanned"] == {"1": 2, "2": 1}

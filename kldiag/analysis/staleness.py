@@ -20,11 +20,11 @@ that recorded none has only that bucket and `summary` says `versions: false`.
 
 Versions per token (a partial or interruptible rollout that straddles a weight update records each
 token's generating version): the cells are per token, so each token counts at its own staleness; a
-sequence's row takes its first token's (its oldest weights), and counts its version changes (a
+sequence's row takes its first versioned token's (its oldest weights), and counts its version changes (a
 sequence spans changes + 1 versions) with its mismatch |log mu - log pi_old| and KL(mu||pi_old) (k3
 of pi_old/mu, an estimate on tokens drawn from mu), in all and from its first change on. The tokens
 where the version changes are kept as rows (step, seq, pos, version before, after), at most
-MAX_CHANGES of them (`version_figures`).
+MAX_CHANGES of them (`version_figures`). A negative version counts as none (AReaL writes -1 on prompt tokens).
 """
 
 from __future__ import annotations
@@ -110,9 +110,13 @@ def keyed_max(key: np.ndarray, v: np.ndarray, size: int) -> np.ndarray:
 
 def _sequences(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per run of consecutive rows of one (step, iteration, seq): the sums of SEQ_F (the recorder writes a
-    sequence's rows together; a sequence split in runs is merged by key later, on these few rows)."""
+    sequence's rows together; a sequence split in runs is merged by key later, on these few rows) and its
+    staleness, that of its first token with a version (NO_VERSION when none has one)."""
     starts = keyed.segment_starts([t["step"], t["iteration"], t["seq"]])
-    out = {k: t[k][starts] for k in (*SEQ_KEYS, "stale")}
+    out = {k: t[k][starts] for k in SEQ_KEYS}
+    n = len(t["stale"])
+    first = np.minimum.reduceat(np.where(t["stale"] >= 0, np.arange(n), n), starts) if n else starts
+    out["stale"] = np.where(first < n, t["stale"][np.minimum(first, max(n - 1, 0))], NO_VERSION)
     out.update({k: np.add.reduceat(t[k], starts) for k in SEQ_F})
     return out
 
@@ -125,6 +129,7 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
         return None
     step, _ = _col(batch, "step", 0, np.int64)
     version, has_v = _col(batch, "policy_version", 0, np.int64)
+    has_v &= version >= 0  # a negative version is none (AReaL's -1 on prompt tokens)
     mask, _ = _col(batch, "mask", False, bool)
     logp, ok_s = _col(batch, "logp", 0.0, np.float64)
     old, ok_o = _col(batch, "logp_old", 0.0, np.float64)
@@ -169,15 +174,17 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
 
 def version_changes(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray, version: np.ndarray,
                     has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(change, after) bool [N]: the token's version differs from the previous token's of the same sequence
-    (rows of a sequence consecutive, in position order); the token lies at or after its sequence's first
-    change."""
+    """(change, after) bool [N]: the token's version differs from the previous token's with a version in the same
+    sequence (rows of a sequence consecutive, in position order; tokens without one in between are skipped);
+    the token lies at or after its sequence's first change."""
     n = len(step)
     change = np.zeros(n, bool)
     if n < 2:
         return change, change.copy()
-    same = (step[1:] == step[:-1]) & (iteration[1:] == iteration[:-1]) & (seq[1:] == seq[:-1])
-    change[1:] = same & has[1:] & has[:-1] & (version[1:] != version[:-1])
+    at = np.flatnonzero(has)
+    a, b = at[:-1], at[1:]  # consecutive tokens with a version
+    same = (step[b] == step[a]) & (iteration[b] == iteration[a]) & (seq[b] == seq[a])
+    change[b] = same & (version[b] != version[a])
     starts = keyed.segment_starts([step, iteration, seq])
     seen = np.cumsum(change)
     before = np.repeat(seen[starts] - change[starts], np.diff(np.append(starts, n)))  # changes before each run
