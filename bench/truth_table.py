@@ -140,8 +140,9 @@ real categorical distributions: at every position pi_theta, pi_old, pi_ref and t
 exact log-softmaxes of their own logits over a 64-token vocabulary (tokens that share a step, prompt
 group and prefix share their logits), the sampled token is drawn from mu (from pi_old without an
 engine), and the entropy is pi_theta's exact entropy. Each scenario declares the verdict, the causes
-with their onset and a tolerance (5 steps; 10 for a mismatch that ramps up over 20 steps; 25 for an
-entropy collapse, a quarter of its 100-step fall), and any other cause counts as a false positive.
+with their onset and a tolerance (5 steps; 2 for a temperature present from step 0; 10 for a mismatch that
+ramps up over 20 steps; 25 for an entropy collapse, a quarter of its 100-step fall), and any other cause counts
+as a false positive.
 `tests/test_truth_suite.py` runs them all at a reduced size (8 sequences of 24-48 tokens a step) and
 marks with `xfail(strict=True)` the ones today's detectors get wrong, with the defect (none since issue 24's
 fixes: persistence, the temperature/noise fit, the entropy trend, one cause per root cause; the table from

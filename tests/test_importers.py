@@ -287,3 +287,43 @@ def test_import_config_is_refused_for_other_frameworks(tmp_path, capsys):
     assert main(["import", "slime", str(tmp_path / "dump"), str(tmp_path / "run"), "--config",
                  str(tmp_path / "c.yaml")]) == 2
     assert "nemo-rl imports only" in capsys.readouterr().err
+
+
+def test_prime_rl_weight_version_segments_map_per_token(tmp_path):
+    """A row carrying the engine's `[[version, output_offset], ...]` segments gets policy_version per completion
+    token; malformed segments are left out."""
+    from kldiag.importers import prime_rl
+
+    assert prime_rl.segment_versions([[4, 0], [5, 3]], 5).tolist() == [4, 4, 4, 5, 5]
+    assert prime_rl.segment_versions([[4, 1]], 5) is None and prime_rl.segment_versions([[4, 0], [5, 5]], 5) is None
+    assert prime_rl.segment_versions(None, 5) is None
+    row = {"schema_version": 1, "step": 7, "rank": 0, "token_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 0] + [1] * 4,
+           "trainer_logprobs": [-1.0] * 6, "inference_logprobs": [-1.1] * 6, "weight_versions": [[5, 0], [6, 2]]}
+    s = prime_rl.to_sequence(row, 1)
+    assert s.policy_version.tolist() == [5, 5, 6, 6]
+    with kldiag.Recorder(tmp_path / "r") as rec:
+        from kldiag.importers.sink import pack
+
+        args = pack([s, prime_rl.to_sequence({**row, "weight_versions": [[6, 0]]}, 2)])
+        assert args["policy_version"].shape == (2, 4)
+        rec.record(step=7, **{("advantages" if k == "advantage" else k): v for k, v in args.items()})
+    t = kldiag.open_run(tmp_path / "r").read(columns=["seq", "pos", "policy_version"]).to_pandas()
+    got = t.sort_values(["seq", "pos"]).groupby("seq")["policy_version"].apply(list).tolist()
+    assert sorted(got) == [[5, 5, 6, 6], [6, 6, 6, 6]]
+
+
+def test_miles_weight_version_segments_map_per_token():
+    """Miles' `response_weight_version_segments` ([start, end, version] per generate call) per response token,
+    shifted by one as slime's weight_versions; a multi-turn sample's tool tokens take the version before them."""
+    from kldiag.importers import slime as dump
+
+    one = dump.segment_versions([[[0, 2, 10], [2, 4, 11]]], 4, None)
+    assert one.tolist() == [9, 9, 10, 10]
+    mask = np.array([1, 1, 0, 0, 1, 1], bool)  # two calls of 2 tokens with 2 tool tokens between them
+    assert dump.segment_versions([[[0, 2, 5]], [[0, 1, 5], [1, 2, 6]]], 6, mask).tolist() == [4, 4, 4, 4, 4, 5]
+    assert dump.segment_versions([[[0, 3, 5]]], 4, None) is None and dump.segment_versions([], 4, None) is None
+    sample = {"response_lengths": 4, "log_probs": [-0.1] * 4, "loss_masks": [1] * 4, "weight_versions": ["10"],
+              "response_weight_version_segments": [[[0, 2, 10], [2, 4, 11]]]}
+    assert dump.to_sequence(sample, 9, 0, None, None).policy_version.tolist() == [9, 9, 10, 10]
+    sample.pop("response_weight_version_segments")
+    assert dump.to_sequence(sample, 9, 0, None, None).policy_version == 9  # per sample from weight_versions

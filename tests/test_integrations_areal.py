@@ -219,3 +219,20 @@ def test_the_trainer_swap_builds_the_recording_actor_the_workers_can_import(area
     assert recording.__name__ == "RecordingFSDPPPOActor" and plain.__name__ == "FSDPPPOActor"
     assert getattr(importlib.import_module(recording.__module__), recording.__name__) is recording
     assert issubclass(recording, plain)
+
+
+def test_per_token_versions_are_recorded(areal, tmp_path, monkeypatch):
+    """AReaL's per-token `versions` (the step's own on every generated token here, -1 on the prompt) reach
+    policy_version on every recorded token: the prompt's -1 takes the first generated token's version."""
+    run, _ = run_steps(areal, tmp_path, monkeypatch, CONFIGS["defaults"])
+    t = open_run(run).read(columns=["step", "mask", "policy_version"]).to_pandas()
+    assert len(t) and t.policy_version.notna().all() and (t.policy_version == t.step).all()
+
+
+def test_token_versions_keep_a_straddling_sequence():
+    """A sequence whose generation crossed a weight update (interruptible generation) keeps each token's version;
+    the prompt and padding take its first generated token's; a row without a version leaves them all out."""
+    v = torch.tensor([[-1, -1, 3, 3, 4, 4, 0], [-1, 5, 5, 5, 5, -1, -1]])
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert H.token_versions(v, keep).tolist() == [[3, 3, 3, 3, 4, 4, 3], [5, 5, 5, 5, 5, 5, 5]]
+    assert H.token_versions(torch.full((1, 3), -1), torch.ones(1, 3, dtype=torch.bool)) is None

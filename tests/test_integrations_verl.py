@@ -339,3 +339,12 @@ def test_routed_experts_go_to_the_side_the_replay_mode_says(tmp_path, model, mod
         assert routes["captured"] == "trainer" and (t.route_layers == layers).all() and t.route_differ.isna().all()
     else:
         assert routes["captured"] == "engine" and "trainer" in routes["missing"] and t.route_layers.isna().all()
+
+
+def test_rollout_dtype_from_the_rollout_config():
+    """engine_low_precision's input: `rollout.quantization` when set, else `rollout.dtype` (verl 0.9.1 keys)."""
+    from kldiag.integrations import verl as kv
+
+    assert kv.rollout_dtype({"quantization": "fp8", "dtype": "bfloat16"}) == "fp8"
+    assert kv.rollout_dtype({"quantization": None, "dtype": "bfloat16"}) == "bfloat16"
+    assert kv.rollout_dtype(None) is None and kv.rollout_dtype({}) is None

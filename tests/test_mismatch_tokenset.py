@@ -36,6 +36,20 @@ def test_keep_groups_keeps_whole_groups_at_every_step():
     assert len(cut) < len(ts) and set(cut.step) == set(ts.step) and TS.fit_share(ts, 0) is ts
 
 
+def test_keep_groups_with_steps_keeps_a_group_at_every_step():
+    """Two groups a step at a share of 0.05: by the hash alone most steps lose both; with the steps every step
+    keeps its group of the smaller hash, and the groups under the share stay."""
+    ts = TS.from_table(engine_table(steps=40, groups=2, group_size=4, length=5))
+    plain = TS.keep_groups(ts.group, ts.seq, 0.05)
+    keep = TS.keep_groups(ts.group, ts.seq, 0.05, ts.step)
+    assert len(set(ts.step[plain])) < 40 and set(ts.step[keep]) == set(ts.step)
+    assert (keep | ~plain).all()  # a superset of the plain choice
+    u = np.repeat(*TS.group_runs(ts.group, ts.seq))
+    for s in range(40):
+        at = ts.step == s
+        assert set(ts.group[at & keep]) >= {ts.group[at][np.argmin(u[at])]}
+
+
 def test_bounded_fit_finds_the_temperature_of_the_whole_sample():
     """The fit on a quarter of the prompt groups finds the engine's temperature as the fit on all of them."""
     ts = TS.from_table(engine_table(1.3, steps=6, groups=24, group_size=8, length=5))

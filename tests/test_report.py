@@ -70,7 +70,8 @@ def test_what_the_report_takes_from_a_diagnosis():
     ("latent", ("latent",)),
     ("mismatch", ("mismatch", "engine_mismatch", "engine_temperature_mismatch", "engine_raw_logprobs",
                   "engine_wrong_token", "engine_precision", "engine_stale_weights", "engine_async_lag",
-                  "engine_retokenization", "engine_truncated_sampling")),
+                  "engine_retokenization", "engine_truncated_sampling", "engine_wrong_weights",
+                  "engine_low_precision")),
     ("numerical_fault, flagged_onset", ("numerical_fault", "flagged_onset")),
     ("blowup,k3_weight_blowup", ("blowup", "k3_weight_blowup")),
 ])

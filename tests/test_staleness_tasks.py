@@ -128,6 +128,7 @@ def test_run_without_versions_reads_as_none(tmp_path):
     _, a = _run(tmp_path, "healthy_offpolicy_bf16")
     out = S.summary(a.reduced["staleness"])
     assert out["versions"] is False and out["histogram"] == {} and out["steps"] == []
+    assert out["versions_spanned"] == {}
 
 
 def _two_tasks(tmp_path) -> str:
@@ -216,3 +217,36 @@ def test_slime_weight_versions_map_to_policy_version(tmp_path):
         rec.record(step=5, **{("advantages" if k == "advantage" else k): v for k, v in args.items()})
     t = kldiag.open_run(tmp_path / "r").read(columns=["step", "policy_version"]).to_pandas()
     assert sorted(set(t.step - t.policy_version)) == [0, 2]
+
+
+def test_versions_per_token_round_trip_and_count_changes(tmp_path):
+    """policy_version [B, T]: stored per token; the staleness reducer counts each token at its own staleness and
+    a sequence's version changes, with the mismatch before and from its first change (numpy on the rows)."""
+    logp = -np.ones((3, 6))
+    mu = logp.copy()
+    mu[1, 3:] -= 0.5  # the straddling sequence's tokens after the change
+    version = np.array([[4, 4, 4, 4, 4, 4], [3, 3, 3, 4, 4, 4], [2, 2, 2, 2, 2, 2]])
+    with Recorder(tmp_path / "r") as rec:
+        rec.record(step=5, logp=logp, logp_old=logp, logp_sampler=mu, policy_version=version)
+        with pytest.raises(ValueError, match=r"policy_version has shape \(3, 5\).*\(3,\) or \(3, 6\)"):
+            rec.record(step=6, logp=logp, policy_version=version[:, :5])
+    t = kldiag.open_run(tmp_path / "r").read(columns=["seq", "pos", "policy_version"]).to_pandas()
+    assert sorted(t.groupby("seq")["policy_version"].apply(list).tolist()) == sorted(version.tolist())
+    m = analyze(tmp_path / "r", AnalysisConfig(), [S.StalenessReducer()]).reduced["staleness"]
+    bb = S.by_bucket(m)
+    assert dict(zip(bb["stale"].tolist(), bb["tokens"].tolist(), strict=True)) == {1: 9, 2: 3, 3: 6}
+    vf = S.version_figures(m)
+    assert (vf["mixed"], vf["single"], vf["versions_max"]) == (1, 2, 2)
+    assert vf["mixed_mis"] == pytest.approx(0.25) and vf["single_mis"] == 0.0
+    assert vf["mixed_mis_before"] == 0.0 and vf["mixed_mis_after"] == pytest.approx(0.5)
+    ch = vf["changes"]
+    assert ch["pos"].tolist() == [3] and ch["from"].tolist() == [3] and ch["to"].tolist() == [4]
+    # a negative version is none, and a version change across tokens without one still counts
+    gap = np.array([[4, 4, -1, -1, 5, 5], [-1, 3, 3, 3, 3, 3], [2, 2, 2, 2, 2, 2]])
+    with Recorder(tmp_path / "g") as rec:
+        rec.record(step=5, logp=logp, logp_old=logp, logp_sampler=mu, policy_version=gap)
+    vg = S.version_figures(analyze(tmp_path / "g", AnalysisConfig(), [S.StalenessReducer()]).reduced["staleness"])
+    assert (vg["mixed"], vg["single"]) == (1, 2) and vg["changes"]["pos"].tolist() == [4]
+    ps = S.per_step(m)  # a sequence's staleness: its first token's (its oldest weights)
+    assert ps["histogram"][0][[1, 2, 3]].tolist() == [1, 1, 1]
+    assert S.summary(m)["versions_spanned"] == {"1": 2, "2": 1}

@@ -7,7 +7,8 @@ one line here. Detectors of other packages join with kldiag.diagnosis.causes.reg
 
 from __future__ import annotations
 
-from kldiag.diagnosis import causes, missing, parity, retokenize, routing, staleness, truncation
+from kldiag.diagnosis import (causes, low_precision, missing, parity, retokenize, routing, staleness, truncation,
+                              versions, wrong_weights)
 
 BUILTIN: tuple[causes.Detector, ...] = (
     causes.k3_weight_blowup,
@@ -26,6 +27,9 @@ BUILTIN: tuple[causes.Detector, ...] = (
     routing.moe_routing_mismatch_partial,
     routing.routing_replay_broken,
     staleness.async_staleness,
+    versions.mixed_version_rollout,
+    wrong_weights.engine_wrong_weights,
+    low_precision.engine_low_precision,
 )
 
 

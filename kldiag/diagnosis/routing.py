@@ -35,6 +35,7 @@ OFF = ("", "off", "none", "null", "false", "0", "no", "disabled")  # verl's mode
 # engine's routes are not replayed, so engine and trainer may differ under it (verl@1dda039b engine.py)
 NOT_ENGINE_REPLAY = ("r2",)
 SETTABLE = ("routing_replay",)  # what `--set KEY=VALUE` may give the diagnosis
+SETTABLE += ("rollout_dtype",)  # engine_low_precision reads it (fp8, int8, ...)
 
 
 @dataclass(frozen=True)

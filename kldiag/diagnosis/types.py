@@ -27,6 +27,8 @@ CAUSE_NAMES = (
     "data_missing",  # unreadable or empty parts, steps missing inside a rank (diagnosis/missing.py)
     "moe_routing_mismatch", "routing_replay_broken",  # MoE routing (kldiag/diagnosis/routing.py)
     "async_staleness",  # recorded weight versions: drift grows with staleness past the clip (diagnosis/staleness.py)
+    # rollouts across a weight update, the engine's wrong weights, low-precision rollouts
+    "mixed_version_rollout", "engine_wrong_weights", "engine_low_precision",
 )
 
 

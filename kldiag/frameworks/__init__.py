@@ -125,3 +125,6 @@ def fix_for(cause: str, manifest: Any, **values: float) -> str:
     if "{" not in text:
         return text
     return text.format(**{"clip_high": clip_high(manifest) or 0.0, "t": float("nan"), **values})
+
+
+from kldiag.frameworks import rollouts as _rollouts  # noqa: E402,F401 - the rollout causes' fixes, into each FIXES

@@ -20,7 +20,10 @@ prime-rl takes one optimizer step per step, so pi_theta = pi_old), logp_sampler 
 inference_logprobs, advantage = advantages, mask = loss_mask, entropy = entropy, token_id =
 token_ids, task (format v1.3) = env_name; a null log-prob (a non-finite value in the trainer) is NaN,
 counted by the analysis. The export has no weight version (prime-rl keeps `policy.start/end` on the
-orchestrator's episode, not on the trainer's sample): policy_version stays null.
+orchestrator's episode, not on the trainer's sample; still none at prime-rl@004274ec): policy_version stays null.
+A row that carries the engine's per-token version segments, `weight_versions` = [[version, output_offset], ...]
+(prime-rl's vLLM patch `inference/vllm/weight_version.py` at 4133139d: output tokens [offset_i, offset_i+1) were
+sampled by version_i), gets policy_version per token from them (`segment_versions`), over the completion tokens.
 """
 
 from __future__ import annotations
@@ -97,7 +100,23 @@ def to_sequence(row: Any, line_no: int) -> Sequence:
                     entropy=_floats(row["entropy"])[first:] if "entropy" in row else None,
                     advantage=_floats(row["advantages"])[first:] if "advantages" in row else None,
                     token_ids=np.asarray(row["token_ids"], np.int64)[first:].astype(np.int32),
-                    task=row["env_name"] if isinstance(row.get("env_name"), str) else None)
+                    task=row["env_name"] if isinstance(row.get("env_name"), str) else None,
+                    policy_version=segment_versions(row.get("weight_versions"), len(loss) - first))
+
+
+def segment_versions(segments: Any, n: int) -> np.ndarray | None:
+    """[n] int64 per-token versions from `[[version, output_offset], ...]` (offsets ascending from 0: the tokens
+    from one offset to the next were sampled by that version); None when absent or malformed."""
+    if not segments or n <= 0:
+        return None
+    try:
+        versions = np.array([int(v) for v, _ in segments], np.int64)
+        offsets = np.array([int(o) for _, o in segments], np.int64)
+    except (TypeError, ValueError):
+        return None
+    if offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= n:
+        return None
+    return np.repeat(versions, np.diff(np.append(offsets, n)))
 
 
 def _floats(v: list[Any]) -> np.ndarray:

@@ -46,7 +46,7 @@ class Sequence:
     advantage: np.ndarray | None = None
     token_ids: np.ndarray | None = None
     experts_sampler: np.ndarray | None = None  # format v1.3: the engine's routes, [T, L, k] ints (-1: none)
-    policy_version: int | None = None  # format v1.3: the step whose weights generated it
+    policy_version: int | np.ndarray | None = None  # format v1.3: the step whose weights generated it, or [T] per token
     task: str | None = None  # format v1.3: its task / environment label
 
 
@@ -189,7 +189,7 @@ def pack(seqs: list[Sequence]) -> dict[str, np.ndarray]:
     if all(s.group is not None for s in seqs):
         out["group_ids"] = np.array([s.group for s in seqs], np.int64)
     if seqs and all(s.policy_version is not None for s in seqs):  # per row; a chunk with gaps leaves it out
-        out["policy_version"] = np.array([s.policy_version for s in seqs], np.int64)
+        out["policy_version"] = versions_of(seqs, t)
     if seqs and all(s.task is not None for s in seqs):
         out["task"] = np.array([s.task for s in seqs], dtype=str)
     for name in TOKEN_FIELDS:
@@ -211,4 +211,17 @@ def pack(seqs: list[Sequence]) -> dict[str, np.ndarray]:
         for i, s in enumerate(seqs):
             if s.experts_sampler is not None:
                 out["experts_sampler"][i, :lengths[i]] = s.experts_sampler
+    return out
+
+
+def versions_of(seqs: list[Sequence], t: int) -> np.ndarray:
+    """policy_version for Recorder.record: [B] when every sequence has one version, else [B, t] (a sequence with
+    one version repeats it; the padding repeats its last token's)."""
+    if all(np.ndim(s.policy_version) == 0 for s in seqs):
+        return np.array([s.policy_version for s in seqs], np.int64)
+    out = np.zeros((len(seqs), t), np.int64)
+    for i, s in enumerate(seqs):
+        v = np.asarray(s.policy_version, np.int64).reshape(-1)
+        n = min(len(v), t)
+        out[i] = v[0] if v.size == 1 else np.r_[v[:n], np.full(t - n, v[n - 1] if n else 0, np.int64)]
     return out

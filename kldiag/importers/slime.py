@@ -187,7 +187,7 @@ def to_sequence(sample: dict[str, Any], rollout_id: int, i: int, groups: list[in
                     entropy=_token(sample, "entropy", n), advantage=_token(sample, "advantages", n),
                     token_ids=tokens[-n:].astype(np.int32) if tokens is not None and n else None,
                     experts_sampler=response_routes(sample.get("rollout_routed_experts"), n),
-                    policy_version=slime_policy_version(sample.get("weight_versions")))
+                    policy_version=sample_versions(sample, n, None if mask is None else mask != 0))
 
 
 def response_routes(routes: Any, n: int) -> np.ndarray | None:
@@ -199,6 +199,36 @@ def response_routes(routes: Any, n: int) -> np.ndarray | None:
     if a is None or a.ndim != 3 or n == 0 or len(a) < n:
         return None
     return a[-n:]
+
+
+def sample_versions(sample: dict[str, Any], n: int, mask: np.ndarray | None) -> int | np.ndarray | None:
+    """The sample's policy_version: per token [n] from Miles' `response_weight_version_segments` where they cover
+    its response (`segment_versions`), else one from `weight_versions` (`slime_policy_version`)."""
+    per_token = segment_versions(sample.get("response_weight_version_segments"), n, mask)
+    return per_token if per_token is not None else slime_policy_version(sample.get("weight_versions"))
+
+
+def segment_versions(segments: Any, n: int, mask: np.ndarray | None) -> np.ndarray | None:
+    """[n] int64 policy_version per response token from Miles' `Sample.response_weight_version_segments`: per SGLang
+    generate call, `[[start, end, version], ...]` over that call's output tokens (offsets from 0 in each call;
+    `--sglang-enable-response-weight-version-segments`, radixark/miles `miles/utils/types.py`). The calls' tokens,
+    in order, are the n response tokens (one call) or the response tokens in the loss (multi-turn: tool tokens
+    between calls take the version before them). Versions shift by one as in `slime_policy_version`. None when
+    the segments are absent or do not cover the response so."""
+    if not segments or n == 0:
+        return None
+    try:
+        calls = [segments] if np.ndim(segments[0]) == 1 else segments
+        flat = np.concatenate([np.repeat(np.int64(v), int(b) - int(a)) for call in calls for a, b, v in call])
+    except (TypeError, ValueError, IndexError):
+        return None
+    if len(flat) == n:
+        return flat - 1
+    keep = mask if mask is not None else np.ones(n, bool)
+    if len(flat) != int(keep.sum()) or not len(flat):
+        return None
+    at = np.maximum(np.cumsum(keep) - 1, 0)  # the last generated token at or before each position
+    return flat[at] - 1
 
 
 def slime_policy_version(weight_versions: Any) -> int | None:

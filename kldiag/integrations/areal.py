@@ -26,7 +26,10 @@ step = the partial's `current_version` = `engine.get_version()` = the trainer's 
 stats are committed at (rl_trainer.py l. 768-772, 1275): `kldiag audit` aligns at offset 0. micro = the loss
 call within the step; iteration 0 (AReaL trains each sample once per step). Ids: AReaL keeps none per sample
 (`versions` per token; rows are permuted by the mini- and micro-batch splits), so seq = a hash of the sample's
-tokens and mu, group = a hash of its prompt tokens (kldiag.integrations.common.ids). rank = the data-parallel rank;
+tokens and mu, group = a hash of its prompt tokens (kldiag.integrations.common.ids). policy_version (format v1.3) = the
+batch's per-token `versions` (the engine version that generated each token, `workflow/rlvr.py` l. 168; AReaL's
+staleness is current_version - versions, `_log_version_staleness_stats`), rolled like the log-probs: a sequence
+its interruptible generation continued across weight updates keeps each token's version. rank = the data-parallel rank;
 only data-parallel heads write (`is_data_parallel_head`), as AReaL's controller keeps only their results.
 Recording failures warn once and never reach training (KLDIAG_STRICT=1 raises them).
 """
@@ -147,6 +150,11 @@ def record_micro_batch(engine: Any, logprobs: Any, entropy: Any, data: dict, ste
                 rows[name], keep = _unpack(x.detach(), cu, width)
         ids = rows.pop("input_ids")
         tokens = torch.roll(ids, -1, dims=-1)  # column t scores token t + 1 of the sequence
+        if data.get("versions") is not None:  # per token, -1 on the prompt (workflow/rlvr.py l. 168)
+            nxt = keep & torch.roll(keep, -1, dims=-1)  # columns whose next token is the sequence's (not padding)
+            versions = token_versions(torch.roll(_unpack(data["versions"].detach(), cu, width)[0], -1, dims=-1), nxt)
+            if versions is not None:
+                rows["policy_version"] = versions
         mask = rows.pop("mask").bool() & keep
         prompt_end = torch.where(mask.any(-1), mask.float().argmax(-1), keep.sum(-1) - 1)  # last prompt column
         seq = sequence_ids(ids, keep, rows.get("logp_sampler", rows["logp"]), mask)
@@ -155,6 +163,22 @@ def record_micro_batch(engine: Any, logprobs: Any, entropy: Any, data: dict, ste
     rec.record(step=step, micro=STATE.calls, iteration=0, mask=mask, completion_mask=keep, token_ids=tokens,
                seq_ids=seq, group_ids=group, **rows)
     STATE.calls += 1
+
+
+def token_versions(versions: Any, keep: Any) -> Any:
+    """[B, T] int64 policy_version from AReaL's per-token `versions` (rolled like the log-probs): the version that
+    generated each token, so a sequence generated across weight updates (interruptible generation) keeps its
+    versions per token; where `keep` is false or the version is the prompt's -1, the row's first generated
+    token's version. None
+    when a row has no generated token with a version (left out, as a run without versions)."""
+    import torch
+
+    v = versions.long()
+    valid = (v >= 0) & keep
+    if not bool(valid.any(-1).all()):
+        return None
+    first = torch.gather(v, 1, valid.float().argmax(-1, keepdim=True))
+    return torch.where(valid, v, first)
 
 
 def _warn(e: BaseException) -> None:

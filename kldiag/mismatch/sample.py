@@ -172,12 +172,13 @@ def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[l
     return out, level
 
 
-def _and_groups(keep: np.ndarray, group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
-    """keep & keep_groups(group, seq, share), hashing only the rows keep holds (a thinned sample's few)."""
+def _and_groups(keep: np.ndarray, group: np.ndarray, seq: np.ndarray, share: float, step: np.ndarray) -> np.ndarray:
+    """keep & keep_groups(group, seq, share, step), hashing only the rows keep holds (a thinned sample's few):
+    every step of the rows kept keeps a group."""
     if keep.all():
-        return keep_groups(group, seq, share)
+        return keep_groups(group, seq, share, step)
     out = keep.copy()
-    out[keep] = keep_groups(np.asarray(group)[keep], np.asarray(seq)[keep], share)
+    out[keep] = keep_groups(np.asarray(group)[keep], np.asarray(seq)[keep], share, np.asarray(step)[keep])
     return out
 
 
@@ -269,8 +270,8 @@ class Sample:
         share = self.share
         if fit_tokens and kept > fit_tokens:
             share *= fit_tokens / kept  # of every group: the sample holds those under its own share
-            keep = [_and_groups(c, g, q, share)
-                    for c, g, q in zip(keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), strict=True)]
+            keep = [_and_groups(c, g, q, share, st) for c, g, q, st in zip(
+                keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), chunks(self.cols["step"]), strict=True)]
         elif k == 1:
             return self.tokens(all_iterations)
         ts = from_columns(self.cols, True, self.stride * k, keep)

@@ -251,7 +251,7 @@ def fit_share(ts: TokenSet, fit_tokens: int) -> TokenSet:
     if not fit_tokens or len(ts) <= fit_tokens:
         return ts
     share = ts.group_share * fit_tokens / len(ts)  # of every group: ts holds those under its own share
-    out = ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, share)))
+    out = ts.take(np.flatnonzero(keep_groups(ts.group, ts.seq, share, ts.step)))
     out.group_share = share
     return out
 
@@ -305,9 +305,18 @@ def group_runs(group: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return u, np.diff(np.append(starts, len(key)))
 
 
-def keep_groups(group: np.ndarray, seq: np.ndarray, share: float) -> np.ndarray:
+def keep_groups(group: np.ndarray, seq: np.ndarray, share: float, step: np.ndarray | None = None) -> np.ndarray:
     """bool [N]: the rows of about `share` of the prompt groups (group_runs hash < share), chosen by a hash of
     the id alone: whole groups (the contexts a within-context fit needs), the same prompts at every step
-    (the contexts a lag scan matches across steps), the same choice on every call."""
+    (the contexts a lag scan matches across steps), the same choice on every call. With `step` (the rows'
+    steps), every step keeps at least its group of the smallest hash: a run of few groups a step
+    (two of eight completions each) would otherwise lose whole steps, and a cause present from the first step
+    would be named from the first step kept."""
     u, lengths = group_runs(group, seq)
-    return np.repeat(u < min(max(share, 0.0), 1.0), lengths)
+    keep = u < min(max(share, 0.0), 1.0)
+    if step is not None and len(u):
+        run_step = np.asarray(step)[np.cumsum(lengths) - lengths]
+        order = np.lexsort((u, run_step))  # by step, then hash: the first run of each step has its smallest
+        first = order[np.r_[True, run_step[order][1:] != run_step[order][:-1]]]
+        keep[first] = True
+    return np.repeat(keep, lengths)

@@ -14,8 +14,10 @@ TOKEN_ARGS = ("logp", "logp_old", "logp_ref", "logp_sampler", "entropy", "mask",
               "turn", "route_margin_trainer", "route_margin_layer")  # v1.3 router margins: [B, T] too
 ROW_ARGS = ("seq_ids", "group_ids")
 TOPK_PAIRS = (("topk_ids", "topk_logp"), ("topk_ids_sampler", "topk_logp_sampler"))  # [B, T, K]: one K per side
-# v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings)
+# v1.3, per sequence [B]: the weight version that generated it (ints) and its task label (strings); the version
+# may also be given per token [B, T] (a rollout that straddles weight updates: each token its generating version)
 VERSION_ARGS = ("policy_version", "task")
+PER_TOKEN_OK = ("policy_version",)
 
 
 def seq_unit(seq: np.ndarray) -> np.ndarray:
@@ -48,8 +50,8 @@ def shape_of(x: Any) -> tuple[int, ...]:
 
 def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
     """ValueError naming the argument and both shapes unless every array fits logp's [B, T]
-    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K; policy_version and task:
-    [B]). In `args`, task becomes a [B] numpy str array and a list of versions an int64 array; a
+    (top-k arrays: [B, T, K], ids and log-probs of one side with the same K; task: [B]; policy_version:
+    [B] or [B, T]). In `args`, task becomes a [B] numpy str array and a list of versions an int64 array; a
     non-integer version or a non-string label is a ValueError too."""
     shape = shape_of(args["logp"])
     if len(shape) != 2:
@@ -58,6 +60,8 @@ def check_shapes(args: dict[str, Any]) -> tuple[int, int]:
         got = shape_of(x)
         if name in TOKEN_ARGS:
             want, ok = f"{shape}", got == shape
+        elif name in PER_TOKEN_OK:
+            want, ok = f"({shape[0]},) or {shape}", got in (shape[:1], shape)
         elif name in ROW_ARGS or name in VERSION_ARGS:
             want, ok = f"({shape[0]},)", got == shape[:1]
         elif name in ROUTE_ARGS:
@@ -95,7 +99,7 @@ def row_versions(x: Any) -> Any:
     dtype = str(x.dtype).replace("torch.", "")
     if not dtype.startswith(("int", "uint")):
         raise ValueError(f"policy_version has dtype {dtype}; pass one integer weight version per sequence (the "
-                         "trainer step whose weights generated it), shape (batch,)")
+                         "trainer step whose weights generated it), shape (batch,), or per token, shape (batch, time)")
     return x
 
 

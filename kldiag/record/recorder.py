@@ -170,9 +170,10 @@ class Recorder:
         (kldiag.record.routes), the lists themselves only with full_routes=True. route_margin_trainer [B, T]
         floats and route_margin_layer [B, T] ints: the trainer router's confidence at the token (the minimum
         over MoE layers of its margin, NaN where none was measured) and the layer giving it.
-        Format v1.3, optional, one value per sequence [B]: policy_version (ints: the trainer step
-        whose weights generated the sequence; staleness = step - policy_version) and task (strings:
-        the sequence's task or environment).
+        Format v1.3, optional: policy_version, ints [B] (the trainer step whose weights generated the
+        sequence; staleness = step - policy_version) or [B, T] (the version that generated each token:
+        partial or interruptible rollouts that straddle a weight update), and task [B] (strings: the
+        sequence's task or environment).
         """
         given = {"logp": logp, "logp_old": logp_old, "logp_ref": logp_ref, "logp_sampler": logp_sampler,
                  "entropy": entropy, "mask": mask, "completion_mask": completion_mask, "token_ids": token_ids,

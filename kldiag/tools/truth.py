@@ -84,6 +84,13 @@ class Scenario:
     entropy_from: int | None = None  # from this step pi_theta's mean entropy falls geometrically ...
     entropy_end: float = 0.05  # ... to this many nats ...
     entropy_steps: int = 100  # ... over this many steps
+    # rollouts across a weight update, an engine serving the wrong weights, low-precision rollouts
+    mixed_frac: float = 0.0  # share of prompt groups whose completions straddle a weight update (at a uniform position)
+    mixed_noise: float = 0.0  # engine logit noise added after the update (the new weights over the old KV cache)
+    wrong_from: int | None = None  # from this step the engine serves pi_ref's weights (a resume that loaded the base)
+    quant: tuple[float, float] | None = None  # engine logit noise of each weight version, first -> last step ...
+    quant_jitter: float = 0.0  # ... times a lognormal factor of this sigma drawn per version (one sync a step)
+    rollout_dtype: str = ""  # written as the manifest's config["rollout_dtype"] when set
     verdict: str = "healthy"  # the verdict diagnose must give
     expect: tuple[Expect, ...] = ()  # the causes it must name; any other cause is a false positive
 
@@ -123,6 +130,30 @@ def _s(name: str, verdict: str = "healthy", expect: tuple[Expect, ...] = (), **k
     return replace(HEALTHY, name=name, verdict=verdict, expect=expect, **kw)
 
 
+# rollouts across a weight update (versions per token): 30% of the prompt groups change version mid-completion, the
+# new weights over the old KV cache adding logit noise; the twin's tokens after the change move by the one update
+# only (0.05 nats of logit), under the cause's 3x
+MIXED = dict(versions=True, mixed_frac=0.3)
+FP8 = dict(versions=True, rollout_dtype="fp8")  # one weight sync a step (policy_version = step - 2)
+ROLLOUT_FAULTS: tuple[Scenario, ...] = (
+    _s("mixed_version_rollout", "warning", (Expect("mixed_version_rollout", 0),), mixed_noise=0.3, **MIXED),
+    _s("mixed_version_twin", **MIXED),
+    # the same runs without versions: the jump of |log mu - log pi_old| inside the sequences is the evidence
+    _s("mixed_version_unstamped", "warning", (Expect("mixed_version_rollout", 0),), mixed_noise=0.3,
+       **{**MIXED, "versions": False}),
+    _s("mixed_version_unstamped_twin", **{**MIXED, "versions": False}),
+    # from step 150 the engine serves pi_ref's weights (slime #1695); the twin's pi_ref starts at pi_theta and
+    # stays within 0.05 nats of logit of it, so the engine agrees with both
+    _s("engine_wrong_weights", "unstable", (Expect("engine_wrong_weights", 150),), wrong_from=150),
+    _s("wrong_weights_twin", ref_gap=(0.0, 0.05)),
+    # FP8 rollouts: each version's logit error 0.03 -> 0.1 nats times a lognormal factor (sigma 0.6) drawn per
+    # sync; the twin is a flat FP8 error (MXFP8 in verl #7519)
+    _s("engine_low_precision", "warning", (Expect("engine_low_precision", 0),), quant=(0.03, 0.1), quant_jitter=0.6,
+       **FP8),
+    _s("low_precision_twin", quant=(0.03, 0.03), **FP8),
+)
+
+
 SCENARIO_LIST: tuple[Scenario, ...] = (
     # healthy controls
     _s("healthy_onpolicy", stale=0, engine=False),
@@ -137,8 +168,9 @@ SCENARIO_LIST: tuple[Scenario, ...] = (
     _s("offpolicy_drift", "warning", (Expect("offpolicy_drift", 150),), drift_from=150),
     _s("engine_mismatch_jump", "warning", (Expect("engine_mismatch", 150),), mismatch_from=150),
     _s("engine_mismatch_ramp", "warning", (Expect("engine_mismatch", 100, 10),), mismatch_from=100, mismatch_ramp=20),
-    _s("engine_temperature_0.7", "warning", (Expect("engine_temperature_mismatch", 0),), temperature=0.7),
-    _s("engine_temperature_1.2", "warning", (Expect("engine_temperature_mismatch", 0),), temperature=1.2),
+    # the temperature is there from step 0: named within 2 steps of it (the fit set keeps every step)
+    _s("engine_temperature_0.7", "warning", (Expect("engine_temperature_mismatch", 0, 2),), temperature=0.7),
+    _s("engine_temperature_1.2", "warning", (Expect("engine_temperature_mismatch", 0, 2),), temperature=1.2),
     _s("numerical_fault", "unstable", (Expect("numerical_fault", 150),), nan_from=150),
     _s("entropy_collapse", "warning", (Expect("entropy_collapse", 100, 25),), **ENTROPY),
     # two causes at once
@@ -154,6 +186,8 @@ SCENARIO_LIST: tuple[Scenario, ...] = (
     _s("async_staleness", "warning", (Expect("async_staleness", 0),), versions=True, **ASYNC),
     _s("async_stale_unversioned", "warning", (Expect("offpolicy_drift", 0),), **ASYNC),
     _s("async_within_bound", stale_max=2, versions=True),  # 0-2 updates stale on a slowly moving policy: healthy
+    # a scenario per rollout cause, each with a healthy twin (ROLLOUT_FAULTS)
+    *ROLLOUT_FAULTS,
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in SCENARIO_LIST}
 # Blow-ups with a lead-up, for the early-warning lead times (bench/early_warning.py); not in the suite above. The
@@ -211,6 +245,9 @@ def schedule(sc: Scenario, rng: np.random.Generator) -> dict[str, np.ndarray]:
     if sc.mismatch_from is not None:
         ramp = np.clip((t - sc.mismatch_from + 1) / max(sc.mismatch_ramp, 1), 0.0, 1.0)
         noise = np.where(after(sc.mismatch_from), sc.engine_noise + ramp * (sc.mismatch_noise - sc.engine_noise), noise)
+    if sc.quant is not None:  # its own stream: the other scenarios' draws stay as they were
+        jitter = np.random.default_rng(sc.seed + 46).lognormal(0.0, sc.quant_jitter, sc.steps)
+        noise = np.interp(t, [0, sc.steps - 1], sc.quant) * jitter
     return {"gap": gap, "hard": np.where(hard, sc.hard_shift, 0.0),
             "stale": np.where(after(sc.drift_from), sc.drift_stale, sc.stale).astype(np.int64),
             "shift": np.where(after(sc.collapse_from), sc.collapse_shift * _ramp(t, sc.collapse_from, sc.collapse_ramp),
@@ -258,6 +295,9 @@ def generate(sc: Scenario) -> dict[str, Any]:
     if sc.stale_max is not None:  # drawn only here: the other scenarios' random streams stay as they were
         stale = rng.integers(0, sc.stale_max + 1, n // sc.group)[group]  # a group is generated at once
     old_step = np.maximum(step - stale, 0)
+    rx = np.random.default_rng(sc.seed + 4646)  # mixed-version draws: the other scenarios' streams stay as they were
+    change = np.where(rx.random(n // sc.group)[group - group.min()] < sc.mixed_frac,
+                      rx.integers(1, np.maximum(length, 2)), T + 1) if sc.mixed_frac else np.full(n, T + 1)
     for pos in range(T):
         rows = np.flatnonzero(pos < length)
         keys, inv = np.unique(h[rows], return_inverse=True)
@@ -275,7 +315,13 @@ def generate(sc: Scenario) -> dict[str, Any]:
         old[:, :F] -= sch["shift"][so, None]
         old = old * sch["sharp"][so, None] - (stale[rows] * sc.update)[:, None] * draw["u"]
         lp_theta, lp_old, lp_ref = _log_softmax(theta), _log_softmax(old), _log_softmax(z0)
-        lp_mu = _log_softmax((bf16(old) + sch["noise"][s, None] * draw["e"]) / sch["temp"][s, None])
+        served = old if sc.wrong_from is None else np.where((s >= sc.wrong_from)[:, None], z0, old)
+        noise = sch["noise"][s, None] * draw["e"]
+        moved = pos >= change[rows]
+        if moved.any():  # the engine's weights moved one update on mid-rollout; the KV cache is the old weights'
+            served = served + np.where(moved[:, None], sc.update * rx.standard_normal((len(keys), V))[inv], 0.0)
+            noise = noise + np.where(moved[:, None], sc.mixed_noise * rx.standard_normal((len(keys), V))[inv], 0.0)
+        lp_mu = _log_softmax((bf16(served) + noise) / sch["temp"][s, None])
         sampler = lp_mu if sc.engine else lp_old
         cdf = np.cumsum(np.exp(sampler), axis=1)
         x = np.minimum((cdf < rng.random(len(rows))[:, None] * cdf[:, -1:]).sum(1), V - 1)
@@ -293,8 +339,11 @@ def generate(sc: Scenario) -> dict[str, Any]:
     reward = rng.random(n) < 0.5
     g_r = reward.reshape(-1, sc.group).astype(np.float64)
     adv = ((g_r - g_r.mean(1, keepdims=True)) / (g_r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+    version = step - stale
+    if sc.mixed_frac:  # per token: one version up from the change on
+        version = version[:, None] + (np.arange(T)[None, :] >= change[:, None])
     return {**out, "token_ids": tok, "mask": mask, "group_ids": group, "advantages": adv.astype(np.float32),
-            "step": step, "schedule": sch, "policy_version": step - stale}
+            "step": step, "schedule": sch, "policy_version": version, "version_change": change}
 
 
 def make_run(run_dir: str | Path, sc: Scenario) -> Path:
@@ -306,7 +355,9 @@ def make_run(run_dir: str | Path, sc: Scenario) -> Path:
     per = -(-sc.seqs // sc.micro_batches)
     with Recorder(run_dir, beta=m["beta"], estimator=m["estimator"], clip_range=m["clip_range"],
                          trainer=m["trainer"], trainer_version=m["trainer_version"],
-                         config={**m["config"], "truth_scenario": sc.name}, tags=["kldiag.tools.truth"]) as rec:
+                         config={**m["config"], "truth_scenario": sc.name,
+                                 **({"rollout_dtype": sc.rollout_dtype} if sc.rollout_dtype else {})},
+                         tags=["kldiag.tools.truth"]) as rec:
         for s in range(sc.steps):
             for k in range(sc.micro_batches):
                 r = slice(s * sc.seqs + k * per, min((s + 1) * sc.seqs, s * sc.seqs + (k + 1) * per))

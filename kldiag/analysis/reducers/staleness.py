@@ -17,6 +17,14 @@ where null: on-policy) and rho = exp(logp - o):
 Staleness buckets are 0 .. MAX_STALE - 1 and MAX_STALE for "MAX_STALE or more"; a version above its
 step (negative staleness) is counted apart (`ahead`). Rows without a version are bucket -1, so a run
 that recorded none has only that bucket and `summary` says `versions: false`.
+
+Versions per token (a partial or interruptible rollout that straddles a weight update records each
+token's generating version): the cells are per token, so each token counts at its own staleness; a
+sequence's row takes its first versioned token's (its oldest weights), and counts its version changes (a
+sequence spans changes + 1 versions) with its mismatch |log mu - log pi_old| and KL(mu||pi_old) (k3
+of pi_old/mu, an estimate on tokens drawn from mu), in all and from its first change on. The tokens
+where the version changes are kept as rows (step, seq, pos, version before, after), at most
+MAX_CHANGES of them (`version_figures`). A negative version counts as none (AReaL writes -1 on prompt tokens).
 """
 
 from __future__ import annotations
@@ -36,7 +44,10 @@ NO_VERSION = -1
 CELL_F = ("sum_drift", "sum_rho", "sum_rho2", "sum_clip_mass")
 CELL_I = ("n_tokens", "n_clip", "n_ahead")  # keyed.py: a column without a sum_/n_/max_ prefix is a key
 SEQ_KEYS = ("step", "iteration", "seq")
-SEQ_F = ("sum_gap", "n_gap", "sum_adv", "n_adv")
+SEQ_F = ("sum_gap", "n_gap", "sum_adv", "n_adv", "sum_vchanges", "sum_mis", "n_mis", "sum_klmo", "sum_mis_after",
+         "n_mis_after")
+CHANGE_KEYS = ("step", "seq", "pos", "from", "to")  # the tokens where a sequence's version changes
+MAX_CHANGES = 1000
 OPSM_DELTA = 1e-4  # estimators.opsm_drop's delta when the manifest names none (kldiag.analysis.pipeline's default)
 
 
@@ -88,9 +99,13 @@ def keyed_max(key: np.ndarray, v: np.ndarray, size: int) -> np.ndarray:
 
 def _sequences(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per run of consecutive rows of one (step, iteration, seq): the sums of SEQ_F (the recorder writes a
-    sequence's rows together; a sequence split in runs is merged by key later, on these few rows)."""
+    sequence's rows together; a sequence split in runs is merged by key later, on these few rows) and its
+    staleness, that of its first token with a version (NO_VERSION when none has one)."""
     starts = keyed.segment_starts([t["step"], t["iteration"], t["seq"]])
-    out = {k: t[k][starts] for k in (*SEQ_KEYS, "stale")}
+    out = {k: t[k][starts] for k in SEQ_KEYS}
+    n = len(t["stale"])
+    first = np.minimum.reduceat(np.where(t["stale"] >= 0, np.arange(n), n), starts) if n else starts
+    out["stale"] = np.where(first < n, t["stale"][np.minimum(first, max(n - 1, 0))], NO_VERSION)
     out.update({k: np.add.reduceat(t[k], starts) for k in SEQ_F})
     return out
 
@@ -103,6 +118,7 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
         return None
     step, _ = _col(batch, "step", 0, np.int64)
     version, has_v = _col(batch, "policy_version", 0, np.int64)
+    has_v &= version >= 0  # a negative version is none (AReaL's -1 on prompt tokens)
     mask, _ = _col(batch, "mask", False, bool)
     logp, ok_s = _col(batch, "logp", 0.0, np.float64)
     old, ok_o = _col(batch, "logp_old", 0.0, np.float64)
@@ -124,11 +140,44 @@ def batch_partial(batch: pa.RecordBatch, clip: tuple[float, float]) -> dict[str,
         "sum_clip_mass": np.where(clipped, np.abs(rho - np.clip(rho, lo, hi)), 0.0)}, {"max_rho": rho})
     gap = np.where(ok_m, mu, o) - logp
     in_gap = mask & ok_s & np.isfinite(gap)
+    iteration, seq = _col(batch, "iteration", 0, np.int64)[0], _col(batch, "seq", 0, np.int64)[0]
+    change, after = version_changes(step, iteration, seq, version, has_v)
+    d = mu - o
+    in_mis = ok & ok_m & np.isfinite(d)
+    mis = np.where(in_mis, np.abs(d), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        klmo = np.where(in_mis, np.expm1(-d) + d, 0.0)  # k3 of r = pi_old/mu: r - 1 - log r
     seqs = _sequences({
-        "step": step, "iteration": _col(batch, "iteration", 0, np.int64)[0], "seq": _col(batch, "seq", 0, np.int64)[0],
+        "step": step, "iteration": iteration, "seq": seq,
         "stale": bucket, "sum_gap": np.where(in_gap, gap, 0.0), "n_gap": in_gap.astype(np.float64),
-        "sum_adv": np.where(ok_a & mask, adv, 0.0), "n_adv": (ok_a & mask).astype(np.float64)})
-    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()}}
+        "sum_adv": np.where(ok_a & mask, adv, 0.0), "n_adv": (ok_a & mask).astype(np.float64),
+        "sum_vchanges": change.astype(np.float64), "sum_mis": mis, "n_mis": in_mis.astype(np.float64),
+        "sum_klmo": np.where(np.isfinite(klmo), klmo, 0.0), "sum_mis_after": np.where(after, mis, 0.0),
+        "n_mis_after": (after & in_mis).astype(np.float64)})
+    at = np.flatnonzero(change)[:MAX_CHANGES]
+    pos = _col(batch, "pos", 0, np.int64)[0]
+    moves = {"step": step[at], "seq": seq[at], "pos": pos[at], "from": version[at - 1], "to": version[at]}
+    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()},
+            **{f"v_{k}": v for k, v in moves.items()}}
+
+
+def version_changes(step: np.ndarray, iteration: np.ndarray, seq: np.ndarray, version: np.ndarray,
+                    has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(change, after) bool [N]: the token's version differs from the previous token's with a version in the same
+    sequence (rows of a sequence consecutive, in position order; tokens without one in between are skipped);
+    the token lies at or after its sequence's first change."""
+    n = len(step)
+    change = np.zeros(n, bool)
+    if n < 2:
+        return change, change.copy()
+    at = np.flatnonzero(has)
+    a, b = at[:-1], at[1:]  # consecutive tokens with a version
+    same = (step[b] == step[a]) & (iteration[b] == iteration[a]) & (seq[b] == seq[a])
+    change[b] = same & (version[b] != version[a])
+    starts = keyed.segment_starts([step, iteration, seq])
+    seen = np.cumsum(change)
+    before = np.repeat(seen[starts] - change[starts], np.diff(np.append(starts, n)))  # changes before each run
+    return change, seen - before > 0
 
 
 def merge_partials(partials) -> dict[str, np.ndarray]:
@@ -138,7 +187,9 @@ def merge_partials(partials) -> dict[str, np.ndarray]:
         return empty()
     cells = keyed.reduce_by_key({k[2:]: np.concatenate([p[k] for p in partials]) for k in partials[0] if k[:2] == "c_"})
     seqs = keyed.reduce_by_key({k[2:]: np.concatenate([p[k] for p in partials]) for k in partials[0] if k[:2] == "s_"})
-    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()}}
+    moves = {k: np.concatenate([p[f"v_{k}"] for p in partials])[:MAX_CHANGES] for k in CHANGE_KEYS}
+    return {**{f"c_{k}": v for k, v in cells.items()}, **{f"s_{k}": v for k, v in seqs.items()},
+            **{f"v_{k}": v for k, v in moves.items()}}
 
 
 def empty() -> dict[str, np.ndarray]:
@@ -146,6 +197,7 @@ def empty() -> dict[str, np.ndarray]:
     out.update({f"c_{k}": np.zeros(0) for k in (*CELL_F, "max_rho")})
     out.update({f"s_{k}": np.zeros(0, np.int64) for k in (*SEQ_KEYS, "stale")})
     out.update({f"s_{k}": np.zeros(0) for k in SEQ_F})
+    out.update({f"v_{k}": np.zeros(0, np.int64) for k in CHANGE_KEYS})
     return out
 
 
@@ -156,9 +208,9 @@ class StalenessReducer(ClippedListReducer):
 
     clip: tuple[float, float] | None = None
     name: str = "staleness"
-    version: int = 1
-    columns: tuple[str, ...] = ("step", "iteration", "seq", "mask", "logp", "logp_old", "logp_sampler", "advantage",
-                                "policy_version")
+    version: int = 2
+    columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_sampler",
+                                "advantage", "policy_version")
 
     def settings(self) -> dict:
         return {"clip": list(self.bound_clip()), "max_stale": MAX_STALE}
@@ -240,7 +292,39 @@ def summary(m: dict[str, np.ndarray], delta: float = OPSM_DELTA) -> dict[str, An
               "histogram": {bucket_label(b): int(c) for b, c in enumerate(ps["histogram"][i]) if c}}
              for i, s in enumerate(ps["step"])]
     total = ps["histogram"].sum(0) if versions else np.zeros(MAX_STALE + 1, np.int64)
+    spans = m["s_sum_vchanges"][m["s_stale"] >= 0].astype(np.int64) + 1  # versions each sequence spans
     return {"versions": versions, "max_stale_bucket": MAX_STALE,
+            "versions_spanned": {str(int(k)): int(c) for k, c in zip(*np.unique(spans, return_counts=True),
+                                                                      strict=True)},
             "ahead_tokens": int(m["c_n_ahead"].sum()),
             "histogram": {bucket_label(b): int(c) for b, c in enumerate(total) if c},
             "by_staleness": buckets, "steps": steps}
+
+
+def version_figures(m: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Sequences that span more than one weight version (`mixed`) against those of one (`single`), over the
+    sequences with a version: run-wide and per step, the count and the mean per token of |log mu - log pi_old|
+    (`mis`) and of KL(mu||pi_old) (`klmo`); in mixed sequences the mismatch before and from the first change;
+    the change rows (CHANGE_KEYS, at most MAX_CHANGES). NaN where a side has no token."""
+    has = m["s_stale"] >= 0
+    mixed = has & (m["s_sum_vchanges"] > 0)
+    single = has & ~mixed
+    out: dict[str, Any] = {"sequences": int(has.sum()), "mixed": int(mixed.sum()), "single": int(single.sum()),
+                           "versions_max": int(m["s_sum_vchanges"][has].max(initial=0)) + 1 if has.any() else 0}
+    for name, sel in (("mixed", mixed), ("single", single)):
+        n = m["s_n_mis"][sel].sum()
+        out[f"{name}_mis"] = _ratio(m["s_sum_mis"][sel].sum(), n).item()
+        out[f"{name}_klmo"] = _ratio(m["s_sum_klmo"][sel].sum(), n).item()
+    n_after = m["s_n_mis_after"][mixed].sum()
+    out["mixed_mis_after"] = _ratio(m["s_sum_mis_after"][mixed].sum(), n_after).item()
+    out["mixed_mis_before"] = _ratio(m["s_sum_mis"][mixed].sum() - m["s_sum_mis_after"][mixed].sum(),
+                                     m["s_n_mis"][mixed].sum() - n_after).item()
+    steps = np.unique(m["s_step"][has])
+    idx = np.searchsorted(steps, m["s_step"])
+    for name, sel in (("mixed", mixed), ("single", single)):
+        total, n = (np.bincount(idx[sel], weights=m[k][sel], minlength=len(steps)) for k in ("s_sum_mis", "s_n_mis"))
+        out[f"step_{name}_mis"] = _ratio(total, n)
+        out[f"step_{name}_seqs"] = np.bincount(idx[sel], minlength=len(steps))
+    out["step"] = steps
+    out["changes"] = {k: m[f"v_{k}"] for k in CHANGE_KEYS}
+    return out

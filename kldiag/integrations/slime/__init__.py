@@ -260,13 +260,23 @@ def loss_sequences(batch: dict[str, Any], fields: dict[str, list[Any]], rank: in
             continue
         seq = (STATE.rollout_id << dump.SEQ_STEP_SHIFT) + pos if pos is not None else -1
         group = pos // group_size if pos is not None and group_size else None
-        versions = batch.get("weight_versions")  # Miles' train data has them; slime's does not
+        mask = _np(batch["loss_masks"][i]) != 0
         seqs.append(Sequence(step=max(STATE.rollout_id, 0), rank=rank, micro=STATE.micro, seq=seq, group=group,
-                             mask=_np(batch["loss_masks"][i]) != 0, **{k: _np(v[i]) for k, v in fields.items()},
-                             policy_version=dump.slime_policy_version(versions[i]) if versions is not None else None))
+                             mask=mask, **{k: _np(v[i]) for k, v in fields.items()},
+                             policy_version=_versions(batch, i, len(mask), mask)))
         if pos is not None:
             STATE.seen.add(pos)
     return seqs
+
+
+def _versions(batch: dict[str, Any], i: int, n: int, mask: np.ndarray) -> int | np.ndarray | None:
+    """Sample i's policy_version: per token from Miles' `response_weight_version_segments`, else one from
+    `weight_versions` (Miles' train data has them; slime's does not)."""
+    segments, versions = batch.get("response_weight_version_segments"), batch.get("weight_versions")
+    per_token = dump.segment_versions(segments[i], n, mask) if segments is not None else None
+    if per_token is not None:
+        return per_token
+    return dump.slime_policy_version(versions[i]) if versions is not None else None
 
 
 def _np(x: Any) -> np.ndarray:

@@ -114,6 +114,9 @@ def settings(actor: Any, rollout_correction: Any = None, version: str | None = N
     if replay is not None:  # the routing causes read it (kldiag/diagnosis/routing.py)
         out["routing_replay"] = replay
     out["routes"] = routes_sides(replay)
+    dtype = rollout_dtype(rollout)
+    if dtype is not None:  # engine_low_precision reads it (kldiag/diagnosis/low_precision.py)
+        out["rollout_dtype"] = dtype
     return out
 
 
@@ -143,6 +146,18 @@ def routes_sides(replay: str | None) -> dict[str, Any]:
         "engine": "routing replay is off: the rollout returns no routed_experts "
                   "(rollout.enable_rollout_routing_replay)",
         "trainer": UPDATE_ROUTES_MISSING}}
+
+
+def rollout_dtype(rollout: Any) -> str | None:
+    """The engine's weight dtype: `rollout.quantization` (e.g. "fp8") when set, else `rollout.dtype` (verl 0.9.1
+    `_generated_ppo_trainer.yaml`: `quantization: null`, `dtype: bfloat16`); None without a rollout config."""
+    if rollout is None:
+        return None
+    quant = config_get(rollout, "quantization")
+    if quant:
+        return str(quant)
+    dtype = config_get(rollout, "dtype")
+    return str(dtype) if dtype else None
 
 
 def routing_replay(actor: Any, rollout: Any = None) -> str | None:
