@@ -30,6 +30,9 @@ from kldiag.diagnosis import missing as _missing  # noqa: F401 - registers data_
 from kldiag.diagnosis import routing as _routing  # noqa: F401 - registers moe_routing_mismatch, routing_replay_broken
 from kldiag.diagnosis import staleness as _staleness  # noqa: F401 - registers async_staleness
 from kldiag.diagnosis import tasks as _tasks  # noqa: F401 - names the task that carries a cause
+# issue 46 (i46b): parity contracts and the learning signal
+from kldiag.diagnosis import contract as _contract  # noqa: F401 - registers parity_broken, batch_variance
+from kldiag.diagnosis import signal as _signal  # noqa: F401 - registers kl_dominated_signal
 from kldiag.diagnosis.scan import ScanReducer, scan_of
 from kldiag.mismatch.sample import SampleReducer
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
@@ -58,7 +61,13 @@ def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
     return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer(), StalenessReducer(),
-            TaskReducer()]
+            TaskReducer(),
+            *_contract_reducers()]  # issue 46 (i46b)
+
+
+def _contract_reducers() -> list:
+    """The parity-contract and learning-signal reducers (issue 46)."""
+    return [_contract.K.ContractReducer(_contract.ContractConfig().tolerance), _signal.SG.SignalReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

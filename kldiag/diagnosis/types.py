@@ -26,6 +26,8 @@ CAUSE_NAMES = (
     "data_missing",  # unreadable or empty parts, steps missing inside a rank (diagnosis/missing.py)
     "moe_routing_mismatch", "routing_replay_broken",  # MoE routing (kldiag/diagnosis/routing.py)
     "async_staleness",  # recorded weight versions: drift grows with staleness past the clip (diagnosis/staleness.py)
+    # issue 46 (i46b): parity contracts (diagnosis/contract.py) and the learning signal (diagnosis/signal.py)
+    "parity_broken", "batch_variance", "kl_dominated_signal",
 )
 
 
