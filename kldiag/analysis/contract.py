@@ -88,7 +88,8 @@ def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | 
              rows(BATCH_FRESH, step, seq, pos, logp, b, batch_sel & ok_v & (version == step), tol)]
     if not any(len(r["step"]) for r, _ in parts):
         return None
-    r, f = keyed.concat([r for r, _ in parts]), keyed.concat([f for _, f in parts])
+    r = keyed.concat([r for r, _ in parts])
+    f = keyed.concat([f for _, f in parts]) or {k[2:]: v for k, v in empty().items() if k[:2] == "f_"}  # none off
     return {**{f"r_{k}": v for k, v in r.items()}, **{f"f_{k}": v for k, v in f.items()}}
 
 

@@ -81,4 +81,23 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "routing": routing_of(a),
         "staleness": staleness_summary(runner.reduced(a, StalenessReducer()), a.config.opsm_delta or OPSM_DELTA),
         "tasks": tasks_summary(runner.reduced(a, TaskReducer())),
+        **issue46_figures(a),
     }
+
+
+def issue46_figures(a: Analysis) -> dict[str, Any]:
+    """The parity-contract counts ("contract"), the learning signal ("signal") and the what-if table at the default
+    thresholds, each correction with its framework's loss denominator ("whatif"; docs/metrics.md)."""
+    from kldiag.analysis import contract as K
+    from kldiag.analysis import signal as SG
+    from kldiag.diagnosis.signal import beta_of
+    from kldiag.views import mismatch as VM
+
+    estimator = (a.manifest.config or {}).get("estimator") or "k3"
+    c = runner.reduced(a, K.ContractReducer())
+    view = VM.view_of(a)
+    with VM.holding(view):
+        whatif = [{k: clean(v) for k, v in r.items()} for r in VM.whatif_table(view)]
+    return {"contract": {name: K.summary(c, i) for i, name in enumerate(K.CHECKS)},
+            "signal": clean_nested(SG.summary(runner.reduced(a, SG.SignalReducer()), beta_of(a.manifest), estimator)),
+            "whatif": whatif}
