@@ -118,7 +118,7 @@ class ContractReducer:
 
     tol: float = 0.0
     name: str = "contract"
-    version: int = 1
+    version: int = 2  # 2: the first-token rows ("f_") present when no token is off
     columns: tuple[str, ...] = ("step", "iteration", "micro", "seq", "pos", "mask", "logp", "logp_old",
                                 "logp_sampler", "policy_version")
 
