@@ -46,7 +46,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--strict", action="store_true", help="fail on a corrupt part instead of skipping it")
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true")
+                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true, "
+                   "true_on_policy=true")
     engines.add_arguments(p)
     defaults = AnalysisConfig()
     for f in dataclasses.fields(AnalysisConfig):

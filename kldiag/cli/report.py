@@ -122,7 +122,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="DiagnosisConfig.mismatch_kl: mean KL(mu||pi_old) per token above which mismatch can "
                         "dominate (default 0.01)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true")
+                   help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true, "
+                   "true_on_policy=true")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 

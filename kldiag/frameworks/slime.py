@@ -78,8 +78,9 @@ FIXES["routing_replay_broken"] = (
     "parallel capture bug slime's validator rejects), and that the Megatron patch that calls the replay top-k is "
     "applied (RoutingReplay.assert_all_consumed has no call site).")
 
-# issue 46 (i46b): parity contracts (slime/Miles `--true-on-policy-mode`)
+# issue 46 (i46b): parity contracts (slime/Miles true-on-policy mode, args.true_on_policy_mode)
 FIXES["parity_broken"] = (
-    "`--true-on-policy-mode` promises bitwise-equal SGLang and Megatron log-probs: check that both run the "
+    "The true on-policy mode (slime and Miles' true-on-policy-mode flag) promises bitwise-equal SGLang and Megatron "
+    "log-probs: check that both run the "
     "batch-invariant kernels, the same attention backend and the same temperature path, at the first token off "
     "(the evidence names it); meanwhile keep `--use-tis`.")

@@ -143,5 +143,5 @@ FIXES["batch_variance"] = (
     f"`{ACTOR}use_dynamic_bsz` on for both, the same token budget): the old-log-prob recompute and the update "
     "must see the same micro-batches (verl issue #6280).")
 FIXES["kl_dominated_signal"] = (
-    "Turn on dynamic sampling, `algorithm.filter_groups.enable=True` (metric `acc` or `score`), so groups with "
+    "Turn on dynamic sampling, `algorithm.filter_groups.enable=True` (with its metric, e.g. acc), so groups with "
     f"all-equal rewards are dropped and resampled, or lower `{ACTOR}kl_loss_coef`.")
