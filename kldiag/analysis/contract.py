@@ -41,30 +41,40 @@ def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any) -> tuple[np.
         return np.full(n, fill, dtype), np.zeros(n, bool)
     col = batch.column(i)
     valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else np.ones(n, bool)
-    return (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False).astype(dtype), valid
+    values = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
+    return values.astype(dtype, copy=False), valid
+
+
+def _runs(step: np.ndarray) -> np.ndarray:
+    """Start of each run of one step (a batch holds a few steps, mostly in order)."""
+    return np.flatnonzero(np.r_[True, step[1:] != step[:-1]]) if len(step) else np.zeros(0, np.int64)
 
 
 def rows(check: int, step: np.ndarray, seq: np.ndarray, pos: np.ndarray, a: np.ndarray, b: np.ndarray,
          sel: np.ndarray, tol: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The (check, step) rows of the tokens `sel` ([N] bool) comparing a with b ([N] float64), and the first
-    token off per step as a (check, step, seq) row with its min_pos."""
-    step, seq, pos = step[sel], seq[sel], pos[sel]
-    d = np.abs(a[sel] - b[sel])
+    token off per step as a (check, step, seq) row with its min_pos. Sums per run of a step first (reduceat), then
+    per step over the few runs (keyed.reduce_by_key): no per-token sort or scatter."""
+    step, d = step[sel], np.abs(a[sel] - b[sel])
     off = d > tol
-    steps, inv = np.unique(step, return_inverse=True)
-    k = len(steps)
-    top = np.zeros(k)
-    np.maximum.at(top, inv, d)
-    r = {"check": np.full(k, check, np.int64), "step": steps.astype(np.int64),
-         "n_tokens": np.bincount(inv, minlength=k).astype(np.int64),
-         "n_off": np.bincount(inv, weights=off, minlength=k).astype(np.int64),
-         "max_abs": top, "sum_abs": np.bincount(inv, weights=d, minlength=k)}
-    o = np.lexsort((pos[off], seq[off], step[off]))
-    s_, q_, p_ = step[off][o], seq[off][o], pos[off][o]
-    first = np.r_[True, s_[1:] != s_[:-1]] if len(s_) else np.zeros(0, bool)
-    f = {"check": np.full(int(first.sum()), check, np.int64), "step": s_[first], "seq": q_[first],
-         "min_pos": p_[first]}
-    return r, f
+    at = _runs(step)
+    r = keyed.reduce_by_key({"check": np.full(len(at), check, np.int64), "step": step[at],
+                             "n_tokens": np.diff(np.r_[at, len(step)]).astype(np.int64),
+                             "n_off": np.add.reduceat(off, at, dtype=np.int64) if len(at) else np.zeros(0, np.int64),
+                             "max_abs": np.maximum.reduceat(d, at) if len(at) else np.zeros(0),
+                             "sum_abs": np.add.reduceat(d, at) if len(at) else np.zeros(0)})
+    return r, _first_off(check, step[off], seq[sel][off], pos[sel][off])
+
+
+def _first_off(check: int, step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> dict[str, np.ndarray]:
+    """Per step of the off tokens given, the lowest sequence id and its lowest position off."""
+    if not len(step):
+        return {}
+    at = _runs(step)
+    low = keyed.reduce_by_key({"step": step[at], "min_seq": np.minimum.reduceat(seq, at)})
+    mine = at_steps(low["step"], low["min_seq"], step) == seq  # the tokens of their step's lowest sequence
+    p = keyed.reduce_by_key({"step": step[mine], "seq": seq[mine], "min_pos": pos[mine]})
+    return {"check": np.full(len(p["step"]), check, np.int64), **p}
 
 
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
@@ -84,9 +94,9 @@ def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | 
     finite = np.isfinite(b)
     parity = mask & ok_m & np.isfinite(mu) & finite
     batch_sel = mask & first_it & (micro == 0) & ok_o & ok_s & np.isfinite(logp) & finite
-    parts = [rows(PARITY, step, seq, pos, mu, b, parity, tol), rows(BATCH, step, seq, pos, logp, b, batch_sel, tol),
-             rows(BATCH_FRESH, step, seq, pos, logp, b, batch_sel & ok_v & (version == step), tol)]
-    if not any(len(r["step"]) for r, _ in parts):
+    sels = ((PARITY, mu, parity), (BATCH, logp, batch_sel), (BATCH_FRESH, logp, batch_sel & ok_v & (version == step)))
+    parts = [rows(check, step, seq, pos, a, b, sel, tol) for check, a, sel in sels if sel.any()]
+    if not parts:
         return None
     r = keyed.concat([r for r, _ in parts])
     f = keyed.concat([f for _, f in parts]) or {k[2:]: v for k, v in empty().items() if k[:2] == "f_"}  # none off
