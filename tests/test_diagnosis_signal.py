@@ -61,3 +61,19 @@ def test_no_kl_term_no_cause(tmp_path):
                  max_len=24, dead_from=20)
     dg = diagnose(analyze(T.make_run(tmp_path / "beta0", sc), AnalysisConfig(), reducers()))
     assert "kl_dominated_signal" not in {c.cause for c in dg.causes}
+
+
+def test_fused_weights_equal_the_estimators():
+    from kldiag import estimators as E
+
+    rng = np.random.default_rng(0)
+    logp, ref = -rng.exponential(2.0, 2000), -rng.exponential(2.0, 2000)
+    old = logp + rng.normal(0, 0.3, 2000)
+    ref[:5] = np.nan
+    got = SG.weights_abs(logp, ref, old)
+    assert set(got) == set(E.ESTIMATORS)
+    for name, w in got.items():
+        want = np.abs(E.weight(name, logp, ref, old))
+        ok = np.isfinite(want) & np.isfinite(ref)
+        assert np.allclose(w[ok], want[ok], rtol=1e-12, atol=1e-300), name
+        assert not np.isfinite(w[:5]).any(), name  # no pi_ref, no KL weight (k1's 1 included)

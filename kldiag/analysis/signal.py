@@ -40,6 +40,20 @@ def _wsum(name: str) -> str:
     return f"sum_w_{name}"
 
 
+def weights_abs(logp: np.ndarray, ref: np.ndarray, old: np.ndarray) -> dict[str, np.ndarray]:
+    """|gradient weight| [n] of every estimator of kldiag.estimators (`E.weight(name, ...)`, equal to it:
+    tests/test_diagnosis_signal.py), from one log-ratio and one exp shared between them."""
+    d = logp - ref  # log pi_theta / pi_ref
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        e = np.exp(-d)  # pi_ref / pi_theta
+        k3 = np.abs(-np.expm1(-d))
+        k3_value = e + d - 1.0  # k3 = exp(r) - r - 1 at r = -d
+        out = {"k1": np.where(np.isnan(ref), np.nan, 1.0), "k2": np.abs(d), "k3": k3,
+               "k3_is": np.abs(np.exp(logp - old) * d), "k3_clamped": np.where(k3_value > E.CLAMP, 0.0, k3),
+               "kl_rev": np.abs(d * e)}
+    return {name: out[name] for name in E.ESTIMATORS}
+
+
 def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
     """One row per run of (step, group, seq) of the batch's loss tokens (module docstring); None when the batch
     has no loss token with an advantage."""
@@ -63,9 +77,7 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
     t = {"step": step, "group": group, "seq": seq, "n_tokens": np.ones(len(step), np.int64),
          "n_kl_alone": (np.abs(adv) <= SPREAD_TOL).astype(np.int64), "max_adv": adv, "min_adv": adv,
          "sum_pg": np.where(np.isfinite(pg), pg, 0.0), "n_ref": np.isfinite(ref).astype(np.int64)}
-    for name in E.ESTIMATORS:
-        with np.errstate(over="ignore", invalid="ignore"):
-            w = np.abs(E.weight(name, logp, ref, old))
+    for name, w in weights_abs(logp, ref, old).items():
         t[_wsum(name)] = np.where(np.isfinite(w), w, 0.0)
     starts = keyed.segment_starts([step, group, seq])
     return keyed.reduce_segments(t, starts)
