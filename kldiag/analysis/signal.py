@@ -99,7 +99,7 @@ class SignalReducer:
     """The learning-signal rows (module docstring)."""
 
     name: str = "signal"
-    version: int = 1
+    version: int = 2  # 2: the weights from one shared exp (weights_abs)
     columns: tuple[str, ...] = ("step", "seq", "group", "mask", "logp", "logp_old", "logp_ref", "advantage")
 
     def settings(self) -> dict:

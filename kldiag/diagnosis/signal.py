@@ -87,6 +87,25 @@ def _onset(ps: dict, fire: np.ndarray, config: SignalConfig) -> int | None:
     return int(ps["step"][lo + back[0]] if len(back) else ps["step"][t])
 
 
+def _evidence(m: dict, ps: dict, on: np.ndarray, onset: int, beta: float, ctx: C.Context,
+              config: SignalConfig) -> dict:
+    """The cause's evidence: the steps it holds on (`on`), the dead groups at the onset, the shares early and after."""
+    at = int(np.flatnonzero(ps["step"] == onset)[0])
+    k = max(1, min(len(on) // 10, 20))
+    return {"steps_over": int(on.sum()), "steps_first": [int(s) for s in ps["step"][on][:config.examples]],
+            "dead_group_share_at_onset": float(ps["dead_group_share"][at]),
+            "dead_group_share_mean_after": _mean(ps["dead_group_share"][on]),
+            "dead_group_share_early": _mean(ps["dead_group_share"][:k]), "early_steps": k,
+            "dead_groups_at_onset": SG.dead_groups_at(m, onset, config.examples),
+            "groups_at_onset": int(ps["groups"][at]),
+            "kl_alone_share_mean_after": _mean(ps["kl_alone_share"][on]),
+            "kl_mass_share_mean_after": _mean(ps["kl_mass_share"][on]),
+            "kl_mass_share_early": _mean(ps["kl_mass_share"][:k]),
+            "beta": beta, "estimator": ctx.estimator, "dead_share_threshold": config.dead_share,
+            "kl_alone_share_threshold": config.kl_alone_share, "window": config.window,
+            "persistence": config.persistence.describe()}
+
+
 def kl_dominated_signal(analysis, ctx: C.Context, config: SignalConfig = SignalConfig()) -> list[Cause]:
     """The cause (module docstring); none without a KL term, groups or advantages."""
     beta = beta_of(ctx.manifest)
@@ -100,22 +119,10 @@ def kl_dominated_signal(analysis, ctx: C.Context, config: SignalConfig = SignalC
     onset = _onset(ps, fire, config)
     if onset is None:
         return []
-    on = fire & (ps["step"] >= onset)
-    at = int(np.flatnonzero(ps["step"] == onset)[0])
-    k = max(1, min(len(fire) // 10, 20))
-    ev = {"steps_over": int(on.sum()), "steps_first": [int(s) for s in ps["step"][on][:config.examples]],
-          "dead_group_share_at_onset": float(ps["dead_group_share"][at]),
-          "dead_group_share_mean_after": _mean(ps["dead_group_share"][on]),
-          "dead_group_share_early": _mean(ps["dead_group_share"][:k]),
-          "dead_groups_at_onset": SG.dead_groups_at(m, onset, config.examples),
-          "groups_at_onset": int(ps["groups"][at]),
-          "kl_alone_share_mean_after": _mean(ps["kl_alone_share"][on]),
-          "kl_mass_share_mean_after": _mean(ps["kl_mass_share"][on]), "kl_mass_share_early": _mean(ps["kl_mass_share"][:k]),
-          "beta": beta, "estimator": ctx.estimator, "dead_share_threshold": config.dead_share,
-          "kl_alone_share_threshold": config.kl_alone_share, "persistence": ctx.config.persistence.describe()}
-    summary = (f"from step {onset}, {ev['dead_group_share_mean_after']:.0%} of the prompt groups have all-equal rewards "
-               f"(zero advantage; {ev['dead_group_share_early']:.0%} in the run's first {k} steps; at step {onset} "
-               f"groups {', '.join(map(str, ev['dead_groups_at_onset']))}), so "
+    ev = _evidence(m, ps, fire & (ps["step"] >= onset), onset, beta, ctx, config)
+    summary = (f"from step {onset}, {ev['dead_group_share_mean_after']:.0%} of the prompt groups have all-equal "
+               f"rewards (zero advantage; {ev['dead_group_share_early']:.0%} in the run's first {ev['early_steps']} "
+               f"steps; at step {onset} groups {', '.join(map(str, ev['dead_groups_at_onset']))}), so "
                f"{ev['kl_alone_share_mean_after']:.0%} of the loss tokens move by the KL term alone (beta {beta:g}, "
                f"{ctx.estimator}), which pulls them back toward pi_ref; the KL term's share of the gradient weight "
                f"mass rises from {ev['kl_mass_share_early']:.1%} to {ev['kl_mass_share_mean_after']:.1%}: "

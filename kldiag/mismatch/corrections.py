@@ -82,7 +82,7 @@ def m2po(lr: np.ndarray, stidx: np.ndarray, tau: float) -> np.ndarray:
     m2 = lr * lr
     order = np.lexsort((-m2, stidx))  # by step, largest first
     starts = np.flatnonzero(np.r_[True, stidx[order][1:] != stidx[order][:-1]]) if len(lr) else np.zeros(0, int)
-    for a, b in zip(starts, np.r_[starts[1:], len(lr)]):
+    for a, b in zip(starts, np.r_[starts[1:], len(lr)], strict=True):
         x = m2[order[a:b]]
         n = len(x)
         tail = np.cumsum(x[::-1])[::-1]  # tail[j]: sum of x[j:] (the kept ones once j are removed)
