@@ -40,7 +40,8 @@ DENOMINATORS: dict[str, tuple[str, str]] = {
                       "mask"),
     "geo_rs": ("all", "verl 0.9.1 rollout_corr: the rejection mask multiplies the loss, agg_loss over the response "
                       "mask"),
-    "seq_mask_tis": ("kept", "NeMo-RL seq-mask-tis: the rejected sequences leave the valid-token count"),
+    "seq_mask_tis": ("all", "NeMo-RL ClippedPGLossFn and OpenRLHF's PolicyLoss: the sequence mask multiplies the IS "
+                            "weights; the loss's token mask is unchanged"),
     "opsm": ("all", "slime/TRL: the sequence mask multiplies the per-token loss; the token count is unchanged"),
     "dppo_tv": ("all", "verl 0.9.1 compute_policy_loss_dppo_tv: agg_loss over the response mask; SkyRL 0.3.0: "
                        "advantages pre-divided by the loss-mask token count"),
