@@ -77,3 +77,27 @@ def test_fused_weights_equal_the_estimators():
         ok = np.isfinite(want) & np.isfinite(ref)
         assert np.allclose(w[ok], want[ok], rtol=1e-12, atol=1e-300), name
         assert not np.isfinite(w[:5]).any(), name  # no pi_ref, no KL weight (k1's 1 included)
+
+
+def test_the_compiled_pass_sums_the_numpy_weights():
+    """signal_kernel.signal_rows per (step, group, seq) run equals weights_abs summed with numpy (float32 inputs)."""
+    from kldiag.analysis import signal_kernel as SK
+
+    rng = np.random.default_rng(1)
+    n = 3000
+    logp = (-rng.exponential(2.0, n)).astype(np.float32)
+    ref = (-rng.exponential(2.0, n)).astype(np.float32)
+    old = (logp + rng.normal(0, 0.3, n)).astype(np.float32)
+    seq = np.repeat(np.arange(n // 30), 30)
+    b = pa.RecordBatch.from_pydict({"step": seq // 10, "group": seq // 4, "seq": seq, "mask": rng.random(n) > 0.1,
+                                    "advantage": rng.normal(0, 1, n).astype(np.float32), "logp": logp,
+                                    "logp_old": old, "logp_ref": ref})
+    got = SG.batch_partial(b)
+    m = b.column("mask").to_numpy(zero_copy_only=False)
+    w = SG.weights_abs(logp.astype(np.float64), ref.astype(np.float64), old.astype(np.float64))
+    assert set(SK.ESTIMATOR_ORDER) == set(w)
+    for name in SK.ESTIMATOR_ORDER:
+        want = np.bincount(seq[m], weights=w[name][m], minlength=n // 30)
+        assert np.allclose(got[f"sum_w_{name}"], want, rtol=1e-10), name
+    pg = np.abs(b.column("advantage").to_numpy().astype(np.float64) * np.exp(logp.astype(np.float64) - old))
+    assert np.allclose(got["sum_pg"], np.bincount(seq[m], weights=pg[m], minlength=n // 30), rtol=1e-10)

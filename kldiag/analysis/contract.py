@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kldiag.analysis import contract_kernel as KK
 from kldiag.analysis import keyed
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
@@ -45,62 +46,34 @@ def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any) -> tuple[np.
     return values.astype(dtype, copy=False), valid
 
 
-def _runs(step: np.ndarray) -> np.ndarray:
-    """Start of each run of one step (a batch holds a few steps, mostly in order)."""
-    return np.flatnonzero(np.r_[True, step[1:] != step[:-1]]) if len(step) else np.zeros(0, np.int64)
-
-
-def rows(check: int, step: np.ndarray, seq: np.ndarray, pos: np.ndarray, a: np.ndarray, b: np.ndarray,
-         sel: np.ndarray, tol: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The (check, step) rows of the tokens `sel` ([N] bool) comparing a with b ([N] float64), and the first
-    token off per step as a (check, step, seq) row with its min_pos. Sums per run of a step first (reduceat), then
-    per step over the few runs (keyed.reduce_by_key): no per-token sort or scatter."""
-    step, d = step[sel], np.abs(a[sel] - b[sel])
-    off = d > tol
-    at = _runs(step)
-    r = keyed.reduce_by_key({"check": np.full(len(at), check, np.int64), "step": step[at],
-                             "n_tokens": np.diff(np.r_[at, len(step)]).astype(np.int64),
-                             "n_off": np.add.reduceat(off, at, dtype=np.int64) if len(at) else np.zeros(0, np.int64),
-                             "max_abs": np.maximum.reduceat(d, at) if len(at) else np.zeros(0),
-                             "sum_abs": np.add.reduceat(d, at) if len(at) else np.zeros(0)})
-    return r, _first_off(check, step[off], seq[sel][off], pos[sel][off])
-
-
-def _first_off(check: int, step: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> dict[str, np.ndarray]:
-    """Per step of the off tokens given, the lowest sequence id and its lowest position off."""
-    if not len(step):
-        return {}
-    at = _runs(step)
-    low = keyed.reduce_by_key({"step": step[at], "min_seq": np.minimum.reduceat(seq, at)})
-    mine = at_steps(low["step"], low["min_seq"], step) == seq  # the tokens of their step's lowest sequence
-    p = keyed.reduce_by_key({"step": step[mine], "seq": seq[mine], "min_pos": pos[mine]})
-    return {"check": np.full(len(p["step"]), check, np.int64), **p}
-
-
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
-    """The rows of one record batch (module docstring); None when it has nothing to compare."""
+    """The rows of one record batch (module docstring; one compiled loop, contract_kernel.contract_cells); None when
+    it has nothing to compare."""
     step, _ = column(batch, "step", 0, np.int64)
-    it, _ = column(batch, "iteration", 0, np.int64)
-    micro, _ = column(batch, "micro", 0, np.int64)
-    mask, _ = column(batch, "mask", False, bool)
-    logp, ok_s = column(batch, "logp", np.nan, np.float64)
-    old, ok_o = column(batch, "logp_old", np.nan, np.float64)
-    mu, ok_m = column(batch, "logp_sampler", np.nan, np.float64)
-    version, ok_v = column(batch, "policy_version", -1, np.int64)
-    seq, _ = column(batch, "seq", 0, np.int64)
-    pos, _ = column(batch, "pos", 0, np.int64)
-    first_it = it == 0
-    b = np.where(ok_o, old, np.where(first_it, logp, np.nan))  # pi_old; pi_theta at iteration 0 when null
-    finite = np.isfinite(b)
-    parity = mask & ok_m & np.isfinite(mu) & finite
-    batch_sel = mask & first_it & (micro == 0) & ok_o & ok_s & np.isfinite(logp) & finite
-    sels = ((PARITY, mu, parity), (BATCH, logp, batch_sel), (BATCH_FRESH, logp, batch_sel & ok_v & (version == step)))
-    parts = [rows(check, step, seq, pos, a, b, sel, tol) for check, a, sel in sels if sel.any()]
-    if not parts:
+    if not len(step):
         return None
-    r = keyed.concat([r for r, _ in parts])
-    f = keyed.concat([f for _, f in parts]) or {k[2:]: v for k, v in empty().items() if k[:2] == "f_"}  # none off
-    return {**{f"r_{k}": v for k, v in r.items()}, **{f"f_{k}": v for k, v in f.items()}}
+    lo, hi = int(step.min()), int(step.max())
+    if hi - lo < 1 << 16:  # a batch's steps are a short range: an offset, no sort
+        steps, sidx = np.arange(lo, hi + 1, dtype=np.int64), step - lo
+    else:
+        steps, sidx = np.unique(step, return_inverse=True)
+    version, ok_v = column(batch, "policy_version", -1, np.int64)
+    cols = [column(batch, name, fill, dt) for name, fill, dt in (
+        ("iteration", 0, np.int64), ("micro", 0, np.int64), ("seq", 0, np.int64), ("pos", 0, np.int64),
+        ("mask", False, bool), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
+        ("logp_sampler", np.nan, np.float32))]
+    (it, _), (micro, _), (seq, _), (pos, _), (mask, _), (logp, ok_s), (old, ok_o), (mu, ok_m) = cols
+    n_tok, n_off, top, tot, f_seq, f_pos = KK.contract_cells(sidx.reshape(-1).astype(np.int64), len(steps), it, micro,
+                                                             seq, pos, mask, logp, ok_s, old, ok_o, mu, ok_m,
+                                                             ok_v & (version == step), float(tol))
+    c, g = np.nonzero(n_tok)
+    if not len(c):
+        return None
+    out = {"r_check": c.astype(np.int64), "r_step": steps[g], "r_n_tokens": n_tok[c, g], "r_n_off": n_off[c, g],
+           "r_max_abs": top[c, g], "r_sum_abs": tot[c, g]}
+    c, g = np.nonzero(n_off)
+    out.update({"f_check": c.astype(np.int64), "f_step": steps[g], "f_seq": f_seq[c, g], "f_min_pos": f_pos[c, g]})
+    return out
 
 
 def empty() -> dict[str, np.ndarray]:
@@ -128,7 +101,7 @@ class ContractReducer:
 
     tol: float = 0.0
     name: str = "contract"
-    version: int = 2  # 2: the first-token rows ("f_") present when no token is off
+    version: int = 3  # 3: the compiled pass (contract_kernel)
     columns: tuple[str, ...] = ("step", "iteration", "micro", "seq", "pos", "mask", "logp", "logp_old",
                                 "logp_sampler", "policy_version")
 

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag.analysis import keyed
+from kldiag.analysis import signal_kernel as SK
 from kldiag.analysis.contract import column
 
 SPREAD_TOL = 1e-6  # rewards (advantages) closer than this count as equal
@@ -42,7 +43,8 @@ def _wsum(name: str) -> str:
 
 def weights_abs(logp: np.ndarray, ref: np.ndarray, old: np.ndarray) -> dict[str, np.ndarray]:
     """|gradient weight| [n] of every estimator of kldiag.estimators (`E.weight(name, ...)`, equal to it:
-    tests/test_diagnosis_signal.py), from one log-ratio and one exp shared between them."""
+    tests/test_diagnosis_signal.py), from one log-ratio and one exp shared between them: the formulas the compiled
+    pass (signal_kernel.signal_rows) applies per token."""
     d = logp - ref  # log pi_theta / pi_ref
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         e = np.exp(-d)  # pi_ref / pi_theta
@@ -55,32 +57,22 @@ def weights_abs(logp: np.ndarray, ref: np.ndarray, old: np.ndarray) -> dict[str,
 
 
 def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
-    """One row per run of (step, group, seq) of the batch's loss tokens (module docstring); None when the batch
-    has no loss token with an advantage."""
-    mask, _ = column(batch, "mask", False, bool)
-    adv, ok_a = column(batch, "advantage", np.nan, np.float64)
-    logp, ok_s = column(batch, "logp", np.nan, np.float64)
-    sel = mask & ok_a & np.isfinite(adv) & ok_s & np.isfinite(logp)
-    if not sel.any():
+    """One row per run of (step, group, seq) of the batch's loss tokens (module docstring; one compiled loop,
+    signal_kernel.signal_rows); None when the batch has no loss token with an advantage."""
+    cols = [column(batch, name, fill, dt) for name, fill, dt in (
+        ("step", 0, np.int64), ("group", NO_GROUP, np.int64), ("seq", 0, np.int64), ("mask", False, bool),
+        ("advantage", np.nan, np.float32), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
+        ("logp_ref", np.nan, np.float32))]
+    (step, _), (group, _), (seq, _), (mask, _), (adv, ok_a), (logp, ok_s), (old, ok_o), (ref, ok_r) = cols
+    keys, cnt, val = SK.signal_rows(step, group, seq, mask, adv, ok_a, logp, ok_s, old, ok_o, ref, ok_r,
+                                    SPREAD_TOL, E.CLAMP)
+    if not len(keys):
         return None
-    step = column(batch, "step", 0, np.int64)[0][sel]
-    group, ok_g = column(batch, "group", NO_GROUP, np.int64)
-    group = np.where(ok_g, group, NO_GROUP)[sel]
-    seq = column(batch, "seq", 0, np.int64)[0][sel]
-    logp, adv = logp[sel], adv[sel]
-    old, ok_o = column(batch, "logp_old", np.nan, np.float64)
-    old = np.where(ok_o[sel], old[sel], logp)
-    ref, ok_r = column(batch, "logp_ref", np.nan, np.float64)
-    ref = np.where(ok_r[sel], ref[sel], np.nan)
-    with np.errstate(over="ignore", invalid="ignore"):
-        pg = np.abs(adv * np.exp(np.minimum(logp - old, 700.0)))
-    t = {"step": step, "group": group, "seq": seq, "n_tokens": np.ones(len(step), np.int64),
-         "n_kl_alone": (np.abs(adv) <= SPREAD_TOL).astype(np.int64), "max_adv": adv, "min_adv": adv,
-         "sum_pg": np.where(np.isfinite(pg), pg, 0.0), "n_ref": np.isfinite(ref).astype(np.int64)}
-    for name, w in weights_abs(logp, ref, old).items():
-        t[_wsum(name)] = np.where(np.isfinite(w), w, 0.0)
-    starts = keyed.segment_starts([step, group, seq])
-    return keyed.reduce_segments(t, starts)
+    out = {"step": keys[:, 0], "group": keys[:, 1], "seq": keys[:, 2], "n_tokens": cnt[:, 0],
+           "n_kl_alone": cnt[:, 1], "n_ref": cnt[:, 2], "max_adv": val[:, 0], "min_adv": val[:, 1],
+           "sum_pg": val[:, 2]}
+    out.update({_wsum(name): val[:, 3 + j] for j, name in enumerate(SK.ESTIMATOR_ORDER)})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def empty() -> dict[str, np.ndarray]:
@@ -99,7 +91,7 @@ class SignalReducer:
     """The learning-signal rows (module docstring)."""
 
     name: str = "signal"
-    version: int = 2  # 2: the weights from one shared exp (weights_abs)
+    version: int = 3  # 3: the compiled pass (signal_kernel)
     columns: tuple[str, ...] = ("step", "seq", "group", "mask", "logp", "logp_old", "logp_ref", "advantage")
 
     def settings(self) -> dict:
