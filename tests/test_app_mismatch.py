@@ -54,3 +54,18 @@ def test_run_without_sampler_says_so(monkeypatch):
     assert at.radio(key="wi_conv").value == "trainer"
     assert list(at.dataframe[0].value.columns)[:2] == ["step", "kl"]  # the run's own framework: TRL
     assert any("is null" in c.value for c in at.caption)
+
+
+def test_the_2026_corrections_on_the_page(monkeypatch):
+    """DPPO, M2PO, sequence log-prob-error and any-token rejection are on the what-if, each with its denominator."""
+    at = _page(monkeypatch, "sample_logs/demo_k3")
+    at.selectbox(key="wi_method").set_value("dppo_tv").run()
+    base = float(_metrics(at)["Tokens masked or clipped"].rstrip("%"))
+    at.slider(key="wi_tv").set_value(0.05).run()
+    assert float(_metrics(at)["Tokens masked or clipped"].rstrip("%")) > base
+    assert any("Loss denominator after rejection: **all**" in c.value for c in at.caption)
+    at.selectbox(key="wi_method").set_value("seq_error").run()
+    assert any("**kept**" in c.value and "NeMo-RL" in c.value for c in at.caption)
+    for method in ("dppo_kl", "m2po", "any_token"):
+        at.selectbox(key="wi_method").set_value(method).run()
+        assert not at.exception, method

@@ -242,3 +242,12 @@ def test_policy_loss_without_rollout_positions(fake_slime, tmp_path):
     t = kldiag.open_run(tmp_path / "run").read().to_pandas()
     assert t["seq"].nunique() == 2 and t["group"].isna().all() and set(t["step"]) == {2}
     assert len(t) == sum(data["response_lengths"])
+
+
+def test_true_on_policy_mode_declares_the_parity_contract(fake_slime, tmp_path):
+    """slime/Miles' --true-on-policy-mode (args.true_on_policy_mode) becomes the manifest's true_on_policy, which
+    kldiag.diagnosis.contract reads."""
+    rng = np.random.default_rng(1)
+    hook.postprocess(make_args(true_on_policy_mode=True), 3, rollout_data(rng, [0, 1]))
+    hook.close()
+    assert kldiag.open_run(tmp_path / "run").manifest.config["true_on_policy"] is True

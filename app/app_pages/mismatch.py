@@ -13,6 +13,7 @@ from kldiag.views import mismatch as VM
 from kldiag.views import routing as VR
 from kldiag.views import tasks as VK
 from kldiag.views import turns as VT
+from kldiag.mismatch import corrections as CR
 
 
 @st.cache_data(max_entries=64)
@@ -91,7 +92,31 @@ def routing_section(run: D.Loaded) -> None:
 
 WHATIF_NAMES = {"tis_token": "token TIS (cap C)", "tis_seq": "sequence TIS (cap C)",
                 "icepop": "IcePop / MIS (band [a, b])", "geo_rs": "geometric-mean sequence rejection [a, b]",
-                "seq_mask_tis": "seq-mask-TIS ([a, b], cap C)", "opsm": "DeepSeek off-policy sequence mask (delta)"}
+                "seq_mask_tis": "seq-mask-TIS ([a, b], cap C)", "opsm": "DeepSeek off-policy sequence mask (delta)",
+                # issue 46: the 2026 corrections (kldiag/mismatch/corrections.py)
+                "dppo_tv": "DPPO Binary-TV trust region (delta)", "dppo_kl": "DPPO Binary-KL trust region (delta)",
+                "m2po": "M2PO second-moment mask (tau)", "seq_error": "sequence log-prob-error rejection (NeMo-RL)",
+                "any_token": "any-token outlier rejection (SkyRL)"}
+
+
+def _new_params(method: str) -> dict:
+    """The thresholds of the 2026 corrections (defaults: WhatIf's, from each framework)."""
+    if method == "dppo_tv":
+        return {"tv_delta": st.slider("delta (|pi - b| in probability)", 0.01, 0.5, 0.2, 0.01, key="wi_tv")}
+    if method == "dppo_kl":
+        return {"kl_delta": st.select_slider("delta (binary KL)", [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2], 0.05,
+                                             key="wi_kl")}
+    if method == "m2po":
+        return {"tau": st.select_slider("tau (mean (log r)^2)", [0.005, 0.01, 0.02, 0.04, 0.08, 0.16], 0.04,
+                                        key="wi_tau")}
+    if method == "seq_error":
+        return {"error_threshold": st.slider("threshold (mean exp|log r|)", 1.01, 5.0, 2.0, 0.01, key="wi_err")}
+    if method == "any_token":
+        lo = st.select_slider("low", [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1], 1e-4, key="wi_out_lo",
+                              format_func=lambda v: f"{v:g}")
+        hi = st.select_slider("high", [2.0, 5.0, 10.0, 100.0, 1000.0], 100.0, key="wi_out_hi")
+        return {"outlier_low": lo, "outlier_high": hi}
+    return {}
 
 
 def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
@@ -114,6 +139,7 @@ def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
     if method == "opsm":
         params["delta"] = st.select_slider("delta", [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0], value=1e-4,
                                            key="wi_delta", format_func=lambda v: f"{v:g}")
+    params.update(_new_params(method))
     frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
     tot = VM.whatif_totals(frame)
     m = st.columns(5)
@@ -122,6 +148,10 @@ def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
     m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
     m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
     m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
+    denom, source = CR.DENOMINATORS[method]
+    st.caption(f"Loss denominator after rejection: **{denom}** tokens ({source}); gradient scale under it "
+               f"{frame['grad_scale'].mean():.3f} (the corrected policy-gradient weight per token over the "
+               "uncorrected, mean over steps).")
     left, right = st.columns(2)
     left.plotly_chart(lines(frame, "step", ["token_frac", "seq_frac", "ess"], "What the correction does per step",
                             y_title=SHARE, subtitle=WHATIF_NAMES[method]))

@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write RUN/.kldiag/ partials")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true, "
-                        "rollout_dtype=fp8")
+                        "rollout_dtype=fp8, true_on_policy=true")
     engines.add_arguments(p)
     defaults = AnalysisConfig()
     for f in dataclasses.fields(AnalysisConfig):

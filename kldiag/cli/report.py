@@ -123,7 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "dominate (default 0.01)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="a run setting the manifest lacks, for the diagnosis (repeatable): routing_replay=R3|true, "
-                        "rollout_dtype=fp8")
+                        "rollout_dtype=fp8, true_on_policy=true")
     engines.add_arguments(p)
     p.set_defaults(func=run)
 

@@ -22,8 +22,11 @@ from kldiag.analysis.reducers.turns import TurnReducer
 from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.rules.alerts import rule_context
 from kldiag.analysis.runtime import runner
+from kldiag.analysis.reducers.contract import ContractReducer
 from kldiag.analysis.reducers.route_margin import RouteMarginReducer
+from kldiag.analysis.reducers.signal import SignalReducer
 from kldiag.diagnosis import causes as C
+from kldiag.diagnosis.contract import ContractConfig
 from kldiag.diagnosis import detectors as D
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import tasks as TA  # names the task that carries a cause
@@ -55,7 +58,7 @@ def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
     return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer(), StalenessReducer(),
-            TaskReducer(), RouteMarginReducer()]
+            TaskReducer(), RouteMarginReducer(), ContractReducer(ContractConfig().tolerance), SignalReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

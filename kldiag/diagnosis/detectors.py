@@ -7,8 +7,8 @@ one line here. Detectors of other packages join with kldiag.diagnosis.causes.reg
 
 from __future__ import annotations
 
-from kldiag.diagnosis import (causes, low_precision, missing, parity, retokenize, routing, staleness, truncation,
-                              versions, wrong_weights)
+from kldiag.diagnosis import (causes, contract, low_precision, missing, parity, retokenize, routing, signal, staleness,
+                              truncation, versions, wrong_weights)
 
 BUILTIN: tuple[causes.Detector, ...] = (
     causes.k3_weight_blowup,
@@ -30,6 +30,9 @@ BUILTIN: tuple[causes.Detector, ...] = (
     versions.mixed_version_rollout,
     wrong_weights.engine_wrong_weights,
     low_precision.engine_low_precision,
+    contract.parity_broken,
+    contract.batch_variance,
+    signal.kl_dominated_signal,
 )
 
 

@@ -34,7 +34,7 @@ OFF = ("", "off", "none", "null", "false", "0", "no", "disabled")  # verl's mode
 # verl's R2 records the trainer's own routes in the old-log-prob pass and replays them in the update: the
 # engine's routes are not replayed, so engine and trainer may differ under it (verl@1dda039b engine.py)
 NOT_ENGINE_REPLAY = ("r2",)
-SETTABLE = ("routing_replay",)  # what `--set KEY=VALUE` may give the diagnosis
+SETTABLE = ("routing_replay", "true_on_policy")  # what `--set KEY=VALUE` may give the diagnosis
 SETTABLE += ("rollout_dtype",)  # engine_low_precision reads it (fp8, int8, ...)
 
 

@@ -29,6 +29,8 @@ CAUSE_NAMES = (
     "async_staleness",  # recorded weight versions: drift grows with staleness past the clip (diagnosis/staleness.py)
     # rollouts across a weight update, the engine's wrong weights, low-precision rollouts
     "mixed_version_rollout", "engine_wrong_weights", "engine_low_precision",
+    # parity contracts (diagnosis/contract.py) and the learning signal (diagnosis/signal.py)
+    "parity_broken", "batch_variance", "kl_dominated_signal",
 )
 
 

@@ -94,3 +94,18 @@ FIXES["routing_replay_broken"] = (
     "the trainer aligned with the tokens (padding and the missing last row), that every MoE layer's router is "
     "patched (a fused router bypasses replay) and that the replay stage is set for the forward and the backward "
     "(" + R3_KEYS + ").")
+
+# parity contracts (kldiag/diagnosis/contract.py) and the learning signal (diagnosis/signal.py)
+FIXES["parity_broken"] = (
+    "The run promises bitwise-equal engine and trainer log-probs: find the first token off (the evidence names its "
+    "step, sequence and position) and compare the two computation paths there: batch-invariant kernels on both "
+    "sides, the same dtype of the logits and of the temperature division, the same attention backend and "
+    "parallel layout. Until then correct with truncated importance sampling on pi_old/mu.")
+FIXES["batch_variance"] = (
+    "Compute pi_old with the same micro-batch size, padding and kernels as the update (or batch-invariant "
+    "kernels): before the first optimizer step the two forward passes must agree, and a ratio that is not 1 "
+    "on-policy makes the PPO clip act on noise.")
+FIXES["kl_dominated_signal"] = (
+    "Most prompt groups give every completion the same reward: filter or resample them (dynamic sampling, as "
+    "DAPO), make the prompt set match the policy's level, or lower beta so the KL term does not pull the "
+    "untrained tokens back toward the reference.")

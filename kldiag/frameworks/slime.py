@@ -77,3 +77,10 @@ FIXES["routing_replay_broken"] = (
     "`rollout_routed_experts` has one row per token but the last, that no MoE layer is all zeros (a pipeline-"
     "parallel capture bug slime's validator rejects), and that the Megatron patch that calls the replay top-k is "
     "applied (RoutingReplay.assert_all_consumed has no call site).")
+
+# parity contracts (slime/Miles true-on-policy mode, args.true_on_policy_mode)
+FIXES["parity_broken"] = (
+    "The true on-policy mode (slime and Miles' true-on-policy-mode flag) promises bitwise-equal SGLang and Megatron "
+    "log-probs: check that both run the "
+    "batch-invariant kernels, the same attention backend and the same temperature path, at the first token off "
+    "(the evidence names it); meanwhile keep `--use-tis`.")

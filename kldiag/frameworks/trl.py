@@ -98,3 +98,16 @@ FIXES["routing_replay_broken"] = (
     "The run says routing replay was on, but TRL replays no routes: the engine's and the trainer's routes differ. "
     "Drop the routing_replay setting from the run's config, or move the run to a framework with routing replay; "
     "meanwhile keep `vllm_importance_sampling_correction=True`.")
+
+# parity contracts and the learning signal (GRPOConfig fields of TRL 1.16)
+FIXES["parity_broken"] = (
+    "The run declares true on-policy but vLLM's log-probs differ from the trainer's: match the dtypes "
+    "(`cast_lm_head_to_fp32` on both sides), the kernels and the temperature path at the first token off, and keep "
+    "`vllm_importance_sampling_correction=True` meanwhile.")
+FIXES["batch_variance"] = (
+    "The old log-probs are computed in another pass than the update's (other batch sizes or padding): compute them "
+    "with the same `per_device_train_batch_size` as the update, or use batch-invariant kernels.")
+FIXES["kl_dominated_signal"] = (
+    "Most groups have all-equal rewards, so only the KL term moves their tokens: lower `beta` (TRL's default is 0), "
+    "sample more completions per prompt or pick prompts of the policy's level; `scale_rewards` does not help, a "
+    "group without spread stays at advantage 0.")

@@ -136,3 +136,12 @@ FIXES["routing_replay_broken"] = (
     "routed_experts key covers every response token (verl pads the tail with zeros and masks the last row out), that "
     f"`{ACTOR}megatron.router_replay.mode` is R3 and not R2 in the update, and that every MoE layer's router is "
     "patched.")
+
+# parity contracts and the learning signal (keys of verl 0.9.1's _generated_ppo_trainer.yaml)
+FIXES["batch_variance"] = (
+    f"Set `{ROLLOUT}log_prob_micro_batch_size_per_gpu` equal to `{ACTOR}ppo_micro_batch_size_per_gpu` (or "
+    f"`{ACTOR}use_dynamic_bsz` on for both, the same token budget): the old-log-prob recompute and the update "
+    "must see the same micro-batches (verl issue #6280).")
+FIXES["kl_dominated_signal"] = (
+    "Turn on dynamic sampling, `algorithm.filter_groups.enable=True` (with its metric, e.g. acc), so groups with "
+    f"all-equal rewards are dropped and resampled, or lower `{ACTOR}kl_loss_coef`.")

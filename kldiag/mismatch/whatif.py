@@ -12,12 +12,21 @@ engine's log-prob: TRL's OPSM, TIS/MIS on the training-inference mismatch). Meth
   geo_rs        drop the sequence when G = exp(mean log r) is outside [a, b]  (geometric-mean rejection)
   seq_mask_tis  drop the sequence outside [a, b] by G; kept tokens w = min(r, C)  (OpenRLHF/NeMo-RL)
   opsm          drop the sequence when A < 0 and mean(log b - log pi_theta) > delta (DeepSeek-V3.2 eq. 9)
+  dppo_tv       DPPO Binary-TV: zero a token whose pi_theta - b left [-delta, delta] the way A pushes it
+  dppo_kl       DPPO Binary-KL: the same on the binary KL of the sampled token's probability
+  m2po          M2PO: per step, zero the tokens of largest (log r)^2 until mean (log r)^2 <= tau
+  seq_error     drop the sequence when mean exp|log r| > threshold (NeMo-RL seq_logprob_error_threshold)
+  any_token     drop the sequence when any token's r is outside [outlier_low, outlier_high] (SkyRL)
+(the last five: kldiag.mismatch.corrections, with each one's source and its framework's loss denominator)
 
 Per step: the fraction of tokens and of sequences masked or clipped, the effective sample size
 (sum w)^2 / (n sum w^2) of the corrected weights, chi-square mean(w^2) - 1 (verl's chi2_token applied to
 the corrected weights: negative once truncation pulls the mean below 1), and the gradient mass
 removed from the policy-gradient term, sum |r A| - sum |w A| (split by the sign of A, also as a share
-of that sign's sum |r A|). float64 inside; NaN log-probs leave their token out.
+of that sign's sum |r A|). float64 inside; NaN log-probs leave their token out. After rejection each framework
+normalises its token-mean loss by all the tokens or by the kept ones (corrections.DENOMINATORS): per step,
+denominator_share = D / n, and grad_scale = (sum |w A| / D) / (sum |r A| / n), the corrected policy-gradient weight
+mass per token against the uncorrected one under that denominator.
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.jit import njit
+from kldiag.mismatch import corrections as CR
 from kldiag.mismatch.tokenset import TokenSet, unique_inverse
 
-METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm")
+METHODS = ("tis_token", "tis_seq", "icepop", "geo_rs", "seq_mask_tis", "opsm",
+           "dppo_tv", "dppo_kl", "m2po", "seq_error", "any_token")  # the last five: the 2026 corrections (DPPO, M2PO, NeMo-RL, SkyRL)
 CONVENTIONS = ("trainer", "sampler")
 SAFE = 700.0  # exp() stays finite in float64
 
@@ -46,6 +57,12 @@ class WhatIf:
     low: float = 0.5  # a
     high: float = 2.0  # b
     delta: float = 1e-4
+    tv_delta: float = 0.2  # DPPO Binary-TV's delta (SkyRL 0.3.0 DPPOConfig, both sides)
+    kl_delta: float = 0.05  # DPPO Binary-KL's delta (SkyRL's recommendation for KL)
+    tau: float = 0.04  # M2PO's second-moment bound
+    error_threshold: float = 2.0  # NeMo-RL's seq_logprob_error_threshold
+    outlier_low: float = 1e-4  # SkyRL's suggested outlier_token_is_threshold_low ...
+    outlier_high: float = 100.0  # ... and _high
 
 
 def log_ratio(ts: TokenSet, convention: str) -> np.ndarray:
@@ -66,10 +83,23 @@ def _seq_mean(x: np.ndarray, sidx: np.ndarray, k: int) -> np.ndarray:
     return np.bincount(sidx, weights=x, minlength=k) / np.maximum(np.bincount(sidx, minlength=k), 1)
 
 
-def corrected_weights(lr: np.ndarray, adv: np.ndarray, sidx: np.ndarray, k: int, w: WhatIf):
+def corrected_weights(lr: np.ndarray, adv: np.ndarray, sidx: np.ndarray, k: int, w: WhatIf,
+                      logp: np.ndarray | None = None, stidx: np.ndarray | None = None):
     """(uncorrected weight r, corrected weight, token affected, sequence affected [k]) for tokens with
-    finite lr, [n] each; r is the token ratio, or the sequence ratio R for tis_seq."""
+    finite lr, [n] each; r is the token ratio, or the sequence ratio R for tis_seq. DPPO needs `logp`
+    (log pi_theta; the behaviour's is logp - lr), M2PO `stidx` (each token's step index)."""
     r = np.exp(np.clip(lr, -SAFE, SAFE))
+    if w.method in ("dppo_tv", "dppo_kl", "m2po"):
+        if w.method == "m2po":
+            hit = CR.m2po(lr, np.zeros(len(lr), np.int64) if stidx is None else stidx, w.tau)
+        else:
+            fn, d = (CR.dppo_tv, w.tv_delta) if w.method == "dppo_tv" else (CR.dppo_kl, w.kl_delta)
+            hit = fn(logp, logp - lr, adv, d, d)
+        return r, np.where(hit, 0.0, r), hit, np.bincount(sidx, weights=hit, minlength=k) > 0
+    if w.method in ("seq_error", "any_token"):
+        drop = (CR.seq_error(lr, sidx, k, w.error_threshold) if w.method == "seq_error"
+                else CR.any_token(lr, sidx, k, w.outlier_low, w.outlier_high))
+        return r, np.where(drop[sidx], 0.0, r), drop[sidx], drop
     if w.method == "tis_token":
         wt = np.minimum(r, w.cap)
         return r, wt, r > w.cap, np.bincount(sidx, weights=r > w.cap, minlength=k) > 0
@@ -95,7 +125,7 @@ def corrected_weights(lr: np.ndarray, adv: np.ndarray, sidx: np.ndarray, k: int,
 
 
 COLUMNS = ("step", "tokens", "sequences", "token_frac", "seq_frac", "ess", "chi2", "mass_removed_pos",
-           "mass_removed_neg", "mass_removed_pos_share", "mass_removed_neg_share")
+           "mass_removed_neg", "mass_removed_pos_share", "mass_removed_neg_share", "denominator_share", "grad_scale")
 
 
 def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
@@ -104,8 +134,8 @@ def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
     keep = ts.mask & np.isfinite(lr) & np.isfinite(ts.advantage)
     step, lr, adv = ts.step[keep], lr[keep], ts.advantage[keep]  # only the columns it reads
     sidx, k = _seq_index(step, ts.seq[keep])
-    r, wt, tok_hit, seq_hit = corrected_weights(lr, adv, sidx, k, w)
     steps, stidx = unique_inverse(step)
+    r, wt, tok_hit, seq_hit = corrected_weights(lr, adv, sidx, k, w, ts.logp[keep], stidx)
     s = len(steps)
     seq_step = np.zeros(k, np.int64)
     seq_step[sidx] = stidx
@@ -121,7 +151,16 @@ def replay(ts: TokenSet, w: WhatIf = WhatIf()) -> pa.Table:
             "mass_removed_pos": removed_pos, "mass_removed_neg": removed_neg,
             "mass_removed_pos_share": removed_pos / full_pos, "mass_removed_neg_share": removed_neg / full_neg,
         }
+        cols.update(_denominator(w.method, n, np.bincount(stidx, weights=wt != 0, minlength=s),
+                                 full_pos + full_neg, removed_pos + removed_neg))
     return pa.table({c: np.ascontiguousarray(cols[c]) for c in COLUMNS})
+
+
+def _denominator(method: str, n: np.ndarray, kept: np.ndarray, full: np.ndarray, removed: np.ndarray) -> dict:
+    """denominator_share D / n and grad_scale (sum |w A| / D) / (sum |r A| / n) per step (module docstring)."""
+    d = kept if CR.DENOMINATORS.get(method, ("all",))[0] == "kept" else n
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {"denominator_share": d / n, "grad_scale": ((full - removed) / d) / (full / n)}
 
 
 @njit(nogil=True, cache=True)

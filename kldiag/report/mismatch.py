@@ -13,7 +13,6 @@ import numpy as np
 
 from kldiag.diagnosis import diagnose
 from kldiag.fmt import num
-from kldiag.mismatch import whatif as W
 from kldiag.report.tables import html_table
 from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
@@ -25,16 +24,10 @@ def _cell(x: Any) -> str:
 
 
 def whatif_rows(view: VM.MismatchView) -> list[list[str]]:
-    """One row per correction and convention at the default thresholds (WhatIf())."""
-    rows = []
-    conventions = W.CONVENTIONS if view.has_sampler else ("trainer",)
-    for method in W.METHODS:
-        for conv in conventions:
-            t = VM.whatif_totals(VM.whatif_frame(view, W.WhatIf(method, conv)))
-            rows.append([method, "pi_old" if conv == "trainer" else "mu", f"{t['token_frac']:.2%}",
-                         f"{t['seq_frac']:.2%}", _cell(t["ess"]), f"{t['mass_removed_pos_share']:.1%}",
-                         f"{t['mass_removed_neg_share']:.1%}"])
-    return rows
+    """One row per correction and convention at the default thresholds (VM.whatif_table)."""
+    return [[r["method"], r["old"], f"{r['token_frac']:.2%}", f"{r['seq_frac']:.2%}", _cell(r["ess"]),
+             f"{r['mass_removed_pos_share']:.1%}", f"{r['mass_removed_neg_share']:.1%}", r["denominator"],
+             _cell(r["grad_scale"])] for r in VM.whatif_table(view)]
 
 
 def crosswalk_rows(analysis, manifest) -> tuple[str, list[list[str]], dict[str, str]]:
@@ -88,7 +81,12 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=N
         out.append("<h2>What if: corrections at their default thresholds</h2>")
         with VM.holding(view):  # one token set for every replay and the crosswalk
             out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
-                                   "PG mass removed, A>0", "PG mass removed, A<0"], whatif_rows(view)))
+                                   "PG mass removed, A>0", "PG mass removed, A<0", "loss denominator",
+                                   "gradient scale"], whatif_rows(view)))
+            out.append("<p>Loss denominator: <i>all</i>, the framework's token-mean keeps the rejected tokens in its "
+                       "count (the kept gradient shrinks); <i>kept</i>, it counts only the kept ones. Gradient scale: "
+                       "the corrected policy-gradient weight per token over the uncorrected, under that denominator "
+                       "(mean over steps).</p>")
             fw, rows, reasons = crosswalk_rows(analysis, manifest)
         out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
         out.append(html_table(["metric", "mean over steps", "last step"], rows))

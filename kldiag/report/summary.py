@@ -7,9 +7,11 @@ import math
 import os
 from typing import Any
 
+from kldiag.analysis import analyze
 from kldiag.analysis.core import coverage
 from kldiag.analysis.core.flagged import run_flagged
-from kldiag.analysis import analyze
+from kldiag.analysis.reducers import contract as K
+from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.reducers import topk
 from kldiag.analysis.reducers.routing import routing_of
 from kldiag.analysis.reducers.staleness import OPSM_DELTA, StalenessReducer
@@ -20,7 +22,9 @@ from kldiag.analysis.reducers.turns import turns_of
 from kldiag.analysis.runtime import runner
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
+from kldiag.diagnosis.signal import beta_of
 from kldiag.report.build import reducers as report_reducers
+from kldiag.views import mismatch as VM
 
 FLAG_ROWS = 20  # worst tokens in the summary
 
@@ -83,4 +87,18 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "routing": routing_of(a),
         "staleness": staleness_summary(runner.reduced(a, StalenessReducer()), a.config.opsm_delta or OPSM_DELTA),
         "tasks": tasks_summary(runner.reduced(a, TaskReducer())),
+        **contract_signal_whatif(a),
     }
+
+
+def contract_signal_whatif(a: Analysis) -> dict[str, Any]:
+    """The parity-contract counts ("contract"), the learning signal ("signal") and the what-if table at the default
+    thresholds, each correction with its framework's loss denominator ("whatif"; docs/metrics.md)."""
+    estimator = (a.manifest.config or {}).get("estimator") or "k3"
+    c = runner.reduced(a, K.ContractReducer())
+    view = VM.view_of(a)
+    with VM.holding(view):
+        whatif = [{k: clean(v) for k, v in r.items()} for r in VM.whatif_table(view)]
+    return {"contract": {name: K.summary(c, i) for i, name in enumerate(K.CHECKS)},
+            "signal": clean_nested(SG.summary(runner.reduced(a, SG.SignalReducer()), beta_of(a.manifest), estimator)),
+            "whatif": whatif}

@@ -91,6 +91,15 @@ class Scenario:
     quant: tuple[float, float] | None = None  # engine logit noise of each weight version, first -> last step ...
     quant_jitter: float = 0.0  # ... times a lognormal factor of this sigma drawn per version (one sync a step)
     rollout_dtype: str = ""  # written as the manifest's config["rollout_dtype"] when set
+    # parity contracts and the learning signal (drawn after every other draw: see _contracts)
+    true_on_policy: bool = False  # the manifest declares it, and the engine's mu is pi_old bit for bit ...
+    parity_off_frac: float = 0.0  # ... except this share of the loss tokens from parity_from: log mu = log pi_old
+    parity_off: float = 1e-3  # ... minus this many nats
+    parity_from: int = 0
+    batch_noise: float = 0.0  # from batch_from, log pi_theta = log pi_old + this * N(0, 1) (batch variance)
+    batch_from: int = 0
+    dead_share: float = 0.0  # from dead_from, this share of the prompt groups get all-equal rewards
+    dead_from: int = 0
     verdict: str = "healthy"  # the verdict diagnose must give
     expect: tuple[Expect, ...] = ()  # the causes it must name; any other cause is a false positive
 
@@ -188,6 +197,15 @@ SCENARIO_LIST: tuple[Scenario, ...] = (
     _s("async_within_bound", stale_max=2, versions=True),  # 0-2 updates stale on a slowly moving policy: healthy
     # a scenario per rollout cause, each with a healthy twin (ROLLOUT_FAULTS)
     *ROLLOUT_FAULTS,
+    # parity contracts and the learning signal, each with a healthy twin
+    _s("parity_broken", "unstable", (Expect("parity_broken", 40, 0),), stale=0, true_on_policy=True,
+       parity_off_frac=0.02, parity_from=40),
+    _s("true_on_policy_exact", stale=0, true_on_policy=True),
+    _s("batch_variance", "warning", (Expect("batch_variance", 30, 0),), stale=0, versions=True, batch_noise=1e-3,
+       batch_from=30),
+    _s("onpolicy_versions_exact", stale=0, versions=True),
+    _s("kl_dominated_signal", "warning", (Expect("kl_dominated_signal", 100),), dead_share=0.8, dead_from=100),
+    _s("dead_groups_few", dead_share=0.15, dead_from=100),
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in SCENARIO_LIST}
 # Blow-ups with a lead-up, for the early-warning lead times (bench/early_warning.py); not in the suite above. The
@@ -337,6 +355,7 @@ def generate(sc: Scenario) -> dict[str, Any]:
         pick_ = rng.choice(len(r), min(int(sch["nan"][s_]), len(r)), replace=False)
         out["logp"][s_ * sc.seqs + r[pick_], p[pick_]] = np.nan
     reward = rng.random(n) < 0.5
+    _contracts(sc, out, mask, step, reward, rng)
     g_r = reward.reshape(-1, sc.group).astype(np.float64)
     adv = ((g_r - g_r.mean(1, keepdims=True)) / (g_r.std(1, keepdims=True) + 1e-4)).reshape(-1)
     version = step - stale
@@ -344,6 +363,25 @@ def generate(sc: Scenario) -> dict[str, Any]:
         version = version[:, None] + (np.arange(T)[None, :] >= change[:, None])
     return {**out, "token_ids": tok, "mask": mask, "group_ids": group, "advantages": adv.astype(np.float32),
             "step": step, "schedule": sch, "policy_version": version, "version_change": change}
+
+
+def _contracts(sc: Scenario, out: dict, mask: np.ndarray, step: np.ndarray, reward: np.ndarray,
+               rng: np.random.Generator) -> None:
+    """The issue-46 pathologies, in place, each drawing only when set (the other scenarios' streams stay): a
+    true on-policy engine (mu = pi_old, a share of tokens off), batch variance (pi_theta != pi_old on-policy),
+    dead groups (all-equal rewards in a share of the groups)."""
+    if sc.true_on_policy:
+        out["logp_sampler"][:] = out["logp_old"]
+        off = mask & (step[:, None] >= sc.parity_from) & (rng.random(mask.shape) < sc.parity_off_frac)
+        out["logp_sampler"][off] -= np.float32(sc.parity_off)
+    if sc.batch_noise:
+        on = mask & (step[:, None] >= sc.batch_from)
+        noisy = out["logp_old"] + np.float32(sc.batch_noise) * rng.standard_normal(mask.shape).astype(np.float32)
+        out["logp"][on] = np.minimum(noisy, 0.0)[on]
+    if sc.dead_share:
+        groups = reward.reshape(-1, sc.group)
+        dead = (rng.random(len(groups)) < sc.dead_share) & (step[::sc.group] >= sc.dead_from)
+        groups[dead] = groups[dead, :1]  # every completion gets the first one's reward
 
 
 def make_run(run_dir: str | Path, sc: Scenario) -> Path:
@@ -356,7 +394,8 @@ def make_run(run_dir: str | Path, sc: Scenario) -> Path:
     with Recorder(run_dir, beta=m["beta"], estimator=m["estimator"], clip_range=m["clip_range"],
                          trainer=m["trainer"], trainer_version=m["trainer_version"],
                          config={**m["config"], "truth_scenario": sc.name,
-                                 **({"rollout_dtype": sc.rollout_dtype} if sc.rollout_dtype else {})},
+                                 **({"rollout_dtype": sc.rollout_dtype} if sc.rollout_dtype else {}),
+                                 **({"true_on_policy": True} if sc.true_on_policy else {})},
                          tags=["kldiag.tools.truth"]) as rec:
         for s in range(sc.steps):
             for k in range(sc.micro_batches):

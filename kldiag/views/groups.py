@@ -19,10 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kldiag import format as F
+from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.views.pages import DEFAULT_CONFIG, decode, derive, nulls, token_columns
 
-SPREAD_TOL = 1e-6  # rewards (or advantages) closer than this count as equal
+SPREAD_TOL = SG.SPREAD_TOL  # rewards (or advantages) closer than this count as equal; the diagnosis's dead groups
+# (kl_dominated_signal) are judged the same way, per step over the run: kldiag.analysis.reducers.signal
 GROUP_COLUMNS = ("seq", "rank", "length", "advantage", "reward", "k3_mean", "k3_is_mean", "weight_k3_abs_max",
                  "flagged_count", "zero_spread")
 

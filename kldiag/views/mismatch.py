@@ -20,6 +20,7 @@ from kldiag.crosswalk import crosswalk, framework_of, null_reasons
 from kldiag.mismatch import decompose as DC
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import sample as SS
+from kldiag.mismatch import corrections as CR
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import whatif as W
 
@@ -152,6 +153,21 @@ def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:
             "ess": float(frame["ess"].mean()),
             "mass_removed_pos_share": float(frame["mass_removed_pos_share"].mean()),
             "mass_removed_neg_share": float(frame["mass_removed_neg_share"].mean())}
+
+
+def whatif_table(view: MismatchView) -> list[dict[str, Any]]:
+    """One row per correction and convention at the default thresholds (WhatIf()): the run-level totals, with the
+    framework's loss denominator after rejection (corrections.DENOMINATORS) and the mean grad_scale under it. The
+    report's table and `kldiag analyze --json` "whatif"."""
+    rows = []
+    for method in W.METHODS:
+        for conv in W.CONVENTIONS if view.has_sampler else ("trainer",):
+            frame = whatif_frame(view, W.WhatIf(method, conv))
+            denom, source = CR.DENOMINATORS[method]
+            rows.append({"method": method, "old": "pi_old" if conv == "trainer" else "mu", **whatif_totals(frame),
+                         "denominator": denom, "grad_scale": float(frame["grad_scale"].mean()),
+                         "denominator_source": source})
+    return rows
 
 
 def crosswalk_frame(analysis, framework: str, **settings: Any) -> tuple[pd.DataFrame, dict[str, str]]:

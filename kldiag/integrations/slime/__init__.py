@@ -92,6 +92,8 @@ def recorder(args: Any, mpu: Any) -> Any:
         if getattr(args, "use_rollout_routing_replay", False):  # R3: the engine's routes replayed (routing causes)
             config["routing_replay"] = "R3"
         config["routes"] = routes_sides(args)
+        if getattr(args, "true_on_policy_mode", False):  # slime/Miles --true-on-policy-mode: the parity contract
+            config["true_on_policy"] = True  # (kldiag/diagnosis/contract.py)
         if getattr(args, "eps_clip", None) is not None:
             config["clip_range"] = [args.eps_clip, getattr(args, "eps_clip_high", None) or args.eps_clip]
         STATE.recorder = Recorder(run, rank=mpu.get_data_parallel_rank(with_context_parallel=False),
