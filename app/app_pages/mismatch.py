@@ -8,6 +8,7 @@ from kldiag.views import charts as VC
 from kldiag.views import mismatch as VM
 from kldiag.views import turns as VT
 from kldiag.views import routing as VR
+from kldiag.views import leads as VL
 from kldiag.views import audit as VA
 from kldiag.views import tasks as VK
 from kldiag.crosswalk import FRAMEWORKS
@@ -39,14 +40,16 @@ def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
     cols = st.columns(4)
     for c, (label, value, hint) in zip(cols, VM.parity_rows(view), strict=False):
         c.metric(label, value, help=hint)
-    findings = VM.parity_findings(D.diagnosis(run))  # the verdict's engine causes
-    for line in findings:
+    dg = D.diagnosis(run)
+    for line in VM.parity_findings(dg):  # the verdict's engine causes
         st.warning(line)
-    if not findings:
-        st.success("The engine and the trainer agree on the sampled tokens up to float noise.")
+    note = VL.parity_note(dg)  # green only beside a healthy verdict
+    if note is not None:
+        {"success": st.success, "warning": st.warning, "info": st.info}[note[0]](note[1])
 
-    st.subheader("Policy drift against engine mismatch")
-    st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step.")
+    st.subheader("Per step: policy drift |log pi_theta/pi_old| and engine mismatch |log pi_old/mu|")
+    st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step, "
+               "in nats per token (the Overview's chart plots KL(mu||pi_old), a smaller figure).")
     tasks = VK.choices(run.analysis)  # format v1.3 task labels: one task's drift and mismatch
     task = st.selectbox("Task", tasks, key="mm_task") if tasks else None
     st.plotly_chart(VC.drift_vs_mismatch(VK.mismatch_by_step(run.analysis, view.by_step, task)))
@@ -54,7 +57,7 @@ def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
     left.plotly_chart(VC.mismatch_by_prob(view.by_prob))
     left.caption("The low-probability-token pitfall (\"When Speed Kills Stability\"): tokens mu found unlikely "
                  "carry the largest mismatch.")
-    pos = view.by_pos.assign(position=view.by_pos["lo"])
+    pos = VM.at_centre(view.by_pos, "position")
     right.plotly_chart(lines(pos, "position", ["mismatch_abs", "drift_abs"], "By position in the completion",
                              log_x=bool(pos["position"].max() > 16), names=VC.MISMATCH_NAMES,
                              subtitle="mean over the tokens at that position"))
@@ -81,7 +84,12 @@ def routing_section(run: D.Loaded) -> None:
     if not routing.routed:
         return
     st.subheader("MoE routing: engine vs trainer experts")
-    st.caption(VR.headline(routing))
+    for c in VL.routing_causes(D.diagnosis(run)):  # the verdict's own finding first: layer, replay, limit
+        (st.error if c.severity == "critical" else st.warning)(f"**{c.cause}**: {c.summary}")
+    if not routing.compared:
+        st.info(VR.headline(routing))
+        return
+    st.markdown(VR.headline(routing))
     left, right = st.columns(2)
     left.plotly_chart(VR.agreement_by_layer(routing))
     right.plotly_chart(VR.mismatch_by_side(routing))
@@ -168,9 +176,9 @@ def main() -> None:
     view = D.mismatch_view(run.path, run.keys)
     if view.step_stride > 1 or view.group_share < 1:
         st.caption(VM.sample_caption(view))
+    routing_section(run)  # an MoE run leads with its routing: the verdict's finding when it names one
     parity_section(run, view)
     turns_section(run)
-    routing_section(run)
     whatif_section(run, view)
     audit_section(run, crosswalk_section(run))
 

@@ -139,6 +139,14 @@ def parity_findings(diagnosis) -> list[str]:
     return [f"{c.cause}: {c.summary}" for c in diagnosis.causes if c.cause.startswith("engine_")]
 
 
+def at_centre(bins: pd.DataFrame, x: str) -> pd.DataFrame:
+    """Integer-position bins [lo, hi) placed at their centre (lo + hi - 1) / 2 in column `x`; the open last
+    bin (hi beyond twice lo) at lo. The chart's hover names the range."""
+    lo, hi = bins["lo"], bins["hi"]
+    closed = hi <= 2 * lo.clip(lower=1)
+    return bins.assign(**{x: ((lo + hi - 1) / 2).where(closed, lo)})
+
+
 def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:
     """W.replay of the view's tokens, per step (kept in the run's result store per correction)."""
     return store.cached(view.analysis, "whatif", dataclasses.asdict(w), lambda: W.replay(view.tokens, w).to_pandas())

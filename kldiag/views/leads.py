@@ -1,0 +1,120 @@
+"""What a page leads with, and what it says instead of a figure the run did not measure.
+
+A run without logp_ref, sampler log-probs, routes of one side, advantages, versions or top-k lists must
+never show 0, 100%, nan or a green all-clear for what it did not record: the faces (dashboard pages, the
+report) ask here for the sentence that names the missing column and how to record it, and for whether a
+green "all is well" may be shown next to the run's verdict. No Streamlit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# column -> how to record it (what a face says after "needs <column>")
+HOW_TO_RECORD = {
+    "logp_ref": "record the reference model's log-probs (logp_ref= in Recorder.record; the TRL hook records "
+                "them when beta > 0)",
+    "logp_sampler": "record the inference engine's log-probs of the sampled tokens (logp_sampler=; vLLM and "
+                    "SGLang return them with the completion)",
+    "logp_old": "record the behaviour policy's log-probs (logp_old=)",
+    "advantage": "record the per-token advantages (advantage= in Recorder.record)",
+    "policy_version": "record the weight version that generated each sequence (policy_version=)",
+    "topk": "record both sides' top-k lists (topk_ids=, topk_logp= and their _sampler twins)",
+    "turn": "record each token's turn index (turn=)",
+    "routes_engine": "record the engine's routes too (experts_sampler= in Recorder.record)",
+    "routes_trainer": "record the trainer's routes (experts= in Recorder.record; the TRL hook captures them)",
+}
+ROUTING_CAUSES = ("routing_replay_broken", "moe_routing_mismatch")
+ENGINE_PREFIX = "engine_"
+
+
+def needs(what: str, column: str) -> str:
+    """'<what> needs <column>, which this run did not record: <how>.'"""
+    how = HOW_TO_RECORD.get(column, f"record {column}")
+    return f"{what} needs {column}, which this run did not record: {how}."
+
+
+def shown(value: Any, spec: str = ".3g") -> str:
+    """A tile's text: the value formatted, or 'n/a' for None, NaN or inf (never the word nan)."""
+    if value is None:
+        return "n/a"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return format(v, spec) if math.isfinite(v) else "n/a"
+
+
+def routing_causes(diagnosis) -> list:
+    """The verdict's routing causes (most severe first, as the diagnosis orders them)."""
+    return [c for c in diagnosis.causes if c.cause in ROUTING_CAUSES]
+
+
+def engine_causes(diagnosis) -> list:
+    return [c for c in diagnosis.causes if c.cause.startswith(ENGINE_PREFIX)]
+
+
+def all_clear_allowed(diagnosis) -> bool:
+    """A green all-clear may stand only beside a healthy verdict: any cause or warning episode forbids it."""
+    return diagnosis.verdict == "healthy"
+
+
+def parity_note(diagnosis) -> tuple[str, str] | None:
+    """(kind, text) under the parity figures when no engine cause is listed: 'success' only on a healthy
+    verdict; under a routing cause, 'warning' that the mismatch is the routing's (the temperature fit reads
+    it as a flatter engine); otherwise 'info' that the engine is not the verdict's cause. None when the
+    verdict lists engine causes (the page lists them)."""
+    if engine_causes(diagnosis):
+        return None
+    routed = routing_causes(diagnosis)
+    if routed:
+        return ("warning", f"The engine/trainer mismatch is carried by MoE routing ({', '.join(c.cause for c in routed)}"
+                           ", see the routing section above): the implied temperature and the fit residual read "
+                           "tokens routed to other experts as a flatter engine, not a sampling temperature.")
+    if all_clear_allowed(diagnosis):
+        return ("success", "The engine and the trainer agree on the sampled tokens up to float noise.")
+    return ("info", f"No engine cause in the verdict ({diagnosis.verdict}); the causes above name what is wrong.")
+
+
+def _last(steps, column: str) -> float | None:
+    """The column's last non-null value in a steps table (None: none)."""
+    if column not in steps:
+        return None
+    v = steps[column].dropna()
+    return float(v.iloc[-1]) if len(v) else None
+
+
+def _max(steps, column: str) -> float | None:
+    if column not in steps:
+        return None
+    v = steps[column].dropna()
+    return float(v.max()) if len(v) else None
+
+
+def overview_tiles(headline: dict, steps, routing: dict | None) -> list[tuple[str, str, str]]:
+    """(label, value, help) of the Overview's five figure tiles after Steps and Tokens. A run with logp_ref: its
+    KL, weights and flagged share; one without: what it measured instead (engine mismatch, rho, drift, routing),
+    and the flagged share as n/a with what it needs. Never the text 'nan'."""
+    if _last(steps, "k3_mean") is not None:
+        return [("Latest k3 mean", shown(headline.get("k3_mean")), "KL(pi_theta || pi_ref) per token, k3"),
+                ("Latest k3_is mean", shown(headline.get("k3_is_mean")), "k3 with the importance ratio rho"),
+                ("Max |k3 weight|", shown(headline.get("weight_k3_abs_max")), "the largest per-token gradient weight"),
+                ("Max |k3_is weight|", shown(headline.get("weight_k3_is_abs_max")), ""),
+                ("Flagged tokens", shown(headline.get("flagged_frac"), ".3%"), "")]
+    mism = _last(steps, "mismatch_kl")
+    tiles = [("Latest KL(mu||pi_old)", shown(mism),
+              "engine mismatch per token, nats" if mism is not None else needs("the engine mismatch", "logp_sampler")),
+             ("Max rho", shown(_max(steps, "rho_max")), "rho = pi_theta/pi_old, largest over the run"),
+             ("Latest drift |log pi_theta/pi_old|", shown(_last(steps, "drift_abs_mean")), "nats per token")]
+    if routing and routing.get("routed"):
+        share = routing.get("differ_share")
+        tiles.append(("Routed differently", shown(share, ".2%"),
+                      "share of routed tokens whose expert set differs between engine and trainer" if share is not None
+                      else needs("routing agreement", "routes_engine")))
+    else:
+        tiles.append(("Latest rho clip fraction", shown(_last(steps, "rho_clip_frac"), ".2%"),
+                      "tokens outside the PPO clip range"))
+    tiles.append(("Flagged tokens", "n/a", needs("the token flags (theta_ll_ref, weight_blowup, clamp_saturated)",
+                                                 "logp_ref")))
+    return tiles
