@@ -24,6 +24,7 @@ from kldiag.views import estimators as VE
 from kldiag.views import mismatch as VM
 from kldiag.views import sequences as VS
 from kldiag.views import topk as VT
+from kldiag.views import leads as VL
 from kldiag.analysis import engines, runner
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
@@ -127,6 +128,12 @@ def mismatch_view(path: str, keys: str) -> VM.MismatchView:
 def topk_summary(path: str, keys: str):
     """The Tokens page's top-k summary and the first token that has lists."""
     return VT.summary(_analysis(path, keys)), VT.first_listed(path)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def mismatch_tokens(path: str, keys: str) -> dict:
+    """The Tokens page's lists when no token is flagged: routed differently, largest engine mismatch."""
+    return VL.token_tables(_analysis(path, keys), _vocab(path, F.vocab_stamp(path)))
 
 
 @st.cache_resource(max_entries=8)

@@ -272,3 +272,18 @@ def test_scan_kernel_equals_the_numpy_formula():
     assert sorted(got) == uniq.tolist()
     for k, s in enumerate(uniq.tolist()):
         np.testing.assert_allclose(got[s], want[k], rtol=1e-12)
+
+
+def test_k3_summary_never_says_below_the_limit_above_it():
+    """Issue 47 edge 5: a max of 254 read "below the blow-up limit 100 so far" when it passed the limit on steps
+    too few in a row to be sustained."""
+    import numpy as np
+
+    from kldiag.diagnosis.causes import _k3_summary
+    from kldiag.diagnosis.types import DiagnosisConfig
+
+    cfg, ev = DiagnosisConfig(), {"blame_share_max": 0.74, "weight_k3_is_abs_max_at_peak": 1.5}
+    no_fire = np.zeros(3, bool)
+    text = _k3_summary({"step": np.arange(3)}, cfg, no_fire, 1, 254.0, 2, ev)
+    assert "below" not in text and "above the blow-up limit 100 on isolated steps" in text
+    assert "below the blow-up limit 100 so far" in _k3_summary({"step": np.arange(3)}, cfg, no_fire, 1, 50.0, 2, ev)

@@ -123,11 +123,14 @@ def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
         params["delta"] = st.select_slider("delta", [0.0, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0], value=1e-4,
                                            key="wi_delta", format_func=lambda v: f"{v:g}")
     frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
+    if (why := VM.whatif_missing(frame)) is not None:  # no advantages: nothing to replay, no 0% or nan
+        st.info(why)
+        return
     tot = VM.whatif_totals(frame)
     m = st.columns(5)
     m[0].metric("Tokens masked or clipped", f"{tot['token_frac']:.2%}")
     m[1].metric("Sequences affected", f"{tot['seq_frac']:.2%}")
-    m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
+    m[2].metric("Mean ESS", VL.shown(tot["ess"], ".3f"))
     m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
     m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
     left, right = st.columns(2)

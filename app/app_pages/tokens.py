@@ -9,6 +9,7 @@ from kldiag import format as F
 from kldiag.views import pages as V
 from kldiag.views import numbers as VN
 from kldiag.views import topk as VT
+from kldiag.views import leads as VL
 
 SHOWN = ["step", "seq", "pos", "rank", "piece", "logp", "logp_old", "logp_ref", "d", "rho",
          "k3", "k3_is", "weight_k3", "weight_k3_is", "weight_k3_abs", *V.FLAG_NAMES]
@@ -66,10 +67,34 @@ def topk_section(run) -> None:
                "most an id it did not list can have. KL figures and bounds: docs/metrics.md, \"topk\".")
 
 
+def unflagged_section(run) -> None:
+    """A run without flags: why (flags need pi_ref), then what the run can tell: the tokens the engine routed to
+    other experts and those with the largest engine mismatch. Green only beside a healthy verdict."""
+    if not run.present.get("logp_ref", True):
+        st.info(VL.needs("Token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
+                         "logp_ref"))
+    elif VL.all_clear_allowed(D.diagnosis(run)):
+        st.success("No token was flagged in this run.")
+    else:
+        st.info("No token carries a flag; the verdict's causes (Overview) are read from other figures.")
+    lists = D.mismatch_tokens(run.path, run.keys)
+    if not lists["routed"].empty:
+        st.subheader("Tokens routed to other experts by the engine")
+        st.caption(f"{len(lists['routed']):,} shown, the largest |log pi_old/mu| first; the Mismatch page has the "
+                   "share per layer.")
+        st.dataframe(lists["routed"], hide_index=True, width="stretch", key="tok_routed")
+    if not lists["largest"].empty:
+        st.subheader("Tokens with the largest engine mismatch")
+        st.caption("|log pi_old/mu| per token: the trainer's log-prob against the engine's.")
+        st.dataframe(lists["largest"], hide_index=True, width="stretch", key="tok_mismatch")
+    elif not run.present.get("logp_sampler", True):
+        st.caption(VL.needs("The engine mismatch per token", "logp_sampler"))
+
+
 run = D.page("Tokens: worst and flagged")
 flags = run.flags
 if flags.empty:
-    st.success("No token was flagged in this run.")
+    unflagged_section(run)
     topk_section(run)
     st.stop()
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from kldiag.analysis import episodes as EP
 from kldiag.analysis import runner, store
 from kldiag.analysis.alerts import rule_context
+from kldiag.analysis.coverage_table import CoverageReducer
 from kldiag.analysis.routing import RoutingReducer
 from kldiag.analysis.staleness import StalenessReducer
 from kldiag.analysis.tasks import TaskReducer
@@ -58,7 +59,7 @@ def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
     return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer(), StalenessReducer(),
-            TaskReducer()]
+            TaskReducer(), CoverageReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

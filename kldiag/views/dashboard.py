@@ -7,6 +7,7 @@ import os
 import tempfile
 import threading
 
+from kldiag.analysis.mismatch_tokens import MismatchTokensReducer
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
 from kldiag.views.estimators import EstimatorReducer
@@ -20,7 +21,7 @@ def reducers(config: AnalysisConfig = DEFAULT_CONFIG) -> list:
     Mismatch (with its per-turn chart: the diagnosis's `turns` reducer), Estimators (`estimator_reducer`,
     one compiled pass per batch) and Compare pages. Only the Sequence page reads a part again: the one
     that holds its sequence."""
-    return [*diagnosis_reducers(), estimator_reducer(config)]
+    return [*diagnosis_reducers(), estimator_reducer(config), MismatchTokensReducer()]
 
 
 def estimator_reducer(config: AnalysisConfig = DEFAULT_CONFIG) -> EstimatorReducer:

@@ -11,6 +11,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pandas as pd
+
+from kldiag.analysis.mismatch_tokens import MismatchTokensReducer
+from kldiag.analysis.runner import reduced
+
 # column -> how to record it (what a face says after "needs <column>")
 HOW_TO_RECORD = {
     "logp_ref": "record the reference model's log-probs (logp_ref= in Recorder.record; the TRL hook records "
@@ -70,7 +75,7 @@ def parity_note(diagnosis) -> tuple[str, str] | None:
     routed = routing_causes(diagnosis)
     if routed:
         return ("warning", f"The engine/trainer mismatch is carried by MoE routing ({', '.join(c.cause for c in routed)}"
-                           ", see the routing section above): the implied temperature and the fit residual read "
+                           ", see the MoE routing section): the implied temperature and the fit residual read "
                            "tokens routed to other experts as a flatter engine, not a sampling temperature.")
     if all_clear_allowed(diagnosis):
         return ("success", "The engine and the trainer agree on the sampled tokens up to float noise.")
@@ -118,3 +123,22 @@ def overview_tiles(headline: dict, steps, routing: dict | None) -> list[tuple[st
     tiles.append(("Flagged tokens", "n/a", needs("the token flags (theta_ll_ref, weight_blowup, clamp_saturated)",
                                                  "logp_ref")))
     return tiles
+
+
+TOKEN_COLUMNS = {"step": "step", "seq": "seq", "pos": "pos", "piece": "token", "mismatch": "log pi_old/mu",
+                 "logp_old": "log pi_old", "logp_sampler": "log mu", "route_differ": "layers routed differently",
+                 "route_layers": "MoE layers"}
+
+
+def token_tables(analysis, vocab: dict | None = None) -> dict[str, Any]:
+    """The Tokens page's lists for a run without flags: {"largest": the tokens with the largest |log pi_old/mu|,
+    "routed": the tokens the engine routed to other experts} as DataFrames (TOKEN_COLUMNS; the routing columns
+    only on a routed run), each read with the analysis (kldiag.analysis.mismatch_tokens)."""
+    red = MismatchTokensReducer()
+    out = {}
+    for name, rows in red.result(reduced(analysis, red)).items():
+        df = pd.DataFrame(rows)
+        df["piece"] = [(vocab or {}).get(int(t), f"<{int(t)}>") if t >= 0 else "<?>" for t in df["token_id"]]
+        cols = [c for c in TOKEN_COLUMNS if not (c.startswith("route") and not (df["route_layers"] > 0).any())]
+        out[name] = df[cols].rename(columns=TOKEN_COLUMNS)
+    return out

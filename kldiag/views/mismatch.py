@@ -22,6 +22,7 @@ from kldiag.mismatch import parity as P
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import sample as SS
 from kldiag.mismatch import whatif as W
+from kldiag.views import leads as VL
 
 DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is none of the frameworks
 
@@ -150,6 +151,13 @@ def at_centre(bins: pd.DataFrame, x: str) -> pd.DataFrame:
 def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:
     """W.replay of the view's tokens, per step (kept in the run's result store per correction)."""
     return store.cached(view.analysis, "whatif", dataclasses.asdict(w), lambda: W.replay(view.tokens, w).to_pandas())
+
+
+def whatif_missing(frame: pd.DataFrame) -> str | None:
+    """Why a what-if replayed no token (it reads the tokens in the loss with a finite advantage), or None."""
+    if len(frame) and float(frame["tokens"].sum()) > 0:
+        return None
+    return VL.needs("A correction's replay (tokens masked, ESS, policy-gradient mass removed)", "advantage")
 
 
 def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:

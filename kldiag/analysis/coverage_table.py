@@ -1,0 +1,127 @@
+"""The coverage table: per step, which of the optional inputs the run recorded, as a share of its loss tokens.
+
+`CoverageReducer` (the reducer protocol, reduce.py) counts per step the tokens in the loss and, of those,
+the tokens where each optional column holds a value (not null): the engine's log-probs (logp_sampler),
+the reference's (logp_ref), the behaviour policy's (logp_old), the advantages, entropy, the weight
+version (policy_version), the turn index, the task label, and the routes per side: the trainer's
+(route_layers: the trainer routed the token) and the engine's (route_differ: its routes were compared with
+the trainer's; a run that recorded one side has the trainer's only). Counting reads only scalar columns: the
+top-k lists' counts come from the top-k reducer (kldiag.analysis.topk: n_trainer, n_sampler per step).
+
+`table()` gives per step the share of loss tokens with each input, and per run, per input, on how many steps
+it is present (`{"steps": 0, "of": 10, "token_share": 0.0}`): what `kldiag analyze --json` prints under
+"coverage" and what the faces read to say which figure cannot be drawn and how to record its column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kldiag.analysis import keyed
+from kldiag.analysis.runner import reduced
+from kldiag.analysis.topk import TopkReducer
+
+# input name in the table -> the column whose non-null values count (the faces name the input)
+COUNTED = {"logp_sampler": "logp_sampler", "logp_ref": "logp_ref", "logp_old": "logp_old",
+           "routes_trainer": "route_layers", "routes_engine": "route_differ", "policy_version": "policy_version",
+           "advantage": "advantage", "entropy": "entropy", "turn": "turn", "task": "task"}
+TOPK = {"topk_trainer": "s_n_trainer", "topk_engine": "s_n_sampler"}  # from the top-k reducer's merged partial
+INPUTS = (*COUNTED, *TOPK)
+
+
+def batch_counts(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    """Per step of the batch's loss tokens: n_tokens and n_<input> (keyed.reduce_by_key form)."""
+    mask = batch.column("mask").to_numpy(zero_copy_only=False).astype(bool)
+    step = batch.column("step").to_numpy(zero_copy_only=False)[mask].astype(np.int64)
+    t = {"step": step, "n_tokens": np.ones(len(step), np.int64)}
+    for name, column in COUNTED.items():
+        i = batch.schema.get_field_index(column)
+        if i < 0:
+            t[f"n_{name}"] = np.zeros(len(step), np.int64)
+            continue
+        col = batch.column(i)
+        valid = np.ones(batch.num_rows, bool) if not col.null_count else \
+            col.is_valid().to_numpy(zero_copy_only=False).astype(bool)
+        t[f"n_{name}"] = valid[mask].astype(np.int64)
+    return keyed.reduce_by_key(t)
+
+
+def _empty() -> dict[str, np.ndarray]:
+    return {"step": np.zeros(0, np.int64), "n_tokens": np.zeros(0, np.int64),
+            **{f"n_{k}": np.zeros(0, np.int64) for k in COUNTED}}
+
+
+@dataclass(frozen=True)
+class CoverageReducer:
+    """Per-step non-null counts of the optional inputs over the loss tokens (module docstring)."""
+
+    name: str = "coverage"
+    version: int = 1
+    columns: tuple[str, ...] = ("step", "mask", *COUNTED.values())
+
+    def settings(self) -> dict:
+        return {"counted": COUNTED}
+
+    def start(self, part) -> list:
+        return []
+
+    def add(self, state: list, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            state.append(batch_counts(batch))
+
+    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
+        return self.merge(state)
+
+    def merge(self, partials) -> dict[str, np.ndarray]:
+        return keyed.merge([p for p in partials if keyed.rows(p)]) or _empty()
+
+
+# ---- what faces read --------------------------------------------------------------------------
+
+
+def _topk_counts(topk: dict[str, np.ndarray] | None, steps: np.ndarray) -> dict[str, np.ndarray]:
+    """The top-k reducer's per-step list counts aligned on `steps` (zeros where it has none)."""
+    out = {name: np.zeros(len(steps)) for name in TOPK}
+    if not topk or "s_step" not in topk or not len(topk["s_step"]):
+        return out
+    at = np.searchsorted(steps, topk["s_step"])
+    ok = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == topk["s_step"])
+    for name, key in TOPK.items():
+        np.add.at(out[name], at[ok], np.asarray(topk[key], np.float64)[ok])
+    return out
+
+
+def table(merged: dict[str, np.ndarray], topk: dict[str, np.ndarray] | None = None,
+          routes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """JSON-ready coverage: `inputs` (per input over the run: steps present, of how many, token share),
+    `steps` (per step: tokens in the loss and the share of them with each input), `routes` (the recorder's
+    manifest config["routes"]: which side it captured and why not, when it wrote one)."""
+    steps = np.asarray(merged["step"], np.int64)
+    tokens = np.asarray(merged["n_tokens"], np.float64)
+    counts = {name: np.asarray(merged[f"n_{name}"], np.float64) for name in COUNTED}
+    counts.update(_topk_counts(topk, steps))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = {k: np.where(tokens > 0, v / np.where(tokens > 0, tokens, 1), np.nan) for k, v in counts.items()}
+    total = float(tokens.sum())
+    inputs = {k: {"steps": int((counts[k] > 0).sum()), "of": int(len(steps)),
+                  "token_share": float(counts[k].sum() / total) if total else None} for k in INPUTS}
+    rows = [{"step": int(s), "tokens": int(tokens[i]),
+             **{k: (round(float(share[k][i]), 6) if share[k][i] == share[k][i] else None) for k in INPUTS}}
+            for i, s in enumerate(steps)]
+    return {"inputs": inputs, "steps": rows, "routes": routes}
+
+
+def missing(cov: dict[str, Any]) -> list[str]:
+    """The inputs no step has (the faces say what they cannot draw without them)."""
+    return [k for k, v in cov["inputs"].items() if v["of"] and not v["steps"]]
+
+
+def coverage_of(analysis) -> dict[str, Any]:
+    """table() of an analysed run: the counts read with the analysis when it was made with
+    diagnosis.core.reducers(), else one more pass; the manifest's config["routes"] when present."""
+    routes = (getattr(analysis.manifest, "config", None) or {}).get("routes")
+    return table(reduced(analysis, CoverageReducer()), reduced(analysis, TopkReducer()), routes)
