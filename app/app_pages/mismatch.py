@@ -47,7 +47,7 @@ def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
     if note is not None:
         {"success": st.success, "warning": st.warning, "info": st.info}[note[0]](note[1])
 
-    st.subheader("Per step: policy drift |log pi_theta/pi_old| and engine mismatch |log pi_old/mu|")
+    st.subheader("Drift against mismatch: mean |log-ratio| per token")
     st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step, "
                "in nats per token (the Overview's chart plots KL(mu||pi_old), a smaller figure).")
     tasks = VK.choices(run.analysis)  # format v1.3 task labels: one task's drift and mismatch

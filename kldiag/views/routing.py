@@ -82,7 +82,7 @@ REPLAY_LIMIT = 0.01  # diagnosis.routing.RoutingConfig.max_differ_share: the hea
 
 def agreement_by_layer(view: RoutingView, limit: float = REPLAY_LIMIT) -> go.Figure:
     """Heatmap, step x layer: the share of routed tokens whose expert set DIFFERS at that layer, every routed
-    layer shown (one where nothing differs is white). White at 0, dark red from twice the replay limit up
+    layer shown (one where nothing differs is grey). Grey at 0, dark red from twice the replay limit up
     (`limit`, 1%: Miles' replay check): a layer over the limit stands out against a clean one."""
     rows = view.summary["steps"]
     width = len(view.summary["layers"])
@@ -90,11 +90,12 @@ def agreement_by_layer(view: RoutingView, limit: float = REPLAY_LIMIT) -> go.Fig
         r["differ_share_by_layer"])) for r in rows]
     top = max([limit * 2, *(v for line in z for v in line if v is not None)])
     fig = go.Figure(go.Heatmap(x=list(range(width)), y=[r["step"] for r in rows], z=z, zmin=0, zmax=top,
-                               colorscale=[[0.0, "#ffffff"], [min(limit / top, 1.0), "#fcae91"], [1.0, "#a50f15"]],
+                               colorscale=[[0.0, "#e5e7eb"], [min(limit / top, 1.0), "#fcae91"], [1.0, "#a50f15"]],
+                               xgap=2, ygap=1,
                                colorbar={"title": {"text": "differ"}, "tickformat": ".1%"},
                                hovertemplate="layer %{x}, step %{y}: %{z:.2%} routed differently<extra></extra>"))
     return VC.finish(fig, "Routed differently, by layer and step",
-                     f"share of routed tokens whose expert set differs; white 0, pink at the {limit:.0%} replay limit",
+                     f"share of routed tokens whose expert set differs; grey 0, pink at the {limit:.0%} replay limit",
                      "MoE layer (index)", "training step", height=320)
 
 
