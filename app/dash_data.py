@@ -26,6 +26,7 @@ from kldiag.views import sequences as VS
 from kldiag.views import topk as VT
 from kldiag.views import leads as VL
 from kldiag.analysis import engines, runner
+from kldiag.analysis.coverage_table import coverage_of
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 
 RUNS_ENV = "KLDIAG_RUNS"
@@ -128,6 +129,12 @@ def mismatch_view(path: str, keys: str) -> VM.MismatchView:
 def topk_summary(path: str, keys: str):
     """The Tokens page's top-k summary and the first token that has lists."""
     return VT.summary(_analysis(path, keys)), VT.first_listed(path)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def coverage(path: str, keys: str) -> dict:
+    """Which optional inputs each step has (kldiag.analysis.coverage_table, read with the analysis)."""
+    return coverage_of(_analysis(path, keys))
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -62,6 +62,10 @@ else:
                  column_config={"message": st.column_config.TextColumn("message", width="large")})
     K.downloads(run.alerts, "alerts", "ov_alerts")
 
+with st.expander("What this run recorded"):  # the coverage table: what every figure below can read
+    st.dataframe(VL.coverage_frame(D.coverage(run.path, run.keys)), hide_index=True, width="stretch",
+                 column_config={"how to record": st.column_config.TextColumn(width="large")})
+
 st.subheader("Step trends")
 tasks = VK.choices(run.analysis)  # format v1.3 task labels: the trends of one task
 s = VK.overview_steps(run.analysis, run.steps, st.selectbox("Task", tasks, key="ov_task") if tasks else None)

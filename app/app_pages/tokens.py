@@ -67,16 +67,11 @@ def topk_section(run) -> None:
                "most an id it did not list can have. KL figures and bounds: docs/metrics.md, \"topk\".")
 
 
-def unflagged_section(run) -> None:
-    """A run without flags: why (flags need pi_ref), then what the run can tell: the tokens the engine routed to
-    other experts and those with the largest engine mismatch. Green only beside a healthy verdict."""
-    if not run.present.get("logp_ref", True):
-        st.info(VL.needs("Token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
-                         "logp_ref"))
-    elif VL.all_clear_allowed(D.diagnosis(run)):
-        st.success("No token was flagged in this run.")
-    else:
-        st.info("No token carries a flag; the verdict's causes (Overview) are read from other figures.")
+def measured_section(run) -> None:
+    """What a run without pi_ref can tell, first: why the flags are missing, then the tokens the engine routed to
+    other experts and those with the largest engine mismatch."""
+    st.info(VL.needs("Token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
+                     "logp_ref") + " Non-finite and invalid log-probs are still flagged.")
     lists = D.mismatch_tokens(run.path, run.keys)
     if not lists["routed"].empty:
         st.subheader("Tokens routed to other experts by the engine")
@@ -93,10 +88,17 @@ def unflagged_section(run) -> None:
 
 run = D.page("Tokens: worst and flagged")
 flags = run.flags
+if not run.present.get("logp_ref", True):
+    measured_section(run)
 if flags.empty:
-    unflagged_section(run)
+    if VL.all_clear_allowed(D.diagnosis(run)) and run.present.get("logp_ref", True):
+        st.success("No token was flagged in this run.")  # green only beside a healthy verdict
+    elif run.present.get("logp_ref", True):
+        st.info("No token carries a flag; the verdict's causes (Overview) are read from other figures.")
     topk_section(run)
     st.stop()
+if not run.present.get("logp_ref", True):
+    st.subheader("Non-finite and invalid log-probs")
 
 lo, hi = int(flags["step"].min()), int(flags["step"].max())
 K.restore_tokens(lo, hi)  # a deep link's step range and flags, applied once

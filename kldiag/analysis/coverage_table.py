@@ -6,7 +6,8 @@ the reference's (logp_ref), the behaviour policy's (logp_old), the advantages, e
 version (policy_version), the turn index, the task label, and the routes per side: the trainer's
 (route_layers: the trainer routed the token) and the engine's (route_differ: its routes were compared with
 the trainer's; a run that recorded one side has the trainer's only). Counting reads only scalar columns: the
-top-k lists' counts come from the top-k reducer (kldiag.analysis.topk: n_trainer, n_sampler per step).
+top-k lists' counts come from the top-k reducer (kldiag.analysis.topk: n_trainer, n_sampler per step) when it
+was read.
 
 `table()` gives per step the share of loss tokens with each input, and per run, per input, on how many steps
 it is present (`{"steps": 0, "of": 10, "token_share": 0.0}`): what `kldiag analyze --json` prints under
@@ -103,14 +104,16 @@ def table(merged: dict[str, np.ndarray], topk: dict[str, np.ndarray] | None = No
     steps = np.asarray(merged["step"], np.int64)
     tokens = np.asarray(merged["n_tokens"], np.float64)
     counts = {name: np.asarray(merged[f"n_{name}"], np.float64) for name in COUNTED}
-    counts.update(_topk_counts(topk, steps))
+    if topk is not None:  # read: the lists' counts; not read, the top-k inputs are left out (unknown)
+        counts.update(_topk_counts(topk, steps))
+    names = [k for k in INPUTS if k in counts]
     with np.errstate(invalid="ignore", divide="ignore"):
         share = {k: np.where(tokens > 0, v / np.where(tokens > 0, tokens, 1), np.nan) for k, v in counts.items()}
     total = float(tokens.sum())
     inputs = {k: {"steps": int((counts[k] > 0).sum()), "of": int(len(steps)),
-                  "token_share": float(counts[k].sum() / total) if total else None} for k in INPUTS}
+                  "token_share": float(counts[k].sum() / total) if total else None} for k in names}
     rows = [{"step": int(s), "tokens": int(tokens[i]),
-             **{k: (round(float(share[k][i]), 6) if share[k][i] == share[k][i] else None) for k in INPUTS}}
+             **{k: (round(float(share[k][i]), 6) if share[k][i] == share[k][i] else None) for k in names}}
             for i, s in enumerate(steps)]
     return {"inputs": inputs, "steps": rows, "routes": routes}
 
@@ -120,8 +123,12 @@ def missing(cov: dict[str, Any]) -> list[str]:
     return [k for k, v in cov["inputs"].items() if v["of"] and not v["steps"]]
 
 
-def coverage_of(analysis) -> dict[str, Any]:
+def coverage_of(analysis, topk: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """table() of an analysed run: the counts read with the analysis when it was made with
-    diagnosis.core.reducers(), else one more pass; the manifest's config["routes"] when present."""
+    diagnosis.core.reducers(), else one more pass; the manifest's config["routes"] when present. The top-k
+    lists' counts come from `topk` (the top-k reducer's merged partial) or from the analysis's own read of it:
+    without either they are left out, not read in one more pass."""
     routes = (getattr(analysis.manifest, "config", None) or {}).get("routes")
-    return table(reduced(analysis, CoverageReducer()), reduced(analysis, TopkReducer()), routes)
+    if topk is None and TopkReducer.name in analysis.reduced:
+        topk = reduced(analysis, TopkReducer())
+    return table(reduced(analysis, CoverageReducer()), topk, routes)

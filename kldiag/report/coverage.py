@@ -18,20 +18,12 @@ from kldiag.analysis.runner import reduced
 from kldiag.analysis.staleness import OPSM_DELTA, StalenessReducer
 from kldiag.analysis.staleness import summary as staleness_summary
 from kldiag.fmt import num
-from kldiag.views.leads import HOW_TO_RECORD, needs
+from kldiag.views.leads import HOW_TO_RECORD, INPUT_NAMES, how_to_record, needs
 
 REF_COLUMNS = ("step", "tokens", "k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_abs_p99",
                "blame_share", "flagged_frac", "nonfinite_count", "rho_max")
 NO_REF_COLUMNS = ("step", "tokens", "mismatch_kl", "drift_abs_mean", "rho_mean", "rho_max", "rho_clip_frac",
                   "nonfinite_count")
-INPUT_NAMES = {"logp_sampler": "engine log-probs (logp_sampler)", "logp_ref": "reference log-probs (logp_ref)",
-               "logp_old": "behaviour log-probs (logp_old)", "routes_trainer": "trainer routes",
-               "routes_engine": "engine routes", "policy_version": "weight versions (policy_version)",
-               "advantage": "advantages", "entropy": "entropy", "turn": "turns", "task": "task labels",
-               "topk_trainer": "trainer top-k lists", "topk_engine": "engine top-k lists"}
-HOW = {"routes_trainer": "routes_trainer", "routes_engine": "routes_engine", "topk_trainer": "topk",
-       "topk_engine": "topk"}
-
 
 def has_reference(steps) -> bool:
     """Whether some step has a K3 mean (logp_ref recorded)."""
@@ -87,11 +79,6 @@ def coverage_lines(cov: dict[str, Any]) -> list[str]:
     if cov.get("routes"):
         lines.append(f"  the recorder's note on routes: {cov['routes']}")
     return lines
-
-
-def how_to_record(name: str) -> str:
-    """How to record a coverage input (`HOW_TO_RECORD` by its column)."""
-    return HOW_TO_RECORD.get(HOW.get(name, name), f"record {name}")
 
 
 def staleness_lines(stale: dict[str, Any]) -> list[str]:

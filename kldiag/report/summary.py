@@ -76,7 +76,7 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
         "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
         "cannot_compute": coverage.cannot_compute(a),
-        "coverage": coverage_of(a),
+        "coverage": coverage_of(a, runner.reduced(a, topk.TopkReducer())),
         "placeholders": int(a.info.get("placeholders", 0)),
         "topk": clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
         "turns": turns_of(a),

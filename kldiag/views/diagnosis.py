@@ -44,12 +44,12 @@ def episodes_frame(dg: Diagnosis) -> pd.DataFrame:
 
 
 ALERT_ORDER = ("kind", "severity", "start", "end", "message", "peak_step", "peak_value", "metric", "value", "baseline",
-               "steps")
+               "steps", "step")
 
 
 def alerts_frame(alerts: pd.DataFrame) -> pd.DataFrame:
     """The alerts table for display: the message beside the episode's span (not past the right edge), an
-    ongoing episode's end written "ongoing" (not None), the duplicate start column `step` left out."""
+    ongoing episode's end written "ongoing" (not None), `step` (the start again) last."""
     if alerts.empty:
         return alerts
     out = alerts[[c for c in ALERT_ORDER if c in alerts.columns]].copy()

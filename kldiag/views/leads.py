@@ -27,9 +27,19 @@ HOW_TO_RECORD = {
     "policy_version": "record the weight version that generated each sequence (policy_version=)",
     "topk": "record both sides' top-k lists (topk_ids=, topk_logp= and their _sampler twins)",
     "turn": "record each token's turn index (turn=)",
+    "entropy": "record each token's entropy under the policy (entropy=)",
+    "task": "record each sequence's task label (task=)",
     "routes_engine": "record the engine's routes too (experts_sampler= in Recorder.record)",
     "routes_trainer": "record the trainer's routes (experts= in Recorder.record; the TRL hook captures them)",
 }
+# the coverage table's inputs (kldiag.analysis.coverage_table) in words, and the HOW_TO_RECORD key of each
+INPUT_NAMES = {"logp_sampler": "engine log-probs (logp_sampler)", "logp_ref": "reference log-probs (logp_ref)",
+               "logp_old": "behaviour log-probs (logp_old)", "routes_trainer": "trainer routes",
+               "routes_engine": "engine routes", "policy_version": "weight versions (policy_version)",
+               "advantage": "advantages", "entropy": "entropy", "turn": "turns", "task": "task labels",
+               "topk_trainer": "trainer top-k lists", "topk_engine": "engine top-k lists"}
+HOW = {"routes_trainer": "routes_trainer", "routes_engine": "routes_engine", "topk_trainer": "topk",
+       "topk_engine": "topk"}
 ROUTING_CAUSES = ("routing_replay_broken", "moe_routing_mismatch")
 ENGINE_PREFIX = "engine_"
 
@@ -142,3 +152,17 @@ def token_tables(analysis, vocab: dict | None = None) -> dict[str, Any]:
         cols = [c for c in TOKEN_COLUMNS if not (c.startswith("route") and not (df["route_layers"] > 0).any())]
         out[name] = df[cols].rename(columns=TOKEN_COLUMNS)
     return out
+
+
+def how_to_record(name: str) -> str:
+    """How to record a coverage input (`HOW_TO_RECORD` by its column)."""
+    return HOW_TO_RECORD.get(HOW.get(name, name), f"record {name}")
+
+
+def coverage_frame(cov: dict[str, Any]) -> pd.DataFrame:
+    """The coverage table for display: one row per input, on how many steps it is present, its share of the
+    loss tokens, and how to record it where no step has it."""
+    rows = [{"input": INPUT_NAMES[k], "steps": f"{v['steps']:,} of {v['of']:,}",
+             "share of tokens": shown(v["token_share"], ".1%"),
+             "how to record": "" if v["steps"] else how_to_record(k)} for k, v in cov["inputs"].items()]
+    return pd.DataFrame(rows)
