@@ -44,7 +44,7 @@ def test_overview(monkeypatch, moe_run):
 
 def test_tokens_list_what_was_measured(monkeypatch, moe_run):
     at = _page(monkeypatch, moe_run, "tokens")
-    assert any("needs logp_ref" in i.value for i in at.info)
+    assert any("logp_ref, which this run did not record" in i.value for i in at.info)
     heads = [s.value for s in at.subheader]
     assert "Tokens routed to other experts by the engine" in heads and "Tokens with the largest engine mismatch" in heads
     routed = next(d.value for d in at.dataframe if "layers routed differently" in d.value.columns)

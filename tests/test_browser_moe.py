@@ -86,6 +86,6 @@ def test_no_page_is_silent_about_what_the_run_did_not_record(moe_server, browser
                 s in main for s in ("routing_replay_broken", "layers 1", "limit 1%")):
             problems.append("mismatch: the verdict's finding (replay, layer 1, the 1% limit) is not on the page")
         if path == "tokens" and not all(s in main for s in ("Tokens routed to other experts", "largest engine mismatch",
-                                                            "needs logp_ref")):
+                                                            "logp_ref, which this run did not record")):
             problems.append("tokens: no list of the routed-differently and highest-mismatch tokens, or no word on flags")
     assert not problems, "\n".join(problems)

@@ -10,6 +10,8 @@ import pytest
 
 from kldiag.analysis import AnalysisConfig, analyze
 from kldiag.analysis.coverage_table import CoverageReducer, coverage_of, missing
+from kldiag.analysis.runner import reduced
+from kldiag.analysis.topk import TopkReducer
 from kldiag.cli import main
 from kldiag.diagnosis.core import reducers
 from kldiag.tools.routing_runs import batches, write
@@ -27,7 +29,9 @@ def _run(tmp_path, drop=(), half_ref=False):
 
 def test_shares_per_step_equal_numpy(tmp_path):
     run, data = _run(tmp_path, half_ref=True)
-    cov = coverage_of(analyze(run, AnalysisConfig(), reducers()))
+    a = analyze(run, AnalysisConfig(), reducers())
+    assert "topk_trainer" not in coverage_of(a)["inputs"]  # not read with the analysis: left out, not read again
+    cov = coverage_of(a, reduced(a, TopkReducer()))
     for i, (row, d) in enumerate(zip(cov["steps"], data, strict=True)):
         assert row["step"] == d["step"] and row["tokens"] == int(d["mask"].sum())
         assert row["logp_ref"] == (0.0 if i % 2 else 1.0) and row["logp_sampler"] == 1.0

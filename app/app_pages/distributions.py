@@ -23,7 +23,7 @@ if not available or len(hist.steps) == 0:
             VL.needs("Every distribution here", "logp_ref"))
     st.stop()
 if any(m in H.REF_METRICS for m in unmeasured):
-    st.caption(VL.needs("The distributions of d and the gradient weights", "logp_ref"))
+    st.caption(VL.needs("The distributions of d and the gradient weights", "logp_ref", plural=True))
 name = st.segmented_control("Metric", available, default=available[0], key="dist_metric",
                             format_func=lambda m: METRICS[m][0]) or available[0]
 title, log_y, unit = METRICS[name]

@@ -70,8 +70,8 @@ def topk_section(run) -> None:
 def measured_section(run) -> None:
     """What a run without pi_ref can tell, first: why the flags are missing, then the tokens the engine routed to
     other experts and those with the largest engine mismatch."""
-    st.info(VL.needs("Token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
-                     "logp_ref") + " Non-finite and invalid log-probs are still flagged.")
+    st.info(VL.needs("The token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
+                     "logp_ref", plural=True) + " Non-finite and invalid log-probs are still flagged.")
     lists = D.mismatch_tokens(run.path, run.keys)
     if not lists["routed"].empty:
         st.subheader("Tokens routed to other experts by the engine")

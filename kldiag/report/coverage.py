@@ -84,7 +84,7 @@ def coverage_lines(cov: dict[str, Any]) -> list[str]:
 def staleness_lines(stale: dict[str, Any]) -> list[str]:
     """The staleness section of the text report: the histogram and the figures by staleness, or what it needs."""
     if not stale["versions"]:
-        return ["staleness: not measured: " + needs("the staleness figures", "policy_version")]
+        return ["staleness: not measured: " + needs("the staleness section", "policy_version")]
     hist = ", ".join(f"{k}: {v:,}" for k, v in stale["histogram"].items())
     lines = [f"staleness (updates between the weights that generated a sample and the step): sequences {hist}"]
     for b in stale["by_staleness"]:

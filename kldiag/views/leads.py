@@ -44,10 +44,10 @@ ROUTING_CAUSES = ("routing_replay_broken", "moe_routing_mismatch")
 ENGINE_PREFIX = "engine_"
 
 
-def needs(what: str, column: str) -> str:
-    """'<what> needs <column>, which this run did not record: <how>.'"""
+def needs(what: str, column: str, plural: bool = False) -> str:
+    """'<what> needs <column>, which this run did not record: <how>.' ('need' for a plural `what`)."""
     how = HOW_TO_RECORD.get(column, f"record {column}")
-    return f"{what} needs {column}, which this run did not record: {how}."
+    return f"{what} {'need' if plural else 'needs'} {column}, which this run did not record: {how}."
 
 
 def shown(value: Any, spec: str = ".3g") -> str:
@@ -131,7 +131,7 @@ def overview_tiles(headline: dict, steps, routing: dict | None) -> list[tuple[st
         tiles.append(("Latest rho clip fraction", shown(_last(steps, "rho_clip_frac"), ".2%"),
                       "tokens outside the PPO clip range"))
     tiles.append(("Flagged tokens", "n/a", needs("the token flags (theta_ll_ref, weight_blowup, clamp_saturated)",
-                                                 "logp_ref")))
+                                                 "logp_ref", plural=True)))
     return tiles
 
 
