@@ -53,8 +53,9 @@ def test_tokens_list_what_was_measured(monkeypatch, moe_run):
 
 def test_sequence_estimators_mismatch_compare(monkeypatch, moe_run):
     at = _page(monkeypatch, moe_run, "sequence")
-    assert at.radio(key="seq_quantity").value in ("rho", "mismatch")  # not d: it needs pi_ref
-    assert any("kldiag-scale" in h.proto.body for h in at.get("html"))  # the colour scale
+    assert at.radio(key="seq_quantity").value == "mismatch"  # not d (it needs pi_ref), not rho (1 everywhere)
+    bodies = " ".join(h.proto.body for h in at.get("html"))
+    assert "kldiag-scale" in bodies and "kldiag-routed" in bodies  # the colour scale; tokens routed differently
     at = _page(monkeypatch, moe_run, "estimators")
     assert any("needs advantage" in i.value for i in at.info) and not any("masked" in m.label for m in at.metric)
     at = _page(monkeypatch, moe_run, "mismatch")

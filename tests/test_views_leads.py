@@ -51,8 +51,10 @@ def test_trends_leave_out_what_was_not_measured():
     assert all(any(np.isfinite(np.asarray(t.y, float)).any() for t in f.data) for f in figs)
     assert not any("KL estimate" in t or "gradient weight" in t or "Flagged tokens" in t for t in titles)
     gaps = " ".join(VC.trend_gaps(steps))
-    assert "KL estimate" in gaps and "needs logp_ref" in gaps and "no token carries a flag" in gaps
-    share = next(f for f in figs if "shares" in f.layout.title.text)
+    assert "KL estimate" in gaps and "needs logp_ref" in gaps and "non-finite log-prob" in gaps
+    assert "is 0 on every step" in gaps and not any("shares" in t for t in titles)  # rho_clip_frac 0: said
+    steps["rho_clip_frac"] = 0.1
+    share = next(f for f in VC.step_trends(steps) if "shares" in f.layout.title.text)
     assert [t.name for t in share.data] == [VC.name_of("rho_clip_frac")]  # the flag shares left out
 
 

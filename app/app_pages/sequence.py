@@ -43,7 +43,10 @@ if pick and pick.get("path") == run.path:  # a deep link, or a row of the Tokens
     K.show_notices()
 
 if st.session_state.get("seq_step") not in steps:  # start on a faulty sequence, else the worst
-    st.session_state["seq_step"], st.session_state["seq_seq"] = D.first_sequence(run.path, run.keys)
+    start = D.first_sequence(run.path, run.keys)
+    if not run.present.get("logp_ref", True):  # no |k3 weight| to rank by: a token routed differently, or mismatched
+        start = VL.first_measured(D.mismatch_tokens(run.path, run.keys)) or start
+    st.session_state["seq_step"], st.session_state["seq_seq"] = start
 c1, c2, c3 = st.columns([1, 2, 3])
 step = c1.selectbox("Step", steps, key="seq_step")
 in_step = VN.fault_first(D.step_sequences(run.path, run.keys, int(step)))  # faults, then the largest |k3 weight|

@@ -35,20 +35,30 @@ INPUTS = (*COUNTED, *TOPK)
 
 
 def batch_counts(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """Per step of the batch's loss tokens: n_tokens and n_<input> (keyed.reduce_by_key form)."""
-    mask = batch.column("mask").to_numpy(zero_copy_only=False).astype(bool)
-    step = batch.column("step").to_numpy(zero_copy_only=False)[mask].astype(np.int64)
-    t = {"step": step, "n_tokens": np.ones(len(step), np.int64)}
+    """Per step of the batch's loss tokens: n_tokens and n_<input> (keyed.reduce_by_key form). A column with no
+    null (or only nulls) costs no per-row work: its count is the step's tokens (or 0)."""
+    mask_col = batch.column("mask")
+    mask = mask_col.to_numpy(zero_copy_only=False).astype(bool, copy=False)
+    step = batch.column("step").to_numpy(zero_copy_only=False)[mask].astype(np.int64, copy=False)
+    if not len(step):
+        return _empty()
+    lo = int(step.min())
+    idx = step - lo
+    width = int(idx.max()) + 1
+    tokens = np.bincount(idx, minlength=width)
+    keep = tokens > 0
+    out = {"step": np.arange(lo, lo + width, dtype=np.int64)[keep], "n_tokens": tokens[keep].astype(np.int64)}
     for name, column in COUNTED.items():
         i = batch.schema.get_field_index(column)
-        if i < 0:
-            t[f"n_{name}"] = np.zeros(len(step), np.int64)
-            continue
-        col = batch.column(i)
-        valid = np.ones(batch.num_rows, bool) if not col.null_count else \
-            col.is_valid().to_numpy(zero_copy_only=False).astype(bool)
-        t[f"n_{name}"] = valid[mask].astype(np.int64)
-    return keyed.reduce_by_key(t)
+        col = batch.column(i) if i >= 0 else None
+        if col is None or col.null_count == batch.num_rows:
+            out[f"n_{name}"] = np.zeros(int(keep.sum()), np.int64)
+        elif not col.null_count:
+            out[f"n_{name}"] = out["n_tokens"].copy()
+        else:
+            valid = col.is_valid().to_numpy(zero_copy_only=False)[mask]
+            out[f"n_{name}"] = np.bincount(idx, weights=valid, minlength=width)[keep].astype(np.int64)
+    return out
 
 
 def _empty() -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ What the Tokens page lists on a run whose flags cannot be computed (no logp_ref:
 weight| ranking need pi_ref) or beside them: per token in the loss, with o = logp_old (logp where null:
 on-policy) and m = logp_sampler (the engine's log mu),
 
-    mismatch   log(pi_old / mu) = o - m, where both are finite (the per-token term of KL(mu || pi_old))
+    mismatch   log(pi_old / mu) = o - m, where both are finite (the per-token term of KL(mu || pi_old)),
+               in the stored float32 and kept as float64
 
 `MismatchTokensReducer` (the reducer protocol, reduce.py) keeps the `keep` tokens with the largest
 |mismatch| (`w_` arrays) and the `keep` tokens routed differently (route_differ > 0: format v1.3, both
@@ -49,30 +50,55 @@ def select(rows: list[dict[str, np.ndarray]], keep: int) -> dict[str, np.ndarray
     return {k: v[order] for k, v in cat.items()}
 
 
-def _candidates(rows: dict[str, np.ndarray], keep: int) -> dict[str, np.ndarray]:
-    """The rows that can be among the `keep` largest |mismatch|: every row at or above the keep-th largest
+def _top(size: np.ndarray, rows: np.ndarray, keep: int) -> np.ndarray:
+    """Of `rows`, those that can be among the `keep` largest `size`: every row at or above the keep-th largest
     (ties all kept, so `select` breaks them by key as a serial pass would); a cheap cut before the sort."""
-    n = len(rows["step"])
-    size = np.nan_to_num(np.abs(rows["mismatch"]), nan=-1.0)
-    if n <= 4 * keep:
+    if len(rows) <= 4 * keep:
         return rows
-    cut = np.partition(size, n - keep)[n - keep]
-    sel = size >= cut
-    return {k: v[sel] for k, v in rows.items()}
+    s = size[rows]
+    cut = np.partition(s, len(s) - keep)[len(s) - keep]
+    return rows[s >= cut]
 
 
-def batch_rows(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """Every loss token of the batch with its mismatch and route counts (FIELDS)."""
+def _float(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """A log-prob column as stored (float32), NaN where null: no fill or widening pass over the batch."""
+    i = batch.schema.get_field_index(name)
+    if i < 0:
+        return np.full(batch.num_rows, np.nan, np.float32)
+    return batch.column(i).to_numpy(zero_copy_only=False)
+
+
+def batch_rows(batch: pa.RecordBatch, keep: int) -> dict[str, dict[str, np.ndarray]]:
+    """The batch's candidates (FIELDS) for the largest |mismatch| ("w_") and the routed-differently tokens
+    ("r_"): the per-token work is the mismatch and a partition; the other columns are gathered at the few
+    candidate rows only."""
     mask = _num(batch, "mask", False, bool)
-    out = {k: _num(batch, k, -1, np.int64)[mask] for k in KEYS}
-    logp = _num(batch, "logp", np.nan, np.float64)
-    old = np.where(np.isnan(o := _num(batch, "logp_old", np.nan, np.float64)), logp, o)
-    mu = _num(batch, "logp_sampler", np.nan, np.float64)
-    with np.errstate(invalid="ignore"):
-        mism = np.where(np.isfinite(old) & np.isfinite(mu), old - mu, np.nan)
-    out.update(logp_old=old[mask], logp_sampler=mu[mask], mismatch=mism[mask],
-               route_differ=_num(batch, "route_differ", 0, np.int64)[mask],
-               route_layers=_num(batch, "route_layers", 0, np.int64)[mask])
+    i = batch.schema.get_field_index("logp_sampler")
+    has_mu = i >= 0 and batch.column(i).null_count < batch.num_rows
+    j = batch.schema.get_field_index("route_differ")
+    has_routes = j >= 0 and batch.column(j).null_count < batch.num_rows
+    if not (has_mu or has_routes):
+        return {}
+    logp, o = _float(batch, "logp"), _float(batch, "logp_old")
+    old = np.where(np.isnan(o), logp, o)
+    mu = _float(batch, "logp_sampler")
+    with np.errstate(invalid="ignore", over="ignore"):
+        mism = old - mu  # NaN where either is null or not finite (inf - inf, and inf - x, left out below)
+        size = np.abs(mism)
+    size = np.where(np.isfinite(size), size, -1.0)
+    differ = _num(batch, "route_differ", 0, np.int64) if has_routes else np.zeros(batch.num_rows, np.int64)
+    picks = {"w_": _top(size, np.flatnonzero(mask & (size >= 0)), keep),
+             "r_": _top(size, np.flatnonzero(mask & (differ > 0)), keep)}
+    out = {}
+    for p, rows in picks.items():
+        if not len(rows):
+            continue
+        taken = batch.select([c for c in (*KEYS, "route_layers") if c in batch.schema.names]).take(pa.array(rows))
+        row = {k: _num(taken, k, -1, np.int64) for k in KEYS}
+        row.update(logp_old=old[rows].astype(np.float64), logp_sampler=mu[rows].astype(np.float64),
+                   mismatch=mism[rows].astype(np.float64), route_differ=differ[rows],
+                   route_layers=_num(taken, "route_layers", 0, np.int64))
+        out[p] = row
     return out
 
 
@@ -95,11 +121,8 @@ class MismatchTokensReducer:
     def add(self, state: dict, batch: pa.RecordBatch) -> None:
         if not batch.num_rows:
             return
-        rows = batch_rows(batch)
-        finite = np.isfinite(rows["mismatch"])
-        for p, sel in (("w_", finite), ("r_", rows["route_differ"] > 0)):
-            if sel.any():
-                state[p] = select([state[p], _candidates({k: v[sel] for k, v in rows.items()}, self.keep)], self.keep)
+        for p, rows in batch_rows(batch, self.keep).items():
+            state[p] = select([state[p], rows], self.keep)
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
         return {f"{p}{k}": v for p in PREFIXES for k, v in state[p].items()}

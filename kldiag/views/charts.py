@@ -309,9 +309,10 @@ def _measured(steps: pd.DataFrame) -> tuple[list[tuple[int, StepChart, tuple[str
             need = "logp_ref" if no_ref and any(k in REF_SERIES or k.startswith(("k3", "weight")) for k in c.columns) \
                 else "advantage" if "opsm_masked_frac" in c.columns else "logp_sampler"
             gaps.append(f"\"{c.title}\" is not drawn: " + VL.needs("it", need))
-        elif no_ref and c.columns[0].endswith("_count") and not (steps[list(cols)].fillna(0) != 0).any().any():
-            gaps.append(f"\"{c.title}\" is not drawn: no token carries a flag measured here ("
-                        + ", ".join(cols) + " are 0 on every step)" + "; the other flags need logp_ref")
+        elif no_ref and cols != c.columns and not (steps[list(cols)].fillna(0) != 0).any().any():
+            # what is left without logp_ref is 0 on every step: said, not drawn as a flat line on a -1..1 axis
+            gaps.append(f"\"{c.title}\" is not drawn: " + ", ".join(name_of(k) for k in cols)
+                        + " is 0 on every step; the rest needs logp_ref")
         else:
             kept.append((i, c, cols))
     return kept, gaps

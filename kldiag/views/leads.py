@@ -166,3 +166,13 @@ def coverage_frame(cov: dict[str, Any]) -> pd.DataFrame:
              "share of tokens": shown(v["token_share"], ".1%"),
              "how to record": "" if v["steps"] else how_to_record(k)} for k, v in cov["inputs"].items()]
     return pd.DataFrame(rows)
+
+
+def first_measured(lists: dict[str, pd.DataFrame]) -> tuple[int, int] | None:
+    """(step, seq) a run without pi_ref opens the Sequence page on: the sequence of the token routed differently
+    with the largest mismatch, else of the token with the largest mismatch (token_tables); None when neither."""
+    for name in ("routed", "largest"):
+        df = lists.get(name)
+        if df is not None and not df.empty:
+            return int(df["step"].iloc[0]), int(df["seq"].iloc[0])
+    return None

@@ -46,6 +46,9 @@ SCALES = {"d": ("pi_theta above pi_ref", "d = 0", f"d = ln {E.TAU:g}: pi_theta <
           "weight_k3_is_abs": ("", "|weight| 1 (a typical token)", "|weight| 1000 and more"),
           "rho": ("rho 1/2 and less", "rho = 1", "rho 2 and more"),
           "mismatch": ("mu 2x above pi_old and more", "no mismatch", "pi_old 2x above mu and more")}
+# what read_sequence reads: the token columns and which MoE layers the engine routed differently (format v1.3)
+SEQUENCE_READ = (*F.TOKEN_SCHEMA.names, *(c for c in F.ROUTE_COLUMNS if c in ("route_layers", "route_differ",
+                                                                           "route_differ_at")))
 ROUTED_STYLE = "box-shadow: inset 0 -3px 0 #7c3aed"  # a token the engine routed to other experts than the trainer
 
 
@@ -169,11 +172,12 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     """The tokens of sequence `seq` at `step`, one row per (iteration, pos), sorted.
 
     Reads only the row groups whose step statistics hold `step` (Run.read_rows). Columns: the token columns of
-    format v1, `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
+    format v1, the route columns that say which layers were routed differently (null without routes), `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
     An unknown (step, seq) gives an empty frame.
     """
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
-    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)))
+    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)),
+                                          columns=SEQUENCE_READ)
     table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
@@ -282,8 +286,10 @@ def colour_scale_html(quantity: str, routed: bool = False) -> str:
 
 
 def measured_quantities(df: pd.DataFrame) -> list[str]:
-    """The SEQUENCE_QUANTITIES the sequence holds a finite value of (d and the weights need logp_ref)."""
-    return [q for q in SEQUENCE_QUANTITIES if q in df and np.isfinite(df[q].to_numpy(np.float64, na_value=np.nan)).any()]
+    """The SEQUENCE_QUANTITIES the sequence holds a finite value of (d and the weights need logp_ref); without
+    d, the engine mismatch first (rho alone is 1 on an on-policy run)."""
+    have = [q for q in SEQUENCE_QUANTITIES if q in df and np.isfinite(df[q].to_numpy(np.float64, na_value=np.nan)).any()]
+    return sorted(have, key=lambda q: q != "mismatch") if "d" not in have else have
 
 
 # ---- analysis tables for display -----------------------------------------------------
