@@ -19,11 +19,13 @@ import streamlit as st
 
 import kldiag
 from kldiag import format as F
+from kldiag.analysis.reducers.coverage_table import coverage_of
 from kldiag.analysis.runtime import runner
 from kldiag.cli import engine_opts as engines
 from kldiag.errors import EmptyRunError, KldiagError, NotARunError
 from kldiag.views import dashboard as VD
 from kldiag.views import estimators as VE
+from kldiag.views import leads as VL
 from kldiag.views import mismatch as VM
 from kldiag.views import pages as V
 from kldiag.views import sequences as VS
@@ -129,6 +131,18 @@ def mismatch_view(path: str, keys: str) -> VM.MismatchView:
 def topk_summary(path: str, keys: str):
     """The Tokens page's top-k summary and the first token that has lists."""
     return VT.summary(_analysis(path, keys)), VT.first_listed(path)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def coverage(path: str, keys: str) -> dict:
+    """Which optional inputs each step has (kldiag.analysis.reducers.coverage_table, read with the analysis)."""
+    return coverage_of(_analysis(path, keys))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def mismatch_tokens(path: str, keys: str) -> dict:
+    """The Tokens page's lists when no token is flagged: routed differently, largest engine mismatch."""
+    return VL.token_tables(_analysis(path, keys), _vocab(path, F.vocab_stamp(path)))
 
 
 @st.cache_resource(max_entries=8)

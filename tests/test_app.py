@@ -122,7 +122,7 @@ def test_distributions_and_compare_selectors(monkeypatch, app_runs):
     at.selectbox(key="cmp_metric").set_value("weight_k3_abs_max").run()
     _ok(at)
     spec = at.get("plotly_chart")[0].proto.spec
-    assert "weight_k3_abs_max per step" in spec and '"k3_is"' in spec
+    assert "max |k3 weight| (weight_k3_abs_max) per step" in spec and '"k3_is"' in spec  # in words, with the column
 
 
 @pytest.mark.parametrize("name", PAGES)

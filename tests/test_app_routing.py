@@ -26,9 +26,11 @@ def test_mismatch_page_shows_routing(monkeypatch, tmp_path):
     at = _page(monkeypatch, _write(tmp_path / "run", _data(gap=1.5)))
     assert TITLE in [s.value for s in at.subheader]
     specs = [c.proto.spec for c in at.get("plotly_chart")]
-    assert any("agreement by layer" in s for s in specs) and any("routed alike vs differently" in s for s in specs)
-    assert all('"subtitle"' in s for s in specs if "agreement by layer" in s)  # the shared layout
-    assert any("routed differently carry" in c.value for c in at.caption)
+    assert any("by layer and step" in s for s in specs) and any("routed alike vs differently" in s for s in specs)
+    assert all('"subtitle"' in s for s in specs if "by layer and step" in s)  # the shared layout
+    assert any("routed differently carry" in c.value for c in at.markdown)
+    heads = [s.value for s in at.subheader]
+    assert heads.index(TITLE) < heads.index("Engine vs trainer parity")  # an MoE run leads with its routing
     table = next(d.value for d in at.dataframe if "tokens" in d.value.columns and "count" in d.value.columns)
     assert list(table["tokens"]) == ["routed alike", "routed differently"]
 
@@ -37,3 +39,15 @@ def test_run_without_routes_has_no_routing_section(monkeypatch, tmp_path):
     data = [{k: v for k, v in d.items() if not k.startswith("experts")} for d in _data()]
     at = _page(monkeypatch, _write(tmp_path / "run", data))
     assert TITLE not in [s.value for s in at.subheader]
+
+
+def test_trainer_routes_only_say_what_is_missing(monkeypatch, tmp_path):
+    """Only the trainer's routes: no agreement chart, no 100%; an info naming the engine side and experts_sampler."""
+    data = [{k: v for k, v in d.items() if k != "experts_sampler"} for d in _data()]
+    at = _page(monkeypatch, _write(tmp_path / "run", data))
+    assert TITLE in [s.value for s in at.subheader]
+    info = " ".join(i.value for i in at.info)
+    assert "experts_sampler" in info and "not measured" in info
+    specs = [c.proto.spec for c in at.get("plotly_chart")]
+    assert not any("by layer and step" in s for s in specs)
+    assert not any("100.00%" in m.value for m in at.markdown)

@@ -212,8 +212,8 @@ def test_analyze_json_contract(tmp_path, capsys):
 
 def test_side_scan_rides_along_is_incremental_and_cached(tmp_path, monkeypatch):
     """The scan is a reducer: read in the analysis's pass, only new parts later, none once cached."""
-    from kldiag.analysis.runtime import runner
     from kldiag.analysis.reducers import scan as S
+    from kldiag.analysis.runtime import runner
 
     red = [S.ScanReducer()]
     make_run(tmp_path, SynthConfig(steps=6, **SMALL), steps=range(0, 3))
@@ -273,3 +273,18 @@ def test_scan_kernel_equals_the_numpy_formula():
     assert sorted(got) == uniq.tolist()
     for k, s in enumerate(uniq.tolist()):
         np.testing.assert_allclose(got[s], want[k], rtol=1e-12)
+
+
+def test_k3_summary_never_says_below_the_limit_above_it():
+    """Issue 47 edge 5: a max of 254 read "below the blow-up limit 100 so far" when it passed the limit on steps
+    too few in a row to be sustained."""
+    import numpy as np
+
+    from kldiag.diagnosis.causes import _k3_summary
+    from kldiag.diagnosis.types import DiagnosisConfig
+
+    cfg, ev = DiagnosisConfig(), {"blame_share_max": 0.74, "weight_k3_is_abs_max_at_peak": 1.5}
+    no_fire = np.zeros(3, bool)
+    text = _k3_summary({"step": np.arange(3)}, cfg, no_fire, 1, 254.0, 2, ev)
+    assert "below" not in text and "above the blow-up limit 100 on isolated steps" in text
+    assert "below the blow-up limit 100 so far" in _k3_summary({"step": np.arange(3)}, cfg, no_fire, 1, 50.0, 2, ev)

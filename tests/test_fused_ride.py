@@ -15,7 +15,6 @@ import pytest
 from logp_batches import logp_columns
 
 from kldiag.analysis import AnalysisConfig, analyze
-
 from kldiag.analysis.core import stats
 from kldiag.analysis.core.batch import Thresholds
 from kldiag.analysis.core.partials import AnalysisReducer

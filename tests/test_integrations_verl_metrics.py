@@ -28,9 +28,9 @@ from verl.utils.py_functional import append_to_dict  # noqa: E402
 
 import kldiag  # noqa: E402
 from kldiag.integrations import verl as hook  # noqa: E402
-from kldiag.integrations.verl import metrics as verl_metrics  # noqa: E402
 from kldiag.integrations.common.step_metrics import StepWindow  # noqa: E402
 from kldiag.integrations.trl.metrics import batch_partials, log_metrics, merge_partials  # noqa: E402
+from kldiag.integrations.verl import metrics as verl_metrics  # noqa: E402
 
 NAMES = ("k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_is_abs_max", "flagged_frac", "blame_share",
          "rho_max", "nonfinite_count")

@@ -47,6 +47,11 @@ def test_dppo_kl_uses_the_binary_kl_of_the_sampled_probability():
     assert not CR.dppo_kl(np.log(p), np.log(b), np.array([-1.0, -1.0]), 0.05, 0.05).any()  # moving up, A < 0
 
 
+def test_m2po_of_no_token_masks_none():
+    """A run without advantages replays no token: M2PO's per-step loop has no step to walk."""
+    assert CR.m2po(np.zeros(0), np.zeros(0, np.int64), 0.04).shape == (0,)
+
+
 def test_m2po_drops_the_fewest_largest_squares():
     lr = np.array([0.0, 0.1, -0.1, 0.5, -0.4, 0.05])  # squares 0, .01, .01, .25, .16, .0025
     got = CR.m2po(lr, np.zeros(6, np.int64), 0.04)

@@ -110,9 +110,9 @@ def test_read_along_reads_only_what_the_analysis_lacks(tmp_path, opens):
     import numpy as np
 
     import kldiag
+    from kldiag.analysis.reducers.scan import ScanReducer
     from kldiag.analysis.reducers.turns import TurnReducer
     from kldiag.analysis.runtime import runner
-    from kldiag.analysis.reducers.scan import ScanReducer
 
     run = tmp_path / "r"
     make_run(run, SynthConfig(steps=8, seqs_per_step=8, ranks=2))

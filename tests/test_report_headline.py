@@ -37,3 +37,14 @@ def test_text_and_html_lead_with_the_principal_cause(tmp_path):
     assert lines[3].startswith("flagged: ") and lines[4].startswith("first to move: mismatch_kl at step 0")
     page = render_html(rep)
     assert page.index("Principal cause: <b>k3_weight_blowup") < page.index("First to move")
+
+
+def test_a_summary_ending_in_an_ellipsis_keeps_it():
+    """Issue 47 edge 5: "at steps 0, 1, 2, 3, 4, 5, ..." printed as "5, . Fix:" and the principal line as "5,"."""
+    c = Cause("routing_replay_broken", 0, "critical", {}, "patch the router",
+              "replay is on but did not take (limit 1%), at steps 0, 1, 2, 3, 4, 5, ...")
+    dg = Diagnosis("unstable", [c])
+    assert R.principal(dg).endswith("at steps 0, 1, 2, 3, 4, 5, ...")
+    assert "5, ... Fix: patch the router" in R.fixes(dg)[0]
+    plain = Diagnosis("unstable", [Cause("x", 1, "warning", {}, "do y", "it moved.")])
+    assert R.fixes(plain)[0] == "x (warning, from step 1): it moved. Fix: do y"

@@ -9,7 +9,14 @@ import pytest
 
 import kldiag
 from kldiag.analysis import AnalysisConfig, analyze
-from kldiag.analysis.reducers.route_margin import EDGES, RouteMarginReducer, batch_partial, hist_median, merge_partials, summary
+from kldiag.analysis.reducers.route_margin import (
+    EDGES,
+    RouteMarginReducer,
+    batch_partial,
+    hist_median,
+    merge_partials,
+    summary,
+)
 from kldiag.analysis.runtime.runner import reduced
 
 

@@ -119,7 +119,7 @@ def test_views_and_report_section(tmp_path, capsys):
     assert view.routed and "routed differently carry" in VR.headline(view)
     assert VR.table(view).shape == (2, len(VR.TABLE_COLUMNS))
     heat = VR.agreement_by_layer(view)
-    assert len(heat.data[0].y) == STEPS and len(heat.data[0].x) == 3 and heat.data[0].z[0][0] == 1.0
+    assert len(heat.data[0].y) == STEPS and len(heat.data[0].x) == 3 and heat.data[0].z[0][0] == 0.0
     assert [t.name for t in VR.mismatch_by_side(view).data] == ["routed alike", "routed differently"]
     assert text_lines(a)[0].startswith("routing: agreement") and "2 (" in text_lines(a)[1]
     assert "MoE routing: engine vs trainer experts" in section_html(a)
@@ -129,3 +129,39 @@ def test_views_and_report_section(tmp_path, capsys):
     assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
     assert "routing: agreement" in capsys.readouterr().out
     assert "MoE routing" in (tmp_path / "r.html").read_text()
+
+
+def test_trainer_routes_only_compare_nothing(tmp_path, capsys):
+    """A run that recorded the trainer's routes alone (TRL): no agreement, no shares, a sentence naming the
+    missing side and how to record it; never 'agreement 100%, missing 0%'."""
+    from kldiag.views import routing as VR
+
+    data = [{k: v for k, v in d.items() if k != "experts_sampler"} for d in _data()]
+    run = _write(tmp_path / "trainer_only", data)
+    a = analyze(run, AnalysisConfig(), reducers())
+    r = routing_of(a)
+    assert r["routed"] and r["routed_tokens"] > 0 and r["compared_tokens"] == 0
+    assert r["sides"] == {"trainer": True, "engine": False}
+    assert r["agreement"] is None and r["missing_share"] is None and r["differ_share"] is None
+    assert "experts_sampler" in r["not_compared"] and "not measured" in r["not_compared"]
+    view = VR.view_of(a)
+    assert not view.compared and "100" not in VR.headline(view) and "experts_sampler" in VR.headline(view)
+    assert main(["analyze", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["routing"]
+    assert out["agreement"] is None and out["missing_share"] is None
+
+
+def test_heatmap_shows_every_routed_layer(tmp_path):
+    """A layer where no token differs is still on the layer axis, and the scale reaches the replay limit."""
+    from kldiag.views import routing as VR
+
+    data = _data(layer=1)  # only layer 1 differs; layer 3 never does
+    for d in data:  # every layer routed (layer 0 as layer 2), and layer 2 never differs either
+        for side in ("experts", "experts_sampler"):
+            d[side][..., 0, :] = d["experts"][..., 2, :]
+        d["experts_sampler"][..., 2, :] = d["experts"][..., 2, :]
+    a = analyze(_write(tmp_path / "run", data), AnalysisConfig(), reducers())
+    view = VR.view_of(a)
+    heat = VR.agreement_by_layer(view).data[0]
+    assert list(heat.x) == [0, 1, 2, 3] and all(row[2] == row[3] == 0.0 for row in heat.z)
+    assert heat.zmin == 0 and heat.zmax >= 2 * VR.REPLAY_LIMIT

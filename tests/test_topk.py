@@ -12,8 +12,7 @@ import pytest
 
 import kldiag
 from kldiag.analysis.reducers import topk as T
-from kldiag.analysis.runtime import part_fold
-from kldiag.analysis.runtime import runner
+from kldiag.analysis.runtime import part_fold, runner
 from kldiag.cli import main
 from kldiag.format import list_parts
 

@@ -7,6 +7,7 @@ import dash_data as D
 import streamlit as st
 
 from kldiag.format import read_manifest
+from kldiag.views import diagnosis as DV
 from kldiag.views import numbers as VN
 from kldiag.views import pages as V
 
@@ -30,12 +31,20 @@ if not runs:
 steps = {label: run.steps for label, run in runs.items()}
 estimators = {label: VN.loss_weight_column(read_manifest(run.path).config)[1] for label, run in runs.items()}
 for col, (label, run) in zip(st.columns(min(len(runs), 4)), runs.items(), strict=False):
-    col.metric(label, D.diagnosis(run).verdict.upper(), help=f"the run's verdict; its loss: {estimators[label]}")
-    col.caption(f"loss estimator: {estimators[label]}")
+    verdict = D.diagnosis(run).verdict
+    col.markdown(f"**{label}**  \n:{DV.COLOR[verdict]}[**{verdict.upper()}**]")  # the Overview's colours
+    col.caption(VN.loss_caption(read_manifest(run.path).config))
 
-metrics = V.numeric_metrics(list(steps.values()))
+# the metrics some run measured (a run without logp_ref has no weights: Compare opens on what it has)
+metrics = VN.measured_metrics(list(steps.values()), V.numeric_metrics(list(steps.values())))
+own = [m for m in OWN if any(c in metrics for c in (VN.loss_weight_column(read_manifest(r.path).config, m)[0]
+                                                      for r in runs.values()))]
+if not (own or metrics):
+    st.info("No step metric holds a value in these runs yet.")
+    st.stop()
 c1, c2 = st.columns([3, 1])
-metric = c1.selectbox("Metric", [*OWN, *metrics], key="cmp_metric", format_func=lambda m: OWN.get(m, m))
+metric = c1.selectbox("Metric", [*own, *metrics], key="cmp_metric",
+                      format_func=lambda m: OWN.get(m) or VN.metric_label(m))
 log_y = c2.toggle("Log y", metric in OWN or metric.startswith(("weight_", "k3", "rho_max")), key="cmp_log")
 if metric in OWN:
     columns = {label: VN.loss_weight_column(read_manifest(run.path).config, metric)[0] for label, run in runs.items()}
@@ -44,7 +53,7 @@ if metric in OWN:
     subtitle = "each run's own estimator: " + ", ".join(f"{k} {estimators[k]}" for k in runs)
 else:
     long = V.compare_steps(steps, metric)
-    title, y_title, subtitle = f"{metric} per step", metric, ""
+    title, y_title, subtitle = f"{VN.metric_label(metric)} per step", VN.metric_axis(metric), ""
 ctl = K.chart_controls("cmp", long["step"])
 st.plotly_chart(C.compare(long, title, y_title, log_y, ctl.smoothing, ctl.x_range, subtitle=subtitle))
 K.downloads(long, f"compare-{metric}", "cmp_long")

@@ -7,6 +7,7 @@ import streamlit as st
 
 from kldiag.views import charts as VC
 from kldiag.views import estimators as VE
+from kldiag.views import leads as VL
 from kldiag.views import numbers as VN
 from kldiag.views import opsm as VO
 
@@ -18,8 +19,8 @@ if p.skipped:
 if p.tokens:
     st.subheader("Values and gradient weights on this run's tokens")
     table = VE.estimator_table(p)
-    st.dataframe(table, hide_index=True, width="stretch", column_config={
-        "expected gradient": st.column_config.TextColumn(width="large"),
+    st.dataframe(table, hide_index=True, width="stretch", column_order=VE.TABLE_ORDER, column_config={
+        "expected gradient": st.column_config.TextColumn(width="medium"),
         "flagged share of |weight|": st.column_config.NumberColumn(
             "flagged share", format="%.3f", help="flagged tokens' share of the estimator's |weight|")})
     K.downloads(table, "estimators", "est_table")
@@ -35,7 +36,7 @@ if p.tokens:
                      "these tokens get no KL gradient")
     st.plotly_chart(C.weight_scatter(p.sample, p.tokens))
 else:
-    st.info("No token in the loss has a reference log-prob: there is no KL estimate to compare.")
+    st.info(VL.needs("Comparing the KL estimators on this run's tokens", "logp_ref"))
 
 st.subheader("Off-policy sequence mask (DeepSeek-V3.2)")
 st.caption("A sequence is masked when its advantage is negative and the mean over its tokens of "
@@ -43,6 +44,9 @@ st.caption("A sequence is masked when its advantage is negative and the mean ove
 counts = run.analysis.opsm
 if counts is None or not counts.sequences.sum():
     st.info("No sequences yet.")
+    st.stop()
+if not counts.known.sum():  # no advantages: the mask was not measured, never "0.00% masked"
+    st.info(VL.needs("The off-policy sequence mask", "advantage"))
     st.stop()
 delta = st.select_slider("delta", list(counts.deltas), value=1e-4, key="opsm_delta", format_func=lambda v: f"{v:g}")
 masked, known = VO.summary(counts, delta)

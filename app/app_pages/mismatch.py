@@ -6,14 +6,15 @@ import streamlit as st
 
 from kldiag.crosswalk import FRAMEWORKS
 from kldiag.format import read_manifest
+from kldiag.mismatch import corrections as CR
 from kldiag.mismatch import whatif as W
 from kldiag.views import audit as VA
 from kldiag.views import charts as VC
+from kldiag.views import leads as VL
 from kldiag.views import mismatch as VM
 from kldiag.views import routing as VR
 from kldiag.views import tasks as VK
 from kldiag.views import turns as VT
-from kldiag.mismatch import corrections as CR
 
 
 @st.cache_data(max_entries=64)
@@ -40,14 +41,16 @@ def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
     cols = st.columns(4)
     for c, (label, value, hint) in zip(cols, VM.parity_rows(view), strict=False):
         c.metric(label, value, help=hint)
-    findings = VM.parity_findings(D.diagnosis(run))  # the verdict's engine causes
-    for line in findings:
+    dg = D.diagnosis(run)
+    for line in VM.parity_findings(dg):  # the verdict's engine causes
         st.warning(line)
-    if not findings:
-        st.success("The engine and the trainer agree on the sampled tokens up to float noise.")
+    note = VL.parity_note(dg)  # green only beside a healthy verdict
+    if note is not None:
+        {"success": st.success, "warning": st.warning, "info": st.info}[note[0]](note[1])
 
-    st.subheader("Policy drift against engine mismatch")
-    st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step.")
+    st.subheader("Drift against mismatch: mean |log-ratio| per token")
+    st.caption("log(pi_theta/mu) = log(pi_theta/pi_old) + log(pi_old/mu): mean absolute value of each term per step, "
+               "in nats per token (the Overview's chart plots KL(mu||pi_old), a smaller figure).")
     tasks = VK.choices(run.analysis)  # format v1.3 task labels: one task's drift and mismatch
     task = st.selectbox("Task", tasks, key="mm_task") if tasks else None
     st.plotly_chart(VC.drift_vs_mismatch(VK.mismatch_by_step(run.analysis, view.by_step, task)))
@@ -55,7 +58,7 @@ def parity_section(run: D.Loaded, view: VM.MismatchView) -> None:
     left.plotly_chart(VC.mismatch_by_prob(view.by_prob))
     left.caption("The low-probability-token pitfall (\"When Speed Kills Stability\"): tokens mu found unlikely "
                  "carry the largest mismatch.")
-    pos = view.by_pos.assign(position=view.by_pos["lo"])
+    pos = VM.at_centre(view.by_pos, "position")
     right.plotly_chart(lines(pos, "position", ["mismatch_abs", "drift_abs"], "By position in the completion",
                              log_x=bool(pos["position"].max() > 16), names=VC.MISMATCH_NAMES,
                              subtitle="mean over the tokens at that position"))
@@ -82,7 +85,12 @@ def routing_section(run: D.Loaded) -> None:
     if not routing.routed:
         return
     st.subheader("MoE routing: engine vs trainer experts")
-    st.caption(VR.headline(routing))
+    for c in VL.routing_causes(D.diagnosis(run)):  # the verdict's own finding first: layer, replay, limit
+        (st.error if c.severity == "critical" else st.warning)(f"**{c.cause}**: {c.summary}")
+    if not routing.compared:
+        st.info(VR.headline(routing))
+        return
+    st.markdown(VR.headline(routing))
     left, right = st.columns(2)
     left.plotly_chart(VR.agreement_by_layer(routing))
     right.plotly_chart(VR.mismatch_by_side(routing))
@@ -141,11 +149,14 @@ def whatif_section(run: D.Loaded, view: VM.MismatchView) -> None:
                                            key="wi_delta", format_func=lambda v: f"{v:g}")
     params.update(_new_params(method))
     frame = _whatif(run.path, run.keys, method, convention, tuple(sorted(params.items())))
+    if (why := VM.whatif_missing(frame)) is not None:  # no advantages: nothing to replay, no 0% or nan
+        st.info(why)
+        return
     tot = VM.whatif_totals(frame)
     m = st.columns(5)
     m[0].metric("Tokens masked or clipped", f"{tot['token_frac']:.2%}")
     m[1].metric("Sequences affected", f"{tot['seq_frac']:.2%}")
-    m[2].metric("Mean ESS", f"{tot['ess']:.3f}")
+    m[2].metric("Mean ESS", VL.shown(tot["ess"], ".3f"))
     m[3].metric("PG mass removed, A > 0", f"{tot['mass_removed_pos_share']:.1%}")
     m[4].metric("PG mass removed, A < 0", f"{tot['mass_removed_neg_share']:.1%}")
     denom, source = CR.DENOMINATORS[method]
@@ -198,9 +209,9 @@ def main() -> None:
     view = D.mismatch_view(run.path, run.keys)
     if view.step_stride > 1 or view.group_share < 1:
         st.caption(VM.sample_caption(view))
+    routing_section(run)  # an MoE run leads with its routing: the verdict's finding when it names one
     parity_section(run, view)
     turns_section(run)
-    routing_section(run)
     whatif_section(run, view)
     audit_section(run, crosswalk_section(run))
 

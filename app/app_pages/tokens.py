@@ -6,6 +6,7 @@ import dash_data as D
 import streamlit as st
 
 from kldiag import format as F
+from kldiag.views import leads as VL
 from kldiag.views import numbers as VN
 from kldiag.views import pages as V
 from kldiag.views import topk as VT
@@ -66,12 +67,38 @@ def topk_section(run) -> None:
                "most an id it did not list can have. KL figures and bounds: docs/metrics.md, \"topk\".")
 
 
+def measured_section(run) -> None:
+    """What a run without pi_ref can tell, first: why the flags are missing, then the tokens the engine routed to
+    other experts and those with the largest engine mismatch."""
+    st.info(VL.needs("The token flags (theta_ll_ref, weight_blowup, clamp_saturated) and the |k3 weight| ranking",
+                     "logp_ref", plural=True) + " Non-finite and invalid log-probs are still flagged.")
+    lists = D.mismatch_tokens(run.path, run.keys)
+    if not lists["routed"].empty:
+        st.subheader("Tokens routed to other experts by the engine")
+        st.caption(f"{len(lists['routed']):,} shown, the largest |log pi_old/mu| first; the Mismatch page has the "
+                   "share per layer.")
+        st.dataframe(lists["routed"], hide_index=True, width="stretch", key="tok_routed")
+    if not lists["largest"].empty:
+        st.subheader("Tokens with the largest engine mismatch")
+        st.caption("|log pi_old/mu| per token: the trainer's log-prob against the engine's.")
+        st.dataframe(lists["largest"], hide_index=True, width="stretch", key="tok_mismatch")
+    elif not run.present.get("logp_sampler", True):
+        st.caption(VL.needs("The engine mismatch per token", "logp_sampler"))
+
+
 run = D.page("Tokens: worst and flagged")
 flags = run.flags
+if not run.present.get("logp_ref", True):
+    measured_section(run)
 if flags.empty:
-    st.success("No token was flagged in this run.")
+    if VL.all_clear_allowed(D.diagnosis(run)) and run.present.get("logp_ref", True):
+        st.success("No token was flagged in this run.")  # green only beside a healthy verdict
+    elif run.present.get("logp_ref", True):
+        st.info("No token carries a flag; the verdict's causes (Overview) are read from other figures.")
     topk_section(run)
     st.stop()
+if not run.present.get("logp_ref", True):
+    st.subheader("Non-finite and invalid log-probs")
 
 lo, hi = int(flags["step"].min()), int(flags["step"].max())
 K.restore_tokens(lo, hi)  # a deep link's step range and flags, applied once

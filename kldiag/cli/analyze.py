@@ -14,7 +14,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from kldiag.analysis.core import coverage
-from kldiag.analysis.core.flagged import flagged_text, run_flagged
+from kldiag.analysis.reducers.coverage_table import coverage_of
 from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import engine_opts as engines
@@ -23,13 +23,13 @@ from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.routing import apply_settings
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
+from kldiag.report.coverage import REF_COLUMNS, coverage_lines, flagged_line, staleness_lines, staleness_of, step_rows
 from kldiag.report.summary import analyze_run, summary
 from kldiag.report.summary import json_default as _json_default
 
 # Options that are not thresholds, handled by hand.
 _SKIP = {"threads", "workers", "strict", "use_cache", "engine", "ray_address"}
-SUMMARY_COLUMNS = ("step", "tokens", "k3_mean", "k3_is_mean", "weight_k3_abs_max", "weight_k3_abs_p99",
-                   "blame_share", "flagged_frac", "nonfinite_count", "rho_max")
+SUMMARY_COLUMNS = REF_COLUMNS  # a run with logp_ref; report.coverage.step_rows chooses per run
 MAX_ROWS = 40
 
 
@@ -128,22 +128,21 @@ def superseded_line(rows: list[dict[str, int]]) -> str:
 
 def render(a: Analysis, diagnosis=None) -> str:
     """The verdict and causes, a readable per-step table (first and last rows when long), the alerts."""
-    t = a.steps.select(list(SUMMARY_COLUMNS))
-    rows = t.to_pylist()
+    columns, rows = step_rows(a)  # what the run measured: no column of dashes for a run without logp_ref
     shown = rows if len(rows) <= MAX_ROWS else rows[: MAX_ROWS // 2] + [None] + rows[-MAX_ROWS // 2:]
-    cells = [[num(r[c]) for c in SUMMARY_COLUMNS] if r else ["..."] * len(SUMMARY_COLUMNS) for r in shown]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(SUMMARY_COLUMNS)]
+    cells = [[num(r[c]) for c in columns] if r else ["..."] * len(columns) for r in shown]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = [f"run {a.run_dir}: {a.info.get('rows', 0):,} rows in {a.files} part file(s) "
              f"({a.files_new} analysed now), {a.steps.num_rows} steps"]
     if diagnosis is not None:
         lines.append(verdict_line(diagnosis))
-    lines.append("flagged: " + flagged_text(*run_flagged(a.steps)))
+    lines.append(flagged_line(a.steps))
     if a.superseded is not None and a.superseded.num_rows:
         lines.append(superseded_line(a.superseded.to_pylist()))
     if a.info.get("placeholders"):
         lines.append(f"placeholders: {a.info['placeholders']:,} tokens outside the loss hold 0.0 or NaN as "
                      "logp_sampler/logp_old (tool output, prompt echo); no figure reads them")
-    lines.append("  ".join(c.rjust(w) for c, w in zip(SUMMARY_COLUMNS, widths, strict=True)))
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     if len(rows) > MAX_ROWS:
         lines.append(f"({len(rows) - MAX_ROWS} steps not shown; --out DIR or --json gives all)")
@@ -155,4 +154,7 @@ def render(a: Analysis, diagnosis=None) -> str:
     if a.skipped:
         lines.append(f"skipped {len(a.skipped)} unreadable part(s): " + ", ".join(a.skipped))
     lines += coverage.cannot_compute(a)
+    lines += coverage_lines(coverage_of(a))
+    if (stale := staleness_of(a))["versions"]:
+        lines += staleness_lines(stale)
     return "\n".join(lines)

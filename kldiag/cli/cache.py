@@ -18,8 +18,8 @@ import json
 import time
 from typing import Any
 
-from kldiag.analysis.cache import files as cache_files
 from kldiag.analysis import thresholds
+from kldiag.analysis.cache import files as cache_files
 from kldiag.analysis.reducers import topk
 from kldiag.analysis.runtime import runner
 from kldiag.analysis.types import AnalysisConfig

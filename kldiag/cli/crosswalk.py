@@ -18,8 +18,7 @@ import sys
 from typing import Any
 
 from kldiag.cli import args as checks
-from kldiag.crosswalk import (FRAMEWORKS, CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings,
-                              records)
+from kldiag.crosswalk import FRAMEWORKS, CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings, records
 from kldiag.fmt import num
 from kldiag.format import open_run
 

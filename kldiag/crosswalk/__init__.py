@@ -22,8 +22,21 @@ from typing import Any
 import pyarrow as pa
 
 from kldiag.crosswalk import areal, nemo_rl, openrlhf, skyrl, slime, trl, verl
-from kldiag.crosswalk.core import (ALIASES, FRAMEWORKS, LOGPS, STEP_NULL, CrosswalkError, crosswalk, framework_of,
-                                   loss_calls, module, nonfinite_inputs, null_reasons, parse_settings, records)
+from kldiag.crosswalk.core import (
+    ALIASES,
+    FRAMEWORKS,
+    LOGPS,
+    STEP_NULL,
+    CrosswalkError,
+    crosswalk,
+    framework_of,
+    loss_calls,
+    module,
+    nonfinite_inputs,
+    null_reasons,
+    parse_settings,
+    records,
+)
 
 __all__ = ["ALIASES", "FRAMEWORKS", "LOGPS", "STEP_NULL", "CrosswalkError", "areal", "crosswalk", "framework_of",
            "loss_calls", "module", "nemo_rl", "nonfinite_inputs", "null_reasons", "openrlhf", "parse_settings",

@@ -97,9 +97,12 @@ def _k3_summary(c, cfg: DiagnosisConfig, fire, onset: int, peak: float, peak_ste
                 f"{fmt.metric(cfg.blowup_weight)} from step {_first(c['step'], fire)})")
         if onset < _first(c["step"], fire):
             head += f"; flagged tokens carry over {cfg.blame_share:.0%} of the |k3 weight| from step {onset}"
-    else:
+    else:  # no sustained blow-up: the max may still pass the limit on steps too few in a row
+        where = (f"above the blow-up limit {fmt.metric(cfg.blowup_weight)} on isolated steps, not yet sustained: "
+                 f"{cfg.persistence.describe()}" if peak > cfg.blowup_weight
+                 else f"below the blow-up limit {fmt.metric(cfg.blowup_weight)} so far")
         head = (f"from step {onset}, flagged tokens carry up to {ev['blame_share_max']:.0%} of the |k3 weight| "
-                f"(max {fmt.metric(peak)}, below the blow-up limit {fmt.metric(cfg.blowup_weight)} so far)")
+                f"(max {fmt.metric(peak)}, {where})")
     return (f"{head}: tokens with pi_theta << pi_ref dominate the KL gradient; the corrected k3_is weight "
             f"at step {peak_step} is {fmt.metric(ev['weight_k3_is_abs_max_at_peak'])}")
 

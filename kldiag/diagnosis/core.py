@@ -15,22 +15,23 @@ import warnings
 from collections.abc import Sequence
 
 from kldiag.analysis.cache import store
+from kldiag.analysis.reducers.contract import ContractReducer
+from kldiag.analysis.reducers.coverage_table import CoverageReducer
+from kldiag.analysis.reducers.route_margin import RouteMarginReducer
 from kldiag.analysis.reducers.routing import RoutingReducer
+from kldiag.analysis.reducers.scan import ScanReducer, scan_of
+from kldiag.analysis.reducers.signal import SignalReducer
 from kldiag.analysis.reducers.staleness import StalenessReducer
 from kldiag.analysis.reducers.tasks import TaskReducer
 from kldiag.analysis.reducers.turns import TurnReducer
 from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.rules.alerts import rule_context
 from kldiag.analysis.runtime import runner
-from kldiag.analysis.reducers.contract import ContractReducer
-from kldiag.analysis.reducers.route_margin import RouteMarginReducer
-from kldiag.analysis.reducers.signal import SignalReducer
 from kldiag.diagnosis import causes as C
-from kldiag.diagnosis.contract import ContractConfig
 from kldiag.diagnosis import detectors as D
 from kldiag.diagnosis import evidence
 from kldiag.diagnosis import tasks as TA  # names the task that carries a cause
-from kldiag.analysis.reducers.scan import ScanReducer, scan_of
+from kldiag.diagnosis.contract import ContractConfig
 from kldiag.diagnosis.types import SEVERITIES, Cause, Diagnosis, DiagnosisConfig, Episode
 from kldiag.mismatch.sample import SampleReducer
 
@@ -58,7 +59,8 @@ def reducers(config: DiagnosisConfig = DiagnosisConfig()) -> list:
     """What the diagnosis reads besides the analysis tables: hand them to `analyze(run, cfg, reducers)`
     and the side scan and the parity sample come from the analysis's one read of each part."""
     return [ScanReducer(config.confident_p), SampleReducer(), TurnReducer(), RoutingReducer(), StalenessReducer(),
-            TaskReducer(), RouteMarginReducer(), ContractReducer(ContractConfig().tolerance), SignalReducer()]
+            TaskReducer(), RouteMarginReducer(), ContractReducer(ContractConfig().tolerance), SignalReducer(),
+            CoverageReducer()]
 
 
 def side_scan(analysis, config: DiagnosisConfig) -> dict:

@@ -7,8 +7,20 @@ one line here. Detectors of other packages join with kldiag.diagnosis.causes.reg
 
 from __future__ import annotations
 
-from kldiag.diagnosis import (causes, contract, low_precision, missing, parity, retokenize, routing, signal, staleness,
-                              truncation, versions, wrong_weights)
+from kldiag.diagnosis import (
+    causes,
+    contract,
+    low_precision,
+    missing,
+    parity,
+    retokenize,
+    routing,
+    signal,
+    staleness,
+    truncation,
+    versions,
+    wrong_weights,
+)
 
 BUILTIN: tuple[causes.Detector, ...] = (
     causes.k3_weight_blowup,

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.rules.episodes import Persistence
-from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis.types import Cause

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.core import keyed
-
+from kldiag.analysis.rules import episodes as EP
 
 LOG_FLOOR = 1e-3  # nats: |D| below this (float noise) counts as this
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.reducers import staleness as S
+from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
 from kldiag.diagnosis import version_jumps as VJ

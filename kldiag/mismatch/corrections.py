@@ -80,9 +80,11 @@ def m2po(lr: np.ndarray, stidx: np.ndarray, tau: float) -> np.ndarray:
     """[n] bool: per step, the fewest tokens of largest (log r)^2 whose removal brings the kept tokens' mean
     (log r)^2 to tau or below (none when it already is)."""
     out = np.zeros(len(lr), bool)
+    if not len(lr):  # no token in the loss with an advantage: nothing to mask
+        return out
     m2 = lr * lr
     order = np.lexsort((-m2, stidx))  # by step, largest first
-    starts = np.flatnonzero(np.r_[True, stidx[order][1:] != stidx[order][:-1]]) if len(lr) else np.zeros(0, int)
+    starts = np.flatnonzero(np.r_[True, stidx[order][1:] != stidx[order][:-1]])
     for a, b in zip(starts, np.r_[starts[1:], len(lr)], strict=True):
         x = m2[order[a:b]]
         n = len(x)

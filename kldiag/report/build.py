@@ -92,6 +92,18 @@ def verdict_onset(dg: Diagnosis) -> int | None:
     return min(starts, default=None)
 
 
+def _unstop(text: str) -> str:
+    """The text without its closing full stop; an ellipsis ("steps 0, 1, ...") is kept whole."""
+    text = text.rstrip()
+    return text if text.endswith("...") else text.rstrip(". ")
+
+
+def _stop(text: str) -> str:
+    """The text ending in one full stop (an ellipsis stands for it)."""
+    text = _unstop(text)
+    return text if text.endswith("...") else f"{text}."
+
+
 def principal(dg: Diagnosis) -> str | None:
     """The headline: the verdict's principal cause (the diagnosis orders causes worst first, then by
     onset), 'k3_weight_blowup (critical, from step 36): <its summary up to the first ";">'; None when no
@@ -101,7 +113,7 @@ def principal(dg: Diagnosis) -> str | None:
         return None
     c = main[0]
     onset = f", from step {c.onset}" if c.onset is not None else ""
-    head = c.summary.split("; ", 1)[0].rstrip(". ") if c.summary else ""
+    head = _unstop(c.summary.split("; ", 1)[0]) if c.summary else ""
     return f"{c.cause} ({c.severity}{onset})" + (f": {head}" if head else "")
 
 
@@ -119,7 +131,7 @@ def fixes(dg: Diagnosis) -> list[str]:
     out = []
     for c in dg.causes:
         onset = f", from step {c.onset}" if c.onset is not None else ""
-        out.append(f"{c.cause} ({c.severity}{onset}): {c.summary.rstrip('.')}. Fix: {c.fix}")
+        out.append(f"{c.cause} ({c.severity}{onset}): {_stop(c.summary)} Fix: {c.fix}")
     if out:
         return out
     seen = f" ({len(dg.episodes)} alert episode(s), none a cause)" if dg.episodes else ""

@@ -13,8 +13,10 @@ import numpy as np
 
 from kldiag.diagnosis import diagnose
 from kldiag.fmt import num
+from kldiag.mismatch import whatif as W
 from kldiag.report.tables import html_table
 from kldiag.views import charts as VC
+from kldiag.views import leads as VL
 from kldiag.views import mismatch as VM
 
 
@@ -50,8 +52,11 @@ def text_lines(analysis, diagnosis=None) -> list[str]:
     lines = [f"mismatch: |log pi_theta/pi_old| (drift) {s['drift_abs']:.4g}, |log pi_old/mu| (engine) "
              f"{s['mismatch_abs']:.4g} nats per token (engine share {s['mismatch_share']:.0%})"]
     lines += [f"  {label}: {value}" for label, value, _ in VM.parity_rows(view)[:1]]
-    findings = VM.parity_findings(diagnosis or diagnose(analysis))
-    lines += [f"  {f}" for f in findings] or ["  engine and trainer agree up to float noise"]
+    dg = diagnosis or diagnose(analysis)
+    lines += [f"  {f}" for f in VM.parity_findings(dg)]
+    note = VL.parity_note(dg)  # "agree up to float noise" only beside a healthy verdict
+    if note is not None:
+        lines.append(f"  {note[1]}")
     return lines
 
 
@@ -73,20 +78,27 @@ def section_html(analysis, manifest, include_plotlyjs: bool = False, diagnosis=N
             out.append(f"<p>{html.escape(VM.sample_caption(view))}</p>")
         if view.has_sampler:
             out.append(html_table(["check", "value", "meaning"], VM.parity_rows(view)))
-            out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(diagnosis or diagnose(analysis))]
+            dg = diagnosis or diagnose(analysis)
+            out += [f"<p><b>{html.escape(f)}</b></p>" for f in VM.parity_findings(dg)]
+            if (note := VL.parity_note(dg)) is not None:
+                out.append(f"<p>{html.escape(note[1])}</p>")
             out += [pio.to_html(f, full_html=False, include_plotlyjs=include_plotlyjs and i == 0)
                     for i, f in enumerate(_figures(view))]
         else:
             out.append("<p>No sampler log-probs (logp_sampler) recorded: the engine's mu is unknown.</p>")
         out.append("<h2>What if: corrections at their default thresholds</h2>")
         with VM.holding(view):  # one token set for every replay and the crosswalk
-            out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
-                                   "PG mass removed, A>0", "PG mass removed, A<0", "loss denominator",
-                                   "gradient scale"], whatif_rows(view)))
-            out.append("<p>Loss denominator: <i>all</i>, the framework's token-mean keeps the rejected tokens in its "
-                       "count (the kept gradient shrinks); <i>kept</i>, it counts only the kept ones. Gradient scale: "
-                       "the corrected policy-gradient weight per token over the uncorrected, under that denominator "
-                       "(mean over steps).</p>")
+            why = VM.whatif_missing(VM.whatif_frame(view, W.WhatIf()))
+            if why:
+                out.append(f"<p>{html.escape(why)}</p>")
+            else:
+                out.append(html_table(["correction", "old", "tokens masked/clipped", "sequences affected", "mean ESS",
+                                       "PG mass removed, A>0", "PG mass removed, A<0", "loss denominator",
+                                       "gradient scale"], whatif_rows(view)))
+                out.append("<p>Loss denominator: <i>all</i>, the framework's token-mean keeps the rejected tokens in its "
+                           "count (the kept gradient shrinks); <i>kept</i>, it counts only the kept ones. Gradient scale: "
+                           "the corrected policy-gradient weight per token over the uncorrected, under that denominator "
+                           "(mean over steps).</p>")
             fw, rows, reasons = crosswalk_rows(analysis, manifest)
         out.append(f"<h2>Crosswalk: {html.escape(fw)}'s own metrics from these tokens</h2>")
         out.append(html_table(["metric", "mean over steps", "last step"], rows))

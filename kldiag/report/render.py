@@ -17,13 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kldiag.analysis.core.flagged import flagged_text, run_flagged
+from kldiag.analysis.reducers.coverage_table import coverage_of
 from kldiag.diagnosis.text import verdict_line
 from kldiag.fmt import metric as fmt_num
 from kldiag.report import mismatch as RM
 from kldiag.report import routing as RR
 from kldiag.report import turns as RT
 from kldiag.report.build import Offender, Report, fmt_weight_max, has_reference, principal
+from kldiag.report.coverage import coverage_lines, flagged_line, staleness_lines, staleness_of
+from kldiag.report.coverage import section_html as coverage_html
 from kldiag.report.tables import html_table
 from kldiag.views import charts as VC
 
@@ -69,7 +71,7 @@ def format_text(rep: Report) -> str:
     if head:
         lines.append(f"principal cause: {head}")
     if rep.analysis is not None:
-        lines.append("flagged: " + flagged_text(*run_flagged(rep.analysis.steps)))
+        lines.append(flagged_line(rep.analysis.steps))
     if rep.first_moved:
         lines.append(f"first to move: {rep.first_moved[1]} at step {rep.first_moved[0]} ({rep.first_moved[2]})")
     lines += episode_lines(rep)
@@ -88,10 +90,12 @@ def format_text(rep: Report) -> str:
             if c["estimator"] != "k1"))
     lines.append("recommendations (the diagnosis's causes, worst first):")
     lines += [textwrap.fill(r, 100, initial_indent="  - ", subsequent_indent="    ") for r in rep.recommendations]
-    if rep.analysis is not None:  # engine parity and drift; multi-turn runs; MoE runs with recorded routes
+    if rep.analysis is not None:  # an MoE run's routing first (the verdict's finding when it has one), engine
+        lines += RR.text_lines(rep.analysis)  # parity and drift, multi-turn runs, staleness, what was recorded
         lines += RM.text_lines(rep.analysis, rep.diagnosis)
         lines += RT.text_lines(rep.analysis)
-        lines += RR.text_lines(rep.analysis)
+        lines += staleness_lines(staleness_of(rep.analysis))
+        lines += coverage_lines(coverage_of(rep.analysis))
     return "\n".join(lines)
 
 
@@ -113,6 +117,8 @@ mark{background:#ffd7d5;font-weight:bold}.ctx{font-family:monospace;white-space:
 
 
 def _offender_rows(rep: Report) -> str:
+    if rep.analysis is not None and not has_reference(rep.analysis.steps):
+        return "<p>Not measured: the offending tokens are ranked by their K3 weight, which needs logp_ref.</p>"
     rows = []
     for o in rep.offenders:
         ctx = in_context(o, html.escape, lambda p: f"<mark>{p}</mark>")
@@ -129,11 +135,17 @@ def render_html(rep: Report) -> str:
 
     figs = figures(rep) if rep.analysis is not None and rep.analysis.steps.num_rows else []
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
+    if not figs:  # Plotly's JavaScript once, before the routing and mismatch charts
+        from plotly.offline import get_plotlyjs
+
+        plots = f"<script type='text/javascript'>{get_plotlyjs()}</script>"
+    if rep.analysis is not None:  # the charts a run without logp_ref (or advantages) cannot draw, said
+        plots += "".join(f"<p>{html.escape(g)}</p>" for g in VC.trend_gaps(rep.analysis.steps.to_pandas()))
     e, f = html.escape, rep.facts
     head = principal(rep.diagnosis) if rep.diagnosis is not None else None
     main = f"<p class='principal'>Principal cause: <b>{e(head)}</b></p>" if head else ""
     if rep.analysis is not None:
-        main += f"<p>Flagged: {e(flagged_text(*run_flagged(rep.analysis.steps)))}</p>"
+        main += f"<p>{e(flagged_line(rep.analysis.steps).capitalize())}</p>"
     first = (f"<p>First to move (the earliest alert episode): <b>{e(rep.first_moved[1])}</b> at step "
              f"{rep.first_moved[0]}: {e(rep.first_moved[2])}</p>" if rep.first_moved else "")
     onset = f" &middot; onset at step <b>{rep.onset_step}</b>" if rep.onset_step is not None else ""
@@ -153,8 +165,8 @@ def render_html(rep: Report) -> str:
             f"<h2>What fired</h2>{_fired(rep)}"
             f"<h2>Recommendations</h2><ul>{recs}</ul><h2>Per step</h2>{plots}"
             f"<h2>Top offending tokens</h2>{_offender_rows(rep)}"
-            f"<h2>Estimators on this run's tokens</h2>{comp}{_mismatch(rep, not figs)}{_turns(rep)}"
-            f"{_routing(rep)}</body></html>")
+            f"<h2>Estimators on this run's tokens</h2>{comp}{_routing(rep)}{_mismatch(rep, False)}{_turns(rep)}"
+            f"{coverage_html(rep.analysis) if rep.analysis is not None else ''}</body></html>")
 
 
 def _fired(rep: Report) -> str:

@@ -13,6 +13,7 @@ from kldiag.analysis.core.flagged import run_flagged
 from kldiag.analysis.reducers import contract as K
 from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.reducers import topk
+from kldiag.analysis.reducers.coverage_table import coverage_of
 from kldiag.analysis.reducers.routing import routing_of
 from kldiag.analysis.reducers.staleness import OPSM_DELTA, StalenessReducer
 from kldiag.analysis.reducers.staleness import summary as staleness_summary
@@ -24,6 +25,7 @@ from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.signal import beta_of
 from kldiag.report.build import reducers as report_reducers
+from kldiag.mismatch import whatif as W
 from kldiag.views import mismatch as VM
 
 FLAG_ROWS = 20  # worst tokens in the summary
@@ -81,6 +83,7 @@ def summary(a: Analysis, diagnosis=None) -> dict[str, Any]:
         "trainer_kl": a.trainer_kl.to_pylist() if a.trainer_kl is not None else None,
         "superseded": a.superseded.to_pylist() if a.superseded is not None else [],
         "cannot_compute": coverage.cannot_compute(a),
+        "coverage": coverage_of(a, runner.reduced(a, topk.TopkReducer())),
         "placeholders": int(a.info.get("placeholders", 0)),
         "topk": clean_nested(topk.TopkReducer().result(runner.reduced(a, topk.TopkReducer()))),
         "turns": turns_of(a),
@@ -98,7 +101,8 @@ def contract_signal_whatif(a: Analysis) -> dict[str, Any]:
     c = runner.reduced(a, K.ContractReducer())
     view = VM.view_of(a)
     with VM.holding(view):
-        whatif = [{k: clean(v) for k, v in r.items()} for r in VM.whatif_table(view)]
+        why = VM.whatif_missing(VM.whatif_frame(view, W.WhatIf()))
+        whatif = None if why else [{k: clean(v) for k, v in r.items()} for r in VM.whatif_table(view)]
     return {"contract": {name: K.summary(c, i) for i, name in enumerate(K.CHECKS)},
             "signal": clean_nested(SG.summary(runner.reduced(a, SG.SignalReducer()), beta_of(a.manifest), estimator)),
-            "whatif": whatif}
+            "whatif": whatif, **({"whatif_missing": why} if why else {})}

@@ -29,6 +29,7 @@ import plotly.graph_objects as go
 from kldiag.diagnosis.types import Diagnosis
 from kldiag.views import dash as VD
 from kldiag.views import diagnosis as DV
+from kldiag.views import leads as VL
 
 # Distinct hues: the Streamlit theme's blue shades are hard to tell apart on one chart. From plotly.colors:
 # plotly.express would cost every page 0.08 s of imports for this list.
@@ -86,9 +87,11 @@ STEP_TRENDS: tuple[StepChart, ...] = (
               "of the step's tokens, sequences or |k3 weight|"),
     StepChart("rho = pi_theta / pi_old", ("rho_min", "rho_mean", "rho_max"), True, "rho (ratio)",
               "min, mean and max over the step's tokens"),
-    StepChart("Policy drift and engine mismatch", ("drift_abs_mean", "mismatch_kl"), False, "nats per token",
-              "mean over the step's tokens"),
+    StepChart("Drift |log pi_theta/pi_old| and KL(mu||pi_old)", ("drift_abs_mean", "mismatch_kl"), False,
+              "nats per token", "means over the step's tokens (the Mismatch page plots |log pi_old/mu|)"),
 )
+# zero, not null, on a run without logp_ref: left out of the charts there (they were never measured)
+REF_SERIES = ("theta_ll_ref_count", "weight_blowup_count", "clamp_saturated_count", "flagged_frac", "blame_share")
 WEIGHT_CHART = 1  # the |gradient weight| chart: where the blow-up limit goes
 
 
@@ -292,20 +295,53 @@ def finish_legend(fig: go.Figure, per_row: int = 2) -> None:
         fig.update_layout(height=fig.layout.height + extra, margin_b=fig.layout.margin.b + extra)
 
 
+def _measured(steps: pd.DataFrame) -> tuple[list[tuple[int, StepChart, tuple[str, ...]]], list[str]]:
+    """The charts to draw with the series each keeps, and a sentence per chart left out. A series all null
+    was not measured; without logp_ref the flag counts are zeros that were never measured either; a chart
+    with nothing left, or with only zero counts, is left out and said. An empty table keeps every chart."""
+    if steps.empty:
+        return [(i, c, c.columns) for i, c in enumerate(STEP_TRENDS)], []
+    no_ref = "k3_mean" in steps and steps["k3_mean"].isna().all()
+    kept, gaps = [], []
+    for i, c in enumerate(STEP_TRENDS):
+        cols = tuple(k for k in c.columns if k in steps and steps[k].notna().any() and not (no_ref and k in REF_SERIES))
+        if not cols:
+            need = "logp_ref" if no_ref and any(k in REF_SERIES or k.startswith(("k3", "weight")) for k in c.columns) \
+                else "advantage" if "opsm_masked_frac" in c.columns else "logp_sampler"
+            gaps.append(f"\"{c.title}\" is not drawn: " + VL.needs("it", need))
+        elif no_ref and cols != c.columns and not (steps[list(cols)].fillna(0) != 0).any().any():
+            # what is left without logp_ref is 0 on every step: said, not drawn as a flat line on a -1..1 axis
+            gaps.append(f"\"{c.title}\" is not drawn: " + ", ".join(name_of(k) for k in cols)
+                        + " is 0 on every step; the rest needs logp_ref")
+        else:
+            kept.append((i, c, cols))
+    return kept, gaps
+
+
+def trend_gaps(steps: pd.DataFrame) -> list[str]:
+    """What step_trends leaves out of a steps table, and why (the column it needs, how to record it)."""
+    return _measured(steps)[1]
+
+
 def step_trends(steps: pd.DataFrame, onsets: Sequence[tuple[int, str]] = (), smoothing: float = 0.0,
                 x_range: tuple[int, int] | None = None, blowup_weight: float | None = None) -> list[go.Figure]:
-    """The STEP_TRENDS charts of a steps table, onsets marked; with blowup_weight, the |gradient
-    weight| chart also draws that limit (the report does, with its DiagnosisConfig's value)."""
-    figs = [lines(steps, c.columns, c.title, c.log_y, onsets, smoothing=smoothing, x_range=x_range,
-                  y_title=c.y_title, subtitle=c.subtitle) for c in STEP_TRENDS]
-    if blowup_weight is not None:
-        limit_line(figs[WEIGHT_CHART], steps["step"].to_numpy(), blowup_weight)
+    """The STEP_TRENDS charts of a steps table that the run measured (`trend_gaps` says which are left out),
+    onsets marked; with blowup_weight, the |gradient weight| chart also draws that limit (the report does,
+    with its DiagnosisConfig's value)."""
+    figs = []
+    for i, c, cols in _measured(steps)[0]:
+        figs.append(lines(steps, cols, c.title, c.log_y, onsets, smoothing=smoothing, x_range=x_range,
+                          y_title=c.y_title, subtitle=c.subtitle))
+        if i == WEIGHT_CHART and blowup_weight is not None:
+            limit_line(figs[-1], steps["step"].to_numpy(), blowup_weight)
     return figs
 
 
 # ---- the Mismatch page's charts (the dashboard's page and the report's Mismatch section) ----------
 
 MISMATCH_NAMES = {"drift_abs": "|log pi_theta/pi_old| (drift)", "mismatch_abs": "|log pi_old/mu| (mismatch)"}
+# one colour per quantity on every chart of the Mismatch page, whatever the order of its lines
+MISMATCH_COLORS = {"drift_abs": COLORWAY[0], "mismatch_abs": COLORWAY[1], "mismatch_k3": COLORWAY[2]}
 
 
 def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_x: bool = False,
@@ -317,7 +353,8 @@ def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_
         df = VD.with_breaks(df, x)
     for c in cols:
         fig.add_trace(go.Scatter(x=df[x], y=df[c], mode="lines+markers" if len(df) < 40 else "lines",
-                                 name=(names or {}).get(c, name_of(c)), hovertemplate=f"%{{y:.4g}} <i>({c})</i>"))
+                                 name=(names or {}).get(c, name_of(c)), hovertemplate=f"%{{y:.4g}} <i>({c})</i>",
+                                 line={"color": MISMATCH_COLORS[c]} if c in MISMATCH_COLORS else None))
     title, subtitle = fit_title(title, subtitle)
     finish(fig, title, subtitle, AXIS_TITLES.get(x, x), y_title)
     if log_x:
@@ -329,8 +366,8 @@ def binned_lines(df: pd.DataFrame, x: str, cols: Sequence[str], title: str, log_
 
 def drift_vs_mismatch(by_step: pd.DataFrame) -> go.Figure:
     """Per step: mean |log pi_theta/pi_old| against mean |log pi_old/mu| (kldiag.mismatch.decompose)."""
-    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"], "Policy drift against engine mismatch",
-                        names=MISMATCH_NAMES, subtitle="mean absolute log-ratio over the step's tokens")
+    return binned_lines(by_step, "step", ["drift_abs", "mismatch_abs"], "Mean |log-ratio| per token: drift and mismatch",
+                        names=MISMATCH_NAMES, subtitle="mean absolute log-ratio over the step's tokens, nats")
 
 
 def mismatch_by_prob(by_prob: pd.DataFrame) -> go.Figure:

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from kldiag import format as F
 from kldiag.analysis import analyze
+from kldiag.analysis.reducers.mismatch_tokens import MismatchTokensReducer
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.diagnosis import truncation as TR
 from kldiag.diagnosis.core import reducers as diagnosis_reducers
@@ -26,7 +27,7 @@ def reducers(config: AnalysisConfig = DEFAULT_CONFIG) -> list:
     Mismatch (with its per-turn chart: the diagnosis's `turns` reducer), Estimators (`estimator_reducer`,
     one compiled pass per batch) and Compare pages. Only the Sequence page reads a part again: the one
     that holds its sequence."""
-    return [*diagnosis_reducers(), estimator_reducer(config)]
+    return [*diagnosis_reducers(), estimator_reducer(config), MismatchTokensReducer()]
 
 
 def estimator_reducer(config: AnalysisConfig = DEFAULT_CONFIG) -> EstimatorReducer:

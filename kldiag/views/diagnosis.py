@@ -41,3 +41,18 @@ def episodes_frame(dg: Diagnosis) -> pd.DataFrame:
     """One row per episode: kind, severity, start, end (None: ongoing), peak, message."""
     cols = ["kind", "severity", "start", "end", "peak_step", "peak_value", "steps", "message"]
     return pd.DataFrame([{k: getattr(e, k) for k in cols} for e in dg.episodes], columns=cols)
+
+
+ALERT_ORDER = ("kind", "severity", "start", "end", "message", "peak_step", "peak_value", "metric", "value", "baseline",
+               "steps", "step")
+
+
+def alerts_frame(alerts: pd.DataFrame) -> pd.DataFrame:
+    """The alerts table for display: the message beside the episode's span (not past the right edge), an
+    ongoing episode's end written "ongoing" (not None), `step` (the start again) last."""
+    if alerts.empty:
+        return alerts
+    out = alerts[[c for c in ALERT_ORDER if c in alerts.columns]].copy()
+    if "end" in out:
+        out["end"] = [("ongoing" if e is None or e != e else str(int(e))) for e in out["end"].astype(object)]
+    return out

@@ -315,6 +315,11 @@ def _merge_samples(parts: Sequence[EstimatorPartial], n: int, seed: int) -> pd.D
 # ---- what the page shows -------------------------------------------------------------
 
 
+# the display order: the figures first, the long "expected gradient" text last (it pushed |weight| max off the page)
+TABLE_ORDER = ("estimator", "value mean", "|weight| mean", "|weight| p99", "|weight| max", "flagged share of |weight|",
+               "non-finite values", "expected gradient")
+
+
 def estimator_table(p: EstimatorPartial) -> pd.DataFrame:
     """One row per estimator: mean value, mean/p99/max |weight|, flagged tokens' share of |weight|."""
     rows = []

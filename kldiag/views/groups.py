@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from kldiag import format as F
 from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.views.pages import DEFAULT_CONFIG, decode, derive, nulls, token_columns
+from kldiag.views.pages import DEFAULT_CONFIG, SEQUENCE_READ, decode, derive, nulls, token_columns
 
 SPREAD_TOL = SG.SPREAD_TOL  # rewards (or advantages) closer than this count as equal; the diagnosis's dead groups
 # (kl_dominated_signal) are judged the same way, per step over the run: kldiag.analysis.reducers.signal
@@ -75,7 +75,8 @@ def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
     `views.read_sequence` gives it (sorted by iteration, pos; every derived column; piece)."""
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
     want = pa.array([int(s) for s in seqs], pa.int64())
-    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.is_in(b.column("seq"), value_set=want))
+    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.is_in(b.column("seq"), value_set=want),
+                                          columns=SEQUENCE_READ)
     table = table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():

@@ -79,3 +79,24 @@ def percentile_bands(hist: Histograms, name: str,
     df = pd.DataFrame(values, columns=[f"p{q * 100:g}" for q in qs])
     df.insert(0, "step", hist.steps)
     return df
+
+
+REF_METRICS = ("d", "weight_k3_abs", "weight_k3_is_abs")  # need logp_ref: empty histograms without it
+
+
+def measured(hist: Histograms, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the metrics of `names` whose histograms hold a value, those that do not). A run without logp_ref has
+    empty d and weight histograms: a page opens on a metric it measured."""
+    have = [m for m in names if m in hist.counts and np.asarray(hist.counts[m]).sum() > 0]
+    return have, [m for m in names if m not in have]
+
+
+def clamp_to_range(bands: pd.DataFrame, low: np.ndarray, high: np.ndarray) -> pd.DataFrame:
+    """Percentile bands kept inside each step's observed [low, high] (the steps table's min and max): a
+    quantile interpolated inside a bin may pass them (every rho exactly 1 read as a median of 1.2)."""
+    cols = [c for c in bands.columns if c != "step"]
+    lo, hi = np.asarray(low, np.float64)[:, None], np.asarray(high, np.float64)[:, None]
+    v = bands[cols].to_numpy(np.float64)
+    v = np.where(np.isfinite(lo), np.maximum(v, lo), v)
+    v = np.where(np.isfinite(hi), np.minimum(v, hi), v)
+    return bands.assign(**{c: v[:, i] for i, c in enumerate(cols)})

@@ -13,16 +13,17 @@ from typing import Any
 
 import pandas as pd
 
-from kldiag.analysis.cache import store
 from kldiag.analysis import analyze
+from kldiag.analysis.cache import store
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.crosswalk import crosswalk, framework_of, null_reasons
+from kldiag.mismatch import corrections as CR
 from kldiag.mismatch import decompose as DC
 from kldiag.mismatch import parity as P
 from kldiag.mismatch import sample as SS
-from kldiag.mismatch import corrections as CR
 from kldiag.mismatch import tokenset as TS
 from kldiag.mismatch import whatif as W
+from kldiag.views import leads as VL
 
 DEFAULT_FRAMEWORK = "verl"  # the crosswalk shown for a run whose trainer is none of the frameworks
 
@@ -140,9 +141,24 @@ def parity_findings(diagnosis) -> list[str]:
     return [f"{c.cause}: {c.summary}" for c in diagnosis.causes if c.cause.startswith("engine_")]
 
 
+def at_centre(bins: pd.DataFrame, x: str) -> pd.DataFrame:
+    """Integer-position bins [lo, hi) placed at their centre (lo + hi - 1) / 2 in column `x`; the open last
+    bin (hi beyond twice lo) at lo. The chart's hover names the range."""
+    lo, hi = bins["lo"], bins["hi"]
+    closed = hi <= 2 * lo.clip(lower=1)
+    return bins.assign(**{x: ((lo + hi - 1) / 2).where(closed, lo)})
+
+
 def whatif_frame(view: MismatchView, w: W.WhatIf) -> pd.DataFrame:
     """W.replay of the view's tokens, per step (kept in the run's result store per correction)."""
     return store.cached(view.analysis, "whatif", dataclasses.asdict(w), lambda: W.replay(view.tokens, w).to_pandas())
+
+
+def whatif_missing(frame: pd.DataFrame) -> str | None:
+    """Why a what-if replayed no token (it reads the tokens in the loss with a finite advantage), or None."""
+    if len(frame) and float(frame["tokens"].sum()) > 0:
+        return None
+    return VL.needs("A correction's replay (tokens masked, ESS, policy-gradient mass removed)", "advantage")
 
 
 def whatif_totals(frame: pd.DataFrame) -> dict[str, float]:

@@ -4,11 +4,12 @@ Sequence page offers sequences in (faults first), and each run's own loss weight
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
+from kldiag.views.charts import name_of
 from kldiag.views.pages import FLAG_NAMES, compare_steps
 
 
@@ -66,3 +67,39 @@ def compare_own(steps: Mapping[str, pd.DataFrame], columns: Mapping[str, str]) -
     """Long frame (run, step, value, column): each run's own column (its loss weight), one chart."""
     frames = [compare_steps({name: df}, columns[name]).assign(column=columns[name]) for name, df in steps.items()]
     return pd.concat(frames, ignore_index=True) if frames else compare_steps({}, "")
+
+
+UNITS = (("_count", "tokens"), ("_frac", "share (0 to 1)"), ("_share", "share (0 to 1)"), ("rho_ess", "share (0 to 1)"),
+         ("rho", "ratio"), ("weight", "per token, no unit"), ("mean", "nats per token"), ("kl", "nats per token"),
+         ("tokens", "tokens"), ("sequences", "sequences"))
+
+
+def metric_label(column: str) -> str:
+    """A steps column in words with the column after it: 'engine mismatch KL(mu||pi_old) (mismatch_kl)'."""
+    words = name_of(column)
+    return words if words == column else f"{words} ({column})"
+
+
+def metric_axis(column: str) -> str:
+    """The y-axis title of a steps column: its words and unit."""
+    unit = next((u for key, u in UNITS if key in column), "")
+    return f"{name_of(column)} ({unit})" if unit else name_of(column)
+
+
+FIRST_WITHOUT_WEIGHTS = ("mismatch_kl", "drift_abs_mean", "rho_max", "rho_mean", "rho_clip_frac")
+
+
+def measured_metrics(steps: Sequence[pd.DataFrame], metrics: Sequence[str]) -> list[str]:
+    """The metrics that some run holds a value of (a column all null in every run is left out); the engine
+    mismatch, drift and rho first (what a run without logp_ref opens on), then the rest in table order."""
+    have = [m for m in metrics if any(m in df and df[m].notna().any() for df in steps)]
+    return [m for m in FIRST_WITHOUT_WEIGHTS if m in have] + [m for m in have if m not in FIRST_WITHOUT_WEIGHTS]
+
+
+def loss_caption(config: Mapping | None) -> str:
+    """What a run's loss uses as its KL term: 'loss estimator: k3', or that beta = 0 leaves it out."""
+    config = config or {}
+    beta = config.get("beta")
+    if beta is not None and float(beta) == 0.0:
+        return "no KL term in the loss (beta = 0)"
+    return f"loss estimator: {config.get('estimator') or 'k3 (assumed)'}"

@@ -38,7 +38,18 @@ SEQUENCE_QUANTITIES = {
     "weight_k3_abs": "|k3 weight| = |1 - pi_ref/pi_theta|",
     "weight_k3_is_abs": "|k3_is weight| = |rho (s - r)|",
     "rho": "rho = pi_theta/pi_old",
+    "mismatch": "log(pi_old/mu), engine mismatch",
 }
+# what each colour means, for the legend under the text (`colour_scale_html`)
+SCALES = {"d": ("pi_theta above pi_ref", "d = 0", f"d = ln {E.TAU:g}: pi_theta << pi_ref"),
+          "weight_k3_abs": ("", "|weight| 1 (a typical token)", "|weight| 1000 and more"),
+          "weight_k3_is_abs": ("", "|weight| 1 (a typical token)", "|weight| 1000 and more"),
+          "rho": ("rho 1/2 and less", "rho = 1", "rho 2 and more"),
+          "mismatch": ("mu 2x above pi_old and more", "no mismatch", "pi_old 2x above mu and more")}
+# what read_sequence reads: the token columns and which MoE layers the engine routed differently (format v1.3)
+SEQUENCE_READ = (*F.TOKEN_SCHEMA.names, *(c for c in F.ROUTE_COLUMNS if c in ("route_layers", "route_differ",
+                                                                           "route_differ_at")))
+ROUTED_STYLE = "box-shadow: inset 0 -3px 0 #7c3aed"  # a token the engine routed to other experts than the trainer
 
 
 # ---- runs ----------------------------------------------------------------------------
@@ -120,7 +131,8 @@ def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONF
 
     `absent` marks null entries (see `nulls`); without it NaN means absent (except in logp). An absent
     logp_old means on-policy: rho = 1. An absent logp_ref leaves the KL columns NaN.
-    Returns d, rho, k1, k2, k3, k3_is, weight_k2/k3/k3_is, their abs, and the flags.
+    Returns d, rho, k1, k2, k3, k3_is, weight_k2/k3/k3_is, their abs, mismatch = log(pi_old/mu) (NaN
+    without the engine's log-prob) and the flags.
     """
     if absent is None:  # logp is never null in format v1: a NaN there is always a finding
         absent = {c: np.isnan(cols[c]) & (c != "logp") for c in LOGP_COLUMNS}
@@ -135,6 +147,7 @@ def derive(cols: Mapping[str, np.ndarray], config: AnalysisConfig = DEFAULT_CONF
     out["weight_k3_is"] = E.weight_k3_is(s, r, o)
     out["weight_k3_abs"] = np.abs(out["weight_k3"])
     out["weight_k3_is_abs"] = np.abs(out["weight_k3_is"])
+    out["mismatch"] = np.where(absent["logp_sampler"], np.nan, o - cols["logp_sampler"])  # log(pi_old/mu)
     flags = E.flags(s, r, tau=config.tau, limit=config.weight_limit, clamp=config.clamp)
     for name in ("theta_ll_ref", "weight_blowup", "clamp_saturated"):
         out[name] = np.asarray(getattr(flags, name))
@@ -159,11 +172,12 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     """The tokens of sequence `seq` at `step`, one row per (iteration, pos), sorted.
 
     Reads only the row groups whose step statistics hold `step` (Run.read_rows). Columns: the token columns of
-    format v1, `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
+    format v1, the route columns that say which layers were routed differently (null without routes), `piece` (decoded text, or "<id>" without a vocab) and everything `derive` gives.
     An unknown (step, seq) gives an empty frame.
     """
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
-    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)))
+    table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)),
+                                          columns=SEQUENCE_READ)
     table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
@@ -197,6 +211,8 @@ def _intensity(values: np.ndarray, quantity: str) -> np.ndarray:
             x = v / np.log(E.TAU)  # 1.0 at the theta_ll_ref threshold
         elif quantity == "rho":
             x = np.log(v) / np.log(2.0)  # 1.0 at rho = 2 or 1/2
+        elif quantity == "mismatch":
+            x = v / np.log(2.0)  # 1.0 at pi_old/mu = 2 or 1/2
         else:
             x = np.log10(np.maximum(v, 1e-12)) / 3.0  # 1.0 at |weight| = 1000
     x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
@@ -228,22 +244,52 @@ def sequence_html(df: pd.DataFrame, quantity: str = "weight_k3_abs", focus_pos: 
     flagged = [[f for f, on in zip(FLAG_NAMES, row, strict=True) if bool(on)]
                for row in zip(*(column(f) if f in df.columns else [False] * n for f in FLAG_NAMES), strict=True)]
     pos, pieces = column("pos"), df["piece"].tolist()
+    routed = [list(v) if v is not None and d else [] for v, d in zip(column("route_differ_at"),
+                                                                    [bool(x) and x == x for x in column("route_differ")],
+                                                                    strict=True)]
     spans = []
     for i in range(n):
         flags = flagged[i]
         tip = tips[i] + "\nflags: " + (", ".join(flags) or "none")
+        if routed[i]:
+            tip += "\nrouted differently at MoE layers " + ", ".join(map(str, routed[i]))
         a = strength[i]
         rgb = "220,38,38" if a >= 0 else "37,99,235"
         border = "2px solid #7f1d1d" if flags else "1px solid transparent"
         style = f"background: rgba({rgb},{abs(a) * 0.85:.3f}); border-bottom: {border}"
+        style += f"; {ROUTED_STYLE}" if routed[i] else ""
+        cls_routed = " kldiag-routed" if routed[i] else ""
         focus = focus_pos is not None and pos[i] == focus_pos
-        cls = "kldiag-tok kldiag-focus" if focus else "kldiag-tok"
+        cls = ("kldiag-tok kldiag-focus" if focus else "kldiag-tok") + cls_routed
         style += "; outline: 2px solid #f59e0b; outline-offset: 1px" if focus else ""
         spans.append(f'<span class="{cls}" style="{style}" title="{html.escape(tip, quote=True)}">'
                      f"{html.escape(str(pieces[i]), quote=True)}</span>")
     body = "".join(spans)
     return ('<div class="kldiag-seq" style="font-family: ui-monospace, monospace; white-space: pre-wrap; '
             f'line-height: 1.9; word-break: break-word">{body}</div>')
+
+
+def colour_scale_html(quantity: str, routed: bool = False) -> str:
+    """The legend of sequence_html's colours for `quantity`: a blue-white-red bar with what its ends mean,
+    the flag underline, and (routed) the purple underline of tokens routed to other experts."""
+    low, mid, high = SCALES[quantity]
+    bar = ("display:inline-block;width:160px;height:10px;vertical-align:middle;margin:0 6px;"
+           "background:linear-gradient(to right, rgba(37,99,235,0.85), rgba(255,255,255,1), rgba(220,38,38,0.85))")
+    if not low:  # a magnitude: white to red only
+        bar = bar.replace("rgba(37,99,235,0.85), ", "")
+    parts = [f'<span class="kldiag-scale" style="font-size:0.8em;color:#475569">{html.escape(low or mid)}'
+             f'<span style="{bar}"></span>{html.escape(high)}' + (f" (white: {html.escape(mid)})" if low else "")
+             + ' · <span style="border-bottom:2px solid #7f1d1d">underlined</span>: carries a flag']
+    if routed:
+        parts.append(f' · <span style="{ROUTED_STYLE}">purple underline</span>: routed to other experts by the engine')
+    return "".join(parts) + "</span>"
+
+
+def measured_quantities(df: pd.DataFrame) -> list[str]:
+    """The SEQUENCE_QUANTITIES the sequence holds a finite value of (d and the weights need logp_ref); without
+    d, the engine mismatch first (rho alone is 1 on an on-policy run)."""
+    have = [q for q in SEQUENCE_QUANTITIES if q in df and np.isfinite(df[q].to_numpy(np.float64, na_value=np.nan)).any()]
+    return sorted(have, key=lambda q: q != "mismatch") if "d" not in have else have
 
 
 # ---- analysis tables for display -----------------------------------------------------

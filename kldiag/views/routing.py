@@ -2,7 +2,8 @@
 kldiag/analysis/reducers/routing.py (`routing_of`), shaped here; no Streamlit.
 
 A run recorded without routes (format v1.3's experts/experts_sampler): `RoutingView.routed` is False and
-the faces leave the section out.
+the faces leave the section out. A run that recorded the trainer's routes only: `RoutingView.compared` is
+False, and the faces say which side is missing instead of an agreement (`headline`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class RoutingView:
     def routed(self) -> bool:
         return bool(self.summary.get("routed"))
 
+    @property
+    def compared(self) -> bool:
+        """Both sides' routes were recorded: agreement, the shares and the by-side mismatch exist."""
+        return bool(self.summary.get("compared_tokens"))
+
 
 def view_of(analysis) -> RoutingView:
     """The run's routing figures (read with the analysis when it was made with diagnosis.core.reducers())."""
@@ -42,6 +48,8 @@ def headline(view: RoutingView) -> str:
     """One line: agreement, the share of the mismatch KL carried by tokens routed differently, the two sides."""
     s = view.summary
     a, d = s["agree"], s["disagree"]
+    if not view.compared:
+        return f"{s['routed_tokens']:,} routed tokens, but {s['not_compared'] or RO.ENGINE_MISSING}"
 
     def f(v: float | None, spec: str = ".3g") -> str:
         return "-" if v is None else format(v, spec)
@@ -69,16 +77,25 @@ def steps_frame(view: RoutingView) -> pd.DataFrame:
     return df.astype({c: float for c in df.columns if c != "step"})
 
 
-def agreement_by_layer(view: RoutingView) -> go.Figure:
-    """Heatmap, step x layer: share of routed tokens whose expert set agrees at that layer."""
+REPLAY_LIMIT = 0.01  # diagnosis.routing.RoutingConfig.max_differ_share: the heatmap's scale reaches twice it
+
+
+def agreement_by_layer(view: RoutingView, limit: float = REPLAY_LIMIT) -> go.Figure:
+    """Heatmap, step x layer: the share of routed tokens whose expert set DIFFERS at that layer, every routed
+    layer shown (one where nothing differs is grey). Grey at 0, dark red from twice the replay limit up
+    (`limit`, 1%: Miles' replay check): a layer over the limit stands out against a clean one."""
     rows = view.summary["steps"]
-    width = max((len(r["differ_share_by_layer"]) for r in rows), default=0)
-    z = [[None if v is None else 1 - v for v in r["differ_share_by_layer"]] + [None] * (width - len(
+    width = len(view.summary["layers"])
+    z = [[None if v is None else v for v in r["differ_share_by_layer"]] + [None] * (width - len(
         r["differ_share_by_layer"])) for r in rows]
-    fig = go.Figure(go.Heatmap(x=list(range(width)), y=[r["step"] for r in rows], z=z, zmin=0, zmax=1,
-                               colorscale="RdYlGn", colorbar={"title": {"text": "agree"}},
-                               hovertemplate="layer %{x}, step %{y}: %{z:.3f} agree<extra></extra>"))
-    return VC.finish(fig, "Routing agreement by layer and step", "share of tokens whose expert set agrees",
+    top = max([limit * 2, *(v for line in z for v in line if v is not None)])
+    fig = go.Figure(go.Heatmap(x=list(range(width)), y=[r["step"] for r in rows], z=z, zmin=0, zmax=top,
+                               colorscale=[[0.0, "#e5e7eb"], [min(limit / top, 1.0), "#fcae91"], [1.0, "#a50f15"]],
+                               xgap=2, ygap=1,
+                               colorbar={"title": {"text": "differ"}, "tickformat": ".1%"},
+                               hovertemplate="layer %{x}, step %{y}: %{z:.2%} routed differently<extra></extra>"))
+    return VC.finish(fig, "Routed differently, by layer and step",
+                     f"share of routed tokens whose expert set differs; grey 0, pink at the {limit:.0%} replay limit",
                      "MoE layer (index)", "training step", height=320)
 
 

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from kldiag.analysis.cache import store
 from kldiag.views import groups as VG
 from kldiag.views import pages as V
+from kldiag.views.leads import shown
 from kldiag.views.numbers import fault_first
 
 WORST_BY = "weight_k3_abs_max"
@@ -107,3 +108,38 @@ def group_tokens(analysis, step: int, seqs: Sequence[int],
     seqs = [int(s) for s in seqs]
     return store.cached(analysis, "group", [int(step), seqs, vocab is not None],
                         lambda: VG.read_group(analysis.run_dir, step, seqs, vocab=vocab))
+
+
+def choice_label(r) -> str:
+    """A sequence's entry in the picker: its non-finite count, else its max |k3 weight| (when measured)."""
+    if r.nonfinite_count > 0:
+        return f"{int(r.seq)}  ({int(r.nonfinite_count)} non-finite log-prob{'s' if r.nonfinite_count != 1 else ''})"
+    w = r.weight_k3_abs_max
+    return f"{int(r.seq)}  (max |k3 weight| {w:.3g})" if w == w and w is not None else str(int(r.seq))
+
+
+def routed_count(df: pd.DataFrame) -> int:
+    """Tokens of a sequence the engine routed to other experts than the trainer (0 without both routes)."""
+    if "route_differ" not in df:
+        return 0
+    return int((df["route_differ"].fillna(0) > 0).sum())
+
+
+def caption(df: pd.DataFrame, row) -> str:
+    """The Sequence page's line above the text: what the run measured of this sequence (no 'nan')."""
+    bits = [f"{len(df)} tokens"]
+    if row["advantage"] == row["advantage"] and row["advantage"] is not None:
+        bits.append(f"advantage {row['advantage']:.3g}")
+    if row["k3_mean"] == row["k3_mean"] and row["k3_mean"] is not None:
+        bits += [f"mean k3 {shown(row['k3_mean'])}", f"mean k3_is {shown(row['k3_is_mean'])}",
+                 f"flagged tokens {int(row['flagged_count'])}"]
+    if "mismatch" in df and df["mismatch"].notna().any():
+        bits.append(f"mean |log pi_old/mu| {shown(df['mismatch'].abs().mean())}")
+    if (n := routed_count(df)):
+        bits.append(f"{n} token(s) routed to other experts (purple underline)")
+    return " · ".join(bits) + " · hover a token for its values"
+
+
+def drawn(df: pd.DataFrame, columns) -> list[str]:
+    """The columns of `columns` that hold a finite value (a chart draws, and lists in its legend, only those)."""
+    return [c for c in columns if c in df and np.isfinite(df[c].to_numpy(np.float64, na_value=np.nan)).any()]

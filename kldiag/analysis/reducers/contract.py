@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kldiag.analysis.kernels import contract as KK
 from kldiag.analysis.core import keyed
+from kldiag.analysis.kernels import contract as KK
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")

@@ -5,6 +5,8 @@ differ between engine and trainer, those the engine left unrouted, the mean set 
 the loss, with o = logp_old (logp where null: on-policy) and m = logp_sampler (the engine's log mu):
 
     routed     the trainer routed the token on at least one layer (route_layers > 0)
+    compared   routed, and the engine's routes were recorded beside the trainer's (route_differ not null):
+               a run that recorded one side only compares nothing, and its shares below are null
     disagree   its expert set differs on at least one layer (route_differ > 0); agree: routed, none differs
     missing    the engine has no route on a layer the trainer routed (route_missing > 0)
     mismatch   |m - o| = |log mu - log pi_old|, where both are finite
@@ -38,9 +40,9 @@ from kldiag.analysis.runtime.runner import reduced
 
 LN2 = float(np.log(2.0))
 SIDES = ("agree", "disagree")
-SUMS = ("tokens", "routed", "disagree", "missing", "overlap_sum", "overlap_n", "areal_n", "areal_k3", "areal_extreme",
+SUMS = ("tokens", "routed", "compared", "disagree", "missing", "overlap_sum", "overlap_n", "areal_n", "areal_k3", "areal_extreme",
         *(f"{s}_{k}" for s in SIDES for k in ("n", "abs", "k3", "is")))
-MAXES = tuple(f"{s}_{k}" for s in SIDES for k in ("abs_max", "is_max"))
+MAXES = (*(f"{s}_{k}" for s in SIDES for k in ("abs_max", "is_max")), "layers_max")  # layers_max: most MoE layers a token had
 OVERLAP_BINS = ("0", "(0, 0.5)", "[0.5, 1)", "1")  # a token's mean set overlap over its compared layers
 LAYER_SETS = ("differ", "missing")  # per (step, layer): tokens whose set differs / whose engine route is missing
 
@@ -66,7 +68,7 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     old, ok_o = _col(batch, "logp_old", 0.0, np.float64)
     mu, ok_m = _col(batch, "logp_sampler", 0.0, np.float64)
     layers, _ = _col(batch, F.ROUTE_LAYERS, 0, np.int64)
-    differ, _ = _col(batch, F.ROUTE_DIFFER, 0, np.int64)
+    differ, ok_d = _col(batch, F.ROUTE_DIFFER, 0, np.int64)
     missing, _ = _col(batch, F.ROUTE_MISSING, 0, np.int64)
     overlap, ok_v = _col(batch, F.ROUTE_OVERLAP, np.nan, np.float64)
     old = np.where(ok_o, old, logp)
@@ -88,10 +90,12 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         r = np.exp(log_r)
         k3 = np.where(finite, r - log_r - 1.0, 0.0)
         routed = layers[mask] > 0
-        dis = routed & (differ[mask] > 0)
+        compared = routed & ok_d[mask]  # both sides recorded
+        dis = compared & (differ[mask] > 0)
         d = np.where(ok_m[mask] & np.isfinite(lm) & np.isfinite(lp), lp - lm, np.nan)
-        out = {"step": steps, "tokens": add(np.ones(len(idx), bool)), "routed": add(routed), "disagree": add(dis),
-               "missing": add(routed & (missing[mask] > 0))}
+        out = {"step": steps, "tokens": add(np.ones(len(idx), bool)), "routed": add(routed), "compared": add(compared),
+               "disagree": add(dis), "missing": add(compared & (missing[mask] > 0)),
+               "layers_max": mx(routed, layers[mask].astype(np.float64))}
         ov = overlap[mask]
         has_ov = routed & ok_v[mask] & np.isfinite(ov)
         out.update(overlap_sum=add(has_ov, np.where(has_ov, ov, 0.0)), overlap_n=add(has_ov))
@@ -100,7 +104,7 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         ad = np.isfinite(d)
         out.update(areal_n=add(ad), areal_k3=add(ad, np.where(ad, np.expm1(d) - d, 0.0)),
                    areal_extreme=add(ad & (np.abs(np.where(ad, d, 0.0)) > LN2)))
-        for side, sel in (("agree", routed & ~dis & finite), ("disagree", dis & finite)):
+        for side, sel in (("agree", compared & ~dis & finite), ("disagree", dis & finite)):
             out.update({f"{side}_n": add(sel), f"{side}_abs": add(sel, np.abs(log_r)), f"{side}_k3": add(sel, k3),
                         f"{side}_is": add(sel, r), f"{side}_abs_max": mx(sel, np.abs(log_r)),
                         f"{side}_is_max": mx(sel, r)})
@@ -150,7 +154,7 @@ class RoutingReducer:
     """Per-step routing agreement and the mismatch on agreeing vs disagreeing tokens (module docstring)."""
 
     name: str = "routing"
-    version: int = 2  # 2: batches without routes leave no partial
+    version: int = 3  # 2: batches without routes leave no partial; 3: compared tokens, layers_max
     columns: tuple[str, ...] = ("step", "mask", "logp", "logp_old", "logp_sampler", *F.ROUTE_SUMMARY,
                                 *F.ROUTE_LAYER_SETS)
 
@@ -193,42 +197,59 @@ def _share(m: dict[str, np.ndarray], sl: Any = slice(None)) -> float | None:
     return _num(ratio(dis, dis + agree))
 
 
-def _step_row(m: dict[str, np.ndarray], i: int) -> dict[str, Any]:
-    routed = m["routed"][i]
+def _step_row(m: dict[str, np.ndarray], i: int, width: int) -> dict[str, Any]:
+    compared = m["compared"][i]  # the shares are of the tokens both sides routed: none when one side is missing
     a, d = _side(m, "agree", slice(i, i + 1)), _side(m, "disagree", slice(i, i + 1))
-    return {"step": int(m["step"][i]), "tokens": int(m["tokens"][i]), "routed": int(routed),
-            "differ_share": _num(ratio(m["disagree"][i], routed)),
-            "missing_share": _num(ratio(m["missing"][i], routed)),
+    return {"step": int(m["step"][i]), "tokens": int(m["tokens"][i]), "routed": int(m["routed"][i]),
+            "compared": int(compared), "differ_share": _num(ratio(m["disagree"][i], compared)),
+            "missing_share": _num(ratio(m["missing"][i], compared)),
             "overlap_mean": _num(ratio(m["overlap_sum"][i], m["overlap_n"][i])),
             "agree_mismatch_abs_mean": a["mismatch_abs_mean"], "disagree_mismatch_abs_mean": d["mismatch_abs_mean"],
             "agree_k3_mean": a["k3_mean"], "disagree_k3_mean": d["k3_mean"],
             "kl_share_disagree": _share(m, slice(i, i + 1)),
             "areal_k3_mean": _num(ratio(m["areal_k3"][i], m["areal_n"][i])),
             "areal_extreme_frac": _num(ratio(m["areal_extreme"][i], m["areal_n"][i])),
-            "differ_share_by_layer": [_num(v) for v in ratio(m["layer_differ"][i], routed)],
-            "missing_share_by_layer": [_num(v) for v in ratio(m["layer_missing"][i], routed)]}
+            "differ_share_by_layer": [_num(v) for v in ratio(_widen(m["layer_differ"], width)[i], compared)],
+            "missing_share_by_layer": [_num(v) for v in ratio(_widen(m["layer_missing"], width)[i], compared)]}
+
+
+ENGINE_MISSING = ("only the trainer's routes were recorded: the engine's were not, so nothing was compared and "
+                  "routing agreement is not measured. Record the engine's routes too (experts_sampler= in "
+                  "Recorder.record, from the engine's returned routed experts: vLLM and SGLang return them when "
+                  "routing replay is on)")
+
+
+def layer_count(m: dict[str, np.ndarray]) -> int:
+    """The layer axis: the widest layer list seen, and at least as many layers as a token was routed on (a
+    layer where no token differs appears in no list but is still routed)."""
+    most = np.max(m["layers_max"], initial=0.0) if len(m["layers_max"]) else 0.0
+    return max(m["layer_differ"].shape[1], m["layer_missing"].shape[1], int(most) if np.isfinite(most) else 0)
 
 
 def summary(m: dict[str, np.ndarray]) -> dict[str, Any]:
     """The routing figures as JSON-ready values (`kldiag analyze --json` "routing"; docs/metrics.md).
 
     `routed` is False for a run without routes (dense, or recorded without them): the per-step AReaL
-    figures are still given where the engine's log-probs are recorded."""
-    routed = float(m["routed"].sum())
-    width = max(m["layer_differ"].shape[1], m["layer_missing"].shape[1])
+    figures are still given where the engine's log-probs are recorded. A run that recorded the trainer's
+    routes only (`sides`: engine False) has `compared_tokens` 0, agreement and the shares null, and
+    `not_compared` says which side is missing and how to record it."""
+    routed, compared = float(m["routed"].sum()), float(m["compared"].sum())
+    width = layer_count(m)
     differ, missing = (_widen(m[f"layer_{n}"], width).sum(0) for n in LAYER_SETS)
     return {"routed": routed > 0, "tokens": int(m["tokens"].sum()), "routed_tokens": int(routed),
-            "agreement": _num(1.0 - ratio(m["disagree"].sum(), routed)) if routed else None,
-            "differ_share": _num(ratio(m["disagree"].sum(), routed)),
-            "missing_share": _num(ratio(m["missing"].sum(), routed)),
+            "compared_tokens": int(compared), "sides": {"trainer": routed > 0, "engine": compared > 0},
+            "not_compared": ENGINE_MISSING if routed and not compared else None,
+            "agreement": _num(1.0 - ratio(m["disagree"].sum(), compared)) if compared else None,
+            "differ_share": _num(ratio(m["disagree"].sum(), compared)),
+            "missing_share": _num(ratio(m["missing"].sum(), compared)),
             "overlap_mean": _num(ratio(m["overlap_sum"].sum(), m["overlap_n"].sum())),
             "overlap_hist": dict(zip(OVERLAP_BINS, (int(v) for v in m["overlap_hist"].sum(0)), strict=True)),
             "agree": _side(m, "agree"), "disagree": _side(m, "disagree"), "kl_share_disagree": _share(m),
             "areal_k3_mean": _num(ratio(m["areal_k3"].sum(), m["areal_n"].sum())),
             "areal_extreme_frac": _num(ratio(m["areal_extreme"].sum(), m["areal_n"].sum())),
-            "layers": [{"layer": i, "differ_share": _num(ratio(differ[i], routed)),
-                        "missing_share": _num(ratio(missing[i], routed))} for i in range(width)],
-            "steps": [_step_row(m, i) for i in range(len(m["step"]))]}
+            "layers": [{"layer": i, "differ_share": _num(ratio(differ[i], compared)),
+                        "missing_share": _num(ratio(missing[i], compared))} for i in range(width)],
+            "steps": [_step_row(m, i, width) for i in range(len(m["step"]))]}
 
 
 def routing_of(analysis, reducer: RoutingReducer | None = None) -> dict[str, Any]:

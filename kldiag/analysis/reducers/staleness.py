@@ -37,7 +37,10 @@ import pyarrow as pa
 
 from kldiag import estimators as E
 from kldiag.analysis.core import keyed
-from kldiag.analysis.reducers.base import ClippedListReducer, column as _col, ratio as _ratio, num as _num
+from kldiag.analysis.reducers.base import ClippedListReducer
+from kldiag.analysis.reducers.base import column as _col
+from kldiag.analysis.reducers.base import num as _num
+from kldiag.analysis.reducers.base import ratio as _ratio
 
 MAX_STALE = 16
 NO_VERSION = -1

@@ -27,7 +27,9 @@ import pyarrow.compute as pc
 
 from kldiag import estimators as E
 from kldiag.analysis.core import keyed
-from kldiag.analysis.reducers.base import ClippedListReducer, ratio as _ratio, num as _num
+from kldiag.analysis.reducers.base import ClippedListReducer
+from kldiag.analysis.reducers.base import num as _num
+from kldiag.analysis.reducers.base import ratio as _ratio
 from kldiag.analysis.reducers.staleness import keyed_max, keyed_sums
 
 SUMS = ("n_tokens", "sum_k3", "n_k3", "sum_drift", "n_x", "sum_rho", "sum_rho2", "n_clip", "sum_mm", "sum_mm_abs",

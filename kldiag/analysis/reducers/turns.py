@@ -35,8 +35,9 @@ import pyarrow.compute as pc
 from kldiag import estimators as E
 from kldiag.analysis.core.batch import bools
 from kldiag.analysis.kernels.turns import MAX_TURN, N_POS, N_TURN, SUMS, fold, seq_bounds, seq_starts
+from kldiag.analysis.reducers.base import num as _num
+from kldiag.analysis.reducers.base import ratio
 from kldiag.analysis.runtime.runner import reduced
-from kldiag.analysis.reducers.base import ratio, num as _num
 
 POS_EDGES = np.array([0, 1, 2, 3, 8, 32])  # position-in-turn bins: 0, 1, 2, 3-7, 8-31, 32+
 POS_LABELS = ("0", "1", "2", "3-7", "8-31", "32+")

@@ -27,7 +27,6 @@ import os
 from collections.abc import Iterator, Sequence
 
 from kldiag.analysis import protocol as reduce
-
 from kldiag.analysis.runtime import part_fold, worker
 from kldiag.errors import EngineError
 from kldiag.format import PartInfo

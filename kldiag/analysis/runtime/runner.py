@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kldiag.analysis import protocol as reduce
-
 from kldiag.analysis.cache import side_prefix as reducer_prefix
 from kldiag.analysis.core.batch import clip_range
 from kldiag.analysis.protocol import KERNEL_ROWS, Arrays, Reducer

@@ -5,8 +5,18 @@ each difference with its reason), reasons (why a difference is explained: a know
 (reading a framework's logs: W&B/TensorBoard exports, CSV, JSON lines). docs/audit.md.
 """
 
-from kldiag.crosswalk.audit.core import (ATOL, RTOL, VERDICTS, AuditError, AuditResult, MetricAudit, audit, close,
-                                         explain, rel_diff)
+from kldiag.crosswalk.audit.core import (
+                                         ATOL,
+                                         RTOL,
+                                         VERDICTS,
+                                         AuditError,
+                                         AuditResult,
+                                         MetricAudit,
+                                         audit,
+                                         close,
+                                         explain,
+                                         rel_diff,
+)
 from kldiag.crosswalk.audit.logs import Logs, LogsError, detect, read_logs
 
 __all__ = ["ATOL", "RTOL", "VERDICTS", "AuditError", "AuditResult", "Logs", "LogsError", "MetricAudit", "audit", "close",

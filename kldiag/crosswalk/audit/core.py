@@ -20,8 +20,8 @@ from typing import Any
 
 from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons, parse_settings
 from kldiag.crosswalk.audit import reasons as R
-from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.crosswalk.audit.logs import Logs, LogsError, match_names, read_logs
+from kldiag.crosswalk.batch import StepBatch, pad
 from kldiag.format import open_run
 from kldiag.mismatch import tokenset as TS
 
