@@ -89,6 +89,8 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     empty: set[str] = set()
     merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped, empty)
     if merged.rows == 0:
+        if cfg.use_cache:  # nothing was cached: the folders the spill made go too
+            prefix.drop_empty_spill(run.cache_dir())
         raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
                             f"{len(skipped)} skipped as unreadable)")
     a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0,

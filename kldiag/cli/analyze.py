@@ -19,7 +19,7 @@ from kldiag.analysis.types import Analysis, AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import warning_line
 from kldiag.diagnosis import diagnose
-from kldiag.diagnosis.routing import apply_settings
+from kldiag.diagnosis.routing import apply_settings, check_settings
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
 from kldiag.report.summary import analyze_run, summary
@@ -79,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_settings(args.settings)  # a bad --set is refused before the analysis reads or writes anything
     if args.out:
         checks.out_dir(args.out, "--out", args.run_dir)  # before the analysis writes its cache
     with warnings.catch_warnings(record=True) as caught:

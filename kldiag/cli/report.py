@@ -41,7 +41,7 @@ from kldiag.analysis.engine import analyze as analyze_run
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
-from kldiag.diagnosis.routing import apply_settings
+from kldiag.diagnosis.routing import apply_settings, check_settings
 from kldiag.report.build import Report, ReportConfig, build_report, reducers
 
 # --fail-on names that stand for several episode kinds and causes (the report's older rules first).
@@ -87,6 +87,7 @@ def _rules_arg(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> int:
+    check_settings(getattr(args, "settings", []))  # a bad --set, like a bad -o, before the analysis writes its cache
     checks.out_file(args.output, "-o", args.run_dir)  # before the analysis writes its cache
     cfg = ReportConfig(diagnosis=DiagnosisConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl))
     # one read of each part for everything the report shows (none while the run's cache is warm)

@@ -33,7 +33,8 @@ from kldiag.mismatch import sample as SS
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf, "skyrl": skyrl,
               "areal": areal}
 ALIASES = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl", "nemo": "nemo-rl"}
-__all__ = ["FRAMEWORKS", "CrosswalkError", "crosswalk", "framework_of", "parse_settings", "records"]
+__all__ = ["FRAMEWORKS", "CrosswalkError", "crosswalk", "framework_names", "framework_of", "parse_settings", "records",
+           "require_framework"]
 
 
 class CrosswalkError(KldiagError, ValueError):
@@ -52,6 +53,22 @@ def framework_of(manifest) -> str | None:
     trainer name, spelt as --framework takes it: "nemo-rl"), None when it is not one of FRAMEWORKS."""
     name = family(manifest).replace("_", "-")
     return name if name in FRAMEWORKS else None
+
+
+def framework_names(last: str = "or") -> str:
+    """FRAMEWORKS as a message lists them: 'verl, trl, ..., skyrl or areal' (every list in one place)."""
+    names = list(FRAMEWORKS)
+    return f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def require_framework(manifest, framework: str | None, how: str = "--framework") -> str:
+    """`framework` when given, else the run's own (framework_of); CrosswalkError naming every framework
+    and how to pass one (`how`: the caller's flag or argument) when neither is known."""
+    fw = framework or framework_of(manifest)
+    if fw is None:
+        raise CrosswalkError(f"the run's trainer is not one of the crosswalk's frameworks: pass {how} "
+                             f"{framework_names()}")
+    return fw
 
 
 def _coerce(text: Any) -> Any:

@@ -58,9 +58,16 @@ def replay_on(manifest: Any) -> Any:
     return value
 
 
-def apply_settings(manifest: Any, pairs: list[str]) -> None:
-    """`--set KEY=VALUE` items into the manifest's config in memory (nothing is written); KldiagError names
-    the keys it takes."""
+ON = ("true", "on", "yes", "1")
+# routing_replay's values besides ON and OFF: verl's router_replay.mode names (verl 0.9.1
+# verl/workers/config/engine.py EngineRouterReplayConfig: disabled | R2 | R3)
+REPLAY_MODES = ("r2", "r3")
+
+
+def check_settings(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items checked and parsed, before any work: {key: True | False | mode name}.
+    KldiagError names the keys and values it takes."""
+    out: dict[str, Any] = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -68,7 +75,16 @@ def apply_settings(manifest: Any, pairs: list[str]) -> None:
             raise KldiagError(f"--set {item!r}: write KEY=VALUE with KEY one of {', '.join(SETTABLE)}, "
                               "e.g. --set routing_replay=R3")
         low = value.strip().lower()
-        manifest.config[key] = True if low in ("true", "on", "yes", "1") else False if low in OFF else value.strip()
+        if low not in (*ON, *OFF, *REPLAY_MODES) or not low:
+            raise KldiagError(f"--set {item!r}: {key} takes true or false (on/off, yes/no, 1/0) or a replay mode "
+                              f"({', '.join(m.upper() for m in REPLAY_MODES)}, disabled), e.g. --set {key}=R3")
+        out[key] = True if low in ON else False if low in OFF else value.strip()
+    return out
+
+
+def apply_settings(manifest: Any, pairs: list[str]) -> None:
+    """`--set KEY=VALUE` items (check_settings) into the manifest's config in memory (nothing is written)."""
+    manifest.config.update(check_settings(pairs))
 
 
 def figures(analysis) -> dict[str, Any] | None:
