@@ -91,8 +91,10 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     if merged.rows == 0:
         if cfg.use_cache:  # nothing was cached: the folders the spill made go too
             prefix.drop_empty_spill(run.cache_dir())
-        raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
-                            f"{len(skipped)} skipped as unreadable)")
+        e = EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
+                          f"{len(skipped)} skipped as unreadable)")
+        e.skipped = list(skipped)  # parts published but unreadable: a watcher tells them from a run not started
+        raise e
     a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0,
               seqrows.spill_dir(run.cache_dir()))
     empty = lost.empty_parts(run.cache_dir() if cfg.use_cache else None, empty)

@@ -30,7 +30,8 @@ class Update:
     diagnosis: Diagnosis | None = None
     started: list[Episode] = field(default_factory=list)
     ended: list[Episode] = field(default_factory=list)
-    waiting: str = ""  # why there is nothing to show yet (no run.json, no part)
+    waiting: str = ""  # why there is nothing to show yet (no run.json, no part, no readable row)
+    unreadable: list[str] = field(default_factory=list)  # with `waiting`: parts published but none readable
 
 
 class Watcher:
@@ -61,7 +62,7 @@ class Watcher:
             try:
                 a = self._analyze(self.run, self.config)
             except EmptyRunError as e:
-                return Update(waiting=str(e))
+                return Update(waiting=str(e), unreadable=list(getattr(e, "skipped", [])))
             dg = diagnose(a)
         up = Update(parts_new=len(set(keys) - set(self.keys)), first=not self.keys, analysis=a, diagnosis=dg)
         self.keys = keys
