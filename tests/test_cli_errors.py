@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,10 +75,29 @@ CASES = [
     ("cache-missing", "cache {missing}"),
     ("cache-not-a-run", "cache {dir}"),
     ("unknown-command", "bogus {run}"),
+    # a run.json holding valid JSON that is not an object (a list)
+    ("analyze-json-list", "analyze {listrun}"),
+    ("report-json-list", "report {listrun} -o {dir}/r.html"),
+    ("watch-json-list", "watch {listrun} --once"),
+    ("crosswalk-json-list", "crosswalk {listrun} -f trl"),
+    ("cache-json-list", "cache {listrun}"),
+    ("dashboard-json-list", "dashboard {listrun}"),
+    # a run directory whose name is not UTF-8 (Parquet paths must be)
+    ("analyze-not-utf8", "analyze {badname}"),
+    ("report-not-utf8", "report {badname} -o {dir}/r.html"),
+    ("watch-not-utf8", "watch {badname} --once"),
+    ("crosswalk-not-utf8", "crosswalk {badname} -f trl"),
+    # --set checked before the analysis reads or writes anything (the digests say nothing was written)
+    ("analyze-set-value", "analyze {run} --set routing_replay=maybe"),
+    ("analyze-set-empty", "analyze {run} --set routing_replay="),
+    ("analyze-set-no-equals", "analyze {run} --set routing_replay"),
+    ("report-set-value", "report {run} -o {dir}/r.html --set routing_replay=maybe"),
+    # a run whose only part is truncated: exit 2, and no RUN/.kldiag/prefix/seqs left behind
+    ("analyze-no-rows", "analyze {broken}"),
 ]
 # Run as a child process: a regression here would start a server or train (or, in-process, replace
 # pytest by Streamlit); the others run in-process, and these prove no traceback reaches a terminal.
-SUBPROCESS = {"dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
+SUBPROCESS = {"dashboard-json-list", "dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
               "demo-out-file", "demo-port-taken", "analyze-file", "report-out-dir", "watch-missing"}
 
 
@@ -87,10 +107,17 @@ def inputs(tmp_path_factory: pytest.TempPathFactory):
     make_run(root / "run", SynthConfig(steps=3, seqs_per_step=4, seq_len=(4, 8), vocab_size=0))
     (root / "file.txt").write_text("an existing file\n")
     (root / "dir").mkdir()
+    shutil.copytree(root / "run", root / "listrun")
+    (root / "listrun" / "run.json").write_text("[1, 2]")
+    shutil.copytree(root / "run", root / "bad\udcffname")  # the bytes b"bad\xffname", as Python names them
+    make_run(root / "broken", SynthConfig(steps=2, seqs_per_step=4, seq_len=(4, 8), vocab_size=0))
+    for part in (root / "broken" / "tokens").rglob("*.parquet"):
+        part.write_bytes(part.read_bytes()[:300])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        yield {"run": root / "run", "file": root / "file.txt", "dir": root / "dir",
+        yield {"run": root / "run", "file": root / "file.txt", "dir": root / "dir", "listrun": root / "listrun",
+               "badname": root / "bad\udcffname", "broken": root / "broken",
                "missing": root / "nosuch", "taken": taken.getsockname()[1], "root": root}
 
 
@@ -208,3 +235,11 @@ def test_an_unforeseen_os_error_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err == ("kldiag: error: /srv/runs/r/report.html: permission denied; check the path and its permissions "
                    "(KLDIAG_DEBUG=1 shows where it failed)\n")
+
+
+def test_crosswalk_on_a_run_with_no_readable_rows_exits_2_like_analyze(inputs, capsys):
+    before = digests(inputs["root"])
+    rc, err = run_cli("crosswalk-no-rows", ["crosswalk", str(inputs["broken"]), "-f", "trl"], capsys)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("kldiag: error: run ")
+    assert "no readable token rows" in err and "Traceback" not in err
+    assert digests(inputs["root"]) == before
