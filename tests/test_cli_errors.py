@@ -243,3 +243,23 @@ def test_crosswalk_on_a_run_with_no_readable_rows_exits_2_like_analyze(inputs, c
     assert rc == 2 and err.strip().splitlines()[-1].startswith("kldiag: error: run ")
     assert "no readable token rows" in err and "Traceback" not in err
     assert digests(inputs["root"]) == before
+
+
+def _help(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
+
+
+def test_help_names_the_run_alike_and_says_what_each_option_does(capsys):
+    for name in ("analyze", "report", "dashboard", "watch", "serve-metrics", "crosswalk", "cache", "audit"):
+        text = _help([name], capsys)
+        assert "RUN_DIR" not in text and " RUN" in text, name
+    analyze = _help(["analyze"], capsys)
+    assert "(AnalysisConfig." not in analyze
+    assert "--tau TAU flag a token as theta_ll_ref" in analyze and "--alert-factor ALERT_FACTOR an alert's jump" in analyze
+    assert "--seed SEED seed of the samples" in _help(["lab"], capsys)
+    fail_on = _help(["watch"], capsys)
+    assert all(n in fail_on for n in ("early", "latent", "k3_weight_blowup", "routing_replay_broken"))
+    assert "RUN LOGDIR" in _help(["export"], capsys).split("usage:")[1].split("`")[0]

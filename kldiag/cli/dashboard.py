@@ -1,4 +1,4 @@
-"""`kldiag dashboard RUN_DIR [RUN_DIR ...]`: start the Streamlit app on one or more runs.
+"""`kldiag dashboard RUN [RUN ...]`: start the Streamlit app on one or more runs.
 
 The app lives in app/ beside the package (a source checkout ships it there). It binds to
 127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
@@ -77,7 +77,7 @@ def logs_by_run(runs: list[Path], logs: list[str]) -> dict[str, str]:
     from kldiag.crosswalk.logs import detect
 
     if len(logs) > len(runs):
-        raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN_DIR, "
+        raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN, "
                           "in the runs' order")
     for src in logs:
         detect(src)  # an unknown format fails here, not in the browser
@@ -93,7 +93,7 @@ def _with_logs(env: dict[str, str], logs: dict[str, str]) -> dict[str, str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("dashboard", help="open the Streamlit dashboard on one or more runs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=checks.run_dir,
+    p.add_argument("runs", nargs="+", metavar="RUN", type=checks.run_dir,
                    help="run directories (two or more to compare)")
     p.add_argument("--port", type=checks.port, default=8501,
                    help="port to serve on (default 8501); one in use is an error that names a free one")

@@ -1,4 +1,4 @@
-"""`kldiag report RUN_DIR`: a post-mortem of one run, as one offline HTML file and a text summary.
+"""`kldiag report RUN`: a post-mortem of one run, as one offline HTML file and a text summary.
 
 Built on `kldiag.analyze` and `kldiag.diagnosis.diagnose`: the verdict, what fired (the causes and
 the alert episodes), the recommendations (each cause's fix, in the run's trainer's own option
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("report", help="post-mortem of a run: HTML report, verdict, exit code for CI",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir, help="a run directory written by kldiag.Recorder")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir,
+                   help="a run directory written by kldiag.Recorder, or its URI (s3://bucket/prefix)")
     p.add_argument("-o", "--output", default="report.html",
                    help="HTML file to write (default ./report.html), outside the run; an earlier kldiag "
                         "report there is replaced, any other file is refused")
