@@ -74,6 +74,7 @@ CASES = [
     ("mcp-root-file", "mcp --root {file}"),
     ("cache-missing", "cache {missing}"),
     ("cache-not-a-run", "cache {dir}"),
+    ("grafana-out-file", "grafana --out {file}"),
     ("unknown-command", "bogus {run}"),
     # a run.json holding valid JSON that is not an object (a list)
     ("analyze-json-list", "analyze {listrun}"),

@@ -1,6 +1,7 @@
 """`kldiag dashboard RUN [RUN ...]`: start the Streamlit app on one or more runs.
 
-The app lives in app/ beside the package (a source checkout ships it there). It binds to
+The app ships inside the package (kldiag/_app, from app/ of the source tree; a checkout used in
+place runs app/ itself: kldiag/cli/resources.py). It binds to
 127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
 `--` on its command line. Runs are checked before launching, so a typo fails here with a
 clear message instead of in the browser, and so is the port: a port another server holds is an
@@ -21,18 +22,16 @@ from pathlib import Path
 
 from kldiag.analysis import engines
 from kldiag.cli import args as checks
+from kldiag.cli import resources
 from kldiag.errors import KldiagError
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # a checkout's root (app/ beside kldiag/), or site-packages
 
 
 def app_path() -> Path:
-    """app/main.py of this checkout; raises KldiagError naming the fix when it is missing."""
-    path = PACKAGE_ROOT / "app" / "main.py"
-    if not path.is_file():
-        raise KldiagError(f"the dashboard app is not at {path}; run kldiag from a source checkout "
-                          "(git clone, then pip install -e .) so that app/ sits beside kldiag/")
-    return path
+    """The app's main.py: inside the installed package (kldiag/_app), else app/ of this checkout;
+    KldiagError naming the fix when neither is there."""
+    return resources.app_main()
 
 
 def streamlit_command(runs: list[Path], port: int, host: str) -> list[str]:
