@@ -98,7 +98,8 @@ CASES = [
 ]
 # Run as a child process: a regression here would start a server or train (or, in-process, replace
 # pytest by Streamlit); the others run in-process, and these prove no traceback reaches a terminal.
-SUBPROCESS = {"dashboard-json-list", "dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
+SUBPROCESS = {"dashboard-json-list",
+              "dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
               "demo-out-file", "demo-port-taken", "analyze-file", "report-out-dir", "watch-missing"}
 
 
@@ -259,7 +260,8 @@ def test_help_names_the_run_alike_and_says_what_each_option_does(capsys):
         assert "RUN_DIR" not in text and " RUN" in text, name
     analyze = _help(["analyze"], capsys)
     assert "(AnalysisConfig." not in analyze
-    assert "--tau TAU flag a token as theta_ll_ref" in analyze and "--alert-factor ALERT_FACTOR an alert's jump" in analyze
+    assert "--tau TAU flag a token as theta_ll_ref" in analyze
+    assert "--alert-factor ALERT_FACTOR an alert's jump" in analyze
     assert "--seed SEED seed of the samples" in _help(["lab"], capsys)
     fail_on = _help(["watch"], capsys)
     assert all(n in fail_on for n in ("early", "latent", "k3_weight_blowup", "routing_replay_broken"))

@@ -88,7 +88,8 @@ def test_the_version_is_written_in_one_place():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "kldiag.version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", __version__)
-    assert "## Unreleased" in (ROOT / "CHANGELOG.md").read_text() or f"## {__version__}" in (ROOT / "CHANGELOG.md").read_text()
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## Unreleased" in changelog or f"## {__version__}" in changelog
 
 
 def test_kldiag_version(capsys):

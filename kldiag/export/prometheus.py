@@ -237,7 +237,8 @@ class Exporter:
                 verdict.add_metric(r, VERDICT_CODE[s.verdict])
             for c, sev in s.causes:
                 cause.add_metric([s.run, c, sev], 1.0)
-        yield from (up, state, step, *figs.values(), temp, verdict, cause, episodes, parts, skipped, last_ts, since, errors)
+        yield from (up, state, step, *figs.values(), temp, verdict, cause, episodes, parts, skipped, last_ts, since,
+                    errors)
 
     def registry(self):
         from prometheus_client import CollectorRegistry
