@@ -266,3 +266,24 @@ def test_help_names_the_run_alike_and_says_what_each_option_does(capsys):
     fail_on = _help(["watch"], capsys)
     assert all(n in fail_on for n in ("early", "latent", "k3_weight_blowup", "routing_replay_broken"))
     assert "RUN LOGDIR" in _help(["export"], capsys).split("usage:")[1].split("`")[0]
+
+
+def test_a_run_path_that_is_not_utf8_is_named_with_the_fix(inputs, capsys):
+    rc, err = run_cli("analyze-not-utf8", ["analyze", str(inputs["badname"])], capsys)
+    assert rc == 2 and "bad\\xffname" in err and "not valid UTF-8" in err and "ln -s" in err
+
+
+@pytest.mark.parametrize("value", ["routing_replay=maybe", "routing_replay=", "routing_replay"])
+def test_set_is_checked_before_any_work(inputs, tmp_path, capsys, value):
+    run = shutil.copytree(inputs["run"], tmp_path / "run", ignore=shutil.ignore_patterns(".kldiag"))
+    for argv in (["analyze", str(run)], ["report", str(run), "-o", str(tmp_path / "r.html")]):
+        rc, err = run_cli("set", [*argv, "--set", value], capsys)
+        assert rc == 2 and "--set" in err and "routing_replay" in err
+        assert not (run / ".kldiag").exists() and not (tmp_path / "r.html").exists()  # nothing read, nothing written
+
+
+def test_a_failed_analysis_leaves_no_cache_folders(inputs, tmp_path, capsys):
+    run = shutil.copytree(inputs["broken"], tmp_path / "run", ignore=shutil.ignore_patterns(".kldiag"))
+    rc, err = run_cli("no-rows", ["analyze", str(run)], capsys)
+    assert rc == 2 and "no readable token rows" in err
+    assert not (run / ".kldiag").exists(), sorted(p.relative_to(run) for p in run.rglob("*"))
