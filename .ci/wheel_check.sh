@@ -5,6 +5,7 @@
 #
 #   .ci/wheel_check.sh [PYTHON]    # PYTHON: the interpreter with `build` and playwright (default .venv/bin/python)
 #   BUILD_PY=/other/python .ci/wheel_check.sh   # build with another interpreter's `build`
+#   KEEP=1 .ci/wheel_check.sh                    # keep the work folder (the venv, the demo runs) and say where
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKOUT=$PWD
@@ -15,7 +16,7 @@ PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 SERVER=""
 cleanup() {
   if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; fi
-  rm -rf "$WORK"
+  if [ -n "${KEEP:-}" ]; then echo "wheel-check: kept $WORK"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
 t0=$SECONDS
