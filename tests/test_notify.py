@@ -236,3 +236,17 @@ def test_notify_values_are_checked_at_start(tmp_path, capsys, value, says):
     assert main(["watch", str(tmp_path / "run"), "--once", "--notify", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kldiag: error: ") and says in err and "export =" not in err
+
+
+def test_the_first_look_sends_no_episode_that_is_already_over(tmp_path):
+    run = tmp_path / "run"
+    make_run(run, HEALTHY, steps=range(0, 10))
+    make_run(run, BLOWN, steps=range(10, 14), manifest=False)
+    make_run(run, HEALTHY, steps=range(14, 40), manifest=False)  # the blow-up ended at step 13
+    with webhook() as (url, received, _):
+        assert main(["watch", str(run), "--once", "--notify", url]) == 0
+        assert [(m["kind"], m["cause"]) for m in received] == [("cause", "k3_weight_blowup")]  # the cause, once
+        make_run(run, BLOWN, steps=range(40, 43), manifest=False)  # a new episode after the first look: news
+        make_run(run, HEALTHY, steps=range(43, 70), manifest=False)  # ... over again by the next look
+        assert main(["watch", str(run), "--once", "--notify", url]) == 0
+        assert [(m["kind"], m["cause"], m["onset"]) for m in received[1:]] == [("episode", "blowup", 40)]

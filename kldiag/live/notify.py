@@ -14,7 +14,9 @@ backoff (`backoff_s`, 2x, 4x ...), each try with a `timeout_s` socket timeout, t
 on the `kldiag.live.notify` logger naming it; a message given up is queued again at the next `diagnosis()`
 (the next look of `kldiag watch`), and each one still unsent at `close()` is named. Each episode (kind,
 start) and each cause (name) is sent once; with `remember=True` what was delivered is kept per run and
-destination (kldiag.live.sent), so a restart or a cron `watch --once` sends only what is new.
+destination (kldiag.live.sent), so a restart or a cron `watch --once` sends only what is new. At a
+destination's first look at a run, critical episodes that already ended are recorded as history, not
+sent: the causes and the episodes still going on say what matters now.
 
 The URL is a secret (a Slack webhook URL is its own credential): it is kept out of repr(), of every
 log record and error message (the HTTP status or the exception's type is what they say), and no
@@ -103,6 +105,7 @@ class Notifier:
         self._delivered = SentLog.for_run(run, self.__url) if remember and run else SentLog(None)
         self._pending: dict[tuple, dict] = {}  # queued, not yet delivered
         self._given_up: dict[tuple, dict] = {}  # tried and failed: queued again at the next diagnosis()
+        self._first = not self._delivered.existed  # the first look: episodes already over are history, not news
         self._guard = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, config.max_queue))
         self._stop = threading.Event()
@@ -118,6 +121,11 @@ class Notifier:
         n = self._retry()
         if dg is None:
             return n
+        if self._first:  # what ended before this destination's first look is recorded, never sent
+            self._first = False
+            for e in dg.episodes:
+                if e.severity == "critical" and e.end is not None:
+                    self._delivered.add(("episode", e.kind, e.start))
         for c in dg.causes:
             if c.severity in NOTIFY_SEVERITIES:
                 n += self._send(("cause", c.cause), lambda c=c: cause_message(c, self.run))

@@ -36,6 +36,7 @@ class SentLog:
         self.path = path
         self._keys: set[tuple] = set()
         self._warned = False
+        self.existed = path is not None and path.exists()  # False: this destination's first look at the run
         if path is not None:
             self._keys = _read(path)
 
