@@ -9,13 +9,14 @@ PIP := $(PY) -m pip
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the versions the README names (tests/test_packaging.py keeps the three in step).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch,trl,test,bench,ray,verl,prometheus,mcp,frameworks]'
-	$(PIP) install -q --no-deps verl==0.9.1  # its own metadata would move transformers: see pyproject's verl extra
-	$(PIP) install -q --no-deps openrlhf==0.11.2 areal==1.0.4 skyrl-gym==0.4.0  # their GPU-only deps stay out: see pyproject's frameworks extra
-	$(PIP) install -q --no-deps --ignore-requires-python skyrl==0.4.0  # declares Python>=3.12; its CPU loss path runs on 3.11
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[torch,trl,test,bench,ray,verl,prometheus,mcp,frameworks]'
+	$(PIP) install -q -c constraints.txt --no-deps verl  # its own metadata would move transformers: see pyproject's verl extra
+	$(PIP) install -q -c constraints.txt --no-deps openrlhf areal skyrl-gym  # their GPU-only deps stay out: see pyproject's frameworks extra
+	$(PIP) install -q -c constraints.txt --no-deps --ignore-requires-python skyrl  # declares Python>=3.12; its CPU loss path runs on 3.11
 	$(PIP) download -q --no-deps openrlhf==0.11.2 trl==1.15.0 -d $(VENV)/wheels  # read (never imported) by tests/test_frameworks.py, tests/test_trl_versions.py
 	touch $@
 
@@ -29,18 +30,21 @@ prometheus:
 	  echo "installing Debian prometheus (server and promtool) for tests/test_prometheus.py"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
+# make demo ARGS=--no-dashboard (or any `kldiag demo` option)
 demo: setup
-	$(VENV)/bin/kldiag demo
+	$(VENV)/bin/kldiag demo $(ARGS)
 
 lab: setup
 	$(VENV)/bin/kldiag lab
 
+# the suite, then the wheel built, installed outside the checkout and run (.ci/wheel_check.sh, 2-3 minutes)
 test: setup browser prometheus
 	$(PY) -m pytest -q
+	bash .ci/wheel_check.sh $(PY)
 
 bench: setup
 	$(PY) bench/recorder.py
 	$(PY) bench/analyze.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist kldiag.egg-info

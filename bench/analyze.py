@@ -4,7 +4,8 @@
     python bench/analyze.py --tokens 10e6   # smaller and faster
     python bench/analyze.py --cpus 1,2      # the same figures on 1 and on 2 cores, and a 1-core profile
 
-Prints, for a run written by kldiag.tools.synth with the recorder's Parquet settings:
+Prints first the CPU model, its vector extensions and numba's compile target (bench/machine.py), then, for
+a run written by kldiag.tools.synth with the recorder's Parquet settings:
 - end-to-end `kldiag.analyze` (default threads, no cache) tokens/s, as a ratio to one DuckDB
   query computing the same per-step metrics over the same files (bench/steps.sql: every
   mean, maximum, count and ratio of the steps table, checked equal to kldiag's before it
@@ -49,6 +50,8 @@ from kldiag.analysis.core.batch import COLUMNS
 from kldiag.analysis.runtime import worker
 from kldiag.format import MANIFEST, TOKENS_DIR, list_parts
 from kldiag.tools.synth import SynthConfig, make_run
+
+import machine  # bench/machine.py: the CPU, its vector extensions, numba's target
 
 SEQS, MEAN_LEN = 1000, 500  # per step: 500k tokens
 
@@ -255,6 +258,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=cpu_list, help="core counts to time on, e.g. 1,2 (default: every core here); "
                     "also prints a 1-core profile")
     args = ap.parse_args()
+    print("\n".join(machine.machine_lines()), flush=True)  # timings and sums' last bits depend on these
     with tempfile.TemporaryDirectory(prefix="kldiag-bench-") as tmp:
         root = Path(tmp)
         run, steps = make(root, args.tokens)
@@ -264,7 +268,7 @@ def main() -> None:
             report_s3({"tokens": rows, **s3_figures(run, args.repeat)})
             return
         figures = {"tokens": rows, "parts": len(list_parts(run)), "duckdb_columns_checked": check_duckdb(run),
-                   "cores_here": len(cores.ALL_CORES)}
+                   "cores_here": len(cores.ALL_CORES), "machine": machine.machine()}
         cpus = args.cpus or [len(cores.ALL_CORES)]
         per = timings(run, cpus, args.repeat)
         figures["scaling"] = {n: ratios(best, rows) for n, best in per.items()}

@@ -229,3 +229,30 @@ def test_a_page_is_bounded_in_size_and_resumes_where_it_stopped():
     assert first["items"] + rest["items"] == items and rest["next_offset"] is None
     with pytest.raises(AgentToolError, match=f"1 <= limit <= {MAX_LIMIT}"):
         page(items, 0, MAX_LIMIT + 1)
+
+
+def test_bad_tool_arguments_are_errors_naming_the_fix(root, analyzed):
+    got = call(root, ("explain", {"cause": "k3_weight_blowup", "framework": "pytorch-lightning"}),
+               ("worst_tokens", {"run": "demo_k3", "n": 0}),
+               ("diagnose", {"run": "demo_k3/run.json"}),
+               ("steps", {"run": "demo_k3", "start": 150, "end": 100}),
+               ("explain", {"cause": "k3_weight_blowup", "framework": "nemo-rl"}))
+    explain, worst, diag, steps, nemo = got
+    assert explain[0] == "error" and "unknown framework 'pytorch-lightning'" in explain[1] and "verl" in explain[1]
+    assert worst[0] == "error" and "n=0" in worst[1] and "limit" not in worst[1]
+    assert diag[0] == "error" and "is a file, not a run directory" in diag[1] and "'demo_k3'" in diag[1]
+    assert "Errno" not in diag[1]
+    assert steps[0] == "error" and "start=150 is after end=100" in steps[1]
+    assert nemo["fix"]  # a framework spelt as the CLI spells it
+
+
+def test_framework_lists_come_from_one_place(root, tmp_path):
+    from kldiag.crosswalk import FRAMEWORKS, framework_names
+
+    listed = framework_names()
+    assert all(name in listed for name in FRAMEWORKS) and listed.endswith(f" or {list(FRAMEWORKS)[-1]}")
+    (got,) = call(root, ("crosswalk", {"run": "demo_k3"}))  # the demo's trainer is none of them
+    assert got[0] == "error" and listed in got[1]
+    with pytest.raises(kldiag.KldiagError) as e:
+        kldiag.audit(root / "runs" / "demo_k3", str(tmp_path / "nonexistent"))
+    assert "nonexistent: no such file" in str(e.value) and "crosswalk's frameworks" not in str(e.value)  # logs first

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -73,11 +74,32 @@ CASES = [
     ("mcp-root-file", "mcp --root {file}"),
     ("cache-missing", "cache {missing}"),
     ("cache-not-a-run", "cache {dir}"),
+    ("grafana-out-file", "grafana --out {file}"),
     ("unknown-command", "bogus {run}"),
+    # a run.json holding valid JSON that is not an object (a list)
+    ("analyze-json-list", "analyze {listrun}"),
+    ("report-json-list", "report {listrun} -o {dir}/r.html"),
+    ("watch-json-list", "watch {listrun} --once"),
+    ("crosswalk-json-list", "crosswalk {listrun} -f trl"),
+    ("cache-json-list", "cache {listrun}"),
+    ("dashboard-json-list", "dashboard {listrun}"),
+    # a run directory whose name is not UTF-8 (Parquet paths must be)
+    ("analyze-not-utf8", "analyze {badname}"),
+    ("report-not-utf8", "report {badname} -o {dir}/r.html"),
+    ("watch-not-utf8", "watch {badname} --once"),
+    ("crosswalk-not-utf8", "crosswalk {badname} -f trl"),
+    # --set checked before the analysis reads or writes anything (the digests say nothing was written)
+    ("analyze-set-value", "analyze {run} --set routing_replay=maybe"),
+    ("analyze-set-empty", "analyze {run} --set routing_replay="),
+    ("analyze-set-no-equals", "analyze {run} --set routing_replay"),
+    ("report-set-value", "report {run} -o {dir}/r.html --set routing_replay=maybe"),
+    # a run whose only part is truncated: exit 2, and no RUN/.kldiag/prefix/seqs left behind
+    ("analyze-no-rows", "analyze {broken}"),
 ]
 # Run as a child process: a regression here would start a server or train (or, in-process, replace
 # pytest by Streamlit); the others run in-process, and these prove no traceback reaches a terminal.
-SUBPROCESS = {"dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
+SUBPROCESS = {"dashboard-json-list",
+              "dashboard-file", "dashboard-port-taken", "dashboard-port-range", "dashboard-logs-missing",
               "demo-out-file", "demo-port-taken", "analyze-file", "report-out-dir", "watch-missing"}
 
 
@@ -87,10 +109,17 @@ def inputs(tmp_path_factory: pytest.TempPathFactory):
     make_run(root / "run", SynthConfig(steps=3, seqs_per_step=4, seq_len=(4, 8), vocab_size=0))
     (root / "file.txt").write_text("an existing file\n")
     (root / "dir").mkdir()
+    shutil.copytree(root / "run", root / "listrun")
+    (root / "listrun" / "run.json").write_text("[1, 2]")
+    shutil.copytree(root / "run", root / "bad\udcffname")  # the bytes b"bad\xffname", as Python names them
+    make_run(root / "broken", SynthConfig(steps=2, seqs_per_step=4, seq_len=(4, 8), vocab_size=0))
+    for part in (root / "broken" / "tokens").rglob("*.parquet"):
+        part.write_bytes(part.read_bytes()[:300])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        yield {"run": root / "run", "file": root / "file.txt", "dir": root / "dir",
+        yield {"run": root / "run", "file": root / "file.txt", "dir": root / "dir", "listrun": root / "listrun",
+               "badname": root / "bad\udcffname", "broken": root / "broken",
                "missing": root / "nosuch", "taken": taken.getsockname()[1], "root": root}
 
 
@@ -208,3 +237,53 @@ def test_an_unforeseen_os_error_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err == ("kldiag: error: /srv/runs/r/report.html: permission denied; check the path and its permissions "
                    "(KLDIAG_DEBUG=1 shows where it failed)\n")
+
+
+def test_crosswalk_on_a_run_with_no_readable_rows_exits_2_like_analyze(inputs, capsys):
+    before = digests(inputs["root"])
+    rc, err = run_cli("crosswalk-no-rows", ["crosswalk", str(inputs["broken"]), "-f", "trl"], capsys)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("kldiag: error: run ")
+    assert "no readable token rows" in err and "Traceback" not in err
+    assert digests(inputs["root"]) == before
+
+
+def _help(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
+
+
+def test_help_names_the_run_alike_and_says_what_each_option_does(capsys):
+    for name in ("analyze", "report", "dashboard", "watch", "serve-metrics", "crosswalk", "cache", "audit"):
+        text = _help([name], capsys)
+        assert "RUN_DIR" not in text and " RUN" in text, name
+    analyze = _help(["analyze"], capsys)
+    assert "(AnalysisConfig." not in analyze
+    assert "--tau TAU flag a token as theta_ll_ref" in analyze
+    assert "--alert-factor ALERT_FACTOR an alert's jump" in analyze
+    assert "--seed SEED seed of the samples" in _help(["lab"], capsys)
+    fail_on = _help(["watch"], capsys)
+    assert all(n in fail_on for n in ("early", "latent", "k3_weight_blowup", "routing_replay_broken"))
+    assert "RUN LOGDIR" in _help(["export"], capsys).split("usage:")[1].split("`")[0]
+
+
+def test_a_run_path_that_is_not_utf8_is_named_with_the_fix(inputs, capsys):
+    rc, err = run_cli("analyze-not-utf8", ["analyze", str(inputs["badname"])], capsys)
+    assert rc == 2 and "bad\\xffname" in err and "not valid UTF-8" in err and "ln -s" in err
+
+
+@pytest.mark.parametrize("value", ["routing_replay=maybe", "routing_replay=", "routing_replay"])
+def test_set_is_checked_before_any_work(inputs, tmp_path, capsys, value):
+    run = shutil.copytree(inputs["run"], tmp_path / "run", ignore=shutil.ignore_patterns(".kldiag"))
+    for argv in (["analyze", str(run)], ["report", str(run), "-o", str(tmp_path / "r.html")]):
+        rc, err = run_cli("set", [*argv, "--set", value], capsys)
+        assert rc == 2 and "--set" in err and "routing_replay" in err
+        assert not (run / ".kldiag").exists() and not (tmp_path / "r.html").exists()  # nothing read, nothing written
+
+
+def test_a_failed_analysis_leaves_no_cache_folders(inputs, tmp_path, capsys):
+    run = shutil.copytree(inputs["broken"], tmp_path / "run", ignore=shutil.ignore_patterns(".kldiag"))
+    rc, err = run_cli("no-rows", ["analyze", str(run)], capsys)
+    assert rc == 2 and "no readable token rows" in err
+    assert not (run / ".kldiag").exists(), sorted(p.relative_to(run) for p in run.rglob("*"))

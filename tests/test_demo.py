@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,32 @@ def test_demo_command_prints_both_runs_and_writes_their_reports(tmp_path, capsys
     out = capsys.readouterr().out
     assert "demo_k3 " in out and "demo_k3_is" in out and "max |k3 weight|" in out and "verdict:" in out
     assert (tmp_path / "demo_k3.report.html").is_file() and (tmp_path / "demo_k3_is.report.html").is_file()
+
+
+def test_sample_logs_readme_states_what_the_analysis_finds():
+    """sample_logs/README.md's table of the committed demo pair: its maxima and verdicts, read from the runs."""
+    import re
+
+    import numpy as np
+
+    from kldiag.analysis.pipeline import analyze
+    from kldiag.analysis.types import AnalysisConfig
+    from kldiag.diagnosis import diagnose
+    from kldiag.diagnosis.core import reducers
+
+    root = Path(__file__).resolve().parents[1] / "sample_logs"
+    text = (root / "README.md").read_text()
+    for name in ("demo_k3", "demo_k3_is"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        a = analyze(root / name, AnalysisConfig(use_cache=False), reducers())
+        dg = diagnose(a)
+        w = np.asarray(a.steps.column("weight_k3_abs_max").to_numpy(zero_copy_only=False), float)
+        wi = np.asarray(a.steps.column("weight_k3_is_abs_max").to_numpy(zero_copy_only=False), float)
+        assert cells[2].split()[0] == f"{w.max():.0f}" and cells[3] == f"{wi.max():.0f}"
+        verdict = cells[-1]
+        assert verdict.startswith(dg.verdict), (verdict, dg.verdict)
+        for c in dg.causes:
+            assert c.cause in verdict, (c.cause, verdict)
+            m = re.search(rf"{c.cause} from step (\d+)", verdict)
+            assert m is None or int(m.group(1)) == c.onset

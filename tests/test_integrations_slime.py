@@ -251,3 +251,36 @@ def test_true_on_policy_mode_declares_the_parity_contract(fake_slime, tmp_path):
     hook.postprocess(make_args(true_on_policy_mode=True), 3, rollout_data(rng, [0, 1]))
     hook.close()
     assert kldiag.open_run(tmp_path / "run").manifest.config["true_on_policy"] is True
+
+
+def test_every_framework_call_of_the_hook_follows_the_failure_policy(fake_slime, tmp_path, monkeypatch):
+    """A slime whose logging_utils lacks `log` (a stand-in, a renamed function) and a Megatron mpu that lacks a
+    call: counted, warned once, training goes on; raised with KLDIAG_STRICT=1."""
+    import warnings
+
+    obs = types.ModuleType("slime.observability")
+    obs.logging_utils = types.ModuleType("slime.observability.logging_utils")  # no `log`
+    monkeypatch.setitem(sys.modules, "slime.observability", obs)
+    monkeypatch.setitem(sys.modules, "slime.observability.logging_utils", obs.logging_utils)
+    monkeypatch.delenv("KLDIAG_STRICT", raising=False)
+    rng = np.random.default_rng(5)
+    args = make_args(loss_type="custom_loss", custom_loss_function_path=hook.LOSS_PATH)
+    data = rollout_data(rng, [0, 1])
+    hook.postprocess(args, 1, data)
+    batch = {**data, "unconcat_tokens": data["tokens"]}
+    logits = torch.randn(1, sum(data["total_lengths"]), 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, _ = hook.policy_loss(args, batch, logits, sum_of_sample_mean_for(batch))
+        hook.policy_loss(args, batch, logits, sum_of_sample_mean_for(batch))
+    want, _ = policy_loss_function(args, batch, logits, sum_of_sample_mean_for(batch))
+    assert torch.equal(loss, want) and hook.STATE.failures == 1  # the hook is not retried each call
+    assert len([w for w in caught if "AttributeError" in str(w.message)]) == 1
+    monkeypatch.delattr(FakeMpu, "is_pipeline_last_stage")  # an mpu without a call postprocess makes
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        hook.postprocess(make_args(), 2, rollout_data(rng, [0, 1]))  # counted, not raised
+    assert hook.STATE.failures == 2
+    monkeypatch.setenv("KLDIAG_STRICT", "1")
+    with pytest.raises(AttributeError):
+        hook.postprocess(make_args(), 3, rollout_data(rng, [0, 1]))

@@ -171,3 +171,82 @@ def test_bad_urls_are_user_errors_that_never_quote_the_url(tmp_path, capsys, mon
         monkeypatch.setenv("KLDIAG_TEST_HOOK", url)  # env:NAME keeps the URL out of `ps` and shell history
         assert main(["watch", blown_run(tmp_path / "blown"), "--once", "--notify", "env:KLDIAG_TEST_HOOK"]) == 0
         assert {m["cause"] for m in received} >= {"k3_weight_blowup", "blowup"}
+
+
+def test_a_restarted_watch_sends_only_what_is_new(tmp_path, capsys):
+    run = tmp_path / "run"
+    make_run(run, HEALTHY, steps=range(0, 10))
+    with webhook() as (url, received, hits):
+        argv = ["watch", str(run), "--once", "--notify", url]
+        assert main(argv) == 0 and hits[0] == 0  # healthy: nothing to say
+        make_run(run, BLOWN, steps=range(10, 14), manifest=False)
+        assert main(argv) == 0
+        assert sorted(m["cause"] for m in received) == ["blowup", "k3_weight_blowup"]
+        assert main(argv) == 0 and hits[0] == 2  # a cron's next look: nothing new, nothing sent
+        make_run(run, SynthConfig(steps=16, nonfinite=((14, "logp"),), **SMALL), steps=range(14, 16), manifest=False)
+        assert main(argv) == 0
+        assert sorted(m["cause"] for m in received[2:]) == ["nonfinite", "numerical_fault"]  # only the new ones
+    sent = list((run / ".kldiag" / "watch").glob("sent-*.json"))
+    assert len(sent) == 1 and TOKEN not in sent[0].name and TOKEN.encode() not in sent[0].read_bytes()
+    assert "127.0.0.1" not in sent[0].read_text()  # the destination is a digest, never the URL
+
+
+def test_an_undelivered_message_is_named_and_sent_by_the_next_look(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "kldiag.live.notify")
+    run = blown_run(tmp_path / "run")
+    mode = {"fail": True}
+    with webhook() as (url, received, hits):
+        import kldiag.live.notify as N
+
+        real = N.Notifier._deliver
+
+        def flaky(self, msg):  # the server is down for the first look
+            return False if mode["fail"] else real(self, msg)
+
+        N.Notifier._deliver = flaky
+        try:
+            assert main(["watch", run, "--once", "--notify", url]) == 0
+            assert not received
+            assert "message for k3_weight_blowup not sent before exit; the next start sends it" in caplog.text
+            assert "message for blowup not sent before exit" in caplog.text
+            mode["fail"] = False
+            assert main(["watch", run, "--once", "--notify", url]) == 0  # the server is back: both go out
+            assert sorted(m["cause"] for m in received) == ["blowup", "k3_weight_blowup"]
+        finally:
+            N.Notifier._deliver = real
+        n = Notifier(url, run=run, config=FAST)  # in one process: given up, then retried at the next look
+        mode["fail"] = True
+        N.Notifier._deliver = flaky
+        try:
+            dg = Watcher(run).poll().diagnosis
+            assert n.diagnosis(dg) == 2 and n.flush(10)
+            mode["fail"] = False
+            assert n.diagnosis(None) == 2 and n.flush(10)  # the next look, even with nothing new
+            assert n.diagnosis(dg) == 0 and n.flush(10)
+        finally:
+            N.Notifier._deliver = real
+        n.close()
+        assert len(received) == 4
+
+
+@pytest.mark.parametrize(("value", "says"), [("http://", "names no host"), ("https:///path", "names no host"),
+                                              ("env:", "names no variable")])
+def test_notify_values_are_checked_at_start(tmp_path, capsys, value, says):
+    make_run(tmp_path / "run", HEALTHY, steps=range(0, 4))
+    assert main(["watch", str(tmp_path / "run"), "--once", "--notify", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kldiag: error: ") and says in err and "export =" not in err
+
+
+def test_the_first_look_sends_no_episode_that_is_already_over(tmp_path):
+    run = tmp_path / "run"
+    make_run(run, HEALTHY, steps=range(0, 10))
+    make_run(run, BLOWN, steps=range(10, 14), manifest=False)
+    make_run(run, HEALTHY, steps=range(14, 40), manifest=False)  # the blow-up ended at step 13
+    with webhook() as (url, received, _):
+        assert main(["watch", str(run), "--once", "--notify", url]) == 0
+        assert [(m["kind"], m["cause"]) for m in received] == [("cause", "k3_weight_blowup")]  # the cause, once
+        make_run(run, BLOWN, steps=range(40, 43), manifest=False)  # a new episode after the first look: news
+        make_run(run, HEALTHY, steps=range(43, 70), manifest=False)  # ... over again by the next look
+        assert main(["watch", str(run), "--once", "--notify", url]) == 0
+        assert [(m["kind"], m["cause"], m["onset"]) for m in received[1:]] == [("episode", "blowup", 40)]

@@ -132,13 +132,68 @@ def test_exporter_follows_an_s3_run_started_after_it(s3, tmp_path, monkeypatch):
 
 def test_serve_metrics_cli(tmp_path, capsys):
     make_run(tmp_path / "run", HEALTHY, steps=range(0, 5))
-    assert main(["serve-metrics", str(tmp_path / "run"), str(tmp_path / "later"), "--port", "0", "--once"]) == 0
-    assert "/metrics" in capsys.readouterr().err
+    assert main(["serve-metrics", str(tmp_path / "run"), "--port", "0", "--once"]) == 0
+    out = capsys.readouterr()
+    assert "/metrics" in out.err and f"{tmp_path / 'run'}: analysed, step 4, healthy, 1 part(s)" in out.out
+    # a run not started is not a run that can be read: --once, a check, says so and exits 1
+    assert main(["serve-metrics", str(tmp_path / "run"), str(tmp_path / "later"), "--port", "0", "--once"]) == 1
+    assert f"{tmp_path / 'later'}: waiting: no run yet" in capsys.readouterr().out
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         assert main(["serve-metrics", str(tmp_path / "run"), "--port", str(busy.getsockname()[1]), "--once"]) == 2
     assert "choose another --port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
+def test_a_bad_host_is_named_not_the_port(tmp_path, capsys, host):
+    make_run(tmp_path / "run", HEALTHY, steps=range(0, 3))
+    assert main(["serve-metrics", str(tmp_path / "run"), "--host", host, "--port", "0", "--once"]) == 2
+    err = capsys.readouterr().err
+    assert f"--host {host}" in err and "--port" not in err and "127.0.0.1" in err
+
+
+def broken_runs(root: Path) -> dict[str, str]:
+    """A good run beside a missing one, one whose only part is truncated, one with garbage JSON as run.json,
+    one whose run.json holds a list, and one whose directory name is not UTF-8."""
+    good, trunc, garbage, listed = root / "good", root / "trunc", root / "garbage", root / "listed"
+    make_run(good, HEALTHY, steps=range(0, 5))
+    make_run(trunc, HEALTHY, steps=range(0, 5))
+    part = next((trunc / "tokens").rglob("*.parquet"))
+    part.write_bytes(part.read_bytes()[:500])
+    for bad, text in ((garbage, "{not json"), (listed, "[1, 2]")):
+        make_run(bad, HEALTHY, steps=range(0, 2))
+        (bad / "run.json").write_text(text)
+    odd = root / "bad\udcffname"  # the bytes b"bad\xffname", as Python names them
+    make_run(root / "odd", HEALTHY, steps=range(0, 2))
+    (root / "odd").rename(odd)  # kldiag records under UTF-8 names only; a user may rename one
+    return {"good": str(good), "missing": str(root / "missing"), "trunc": str(trunc), "garbage": str(garbage),
+            "listed": str(listed), "odd": str(odd)}
+
+
+def test_one_bad_run_never_breaks_the_others(tmp_path, capsys, caplog):
+    runs = broken_runs(tmp_path)
+    exp = Exporter(list(runs.values()))
+    for _ in range(3):
+        exp.poll()
+    s = scrape(exp)  # every label encodes: the scrape of the good run's figures succeeds
+    good = runs["good"]
+    assert value(s, "kldiag_up", good) == 1.0 and value(s, "kldiag_last_step", good) == 4.0
+    odd = runs["odd"].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    assert odd.endswith("bad\\xffname") and value(s, "kldiag_up", odd) == 0.0
+    assert value(s, "kldiag_state", runs["missing"], state="waiting") == 1.0
+    assert value(s, "kldiag_state", runs["trunc"], state="unreadable") == 1.0  # not "not started"
+    assert value(s, "kldiag_parts_skipped", runs["trunc"]) == 1.0 and value(s, "kldiag_parts", runs["trunc"]) == 1.0
+    for bad in ("garbage", "listed"):
+        assert value(s, "kldiag_state", runs[bad], state="failing") == 1.0
+        assert value(s, "kldiag_poll_errors_total", runs[bad]) == 3.0
+    told = [r.getMessage() for r in caplog.records if r.name == "kldiag.export.prometheus"]
+    assert sum(runs["garbage"] in m and "not valid JSON" in m for m in told) == 1  # once per cause, not per look
+    assert sum(runs["listed"] in m and "holds a JSON list" in m for m in told) == 1
+    assert main(["serve-metrics", *runs.values(), "--port", "0", "--once"]) == 1
+    out = capsys.readouterr().out
+    assert f"{good}: analysed, step 4, healthy, 1 part(s)" in out
+    assert f"{runs['trunc']}: unreadable: " in out and f"{runs['garbage']}: failing: RunFormatError" in out
 
 
 def free_port() -> int:

@@ -165,3 +165,15 @@ def test_heatmap_shows_every_routed_layer(tmp_path):
     heat = VR.agreement_by_layer(view).data[0]
     assert list(heat.x) == [0, 1, 2, 3] and all(row[2] == row[3] == 0.0 for row in heat.z)
     assert heat.zmin == 0 and heat.zmax >= 2 * VR.REPLAY_LIMIT
+
+
+def test_set_values_are_checked_per_key_before_any_work():
+    """Each `--set` key takes its own values: replay modes for routing_replay only, a dtype name for rollout_dtype."""
+    from kldiag.diagnosis.routing import check_settings
+    from kldiag.errors import KldiagError
+
+    assert check_settings(["rollout_dtype=fp8", "true_on_policy=yes", "routing_replay=R3"]) == {
+        "rollout_dtype": "fp8", "true_on_policy": True, "routing_replay": "R3"}
+    for bad in ("true_on_policy=R3", "routing_replay=maybe", "rollout_dtype=", "rollout_dtype=8?", "routing_replay"):
+        with pytest.raises(KldiagError, match="--set"):
+            check_settings([bad])

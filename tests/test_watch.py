@@ -60,12 +60,14 @@ def test_watch_follows_a_growing_run_in_a_pty(tmp_path):
     try:
         term.read_until(r"waiting: no run yet")  # started before the trainer: it waits
         make_run(run, HEALTHY, steps=range(0, 10))
-        term.read_until(r"step 9 +tokens [\d,]+ .*\(1 new part\(s\)\)")
+        term.read_until(r"step 9 +tokens [\d,]+ .*\(1 part\(s\)\)")  # the first look: no "new"
         term.read_until(r"verdict: HEALTHY")
         make_run(run, HEALTHY, steps=range(10, 20), manifest=False)
         term.read_until(r"step 19 .*\(1 new part\(s\)\)")  # incremental: only the new part was read
         make_run(run, BLOWN, steps=range(20, 25), manifest=False)
-        text = term.read_until(r"failing on blowup \(step 20\)")
+        # `blowup` names the episode and the cause k3_weight_blowup (as report's --fail-on): the cause, equally
+        # critical, is named first
+        text = term.read_until(r"failing on k3_weight_blowup \(critical\): .*above 100 from step 20")
         assert re.search(r">> started \[critical\] blowup: from step 20", text)
         assert "verdict: UNSTABLE: k3_weight_blowup from step 20" in text
         assert term.proc.wait(30) == 1
@@ -95,7 +97,7 @@ def test_watch_once_for_cron(tmp_path, capsys):
     make_run(tmp_path, SynthConfig(steps=12, nonfinite=((10, "logp"),), **SMALL), steps=range(10, 12),
              manifest=False)
     assert main(["watch", str(tmp_path), "--once", "--fail-on", "nonfinite"]) == 1
-    assert "failing on nonfinite (step 10)" in capsys.readouterr().err
+    assert "failing on numerical_fault (critical)" in capsys.readouterr().err  # the cause `nonfinite` names
     assert main(["watch", str(tmp_path), "--once"]) == 0  # no rule given: look, print, never fail
     assert "verdict" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
@@ -127,3 +129,34 @@ def test_watcher_on_an_s3_run_reads_only_new_parts(s3, tmp_path, monkeypatch):
     up = w.poll()
     assert up.parts_new == 1 and [(e.kind, e.start) for e in up.started if e.kind == "blowup"] == [("blowup", 6)]
     assert up.diagnosis.verdict == "unstable"
+
+
+def test_fail_on_takes_cause_names_and_names_the_most_severe_first():
+    from types import SimpleNamespace
+
+    from kldiag.analysis.rules.episodes import Episode
+    from kldiag.cli.watch import failing, parse_fail_on
+    from kldiag.diagnosis.types import Cause, Diagnosis
+
+    assert "k3_weight_blowup" in parse_fail_on("k3_weight_blowup") and "early_weight_trend" in parse_fail_on("early")
+    assert "latent" in parse_fail_on("latent")
+    mismatch = Episode("mismatch", 1, None, 2, 0.02, "warning", "mismatch from step 1")
+    broken = Cause("routing_replay_broken", 0, "critical", {}, "fix", summary="replay did not take")
+    up = SimpleNamespace(diagnosis=Diagnosis("unstable", [broken], [mismatch]), started=[mismatch])
+    w = SimpleNamespace(known={("mismatch", 1): mismatch})
+    assert failing(up, w, parse_fail_on("all"), True, set()) == "routing_replay_broken (critical): replay did not take"
+    assert failing(up, w, parse_fail_on("mismatch"), True, set()).startswith("mismatch (step 1)")
+    assert failing(up, w, parse_fail_on("blowup"), True, set()) == ""
+
+
+def test_a_restarted_watch_tells_no_past_episode_as_news(tmp_path, capsys):
+    make_run(tmp_path, HEALTHY, steps=range(0, 10))
+    make_run(tmp_path, BLOWN, steps=range(10, 14), manifest=False)
+    make_run(tmp_path, HEALTHY, steps=range(14, 40), manifest=False)  # the blow-up is over
+    assert main(["watch", str(tmp_path), "--once"]) == 0
+    main(["watch", str(tmp_path), "--once"])  # the cache is warm: the first look still counts the parts
+    out = capsys.readouterr().out
+    assert ">> started" not in out and "<< ended" not in out
+    assert re.search(r"episodes so far: \d+ \(\d+ ended, \d+ ongoing\)", out)
+    assert sum("(3 part(s))" in line for line in out.splitlines()) == 2
+    assert "(0 new part(s))" not in out

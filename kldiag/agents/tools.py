@@ -15,16 +15,16 @@ import math
 from typing import Any
 
 from kldiag import format as F
-from kldiag.agents.paging import DEFAULT_LIMIT, AgentToolError, page
+from kldiag.agents.paging import DEFAULT_LIMIT, MAX_LIMIT, AgentToolError, page
 from kldiag.agents.workspace import Workspace, find_runs
-from kldiag.crosswalk import CrosswalkError, framework_of, parse_settings, records
+from kldiag.crosswalk import parse_settings, records, require_framework
 from kldiag.crosswalk import crosswalk as cross
 from kldiag.crosswalk.audit import audit as run_audit
 from kldiag.diagnosis import detectors as D
 from kldiag.diagnosis import parity
 from kldiag.diagnosis.types import CAUSE_NAMES
 from kldiag.format.schema import Manifest
-from kldiag.frameworks import fix_for
+from kldiag.frameworks import FAMILIES, family, fix_for
 from kldiag.report.summary import clean, rows
 from kldiag.views.pages import headline, read_sequence
 
@@ -74,6 +74,8 @@ def steps(ws: Workspace, run: str, metrics: list[str] | None = None, start: int 
           end: int | None = None, offset: int = 0, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """Rows of the per-step table ("steps" of `kldiag analyze --json`) with start <= step <= end,
     only `metrics` (and "step") when given."""
+    if start is not None and end is not None and start > end:
+        raise AgentToolError(f"start={start} is after end={end}: pass start <= end (either may be left out)")
     table = ws.analysed(run).summary["steps"]
     names = list(table[0]) if table else []
     if metrics:
@@ -89,6 +91,8 @@ def steps(ws: Workspace, run: str, metrics: list[str] | None = None, start: int 
 def worst_tokens(ws: Workspace, run: str, n: int = 20, step: int | None = None, offset: int = 0) -> dict[str, Any]:
     """The flagged tokens, worst first (the analysis's flags table; its first 20 are the "flags" of
     `kldiag analyze --json`), of one step when given; n per page."""
+    if not 1 <= int(n) <= MAX_LIMIT:
+        raise AgentToolError(f"n={n}: pass 1 <= n <= {MAX_LIMIT} tokens per page (offset pages on)")
     flags = ws.analysed(run).analysis.flags
     if step is not None:
         import pyarrow.compute as pc
@@ -126,10 +130,7 @@ def crosswalk(ws: Workspace, run: str, framework: str | None = None, settings: d
     `kldiag crosswalk RUN --framework F --set K=V ... --json` prints (docs/crosswalk.md)."""
     path = ws.resolve(run)
     r = F.open_run(path)
-    fw = framework or framework_of(r.manifest)
-    if fw is None:
-        raise CrosswalkError("the run's trainer is not one of the crosswalk's frameworks: pass framework "
-                             "verl, trl, slime, nemo-rl or openrlhf")
+    fw = require_framework(r.manifest, framework, how="framework=")
     pairs = [f"{k}={v}" for k, v in (settings or {}).items()]
     parsed = parse_settings(fw, pairs)
     given = [k.strip().replace("-", "_") for k in (settings or {})]
@@ -169,6 +170,9 @@ def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | 
     trainer's, else plain torch) and, with `run`, the cause's evidence in that run."""
     if cause not in CAUSE_NAMES:
         raise AgentToolError(f"unknown cause {cause!r}; the causes are {list(CAUSE_NAMES)}")
+    if framework is not None and _family(framework) is None:
+        raise AgentToolError(f"unknown framework {framework!r}; pass one of {list(FAMILIES)} (plain: a torch loop of "
+                             "your own), or leave it out for the run's own trainer")
     found = None
     manifest = Manifest(trainer={"name": framework or "plain"})
     if run is not None:
@@ -185,6 +189,13 @@ def explain(ws: Workspace, cause: str, framework: str | None = None, run: str | 
         out["evidence_keys"] = None
         out["note"] = "a cause's evidence keys depend on what fired: pass run= to get them from a run's diagnosis"
     return out
+
+
+def _family(framework: str) -> str | None:
+    """The framework family `framework` names (kldiag.frameworks.family of it as a trainer name), None
+    when it names none: family() reads any unknown trainer as "plain", which explain must not do."""
+    fam = family(Manifest(trainer={"name": framework}))
+    return fam if fam != "plain" or framework.strip().lower() == "plain" else None
 
 
 def _rule(cause: str) -> str:

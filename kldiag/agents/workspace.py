@@ -64,6 +64,10 @@ class Workspace:
             real = c.resolve()
             if not any(_inside(real, r) for r in self.roots if isinstance(r, Path)):
                 outside = real
+            elif real.is_file() and what == "run":  # a run is a directory: name the one to pass
+                parent = real.parent if (real.parent / F.MANIFEST).is_file() else None
+                hint = f"pass its directory {self.label(parent)!r}" if parent else "pass the run's directory"
+                raise AgentToolError(f"run {path!r} is a file, not a run directory: {hint}")
             elif real.exists():
                 return real
         if outside is not None:

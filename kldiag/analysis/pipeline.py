@@ -92,8 +92,12 @@ def analyze(run_dir: str | os.PathLike, config: AnalysisConfig | None = None,
     empty: set[str] = set()
     merged, reduced, computed = read_run(run.cache_dir(), parts, th, cfg, others, skipped, empty)
     if merged.rows == 0:
-        raise EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
-                            f"{len(skipped)} skipped as unreadable)")
+        if cfg.use_cache:  # nothing was cached: the folders the spill made go too
+            prefix.drop_empty_spill(run.cache_dir())
+        e = EmptyRunError(f"run {run.path} has no readable token rows ({len(parts)} part file(s), "
+                          f"{len(skipped)} skipped as unreadable)")
+        e.skipped = list(skipped)  # parts published but unreadable: a watcher tells them from a run not started
+        raise e
     a = build(run, resolved(cfg, run.manifest), merged, len(parts), computed, skipped, time.perf_counter() - t0,
               seqrows.spill_dir(run.cache_dir()))
     empty = lost.empty_parts(run.cache_dir() if cfg.use_cache else None, empty)

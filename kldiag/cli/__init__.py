@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "kldiag.cli.report",
     "kldiag.cli.watch",
     "kldiag.cli.serve_metrics",
+    "kldiag.cli.grafana",
     "kldiag.cli.importers",
     "kldiag.cli.export",
     "kldiag.cli.crosswalk",

@@ -1,4 +1,4 @@
-"""`kldiag analyze RUN_DIR`: per-step summary and alerts; --out writes the tables, --json a summary."""
+"""`kldiag analyze RUN`: per-step summary and alerts; --out writes the tables, --json a summary."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kldiag.cli import args as checks
 from kldiag.cli import engine_opts as engines
 from kldiag.cli import warning_line
 from kldiag.diagnosis import diagnose
-from kldiag.diagnosis.routing import apply_settings
+from kldiag.diagnosis.routing import apply_settings, check_settings
 from kldiag.diagnosis.text import format_diagnosis, verdict_line
 from kldiag.fmt import num
 from kldiag.report.coverage import REF_COLUMNS, coverage_lines, flagged_line, staleness_lines, staleness_of, step_rows
@@ -31,12 +31,29 @@ from kldiag.report.summary import json_default as _json_default
 _SKIP = {"threads", "workers", "strict", "use_cache", "engine", "ray_address"}
 SUMMARY_COLUMNS = REF_COLUMNS  # a run with logp_ref; report.coverage.step_rows chooses per run
 MAX_ROWS = 40
+# What each AnalysisConfig threshold means on the command line (its default is added).
+OPTION_HELP = {
+    "tau": "flag a token as theta_ll_ref when pi_ref / pi_theta exceeds this ratio, d > log(tau)",
+    "weight_limit": "flag weight_blowup when K3's |gradient weight| |1 - pi_ref/pi_theta| exceeds this",
+    "clamp": "flag clamp_saturated when the K3 value exceeds this (the clamp of verl, OpenRLHF, ROLL, AReaL)",
+    "clip_low": "PPO clip epsilon below 1 for rho = pi_theta/pi_old (unset: the manifest's clip_range, else 0.2)",
+    "clip_high": "PPO clip epsilon above 1 for rho (unset: the manifest's clip_range, else 0.2)",
+    "opsm_delta": "off-policy sequence mask: a sequence with a negative advantage is dropped when its mean "
+                  "log mu - log pi_theta exceeds this",
+    "top_k": "worst tokens by |k3 weight| kept in the flags table (every non-finite one too)",
+    "top_k_sequences": "sequences kept in the sequence table, worst first (default: every one)",
+    "per_rank": "also one steps row per (step, rank): steps_by_rank in --out",
+    "trainer_compatible": "add the KL the trainer logs (TRL: micro-batch means): trainer_kl in --out",
+    "alert_window": "trailing steps whose median an alert compares against",
+    "alert_factor": "an alert's jump: a figure this many times its trailing median leaves its recent range",
+    "batch_size": "rows per record batch read from a part (bounds memory)",
+}
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("analyze", help="analyse a run directory: per-step metrics, flags, alerts",
                               description=__doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir,
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir,
                    help="a run directory or URI (s3://bucket/prefix)")
     p.add_argument("--out", type=Path, help="write steps/sequences/flags/alerts as Parquet and CSV into this directory "
                    "(outside the run; created if new)")
@@ -56,14 +73,15 @@ def add_parser(subparsers: Any) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        text = OPTION_HELP[f.name]
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=f"(AnalysisConfig.{f.name})")
+            p.add_argument(flag, action="store_true", help=text)
         else:
             kind = int if isinstance(default, int) or f.name == "top_k_sequences" else float
             if f.name == "opsm_delta":
                 default = "the manifest's off_policy_mask_threshold, else 1e-4"
-            p.add_argument(flag, type=kind, default=getattr(defaults, f.name),
-                           help=f"default {default} (AnalysisConfig.{f.name})")
+            shown = "" if default is None else f" (default {default})"
+            p.add_argument(flag, type=kind, default=getattr(defaults, f.name), help=text + shown)
     p.set_defaults(func=run)
 
 
@@ -81,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> AnalysisConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_settings(args.settings)  # a bad --set is refused before the analysis reads or writes anything
     if args.out:
         checks.out_dir(args.out, "--out", args.run_dir)  # before the analysis writes its cache
     with warnings.catch_warnings(record=True) as caught:

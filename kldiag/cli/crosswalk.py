@@ -18,7 +18,9 @@ import sys
 from typing import Any
 
 from kldiag.cli import args as checks
-from kldiag.crosswalk import FRAMEWORKS, CrosswalkError, crosswalk, framework_of, null_reasons, parse_settings, records
+from kldiag.crosswalk import (FRAMEWORKS, crosswalk, null_reasons, parse_settings,
+                              records, require_framework)
+from kldiag.errors import EmptyRunError
 from kldiag.fmt import num
 from kldiag.format import open_run
 
@@ -37,12 +39,13 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     r = open_run(args.run_dir)
-    fw = args.framework or framework_of(r.manifest)
-    if fw is None:
-        raise CrosswalkError("the run's trainer is not one of the crosswalk's frameworks: pass --framework "
-                             "verl, trl, slime, nemo-rl, openrlhf, skyrl or areal")
+    fw = require_framework(r.manifest, args.framework)
     settings = parse_settings(fw, args.settings)
     table = crosswalk(r, fw, **{k: getattr(settings, k) for k in _given(args.settings)})
+    if table.num_rows == 0:  # as analyze and report: nothing read is an error, not a table of nulls
+        raise EmptyRunError(f"run {r.path} has no readable token rows ({len(r.parts())} part file(s)): the "
+                            "crosswalk has nothing to recompute; wait for the recorder's first part, or restore "
+                            "the unreadable parts (kldiag analyze RUN names them)")
     if args.json:
         json.dump(records(table), sys.stdout, allow_nan=False, default=str)
         sys.stdout.write("\n")

@@ -1,6 +1,7 @@
-"""`kldiag dashboard RUN_DIR [RUN_DIR ...]`: start the Streamlit app on one or more runs.
+"""`kldiag dashboard RUN [RUN ...]`: start the Streamlit app on one or more runs.
 
-The app lives in app/ beside the package (a source checkout ships it there). It binds to
+The app ships inside the package (kldiag/_app, from app/ of the source tree; a checkout used in
+place runs app/ itself: kldiag/cli/resources.py). It binds to
 127.0.0.1 unless --host says otherwise, runs headless, and receives the run paths after
 `--` on its command line. Runs are checked before launching, so a typo fails here with a
 clear message instead of in the browser, and so is the port: a port another server holds is an
@@ -22,19 +23,17 @@ from pathlib import Path
 from kldiag.cli import args as checks
 from kldiag.cli import engine_opts as engines
 from kldiag.crosswalk.audit.logs import detect
+from kldiag.cli import resources
 from kldiag.errors import KldiagError
 from kldiag.views.pages import check_run_dirs
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/ sits beside kldiag/
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # a checkout's root (app/ beside kldiag/), or site-packages
 
 
 def app_path() -> Path:
-    """app/main.py of this checkout; raises KldiagError naming the fix when it is missing."""
-    path = PACKAGE_ROOT / "app" / "main.py"
-    if not path.is_file():
-        raise KldiagError(f"the dashboard app is not at {path}; run kldiag from a source checkout "
-                          "(git clone, then pip install -e .) so that app/ sits beside kldiag/")
-    return path
+    """The app's main.py: inside the installed package (kldiag/_app), else app/ of this checkout;
+    KldiagError naming the fix when neither is there."""
+    return resources.app_main()
 
 
 def streamlit_command(runs: list[Path], port: int, host: str) -> list[str]:
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def logs_by_run(runs: list[Path], logs: list[str]) -> dict[str, str]:
     """{run path as the app gets it: the metric log given for it}; checks each log's format here."""
     if len(logs) > len(runs):
-        raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN_DIR, "
+        raise KldiagError(f"{len(logs)} --logs for {len(runs)} run(s): give at most one --logs per RUN, "
                           "in the runs' order")
     for src in logs:
         detect(src)  # an unknown format fails here, not in the browser
@@ -91,7 +90,7 @@ def _with_logs(env: dict[str, str], logs: dict[str, str]) -> dict[str, str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("dashboard", help="open the Streamlit dashboard on one or more runs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=checks.run_dir,
+    p.add_argument("runs", nargs="+", metavar="RUN", type=checks.run_dir,
                    help="run directories (two or more to compare)")
     p.add_argument("--port", type=checks.port, default=8501,
                    help="port to serve on (default 8501); one in use is an error that names a free one")

@@ -19,6 +19,8 @@ from kldiag.cli import engine_opts as engines
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("export", help="export a run's analysis to TensorBoard event files",
+                              usage="kldiag export tensorboard RUN LOGDIR [--hold-last] [engine options] "
+                                    "(kldiag export tensorboard --help: every option)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="exporter", metavar="FORMAT", required=True)
     tb = sub.add_parser("tensorboard", help="every steps-table metric as a scalar, the per-step histograms of "

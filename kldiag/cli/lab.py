@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = LabConfig()
     p.add_argument("--samples", type=int, default=d.samples, help="samples per trial (default %(default)s)")
     p.add_argument("--trials", type=int, default=d.trials, help="trials (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the samples (default %(default)s): the same seed gives the same table")
     p.add_argument("--mu-old", type=float, default=None, help="behaviour policy mean (off-policy case)")
     p.add_argument("--sigma-old", type=float, default=None, help="behaviour policy stdev (off-policy case)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -1,4 +1,4 @@
-"""`kldiag report RUN_DIR`: a post-mortem of one run, as one offline HTML file and a text summary.
+"""`kldiag report RUN`: a post-mortem of one run, as one offline HTML file and a text summary.
 
 Built on `kldiag.analyze` and `kldiag.diagnosis.diagnose`: the verdict, what fired (the causes and
 the alert episodes), the recommendations (each cause's fix, in the run's trainer's own option
@@ -41,7 +41,7 @@ from kldiag.analysis.types import AnalysisConfig
 from kldiag.cli import args as checks
 from kldiag.cli import engine_opts as engines
 from kldiag.diagnosis import CAUSE_NAMES, DiagnosisConfig
-from kldiag.diagnosis.routing import apply_settings
+from kldiag.diagnosis.routing import apply_settings, check_settings
 from kldiag.report.build import Report, ReportConfig, build_report, reducers
 
 # --fail-on names that stand for several episode kinds and causes (the report's older rules first).
@@ -87,6 +87,7 @@ def _rules_arg(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> int:
+    check_settings(getattr(args, "settings", []))  # a bad --set, like a bad -o, before the analysis writes its cache
     checks.out_file(args.output, "-o", args.run_dir)  # before the analysis writes its cache
     cfg = ReportConfig(diagnosis=DiagnosisConfig(blowup_weight=args.blowup_weight, mismatch_kl=args.mismatch_kl))
     # one read of each part for everything the report shows (none while the run's cache is warm)
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace, analyze: Callable[..., Any] | None = None) -> 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("report", help="post-mortem of a run: HTML report, verdict, exit code for CI",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", type=checks.run_dir, help="a run directory written by kldiag.Recorder")
+    p.add_argument("run_dir", metavar="RUN", type=checks.run_dir,
+                   help="a run directory written by kldiag.Recorder, or its URI (s3://bucket/prefix)")
     p.add_argument("-o", "--output", default="report.html",
                    help="HTML file to write (default ./report.html), outside the run; an earlier kldiag "
                         "report there is replaced, any other file is refused")

@@ -16,6 +16,8 @@ alerting rules: docs/grafana/kldiag.json, docs/grafana/kldiag-rules.yml (docs/mo
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 import time
 
@@ -40,18 +42,41 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, _ = exp.serve(port=args.port, host=args.host)
     except OSError as e:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
-                         "choose another --port") from None
+        raise ValueError(bind_error(args.host, args.port, e)) from None
     print(f"kldiag serve-metrics: http://{args.host}:{server.server_port}/metrics ({len(args.run_dirs)} run(s), "
           f"a look every {args.interval:g}s)", file=sys.stderr, flush=True)
     try:
         while True:
-            exp.poll()
+            states = exp.poll()
             if args.once:
-                return 0
+                for st in states:
+                    print(state_line(st), flush=True)
+                return 0 if all(st.state == "analysed" for st in states) else 1
             time.sleep(args.interval)
     finally:
         server.shutdown()
+
+
+def state_line(st) -> str:
+    """One run's state after a look, for --once: 'RUN: analysed, step 9, healthy, 2 part(s)' or why not."""
+    if st.state == "analysed":
+        skipped = f", {st.parts_skipped} skipped as unreadable" if st.parts_skipped else ""
+        return f"{st.run}: analysed, step {st.step}, {st.verdict}, {st.parts} part(s){skipped}"
+    return f"{st.run}: {st.state}: {st.reason}"
+
+
+def bind_error(host: str, port: int, e: OSError) -> str:
+    """The listen error, naming what to change: the host when it is not an address of this machine,
+    the port when it is taken."""
+    if isinstance(e, socket.gaierror):
+        return (f"--host {host} cannot be resolved ({e.strerror or e}): pass an address of this machine, "
+                "e.g. --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host} is not an address of this machine ({e.strerror}): pass one of its own, e.g. "
+                "--host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)")
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use ({e.strerror}): choose another --port (0: any free one)"
+    return f"cannot listen on {host}:{port} ({e.strerror or e}): check --host and --port"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port_or_any, default=9477, help="port to listen on (default 9477; 0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--interval", type=checks.positive(), default=15.0, help="seconds between looks at the runs (default 15)")
-    p.add_argument("--once", action="store_true", help="look once and exit (a check that the runs can be read)")
+    p.add_argument("--once", action="store_true",
+                   help="look once, print each run's state and exit: 0 when every run was analysed, 1 when one is "
+                        "waiting, unreadable or failing (a check that the runs can be read)")
     engines.add_arguments(p)
     p.set_defaults(func=run)

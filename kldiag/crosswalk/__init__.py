@@ -38,9 +38,9 @@ from kldiag.crosswalk.core import (
     records,
 )
 
-__all__ = ["ALIASES", "FRAMEWORKS", "LOGPS", "STEP_NULL", "CrosswalkError", "areal", "crosswalk", "framework_of",
+__all__ = ["ALIASES", "FRAMEWORKS", "LOGPS", "STEP_NULL", "CrosswalkError", "areal", "crosswalk", "framework_names", "framework_of",
            "loss_calls", "module", "nemo_rl", "nonfinite_inputs", "null_reasons", "openrlhf", "parse_settings",
-           "records", "skyrl", "slime", "trl", "verl"]
+           "records", "require_framework", "skyrl", "slime", "trl", "verl"]
 
 
 class _CallableModule(type(json)):

@@ -23,7 +23,6 @@ from kldiag.mismatch import tokenset as TS
 FRAMEWORKS = {"verl": verl, "trl": trl, "slime": slime, "nemo-rl": nemo_rl, "openrlhf": openrlhf, "skyrl": skyrl,
               "areal": areal}
 ALIASES = {"nemo_rl": "nemo-rl", "nemorl": "nemo-rl", "nemo": "nemo-rl"}
-__all__ = ["FRAMEWORKS", "CrosswalkError", "crosswalk", "framework_of", "parse_settings", "records"]
 
 
 class CrosswalkError(KldiagError, ValueError):
@@ -43,6 +42,21 @@ def framework_of(manifest) -> str | None:
     name = family(manifest).replace("_", "-")
     return name if name in FRAMEWORKS else None
 
+
+def framework_names(last: str = "or") -> str:
+    """FRAMEWORKS as a message lists them: 'verl, trl, ..., skyrl or areal' (every list in one place)."""
+    names = list(FRAMEWORKS)
+    return f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def require_framework(manifest, framework: str | None, how: str = "--framework") -> str:
+    """`framework` when given, else the run's own (framework_of); CrosswalkError naming every framework
+    and how to pass one (`how`: the caller's flag or argument) when neither is known."""
+    fw = framework or framework_of(manifest)
+    if fw is None:
+        raise CrosswalkError(f"the run's trainer is not one of the crosswalk's frameworks: pass {how} "
+                             f"{framework_names()}")
+    return fw
 
 def _coerce(text: Any) -> Any:
     if not isinstance(text, str):

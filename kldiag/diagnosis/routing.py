@@ -19,6 +19,7 @@ kldiag.analysis.reducers.routing's (RoutingReducer, read with the analysis when 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,10 @@ OFF = ("", "off", "none", "null", "false", "0", "no", "disabled")  # verl's mode
 # verl's R2 records the trainer's own routes in the old-log-prob pass and replays them in the update: the
 # engine's routes are not replayed, so engine and trainer may differ under it (verl@1dda039b engine.py)
 NOT_ENGINE_REPLAY = ("r2",)
-SETTABLE = ("routing_replay", "true_on_policy")  # what `--set KEY=VALUE` may give the diagnosis
-SETTABLE += ("rollout_dtype",)  # engine_low_precision reads it (fp8, int8, ...)
+# what `--set KEY=VALUE` may give the diagnosis: routing_replay (the routing causes), true_on_policy (the parity
+# contract), rollout_dtype (engine_low_precision: the engine's weight dtype, e.g. fp8, bf16)
+SETTABLE = ("routing_replay", "true_on_policy", "rollout_dtype")
+DTYPE_RE = r"[a-z][a-z0-9_.]*"  # a dtype's name as frameworks spell it: fp8, bf16, bfloat16, mxfp8, torch.float16
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,45 @@ def replay_on(manifest: Any) -> Any:
     return value
 
 
-def apply_settings(manifest: Any, pairs: list[str]) -> None:
-    """`--set KEY=VALUE` items into the manifest's config in memory (nothing is written); KldiagError names
-    the keys it takes."""
+ON = ("true", "on", "yes", "1")
+# routing_replay's values besides ON and OFF: verl's router_replay.mode names (verl 0.9.1
+# verl/workers/config/engine.py EngineRouterReplayConfig: disabled | R2 | R3)
+REPLAY_MODES = ("r2", "r3")
+
+
+def check_settings(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items checked and parsed, before any work: {key: True | False | mode name}.
+    KldiagError names the keys and values it takes."""
+    out: dict[str, Any] = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in SETTABLE:
             raise KldiagError(f"--set {item!r}: write KEY=VALUE with KEY one of {', '.join(SETTABLE)}, "
                               "e.g. --set routing_replay=R3")
-        low = value.strip().lower()
-        manifest.config[key] = True if low in ("true", "on", "yes", "1") else False if low in OFF else value.strip()
+        out[key] = _checked(item, key, value.strip())
+    return out
+
+
+def _checked(item: str, key: str, value: str) -> Any:
+    """One --set value, parsed for its key; KldiagError naming what the key takes."""
+    low = value.lower()
+    if key == "rollout_dtype":
+        if not re.fullmatch(DTYPE_RE, low.replace("-", "_")):
+            raise KldiagError(f"--set {item!r}: rollout_dtype takes the engine's weight dtype, e.g. "
+                              "--set rollout_dtype=fp8 (or bf16, int8, mxfp8)")
+        return value
+    modes = REPLAY_MODES if key == "routing_replay" else ()
+    if low not in (*ON, *OFF, *modes) or not low:
+        also = f" or a replay mode ({', '.join(m.upper() for m in modes)}, disabled)" if modes else ""
+        raise KldiagError(f"--set {item!r}: {key} takes true or false (on/off, yes/no, 1/0){also}, e.g. --set "
+                          f"{key}={'R3' if modes else 'true'}")
+    return True if low in ON else False if low in OFF else value
+
+
+def apply_settings(manifest: Any, pairs: list[str]) -> None:
+    """`--set KEY=VALUE` items (check_settings) into the manifest's config in memory (nothing is written)."""
+    manifest.config.update(check_settings(pairs))
 
 
 def figures(analysis) -> dict[str, Any] | None:

@@ -13,13 +13,18 @@ A scrape (`collect()`) reads those numbers under a lock and never touches storag
 
 A run that does not exist yet, or has no part, is `kldiag_up{run} 0` (waiting); an unreadable
 part is skipped by the analysis (`kldiag_parts_skipped`, and whatever cause the diagnosis names
-for it: causes are exported by name, whatever their name); an error of a poll is counted
-(`kldiag_poll_errors_total`) and the last figures stay: the exporter itself never stops on a run.
+for it: causes are exported by name, whatever their name); a run whose every part is unreadable is
+`kldiag_up 0` with `kldiag_parts_skipped` > 0 and `kldiag_state{state="unreadable"}`, told apart from
+one not started (`state="waiting"`); an error of a poll is counted (`kldiag_poll_errors_total`,
+`state="failing"`), its reason goes to stderr once per cause, and the last figures stay: the exporter
+itself never stops on a run. The `run` label is the argument as given, bytes that are not UTF-8
+written as backslash escapes.
 Metric names and labels: docs/metrics.md, "Prometheus metrics".
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -47,6 +52,16 @@ STEP_GAUGES = (
     ("nonfinite_count", "nonfinite_count", "tokens with a NaN/inf log-prob in the latest step"),
 )
 VERDICT_CODE = {"healthy": 0, "warning": 1, "unstable": 2}
+# analysed: figures shown; waiting: no run.json or no part yet (not started); unreadable: parts published,
+# none readable (kldiag_parts_skipped says how many); failing: the last look raised (the reason on stderr)
+STATES = ("analysed", "waiting", "unreadable", "failing")
+log = logging.getLogger("kldiag.export.prometheus")
+
+
+def label(run: str) -> str:
+    """The `run` label: the argument as given, with bytes that are not UTF-8 (a directory name Python
+    keeps as surrogates) written as backslash escapes, so a scrape never fails to encode it."""
+    return run.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 @dataclass
@@ -56,6 +71,8 @@ class RunState:
     run: str
     up: bool = False
     waiting: str = ""
+    state: str = "waiting"  # one of STATES
+    reason: str = ""  # why it is waiting, unreadable or failing (one line)
     step: int | None = None
     figures: dict[str, float] = field(default_factory=dict)
     implied_temperature: float = math.nan
@@ -97,8 +114,9 @@ class RunFollower:
     """Follows one run incrementally; `poll()` updates `state` and never raises."""
 
     def __init__(self, run: str, config: AnalysisConfig | None = None):
-        self.state = RunState(run)
+        self.state = RunState(label(run))
         self._watcher = _PartsWatcher(run, config or AnalysisConfig())
+        self._told: set[str] = set()  # the failure reasons already on stderr
 
     def poll(self) -> RunState:
         s = self.state
@@ -107,16 +125,22 @@ class RunFollower:
                 warnings.simplefilter("ignore")
                 up = self._watcher.poll()
                 self._take(up)
-        except Exception:  # a failure of one look (storage, a bug): counted, the last figures stay
+        except Exception as e:  # a failure of one look (storage, a bug): counted, the last figures stay
             s.poll_errors += 1
+            s.state, s.reason = "failing", label(" ".join(f"{type(e).__name__}: {e}".split()))
+            if s.reason not in self._told:  # once per cause, not once per look
+                self._told.add(s.reason)
+                log.warning("kldiag serve-metrics: cannot read %s: %s", s.run, s.reason)
         return s
 
     def _take(self, up) -> None:
         s, w = self.state, self._watcher
-        if up.waiting:  # no run.json, no part (yet, or any more): waiting, whatever was shown before
-            s.up, s.waiting = False, up.waiting
+        if up.waiting:  # no run.json, no part (yet, or any more), or no readable row: whatever was shown before
+            s.up, s.waiting, s.reason = False, label(up.waiting), label(up.waiting)
+            s.state = "unreadable" if up.unreadable else "waiting"
+            s.parts, s.parts_skipped = (w.n_parts, len(up.unreadable)) if up.unreadable else (s.parts, 0)
             return
-        s.parts, s.waiting = w.n_parts, ""
+        s.parts, s.waiting, s.state, s.reason = w.n_parts, "", "analysed", ""
         s.last_part_unix = w.newest_ns / 1e9 if w.newest_ns else s.last_part_unix
         for e in up.started:
             s.episodes[e.kind] += 1
@@ -172,6 +196,8 @@ class Exporter:
         up = gauge("up", "1 when the run has been analysed, 0 while waiting for it (no run.json or no part yet)")
         step = gauge("last_step", "the latest analysed step")
         figs = {name: gauge(name, doc) for name, _, doc in STEP_GAUGES}
+        state = gauge("state", "1 for the run's state: analysed, waiting (not started), unreadable (parts "
+                               "published, none readable) or failing (its last look failed)", ("run", "state"))
         temp = gauge("implied_temperature", "engine temperature implied by the slope of log mu on log pi_old "
                                             "(1/slope; runs with sampler log-probs)")
         verdict = gauge("verdict", "0 healthy, 1 warning, 2 unstable")
@@ -186,7 +212,11 @@ class Exporter:
         for s in states:
             r = [s.run]
             up.add_metric(r, 1.0 if s.up else 0.0)
+            state.add_metric([s.run, s.state], 1.0)
             errors.add_metric(r, s.poll_errors)
+            if s.state == "unreadable":  # the unreadable-parts alert fires on a run whose every part is bad
+                parts.add_metric(r, s.parts)
+                skipped.add_metric(r, s.parts_skipped)
             for kind, n in sorted(s.episodes.items()):
                 episodes.add_metric([s.run, kind], n)
             if s.last_part_unix is not None:
@@ -207,7 +237,8 @@ class Exporter:
                 verdict.add_metric(r, VERDICT_CODE[s.verdict])
             for c, sev in s.causes:
                 cause.add_metric([s.run, c, sev], 1.0)
-        yield from (up, step, *figs.values(), temp, verdict, cause, episodes, parts, skipped, last_ts, since, errors)
+        yield from (up, state, step, *figs.values(), temp, verdict, cause, episodes, parts, skipped, last_ts, since,
+                    errors)
 
     def registry(self):
         from prometheus_client import CollectorRegistry

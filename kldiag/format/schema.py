@@ -196,6 +196,9 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "run.json") -> Manifest:
+        if not isinstance(d, dict):  # valid JSON, but a list, a string or a number: not a manifest
+            raise RunFormatError(f"{source} holds a JSON {type(d).__name__}, not an object: it is not a kldiag "
+                                 "manifest; restore it or re-create it with kldiag.format.write_manifest")
         if d.get("format") != FORMAT_NAME:
             raise RunFormatError(f"{source} is not a kldiag manifest (format={d.get('format')!r}); "
                                  "point kldiag at a directory written by kldiag.Recorder")

@@ -321,6 +321,23 @@ def _fsspec(scheme: str) -> pafs.FileSystem:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
+def printable_path(path: str | os.PathLike) -> str:
+    """A path for a message or a label: bytes that are not UTF-8 (kept by Python as surrogates)
+    shown as backslash escapes (`bad\\xffname`), so printing it never raises."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _check_utf8(path: str) -> None:
+    """Parquet reads and writes paths as UTF-8: a local path holding other bytes is refused up front,
+    named and with the fix, instead of failing inside pyarrow with an encoding error."""
+    try:
+        os.path.abspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise StorageError(f"the path {printable_path(os.path.abspath(path))} is not valid UTF-8, which Parquet "
+                           "needs: rename it, or link it under a UTF-8 name (ln -s 'OLD' run_link) and pass "
+                           "that") from None
+
+
 def resolve(run_dir: str | os.PathLike | Store) -> Store:
     """The Store of a run directory: a local path (as given) or a URI."""
     if isinstance(run_dir, Store):
@@ -329,7 +346,9 @@ def resolve(run_dir: str | os.PathLike | Store) -> Store:
     if not is_uri(text):
         if isinstance(text, str) and text.lower().startswith("file://"):
             text = urlsplit(text).path
-        return Store(str(text), None, str(text))
+        text = os.fsdecode(text)
+        _check_utf8(text)
+        return Store(text, None, text)
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     fs = _filesystem(scheme, parts.netloc, parts.query)

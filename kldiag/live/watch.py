@@ -24,12 +24,14 @@ from kldiag.format import open_run
 class Update:
     """What one poll found: new parts, the diagnosis, episodes that started or ended."""
 
-    parts_new: int = 0
+    parts_new: int = 0  # parts this watcher had not seen at its last look (every part at its first)
+    first: bool = False  # the watcher's first analysed look: what it found is the run's state, not news
     analysis: Any = None
     diagnosis: Diagnosis | None = None
     started: list[Episode] = field(default_factory=list)
     ended: list[Episode] = field(default_factory=list)
-    waiting: str = ""  # why there is nothing to show yet (no run.json, no part)
+    waiting: str = ""  # why there is nothing to show yet (no run.json, no part, no readable row)
+    unreadable: list[str] = field(default_factory=list)  # with `waiting`: parts published but none readable
 
 
 class Watcher:
@@ -60,10 +62,10 @@ class Watcher:
             try:
                 a = self._analyze(self.run, self.config)
             except EmptyRunError as e:
-                return Update(waiting=str(e))
+                return Update(waiting=str(e), unreadable=list(getattr(e, "skipped", [])))
             dg = diagnose(a)
+        up = Update(parts_new=len(set(keys) - set(self.keys)), first=not self.keys, analysis=a, diagnosis=dg)
         self.keys = keys
-        up = Update(parts_new=a.files_new, analysis=a, diagnosis=dg)
         for e in dg.episodes:
             old = self.known.get((e.kind, e.start))
             if old is None:
@@ -94,9 +96,22 @@ def render(up: Update, last_verdict: str | None) -> list[str]:
     """The lines one Update prints."""
     if up.diagnosis is None:
         return []
+    if up.first:  # a (re)start: the run's state so far, no past episode told as news
+        return [f"{time.strftime('%H:%M:%S')} {step_line(up.analysis)}  ({up.parts_new} part(s))",
+                *first_look_lines(up), verdict_line(up.diagnosis)]
     lines = [f"{time.strftime('%H:%M:%S')} {step_line(up.analysis)}  ({up.parts_new} new part(s))"]
     lines += [episode_line(e, ">> started") for e in up.started]
     lines += [episode_line(e, "<< ended") for e in up.ended]
     if up.diagnosis.verdict != last_verdict:
         lines.append(verdict_line(up.diagnosis))
     return lines
+
+
+def first_look_lines(up: Update) -> list[str]:
+    """The first look's episodes: how many ended before it, and each one still going on."""
+    eps = up.diagnosis.episodes
+    ongoing = [e for e in eps if e.end is None]
+    if not eps:
+        return []
+    head = [f"episodes so far: {len(eps)} ({len(eps) - len(ongoing)} ended, {len(ongoing)} ongoing)"]
+    return head + [episode_line(e, "== ongoing") for e in ongoing]

@@ -173,6 +173,18 @@ def spill_folder(cache_dir: Path) -> Path | None:
     return folder if os.access(folder, os.W_OK) else None
 
 
+def drop_empty_spill(cache_dir: Path) -> None:
+    """Remove CACHE/prefix/seqs, CACHE/prefix and CACHE when spill_folder made them and nothing was
+    written (an analysis that found no readable row leaves the run as it was); rmdir keeps anything
+    holding a file."""
+    cache = Path(cache_dir)
+    for folder in (cache / "prefix" / "seqs", cache / "prefix", cache):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, not there, or not ours to remove: left as it is
+            return
+
+
 def rows_where(table: keyed.Keyed, keep: np.ndarray) -> keyed.Keyed:
     return {c: a[keep] for c, a in table.items()} if table else {}
 

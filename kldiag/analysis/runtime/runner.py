@@ -213,6 +213,7 @@ class Pass:
                 if arrays is not None and self.cfg.use_cache:
                     reduce.save_arrays(self._path(i, r), arrays)
                 sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
+        self.computed -= len(self.failed & set(pending))  # a part that could not be read was not analysed
 
     def _load(self, i: int, r: Reducer, loaded: dict) -> bool:
         path = self._path(i, r)

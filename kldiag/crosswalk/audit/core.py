@@ -18,7 +18,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kldiag.crosswalk import CrosswalkError, crosswalk, framework_of, loss_calls, module, null_reasons, parse_settings
+from kldiag.crosswalk import (crosswalk, loss_calls, module, null_reasons, parse_settings,
+                              require_framework)
 from kldiag.crosswalk.audit import reasons as R
 from kldiag.crosswalk.audit.logs import Logs, LogsError, match_names, read_logs
 from kldiag.crosswalk.batch import StepBatch, pad
@@ -163,12 +164,9 @@ def audit(run, logs: str | Logs, framework: str | None = None, step_offset: int 
     if rtol <= 0 or atol < 0:
         raise AuditError(f"rtol={rtol}, atol={atol}: use rtol > 0 and atol >= 0")
     r = open_run(run) if not hasattr(run, "iter_batches") else run
-    fw = framework or framework_of(r.manifest)
-    if fw is None:
-        raise CrosswalkError("the run's trainer is not one of the crosswalk's frameworks: pass --framework "
-                             "verl, trl, slime, nemo-rl or openrlhf")
+    lg = logs if isinstance(logs, Logs) else read_logs(logs)  # missing logs are named before the framework
+    fw = require_framework(r.manifest, framework)
     mod = module(fw)
-    lg = logs if isinstance(logs, Logs) else read_logs(logs)
     table = crosswalk(r, fw, max_tokens=max_tokens, **settings)
     columns = [c for c in table.column_names if c != "step"]
     names = match_names(set(lg.series), columns)

@@ -43,6 +43,7 @@ from kldiag.importers.sink import Sequence, pack
 from kldiag.integrations.common.step_metrics import StepWindow
 from kldiag.integrations.slime import metrics as slime_metrics
 from kldiag.record.recorder import Recorder
+from kldiag.integrations.common.failures import recording_failed
 
 ENV_RUN = "KLDIAG_RUN"
 LOSS_PATH = "kldiag.integrations.slime.policy_loss"
@@ -60,6 +61,7 @@ class _State:
     reported: int = -1  # the rollout whose first loss call reported the previous one
     log_hook: bool | None = None  # slime's logging_utils.log wrapped (False: this slime has none: no report)
     last_step: int = -1  # the step of the rows this process recorded last
+    failures: int = 0  # recordings that failed (kldiag.integrations.common.failures: warned once, raised when strict)
 
 
 STATE = _State()
@@ -136,10 +138,19 @@ def _loss_wrapped(args: Any) -> bool:
 
 
 def postprocess(args: Any, rollout_id: int, rollout_data: dict[str, Any]) -> None:
-    """--rollout-data-postprocess-path hook: records the rollout's samples (see module doc)."""
+    """--rollout-data-postprocess-path hook: records the rollout's samples (see module doc). A failure of
+    any call it makes (slime's, Megatron's, the recorder's) follows the hooks' failure policy
+    (kldiag.integrations.common.failures): counted, warned once, raised only with KLDIAG_STRICT=1."""
     STATE.rollout_id, STATE.micro, STATE.seen = int(rollout_id), 0, set()
     if _loss_wrapped(args):
         return
+    try:
+        _postprocess(args, rollout_id, rollout_data)
+    except Exception as e:  # noqa: BLE001 - the policy decides: training goes on unless strict
+        recording_failed(STATE, e, f"slime rollout {rollout_id}")
+
+
+def _postprocess(args: Any, rollout_id: int, rollout_data: dict[str, Any]) -> None:
     mpu = _mpu()
     if not owns_data(mpu):
         return
@@ -185,21 +196,33 @@ def policy_loss(args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mea
     from slime.backends.megatron_utils import loss as slime_loss
 
     captured: dict[str, Any] = {}
-    original = slime_loss.get_log_probs_and_entropy
+    original = getattr(slime_loss, "get_log_probs_and_entropy", None)
 
     def capture(*a: Any, **kw: Any) -> Any:
-        out = original(*a, **kw)
-        captured.update(out[1])
+        out = original(*a, **kw)  # slime's own call: what it raises is slime's
+        try:
+            captured.update(out[1])
+        except Exception as e:  # noqa: BLE001 - another return shape: nothing recorded, slime's loss goes on
+            recording_failed(STATE, e, "pi_theta of a slime loss call")
         return out
 
-    slime_loss.get_log_probs_and_entropy = capture
+    if original is None:  # a slime without it: its loss runs unwrapped, nothing is recorded
+        recording_failed(STATE, AttributeError("slime.backends.megatron_utils.loss has no "
+                                               "get_log_probs_and_entropy"), "pi_theta of a slime loss call")
+    else:
+        slime_loss.get_log_probs_and_entropy = capture
     try:
         loss, log = slime_loss.policy_loss_function(args, batch, logits, sum_of_sample_mean)
     finally:
-        slime_loss.get_log_probs_and_entropy = original
-    reported = _report(logits.device)  # before this micro-batch is recorded: the window is the last rollout
-    if "log_probs" in captured:
-        record_loss_batch(args, batch, captured)
+        if original is not None:
+            slime_loss.get_log_probs_and_entropy = original
+    reported: dict[str, Any] = {}
+    try:
+        reported = _report(logits.device)  # before this micro-batch is recorded: the window is the last rollout
+        if "log_probs" in captured:
+            record_loss_batch(args, batch, captured)
+    except Exception as e:  # noqa: BLE001 - the policy decides: training goes on unless strict
+        recording_failed(STATE, e, "a slime loss micro-batch")
     return loss, {**log, **reported}
 
 
@@ -213,6 +236,9 @@ def _report(device: Any) -> dict[str, Any]:
             STATE.log_hook = True
         except ImportError:  # no slime.observability: the partials would be logged raw, so none are sent
             STATE.log_hook = False
+        except Exception:  # a slime whose logging_utils has no `log` (or another shape): no report, counted
+            STATE.log_hook = False
+            raise
     if not STATE.log_hook:
         return {}
     mpu = _mpu()
