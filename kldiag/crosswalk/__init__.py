@@ -29,6 +29,7 @@ from kldiag.crosswalk.core import (
     STEP_NULL,
     CrosswalkError,
     crosswalk,
+    framework_names,
     framework_of,
     loss_calls,
     module,
@@ -36,11 +37,12 @@ from kldiag.crosswalk.core import (
     null_reasons,
     parse_settings,
     records,
+    require_framework,
 )
 
-__all__ = ["ALIASES", "FRAMEWORKS", "LOGPS", "STEP_NULL", "CrosswalkError", "areal", "crosswalk", "framework_names", "framework_of",
-           "loss_calls", "module", "nemo_rl", "nonfinite_inputs", "null_reasons", "openrlhf", "parse_settings",
-           "records", "require_framework", "skyrl", "slime", "trl", "verl"]
+__all__ = ["ALIASES", "FRAMEWORKS", "LOGPS", "STEP_NULL", "CrosswalkError", "areal", "crosswalk", "framework_names",
+           "framework_of", "loss_calls", "module", "nemo_rl", "nonfinite_inputs", "null_reasons", "openrlhf",
+           "parse_settings", "records", "require_framework", "skyrl", "slime", "trl", "verl"]
 
 
 class _CallableModule(type(json)):

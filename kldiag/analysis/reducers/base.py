@@ -19,15 +19,18 @@ DEFAULT_CLIP = (0.2, 0.2)  # PPO's epsilon (Schulman et al. 2017) when no range 
 
 
 
-def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(values [N] with nulls filled, valid mask [N]) of a column; all invalid when the batch lacks it."""
+def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any,
+           copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(values [N] with nulls filled, valid mask [N]) of a column; all invalid when the batch lacks it. copy=False
+    hands Arrow's own buffer over where the dtype already matches (read-only: for a kernel that only reads)."""
     n = batch.num_rows
     i = batch.schema.get_field_index(name)
     if i < 0:
         return np.full(n, fill, dtype), np.zeros(n, bool)
     col = batch.column(i)
     valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else np.ones(n, bool)
-    return (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False).astype(dtype), valid
+    values = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
+    return values.astype(dtype, copy=copy), valid
 
 
 def ratio(a: Any, n: Any) -> np.ndarray:

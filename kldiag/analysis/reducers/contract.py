@@ -25,31 +25,20 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import contract as KK
+from kldiag.analysis.reducers.base import column
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")
 
 
-def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(values with nulls filled, valid mask) of a column; all invalid when the batch lacks it."""
-    n = batch.num_rows
-    i = batch.schema.get_field_index(name)
-    if i < 0:
-        return np.full(n, fill, dtype), np.zeros(n, bool)
-    col = batch.column(i)
-    valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else np.ones(n, bool)
-    values = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
-    return values.astype(dtype, copy=False), valid
-
 
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
     """The rows of one record batch (module docstring; one compiled loop, contract_kernel.contract_cells); None when
     it has nothing to compare."""
-    step, _ = column(batch, "step", 0, np.int64)
+    step, _ = column(batch, "step", 0, np.int64, copy=False)
     if not len(step):
         return None
     lo, hi = int(step.min()), int(step.max())
@@ -57,8 +46,8 @@ def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | 
         steps, sidx = np.arange(lo, hi + 1, dtype=np.int64), step - lo
     else:
         steps, sidx = np.unique(step, return_inverse=True)
-    version, ok_v = column(batch, "policy_version", -1, np.int64)
-    cols = [column(batch, name, fill, dt) for name, fill, dt in (
+    version, ok_v = column(batch, "policy_version", -1, np.int64, copy=False)
+    cols = [column(batch, name, fill, dt, copy=False) for name, fill, dt in (
         ("iteration", 0, np.int64), ("micro", 0, np.int64), ("seq", 0, np.int64), ("pos", 0, np.int64),
         ("mask", False, bool), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
         ("logp_sampler", np.nan, np.float32))]

@@ -40,9 +40,10 @@ from kldiag.analysis.runtime.runner import reduced
 
 LN2 = float(np.log(2.0))
 SIDES = ("agree", "disagree")
-SUMS = ("tokens", "routed", "compared", "disagree", "missing", "overlap_sum", "overlap_n", "areal_n", "areal_k3", "areal_extreme",
-        *(f"{s}_{k}" for s in SIDES for k in ("n", "abs", "k3", "is")))
-MAXES = (*(f"{s}_{k}" for s in SIDES for k in ("abs_max", "is_max")), "layers_max")  # layers_max: most MoE layers a token had
+SUMS = ("tokens", "routed", "compared", "disagree", "missing", "overlap_sum", "overlap_n", "areal_n", "areal_k3",
+        "areal_extreme", *(f"{s}_{k}" for s in SIDES for k in ("n", "abs", "k3", "is")))
+# layers_max: the most MoE layers a token had
+MAXES = (*(f"{s}_{k}" for s in SIDES for k in ("abs_max", "is_max")), "layers_max")
 OVERLAP_BINS = ("0", "(0, 0.5)", "[0.5, 1)", "1")  # a token's mean set overlap over its compared layers
 LAYER_SETS = ("differ", "missing")  # per (step, layer): tokens whose set differs / whose engine route is missing
 

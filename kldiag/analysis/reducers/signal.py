@@ -30,7 +30,7 @@ import pyarrow as pa
 from kldiag import estimators as E
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import signal as SK
-from kldiag.analysis.reducers.contract import column
+from kldiag.analysis.reducers.base import column
 
 SPREAD_TOL = 1e-6  # rewards (advantages) closer than this count as equal
 KEYS = ("step", "group", "seq")
@@ -59,7 +59,7 @@ def weights_abs(logp: np.ndarray, ref: np.ndarray, old: np.ndarray) -> dict[str,
 def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
     """One row per run of (step, group, seq) of the batch's loss tokens (module docstring; one compiled loop,
     signal_kernel.signal_rows); None when the batch has no loss token with an advantage."""
-    cols = [column(batch, name, fill, dt) for name, fill, dt in (
+    cols = [column(batch, name, fill, dt, copy=False) for name, fill, dt in (
         ("step", 0, np.int64), ("group", NO_GROUP, np.int64), ("seq", 0, np.int64), ("mask", False, bool),
         ("advantage", np.nan, np.float32), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
         ("logp_ref", np.nan, np.float32))]
