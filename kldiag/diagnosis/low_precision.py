@@ -156,4 +156,3 @@ def _cause(lv: dict, z: np.ndarray, big: np.ndarray, onset: int, dtype: str | No
 
 
 engine_low_precision.absorbs = ("engine_mismatch", "engine_precision")
-C.register(engine_low_precision)

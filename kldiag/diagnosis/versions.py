@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kldiag.analysis.reducers import staleness as S
+from kldiag.analysis.reducers.turns import turns_of
 from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
@@ -88,6 +89,8 @@ def _summary(vf: dict, ev: dict) -> str:
 def _unstamped(analysis, ctx: C.Context) -> list[Cause]:
     """The cause from jumps inside the sequences (kldiag.diagnosis.version_jumps), for a run without version
     changes recorded inside its sequences."""
+    if turns_of(analysis)["multi_turn"]:  # a jump at a turn's first token is also what re-tokenisation leaves
+        return []  # (engine_retokenization): without version stamps the two cannot be told apart
     ts = P.tokens_for(analysis)
     found = None if ts is None else VJ.jump_evidence(ts, ctx.config)
     if found is None:
@@ -130,4 +133,3 @@ def mixed_version_rollout(analysis, ctx: C.Context, cfg: MixedVersionConfig = Mi
 
 
 mixed_version_rollout.absorbs = ABSORBS
-C.register(mixed_version_rollout)

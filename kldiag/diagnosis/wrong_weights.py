@@ -108,4 +108,3 @@ def engine_wrong_weights(analysis, ctx: C.Context, cfg: WrongWeightsConfig = Wro
 
 
 engine_wrong_weights.absorbs = ABSORBS
-C.register(engine_wrong_weights)

@@ -95,12 +95,12 @@ def with_breaks(df: pd.DataFrame, x: str = "step") -> pd.DataFrame:
 
 
 def onset_lanes(onsets: Sequence[tuple[int, str]], x_min: float, x_max: float,
-                char_frac: float = 0.011, lanes: int = 4) -> list[int]:
+                char_frac: float = 0.016, lanes: int = 4) -> list[int]:
     """A vertical lane per onset label so that labels do not overlap (0 = top).
 
-    A label starts at its step and is about len(label) * char_frac of the x range wide
-    (10 px text on a ~600 px chart); it takes the first lane whose previous label ended
-    before it starts, cycling through `lanes` when all are taken.
+    A label starts at its step and is about len(label) * char_frac of the x range wide (10 px text, about 6 px
+    a character, on a plot area of ~380 px: the narrowest chart of a page); it takes the first lane whose
+    previous label ended before it starts, cycling through `lanes` when all are taken.
     """
     span = max(float(x_max) - float(x_min), 1e-9)
     ends = [-math.inf] * lanes
