@@ -48,6 +48,28 @@ def num(v: Any) -> float | None:
     return v if np.isfinite(v) else None
 
 
+class ListReducer:
+    """Mixin of a frozen dataclass reducer: one `partial(batch)` per record batch (None: nothing in it), kept in a
+    list, and one `merge(partials)` at the end (in part order)."""
+
+    def partial(self, batch: pa.RecordBatch) -> Any:
+        raise NotImplementedError
+
+    def merge(self, partials: list) -> Any:
+        raise NotImplementedError
+
+    def start(self, part) -> list:
+        return []
+
+    def add(self, state: list, batch: pa.RecordBatch) -> None:
+        p = self.partial(batch) if batch.num_rows else None
+        if p is not None:
+            state.append(p)
+
+    def finish(self, state: list, dropped: int) -> Any:
+        return self.merge(state)
+
+
 class ClippedListReducer:
     """Mixin of a frozen dataclass reducer with a `clip` field, `partial(batch, clip)` and `merge(partials)`."""
 

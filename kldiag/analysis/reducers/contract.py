@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import contract as KK
-from kldiag.analysis.reducers.base import column
+from kldiag.analysis.reducers.base import ListReducer, column
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")
@@ -85,7 +85,7 @@ def merge_partials(partials) -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class ContractReducer:
+class ContractReducer(ListReducer):
     """The exact parity counts (module docstring). `tol`: |a - b| above it counts as off (0: bitwise)."""
 
     tol: float = 0.0
@@ -97,16 +97,8 @@ class ContractReducer:
     def settings(self) -> dict:
         return {"tol": self.tol}
 
-    def start(self, part) -> list:
-        return []
-
-    def add(self, state: list, batch: pa.RecordBatch) -> None:
-        p = batch_partial(batch, self.tol) if batch.num_rows else None
-        if p is not None:
-            state.append(p)
-
-    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        return merge_partials(state)
+    def partial(self, batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
+        return batch_partial(batch, self.tol)
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials)

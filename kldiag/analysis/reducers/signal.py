@@ -30,7 +30,7 @@ import pyarrow as pa
 from kldiag import estimators as E
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import signal as SK
-from kldiag.analysis.reducers.base import column
+from kldiag.analysis.reducers.base import ListReducer, column
 
 SPREAD_TOL = 1e-6  # rewards (advantages) closer than this count as equal
 KEYS = ("step", "group", "seq")
@@ -87,7 +87,7 @@ def merge_partials(partials) -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class SignalReducer:
+class SignalReducer(ListReducer):
     """The learning-signal rows (module docstring)."""
 
     name: str = "signal"
@@ -97,16 +97,8 @@ class SignalReducer:
     def settings(self) -> dict:
         return {"spread_tol": SPREAD_TOL, "estimators": list(E.ESTIMATORS)}
 
-    def start(self, part) -> list:
-        return []
-
-    def add(self, state: list, batch: pa.RecordBatch) -> None:
-        p = batch_partial(batch) if batch.num_rows else None
-        if p is not None:
-            state.append(p)
-
-    def finish(self, state: list, dropped: int) -> dict[str, np.ndarray]:
-        return merge_partials(state)
+    def partial(self, batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
+        return batch_partial(batch)
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials)
