@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKOUT=$PWD
 PY=${1:-$CHECKOUT/.venv/bin/python}
+case $PY in /*) ;; *) PY=$CHECKOUT/$PY ;; esac  # `make test` passes .venv/bin/python; the script leaves the checkout
 BUILD_PY=${BUILD_PY:-$PY}
+case $BUILD_PY in /*) ;; *) BUILD_PY=$CHECKOUT/$BUILD_PY ;; esac
 WORK=$(mktemp -d /tmp/kldiag-wheel-check.XXXXXX)
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 SERVER=""
