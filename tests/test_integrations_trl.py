@@ -8,6 +8,7 @@ differ, and beta > 0, so TRL logs `kl`.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import warnings
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import trl
 from transformers import TrainerCallback
 
@@ -63,6 +65,23 @@ def train_attached(model_dir, tmp_path, trainer_cls=None, **overrides):
     trainer.train()
     return trainer, run, rec
 
+
+def train_keeping_first_batch(trainer) -> tuple[dict, dict]:
+    """Train `trainer` (kldiag attached) and return the policy's weights and the inputs of its first loss call, as
+    the loss saw them, so that a test can replay that forward; the hook counted no failure."""
+    seen = {}
+    hooked = trainer.compute_loss
+
+    def keep_first_batch(model, inputs, *args, **kwargs):
+        if not seen:
+            seen["state"] = copy.deepcopy(trainer.model.state_dict())
+            seen["inputs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        return hooked(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = keep_first_batch
+    trainer.train()
+    assert trainer._kldiag_hook.failures == 0
+    return seen["state"], seen["inputs"]
 
 def logged(trainer, key):
     """{step: value} of a metric in trainer.state.log_history (training logs only)."""

@@ -5,7 +5,6 @@ completion token is the one of the position that predicts it."""
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kldiag.integrations import trl as kt
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from test_integrations_trl import train_keeping_first_batch  # noqa: E402
 from trl_grpo import WORDS  # noqa: E402
 
 LAYERS, K = 3, 2
@@ -62,21 +62,10 @@ def test_recorded_routes_are_the_models_own(moe_dir, tmp_path):
     trainer = _trainer(moe_dir, tmp_path / "out")
     run = tmp_path / "run"
     kt.attach(trainer, run, full_routes=True)
-    seen = {}
-    hooked = trainer.compute_loss
+    state, inputs = train_keeping_first_batch(trainer)  # the weights and inputs the loss saw
 
-    def keep_first_batch(model, inputs, *args, **kwargs):
-        if not seen:
-            seen["state"] = copy.deepcopy(trainer.model.state_dict())
-            seen["inputs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
-        return hooked(model, inputs, *args, **kwargs)
-
-    trainer.compute_loss = keep_first_batch
-    trainer.train()
-    assert trainer._kldiag_hook.failures == 0
-
-    inputs, model = seen["inputs"], trainer.model
-    model.load_state_dict(seen["state"])
+    model = trainer.model
+    model.load_state_dict(state)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     t = inputs["completion_ids"].shape[1]

@@ -4,7 +4,6 @@ the model's own logits (recomputed here with the unfused forward, at the weights
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from kldiag.integrations import trl as kt
 
 pytestmark = pytest.mark.slow
 
-from test_integrations_trl import make_trainer, tiny_model_dir  # noqa: E402, F401 - the module's fixture
+from test_integrations_trl import make_trainer, tiny_model_dir, train_keeping_first_batch  # noqa: E402, F401 - the module's fixture
 
 K = 4
 
@@ -28,23 +27,11 @@ def test_topk_columns_are_the_models_top_k(tiny_model_dir, tmp_path):  # noqa: F
         kt.attach(trainer, tmp_path / "bad", topk=0)
     run = tmp_path / "run"
     kt.attach(trainer, run, topk=K)
-    seen = {}
-    hooked = trainer.compute_loss
-
-    def keep_first_batch(model, inputs, *args, **kwargs):  # the weights and inputs the loss saw
-        if not seen:
-            seen["state"] = copy.deepcopy(trainer.model.state_dict())
-            seen["inputs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
-        return hooked(model, inputs, *args, **kwargs)
-
-    trainer.compute_loss = keep_first_batch
-    trainer.train()
-    assert trainer._kldiag_hook.failures == 0
+    state, inputs = train_keeping_first_batch(trainer)  # the weights and inputs the loss saw
     assert trainer._kldiag_hook.topk_check < 1e-4  # our label log-probs are TRL's
 
-    inputs = seen["inputs"]
     model = trainer.model  # not a deepcopy: TRL's patched forward calls the original model's unfused one
-    model.load_state_dict(seen["state"])
+    model.load_state_dict(state)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     t = inputs["completion_ids"].shape[1]
