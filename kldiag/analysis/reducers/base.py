@@ -16,19 +16,35 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 DEFAULT_CLIP = (0.2, 0.2)  # PPO's epsilon (Schulman et al. 2017) when no range is bound
+_TRUE = np.ones(0, bool)  # grown on demand, read-only: the valid mask of every column without a null
 
+
+def all_valid(n: int) -> np.ndarray:
+    """A read-only all-true mask [n]: a view of one shared array (a fresh np.ones of a 1M-row batch costs 0.3 ms
+    of page faults, as much as a compiled pass over it)."""
+    global _TRUE
+    true = _TRUE
+    if len(true) < n:  # two threads growing it at once each make one: either serves
+        true = np.ones(max(n, 2 * len(true)), bool)
+        true.flags.writeable = False
+        _TRUE = true
+    return true[:n]
 
 
 def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any,
            copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(values [N] with nulls filled, valid mask [N]) of a column; all invalid when the batch lacks it. copy=False
-    hands Arrow's own buffer over where the dtype already matches (read-only: for a kernel that only reads)."""
+    hands Arrow's own buffer over where the dtype already matches, and a shared all-true mask (both read-only: for a
+    kernel that only reads)."""
     n = batch.num_rows
     i = batch.schema.get_field_index(name)
     if i < 0:
         return np.full(n, fill, dtype), np.zeros(n, bool)
     col = batch.column(i)
-    valid = col.is_valid().to_numpy(zero_copy_only=False) if col.null_count else np.ones(n, bool)
+    if not col.null_count:
+        valid = np.ones(n, bool) if copy else all_valid(n)
+    else:
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
     values = (pc.fill_null(col, fill) if col.null_count else col).to_numpy(zero_copy_only=False)
     return values.astype(dtype, copy=copy), valid
 

@@ -59,6 +59,9 @@ def weights_abs(logp: np.ndarray, ref: np.ndarray, old: np.ndarray) -> dict[str,
 def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
     """One row per run of (step, group, seq) of the batch's loss tokens (module docstring; one compiled loop,
     signal_kernel.signal_rows); None when the batch has no loss token with an advantage."""
+    i = batch.schema.get_field_index("advantage")
+    if i < 0 or batch.column(i).null_count == batch.num_rows:  # no advantage: no row, and no pass to find none
+        return None
     cols = [column(batch, name, fill, dt, copy=False) for name, fill, dt in (
         ("step", 0, np.int64), ("group", NO_GROUP, np.int64), ("seq", 0, np.int64), ("mask", False, bool),
         ("advantage", np.nan, np.float32), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
@@ -91,7 +94,7 @@ class SignalReducer(ListReducer):
     """The learning-signal rows (module docstring)."""
 
     name: str = "signal"
-    version: int = 3  # 3: the compiled pass (signal_kernel)
+    version: int = 4  # 3: the compiled pass (kernels/signal.py); 4: its runs summed by a vectorised loop
     columns: tuple[str, ...] = ("step", "seq", "group", "mask", "logp", "logp_old", "logp_ref", "advantage")
 
     def settings(self) -> dict:
