@@ -30,6 +30,8 @@ INV_LN2 = 1.4426950408889634
 LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that n * LN2_HI is exact for |n| < 2^11
 LN2_LO = 1.90821492927058770002e-10
 X_MAX = 709.782712893384  # log(largest float64): exp overflows above
+SHIFTER = 6755399441055744.0  # 1.5 * 2^52: x + SHIFTER is x rounded to an integer, for |x| < 2^51
+SHIFTER_BITS = 0x4338_0000_0000_0000  # its float64 bits
 _C = tuple(1.0 / math.factorial(k) for k in range(2, 14))
 C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13 = _C
 
@@ -38,7 +40,11 @@ C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13 = _C
 def reduce(x):
     """(2^h, 2^(n-h), expm1(r)) with x = n ln2 + r, h = n // 2; x clamped to [-746, 710]."""
     xc = min(max(x, -746.0), 710.0)
-    n = np.rint(xc * INV_LN2)
+    # n = rint(x / ln2) by the shifter: adding 1.5 * 2^52 rounds to an integer, held in the low bits of the sum's
+    # mantissa, so n as an int64 is a subtraction of bits. np.int64(np.rint(...)) needs AVX-512DQ's vcvttpd2qq to
+    # vectorise: with AVX2 alone (AMD before Zen 4) LLVM converted lane by lane (1.78 ns an exp against 1.24).
+    shifted = xc * INV_LN2 + SHIFTER
+    n = shifted - SHIFTER
     r = (xc - n * LN2_HI) - n * LN2_LO
     p = C13
     p = p * r + C12
@@ -53,7 +59,7 @@ def reduce(x):
     p = p * r + C3
     p = p * r + C2
     pm1 = r + r * r * p
-    ni = np.int64(n)
+    ni = np.float64(shifted).view(np.int64) - SHIFTER_BITS
     h = ni >> 1
     s1 = np.int64((h + 1023) << 52).view(np.float64)
     s2 = np.int64((ni - h + 1023) << 52).view(np.float64)

@@ -52,7 +52,8 @@ def d_bin(d, inv_step, offset, n_edges):
     """bins.d_bins for one value: exact arithmetic on uniform edges with a power-of-two step."""
     k = np.floor(d * inv_step)  # a float: math.floor returns an int64, which overflows
     k = min(max(k, -offset - 1.0), n_edges - 1.0 - offset)
-    return np.int64(k) + np.int64(offset) + 1
+    # through int32 (|k| <= n_edges): AVX2 converts doubles to int32 four at a time, to int64 one by one
+    return np.int64(np.int32(k)) + np.int64(offset) + 1
 
 
 @njit(inline="always", **JIT)
