@@ -109,6 +109,36 @@ class SequenceRows:
         v = _key(t.column(by))
         return t.take(pa.array(np.lexsort((np.arange(len(v)), -v))[:n]))  # by value, then by row: table order
 
+    def first_largest(self, by: str, columns: list[str]) -> pa.Table:
+        """`worst(1, by)`'s row, `columns` only: the first row in table order with the largest `by` (NaN and
+        null last). Each row group's largest `by` is in its piece's footer: only the groups that hold the
+        run's largest (and any without statistics) are read, where `worst` reads every piece's `by` column
+        and keeps its top rows (300M rows: 17 pieces, 0.17 s of CPU; this, a few ms). `worst(1, by)` when
+        no group has statistics or the largest is -inf (the rank NaN and null share)."""
+        import pyarrow.parquet as pq
+
+        groups = []  # (piece, row group, its largest `by` or None)
+        for p in self.pieces:
+            meta = p.read(lambda src: pq.ParquetFile(src).metadata)
+            col = meta.schema.to_arrow_schema().get_field_index(by)
+            for g in range(meta.num_row_groups):
+                st = meta.row_group(g).column(col).statistics if col >= 0 else None
+                groups.append((p, g, st.max if st is not None and st.has_min_max else None))
+        known = [float(m) for _, _, m in groups if m is not None and m == m]
+        if not known or max(known) == -np.inf:
+            return self.worst(1, by).select(columns)
+        top, best = max(known), None
+        read = list(dict.fromkeys([by, *columns]))
+        for p, g, m in groups:
+            if m is not None and m < top:
+                continue
+            t = p.read(lambda src, g=g: pq.ParquetFile(src).read_row_group(g, columns=read))
+            v = _key(t.column(by))
+            i = int(np.argmax(v))  # the first of the largest: ties in table order
+            if len(v) and (best is None or v[i] > best[0]):
+                best = (v[i], t.slice(i, 1))
+        return best[1].select(columns)
+
 
 TOP_KEPT = 10_000  # a named piece's top rows kept in a file up to this many (the Overview shows 1,000)
 TOP_VERSION = 1  # bump when top_rows' meaning changes
