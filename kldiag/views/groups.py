@@ -83,7 +83,8 @@ def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
     seq = table.column("seq").to_numpy()
     starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]]) if len(seq) else np.zeros(0, np.int64)
     ends = np.r_[starts[1:], len(seq)]
-    return {int(seq[a]): sequence_frame(table.slice(a, b - a), config, vocab) for a, b in zip(starts, ends, strict=True)}
+    return {int(seq[a]): sequence_frame(table.slice(a, b - a), config, vocab)
+            for a, b in zip(starts, ends, strict=True)}
 
 
 def worst_tokens(tokens: pd.DataFrame, k: int = 3) -> pd.DataFrame:

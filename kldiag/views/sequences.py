@@ -82,7 +82,8 @@ def first_to_show(analysis) -> tuple[int, int] | None:
 
 def _first_on_disk(rows) -> tuple[int, int]:
     cols = ["step", "seq", "nonfinite_count", WORST_BY]
-    if "nonfinite_count" in rows.schema.names:
+    maxima = [m for _, _, m in rows.group_maxima("nonfinite_count")] if "nonfinite_count" in rows.schema.names else []
+    if any(m is None or m > 0 for m in maxima):  # else no row group holds a faulty row: none read
         faulty = rows.table(cols, pc.field("nonfinite_count") > 0)
         if faulty.num_rows:
             return _first(faulty)

@@ -42,6 +42,7 @@ class Piece:
         self.path = path
         self.lock = threading.Lock()  # one file position: one reader at a time
         self.tops: dict[tuple[int, str], pa.Table] = {}  # (n, by) -> `top_rows`: a named piece's never change
+        self.meta = None  # its Parquet footer, once read (a piece is written once)
 
     def read(self, fn: Callable):
         """fn(the piece as a Parquet source): natively, its path in /proc/self/fd where there is one
@@ -109,6 +110,22 @@ class SequenceRows:
         v = _key(t.column(by))
         return t.take(pa.array(np.lexsort((np.arange(len(v)), -v))[:n]))  # by value, then by row: table order
 
+    def group_maxima(self, column: str) -> list[tuple[Piece, int, Any]]:
+        """(piece, row group, the group's largest `column` from its footer's statistics, or None without
+        them: an all-null group's, or a column without statistics) of every row group, in table order."""
+        import pyarrow.parquet as pq
+
+        out = []
+        for p in self.pieces:
+            if p.meta is None:
+                p.meta = p.read(lambda src: pq.ParquetFile(src).metadata)
+            meta = p.meta
+            col = meta.schema.to_arrow_schema().get_field_index(column)
+            for g in range(meta.num_row_groups):
+                st = meta.row_group(g).column(col).statistics if col >= 0 else None
+                out.append((p, g, st.max if st is not None and st.has_min_max else None))
+        return out
+
     def first_largest(self, by: str, columns: list[str]) -> pa.Table:
         """`worst(1, by)`'s row, `columns` only: the first row in table order with the largest `by` (NaN and
         null last). Each row group's largest `by` is in its piece's footer: only the groups that hold the
@@ -117,13 +134,7 @@ class SequenceRows:
         no group has statistics or the largest is -inf (the rank NaN and null share)."""
         import pyarrow.parquet as pq
 
-        groups = []  # (piece, row group, its largest `by` or None)
-        for p in self.pieces:
-            meta = p.read(lambda src: pq.ParquetFile(src).metadata)
-            col = meta.schema.to_arrow_schema().get_field_index(by)
-            for g in range(meta.num_row_groups):
-                st = meta.row_group(g).column(col).statistics if col >= 0 else None
-                groups.append((p, g, st.max if st is not None and st.has_min_max else None))
+        groups = self.group_maxima(by)
         known = [float(m) for _, _, m in groups if m is not None and m == m]
         if not known or max(known) == -np.inf:
             return self.worst(1, by).select(columns)
