@@ -169,3 +169,26 @@ def test_long_run_answers_stored(tmp_path, monkeypatch):
     pd.testing.assert_frame_equal(got[0], want[0], check_exact=True)
     pd.testing.assert_frame_equal(got[1], want[1], check_exact=True)
     assert got[2] == want[2] == VS.first_to_show(analyze(path, CFG)) and len(want[0]) == 5
+
+
+def test_tokens_keeps_its_types_when_a_sibling_has_nulls(tmp_path):
+    """A sequence read with its group is built alone from its rows: a column null in a sibling's rows only
+    (token_id here) keeps this sequence's type (int, not float), as read_sequence gives it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from kldiag.views import pages as V
+
+    path = tmp_path / "run"
+    make_run(path, SynthConfig(steps=2, seqs_per_step=8, seq_len=(5, 30), group_size=4, vocab_size=16))
+    for part in path.glob("tokens/rank-*/*.parquet"):  # step 1's sequence 9 (group 8-11) without token ids
+        t = pq.read_table(part)
+        ids = pc.if_else(pc.equal(t.column("seq"), 9), pa.scalar(None, pa.int32()), t.column("token_id"))
+        pq.write_table(t.set_column(t.schema.get_field_index("token_id"), t.schema.field("token_id"), ids), part)
+    a = analyze(path)
+    one = VS.tokens(a, 1, 8)
+    group = VS.group_tokens(a, 1, [8, 9, 10, 11])
+    want = V.read_sequence(path, 1, 8)
+    assert want["token_id"].dtype.kind == "i" and group[9]["token_id"].isna().all()
+    pd.testing.assert_frame_equal(one, want, check_exact=True)

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from kldiag import format as F
 from kldiag.analysis.reducers import signal as SG
 from kldiag.analysis.types import AnalysisConfig
-from kldiag.views.pages import DEFAULT_CONFIG, SEQUENCE_READ, sequence_frame
+from kldiag.views.pages import DEFAULT_CONFIG, SEQUENCE_READ, decode, derive, nulls, token_columns
 
 SPREAD_TOL = SG.SPREAD_TOL  # rewards (or advantages) closer than this count as equal; the diagnosis's dead groups
 # (kl_dominated_signal) are judged the same way, per step over the run: kldiag.analysis.reducers.signal
@@ -71,20 +71,29 @@ def siblings(sequences: pd.DataFrame, step: int, seq: int) -> pd.DataFrame:
 def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
                config: AnalysisConfig = DEFAULT_CONFIG,
                vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
-    """Tokens of several sequences of one step, read in one pass: seq -> the frame `views.read_sequence`
-    gives (each built alone, so equal to it: sorted by iteration, pos; every derived column; piece),
-    ascending seq, a sequence without tokens left out."""
+    """Tokens of several sequences of one step, read in one pass: seq -> frame as
+    `views.read_sequence` gives it (sorted by iteration, pos; every derived column; piece)."""
+    return group_frames(group_table(run_dir, step, seqs), config, vocab)
+
+
+def group_table(run_dir: str | os.PathLike, step: int, seqs: Sequence[int]) -> pa.Table:
+    """The token rows (SEQUENCE_READ) of `seqs` at `step`, read in one pass, sorted by seq, iteration, pos
+    (a stable sort: each sequence's rows in `views.read_sequence`'s order)."""
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
     want = pa.array([int(s) for s in seqs], pa.int64())
     table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.is_in(b.column("seq"), value_set=want),
                                           columns=SEQUENCE_READ)
-    # a stable sort: each sequence's rows in read_sequence's order, one contiguous slice a sequence
-    table = table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
-    seq = table.column("seq").to_numpy()
-    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]]) if len(seq) else np.zeros(0, np.int64)
-    ends = np.r_[starts[1:], len(seq)]
-    return {int(seq[a]): sequence_frame(table.slice(a, b - a), config, vocab)
-            for a, b in zip(starts, ends, strict=True)}
+    return table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
+
+
+def group_frames(table: pa.Table, config: AnalysisConfig = DEFAULT_CONFIG,
+                 vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
+    """`read_group`'s answer from `group_table`'s rows: seq -> frame, ascending seq."""
+    df = table.to_pandas()
+    for name, values in derive(token_columns(table), config, nulls(table)).items():
+        df[name] = values
+    df["piece"] = decode(df["token_id"], vocab)
+    return {int(s): g.reset_index(drop=True) for s, g in df.groupby("seq", sort=False)}
 
 
 def worst_tokens(tokens: pd.DataFrame, k: int = 3) -> pd.DataFrame:
