@@ -11,7 +11,8 @@ shared by the analyses of a growing run. `Analysis.sequences` reads the whole ta
 asks for it (types.py);
 `SequenceRows.worst`, `.sequence` and `.steps` read only what they show, filtering row groups on
 their statistics (pyarrow.dataset predicate pushdown; bench/sequence_query.py compares DuckDB);
-`worst` ranks a named piece once (its top rows kept beside it), so a grown run's ranks its new rows only.
+`worst` ranks a named piece once (its top rows kept beside it), so a grown run's ranks its new rows only;
+`first_largest` (`worst(1)`'s row) reads only the row groups whose footer statistics hold the largest value.
 """
 
 from __future__ import annotations
