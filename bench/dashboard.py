@@ -510,6 +510,8 @@ def warm(run: Path, args, env: dict) -> None:
                   f"{'; EXCEPTION ' + str(exc) if exc else ''}); "
                   f"peak RSS {f['rss_mb']:.0f} MB; numba {'imported' if f.get('numba') else 'not imported'}; "
                   f"load {load()}", flush=True)
+    if opened is not None:
+        shutil.rmtree(opened, ignore_errors=True)
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
