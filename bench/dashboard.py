@@ -31,6 +31,10 @@ them in the OS's page cache, not only those after the first):
   the Overview (the refresh, target <= 0.5 s); the part is removed afterwards;
 - peak RSS (VmHWM) of each process (target: the same at 30M and 300M rows).
 --scale --cold-only: only the cold figures and their ratio.
+--scale --warm-only --first-visit: each page's fresh process finds the run's analysis cache warm and what
+the dashboard's first open (one Overview render) stored, nothing more (RUN/.kldiag/results and the sequence
+pieces' kept top rows put back as that open left them before each): that page's first visit after the
+first open (the Sequence page's first sequence, its step's sequences, its tokens and its group's).
 --shape grpo: the run written (when --run does not exist) has a GRPO run's shape instead of the short
 completions of the default (SHAPES); the ratios on both say how much the run's shape moves them.
 --scale --warm-only: only those warm figures (the cache filled first: the cold pass if it has no reducer
@@ -434,6 +438,33 @@ def scale(run: Path, args) -> None:
     warm(run, args, env)
 
 
+def derived(run: Path) -> list[Path]:
+    """What the pages derive and keep: the result store's entries, the sequence pieces' top rows."""
+    return [*run.glob(".kldiag/results/*"), *run.glob(".kldiag/prefix/seqs/*.top*.parquet")]
+
+
+def first_open(run: Path, env: dict) -> Path:
+    """Nothing derived kept, then one Overview render (the dashboard's first open): a copy of what it kept."""
+    for path in derived(run):
+        path.unlink()
+    child(APP, str(MAIN), json.dumps({"first": "overview"}), env=env)
+    saved = Path(os.environ.get("TMPDIR", "/tmp")) / f"kldiag_first_open_{os.getpid()}"
+    shutil.rmtree(saved, ignore_errors=True)
+    for path in derived(run):
+        (saved / path.parent.relative_to(run)).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, saved / path.relative_to(run))
+    return saved
+
+
+def put_back(run: Path, saved: Path) -> None:
+    """What the first open kept, and nothing else."""
+    for path in derived(run):
+        path.unlink()
+    for path in saved.rglob("*"):
+        if path.is_file():
+            shutil.copy2(path, run / path.relative_to(saved))
+
+
 def page_cache_warm(run: Path) -> float:
     """Read every part file of `run` once (its pages cached by the OS); the seconds it took."""
     t = time.perf_counter()
@@ -462,11 +493,15 @@ def warm(run: Path, args, env: dict) -> None:
     f = child(WARM, str(run))
     print(f"\nwarm analyze with the dashboard's reducers (fresh process, every reducer merged): {f['analyze_s']:.2f} s, "
           f"{f['files']} cache files opened, {f['parts_read']} parts read; load {load()}", flush=True)
-    print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 1.5 s):")
+    print("\nwarm cache, a fresh app process per page, that page rendered first (target <= 1.5 s)"
+          + (", each its first visit after the first open:" if args.first_visit else ":"))
     firsts: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
+    opened = first_open(run, env) if args.first_visit else None
     for r in range(args.repeat):
         for page in SCALE_PAGES:
+            if opened is not None:
+                put_back(run, opened)
             f = child(APP, str(MAIN), json.dumps({"first": page}), env=env)
             name, s, title, exc = f["renders"][0]
             firsts.setdefault(page, []).append(s)
@@ -475,6 +510,8 @@ def warm(run: Path, args, env: dict) -> None:
                   f"{'; EXCEPTION ' + str(exc) if exc else ''}); "
                   f"peak RSS {f['rss_mb']:.0f} MB; numba {'imported' if f.get('numba') else 'not imported'}; "
                   f"load {load()}", flush=True)
+    if opened is not None:
+        shutil.rmtree(opened, ignore_errors=True)
     print("\nwarm cache, one fresh app process: Overview, every page, Overview again, one part published, refresh:")
     cfg = synth_config(args).__dict__
     for r in range(args.repeat):
@@ -503,6 +540,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--warm-only", action="store_true",
                     help="with --scale: only the warm first renders and the refresh (no cold analyses)")
+    ap.add_argument("--first-visit", action="store_true",
+                    help="with --scale --warm-only: each page timed as its first visit after the first open")
     ap.add_argument("--cold-only", action="store_true",
                     help="with --scale: only the cold analyses and their ratio (no Estimators visit, no warm renders)")
     ap.add_argument("--breakdown", action="store_true",

@@ -187,3 +187,42 @@ def test_worst_of_a_growing_run_equals_a_cold_one(run, tmp_path, monkeypatch):
     got = analyze(grown, cfg).sequence_rows
     assert got.worst(5).equals(_order(table, "weight_k3_abs_max", 5))
     assert [r for r in ranked if r[0] is not None] == []
+
+
+def test_first_largest_is_worst_one(run, tmp_path, monkeypatch):
+    """first_largest(by): worst(1, by)'s row (NaN last, ties in table order: `tokens` has many) from the row
+    groups whose footer statistics hold the largest value, and worst(1)'s answer where no group has them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(seqrows, "SPILL_ROWS", 0)
+    monkeypatch.setattr(seqrows, "ROW_GROUP", 16)
+    monkeypatch.setattr(spill, "SPILL_CHUNK_ROWS", 40)
+    monkeypatch.setattr(prefix, "SEAL_EVERY", 2)
+    shutil.copytree(run, tmp_path / "run")
+    rows = analyze(tmp_path / "run", AnalysisConfig(per_rank=True, trainer_compatible=True)).sequence_rows
+    groups = sum(p.read(lambda src: pq.ParquetFile(src).metadata.num_row_groups) for p in rows.pieces)
+    assert len(rows.pieces) > 2 and groups > 8
+    read = []
+    real = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, **kw: read.append(g) or real(self, g, **kw))
+    for by in ("weight_k3_abs_max", "tokens", "k3_mean", "flagged_count"):
+        cols = ["step", "seq", by]
+        read.clear()
+        got = rows.first_largest(by, cols)
+        assert len(read) < groups // 2, by  # the groups that hold the largest, not every group
+        assert got.equals(rows.worst(1, by).select(cols)), by
+    table = rows.table()  # the same rows in one piece written without statistics: worst(1)'s answer
+    path = tmp_path / "nostats.parquet"
+    pq.write_table(table, path, row_group_size=16, write_statistics=False)
+    f = open(path, "rb")  # noqa: SIM115 - the piece holds it open, as seqrows' own pieces do
+    bare = seqrows.SequenceRows([seqrows.Piece(f, table.num_rows, 0, 11, table.schema)], table.schema)
+    by, cols = "weight_k3_abs_max", ["step", "seq", "weight_k3_abs_max"]
+    assert bare.first_largest(by, cols).equals(rows.worst(1, by).select(cols))
+    nan = table.set_column(table.schema.get_field_index(by), by, pa.array(np.full(table.num_rows, np.nan)))
+    pq.write_table(nan, tmp_path / "nan.parquet", row_group_size=16)  # every value NaN: no group has statistics
+    f2 = open(tmp_path / "nan.parquet", "rb")  # noqa: SIM115
+    allnan = seqrows.SequenceRows([seqrows.Piece(f2, nan.num_rows, 0, 11, nan.schema)], nan.schema)
+    assert allnan.first_largest(by, ["step", "seq"]).equals(nan.slice(0, 1).select(["step", "seq"]))  # the first row
+    f.close()
+    f2.close()

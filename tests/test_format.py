@@ -205,3 +205,38 @@ def test_read_rows_reads_the_row_groups_of_its_steps_only(tmp_path, monkeypatch)
     assert run.read_rows(run.parts(), [9]).num_rows == 0
     with pytest.raises(ValueError, match="include it"):
         run.read_rows(run.parts(), [2], columns=["seq"])
+
+
+def test_read_rows_decodes_a_group_up_to_its_last_row_at_the_steps(tmp_path, monkeypatch):
+    """format.run.step_batches: a row group holding several steps is decoded up to the last row at the
+    steps asked for (not past it), a group the statistics admit but that holds none of them is not read,
+    and the rows are those of the whole run filtered, superseded rows dropped as before."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    F.write_manifest(tmp_path, F.Manifest(kldiag_version="test"))
+    table = pa.concat_tables([token_table(step, seed=step) for step in range(6)])  # 8 rows a step
+    F.publish_part(table, F.rank_dir(tmp_path, 0), F.part_name(0, 5, 0), row_group_size=24)  # 3 steps a group
+    run = F.open_run(tmp_path)
+    part = run.parts()[0]
+    decoded = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self, **kw):
+        for b in real(self, **kw):
+            decoded.append(b.num_rows)
+            yield b
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    whole = run.read()
+    for steps, rows in (([0], 8), ([1], 16), ([2], 24), ([0, 4], 24 + 16), ([5], 24)):
+        decoded.clear()
+        got = pa.Table.from_batches(list(F.part_batches(part, list(F.TOKEN_SCHEMA.names), 4, steps=steps)))
+        assert sum(decoded) == rows, steps  # batches of 4: none past the last row at the steps
+        assert got.filter(pc.is_in(got.column("step"), pa.array(steps))).equals(
+            whole.filter(pc.is_in(whole.column("step"), pa.array(steps)))), steps
+        assert run.read_rows([part], steps).equals(whole.filter(pc.is_in(whole.column("step"), pa.array(steps))))
+    gap = pa.concat_tables([token_table(step, seed=step) for step in (6, 8)])  # statistics 6..8 admit step 7
+    F.publish_part(gap, F.rank_dir(tmp_path, 0), F.part_name(6, 8, 0), row_group_size=16)
+    decoded.clear()
+    assert run.read_rows([p for p in run.parts() if p.step_min == 6], [7]).num_rows == 0 and decoded == []

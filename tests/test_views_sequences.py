@@ -69,6 +69,46 @@ def test_first_to_show_is_fault_first(both):
     assert VS.first_to_show(mem) == VS.first_to_show(both[1]) == want
 
 
+def test_first_to_show_ranks_no_piece(both, monkeypatch):
+    """On disk, the sequence to open on is found from the row groups' statistics: worst() (which ranks every
+    piece's rows) is not called, and the answer is fault_first's."""
+    mem, disk = both
+    top = fault_first(mem.sequences.to_pandas()).iloc[0]
+    monkeypatch.setattr(seqrows.SequenceRows, "worst", lambda *a, **k: pytest.fail("ranked every piece"))
+    assert VS.first_to_show(disk) == (int(top["step"]), int(top["seq"]))
+
+
+def test_tokens_reads_the_group_with_the_sequence(tmp_path, monkeypatch):
+    """tokens() of a sequence with siblings in its GRPO group reads them in the same pass (the Sequence page
+    shows the group below it): group_tokens() of that group, in any order, reads no part; every frame is
+    read_sequence's, bit for bit. A sequence alone in its group is read alone."""
+    from kldiag.format import Run
+    from kldiag.views import groups as VG
+    from kldiag.views import pages as V
+
+    path = tmp_path / "run"
+    make_run(path, SynthConfig(steps=3, seqs_per_step=9, seq_len=(5, 30), group_size=4, vocab_size=16))
+    a = analyze(path)
+    at = VS.of_step(a, 1)
+    seq = int(at["seq"].iloc[4])  # step 1: sequences 9-17, groups of seq // 4
+    sib = VG.siblings(at, 1, seq)["seq"].astype(int).tolist()
+    assert len(sib) == 4 and sib[0] == seq
+    reads = []
+    real = Run.read_rows
+    monkeypatch.setattr(Run, "read_rows", lambda self, *x, **k: reads.append(x[1]) or real(self, *x, **k))
+    one = VS.tokens(a, 1, seq)
+    group = VS.group_tokens(a, 1, sib[::-1])
+    assert reads == [[1]] and sorted(group) == sorted(sib)
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(one, V.read_sequence(path, 1, seq), check_exact=True)
+    for s in sib:
+        pd.testing.assert_frame_equal(group[s], V.read_sequence(path, 1, s), check_exact=True)
+    at0 = VS.of_step(a, 0)
+    alone = int(at0["seq"].iloc[-1])  # step 0's 9th sequence: a group of one
+    assert VG.siblings(at0, 0, alone)["seq"].tolist() == [alone]
+    pd.testing.assert_frame_equal(VS.tokens(a, 0, alone), V.read_sequence(path, 0, alone), check_exact=True)
+
+
 def test_empty_first_to_show():
     class Empty:
         sequence_rows = None
@@ -129,3 +169,26 @@ def test_long_run_answers_stored(tmp_path, monkeypatch):
     pd.testing.assert_frame_equal(got[0], want[0], check_exact=True)
     pd.testing.assert_frame_equal(got[1], want[1], check_exact=True)
     assert got[2] == want[2] == VS.first_to_show(analyze(path, CFG)) and len(want[0]) == 5
+
+
+def test_tokens_keeps_its_types_when_a_sibling_has_nulls(tmp_path):
+    """A sequence read with its group is built alone from its rows: a column null in a sibling's rows only
+    (token_id here) keeps this sequence's type (int, not float), as read_sequence gives it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from kldiag.views import pages as V
+
+    path = tmp_path / "run"
+    make_run(path, SynthConfig(steps=2, seqs_per_step=8, seq_len=(5, 30), group_size=4, vocab_size=16))
+    for part in path.glob("tokens/rank-*/*.parquet"):  # step 1's sequence 9 (group 8-11) without token ids
+        t = pq.read_table(part)
+        ids = pc.if_else(pc.equal(t.column("seq"), 9), pa.scalar(None, pa.int32()), t.column("token_id"))
+        pq.write_table(t.set_column(t.schema.get_field_index("token_id"), t.schema.field("token_id"), ids), part)
+    a = analyze(path)
+    one = VS.tokens(a, 1, 8)
+    group = VS.group_tokens(a, 1, [8, 9, 10, 11])
+    want = V.read_sequence(path, 1, 8)
+    assert want["token_id"].dtype.kind == "i" and group[9]["token_id"].isna().all()
+    pd.testing.assert_frame_equal(one, want, check_exact=True)

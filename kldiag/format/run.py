@@ -195,13 +195,41 @@ def part_batches(part: PartInfo, columns: list[str], batch_size: int,
     # this point mean a disk or network fault, not a half-written file.
     if groups == []:
         return
-    for batch in pf.iter_batches(batch_size=batch_size, columns=read, row_groups=groups):
+    batches = (pf.iter_batches(batch_size=batch_size, columns=read, row_groups=groups) if steps is None
+               else step_batches(pf, groups, steps, batch_size, read))
+    for batch in batches:
         if drop:
             step = batch.column("step").to_numpy()
             batch = batch.filter(pa.array(~superseded_mask(step, part.exclude)))
         arrays = [batch.column(c) if c in present else absent_column(c, batch.num_rows, part.attempt)
                   for c in columns]
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def step_batches(pf: pq.ParquetFile, groups: list[int], steps: Sequence[int], batch_size: int,
+                 columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The batches of `columns` of those of `groups` that hold one of `steps`, up to the last row at one
+    of them (each group's `step` column read first: about 2 ms a 1M-row group). Decoding stops there: one
+    step of the seven in a 300M-row run's 1M-row group decodes the rows up to it, not the whole group (a
+    batch's pages are decoded as it is read; the rows before it are decoded too and left to the caller's
+    filter: pyarrow reads no row range of a group)."""
+    if pf.schema_arrow.get_field_index("step") < 0:
+        yield from pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=groups)
+        return
+    want = pa.array(sorted({int(s) for s in steps}), pa.int64())
+    keep, end = [], 0  # the groups that hold a step; rows of theirs up to the last row at one
+    for g in groups:
+        at = pc.is_in(pf.read_row_group(g, columns=["step"]).column("step"), value_set=want)
+        hit = np.flatnonzero(at.to_numpy(zero_copy_only=False))
+        if len(hit):
+            end = sum(pf.metadata.row_group(k).num_rows for k in keep) + int(hit[-1]) + 1
+            keep.append(g)
+    done = 0
+    for batch in pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=keep) if keep else ():
+        yield batch.slice(0, end - done) if done + batch.num_rows > end else batch
+        done += batch.num_rows
+        if done >= end:
+            break
 
 
 def step_groups(pf: pq.ParquetFile, steps: Sequence[int]) -> list[int]:

@@ -73,11 +73,22 @@ def read_group(run_dir: str | os.PathLike, step: int, seqs: Sequence[int],
                vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
     """Tokens of several sequences of one step, read in one pass: seq -> frame as
     `views.read_sequence` gives it (sorted by iteration, pos; every derived column; piece)."""
+    return group_frames(group_table(run_dir, step, seqs), config, vocab)
+
+
+def group_table(run_dir: str | os.PathLike, step: int, seqs: Sequence[int]) -> pa.Table:
+    """The token rows (SEQUENCE_READ) of `seqs` at `step`, read in one pass, sorted by seq, iteration, pos
+    (a stable sort: each sequence's rows in `views.read_sequence`'s order)."""
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
     want = pa.array([int(s) for s in seqs], pa.int64())
     table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.is_in(b.column("seq"), value_set=want),
                                           columns=SEQUENCE_READ)
-    table = table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
+    return table.sort_by([("seq", "ascending"), ("iteration", "ascending"), ("pos", "ascending")])
+
+
+def group_frames(table: pa.Table, config: AnalysisConfig = DEFAULT_CONFIG,
+                 vocab: Mapping[int, str] | None = None) -> dict[int, pd.DataFrame]:
+    """`read_group`'s answer from `group_table`'s rows: seq -> frame, ascending seq."""
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values

@@ -178,7 +178,13 @@ def read_sequence(run_dir: str | os.PathLike, step: int, seq: int,
     parts = [p for p in F.list_parts(run_dir) if p.step_min <= step <= p.step_max]
     table = F.open_run(run_dir).read_rows(parts, [int(step)], lambda b: pc.equal(b.column("seq"), int(seq)),
                                           columns=SEQUENCE_READ)
-    table = table.sort_by([("iteration", "ascending"), ("pos", "ascending")])
+    return sequence_frame(table.sort_by([("iteration", "ascending"), ("pos", "ascending")]), config, vocab)
+
+
+def sequence_frame(table: pa.Table, config: AnalysisConfig = DEFAULT_CONFIG,
+                   vocab: Mapping[int, str] | None = None) -> pd.DataFrame:
+    """`read_sequence`'s frame of one sequence's token rows (SEQUENCE_READ, in the order shown): the
+    columns read, every column `derive` gives, and `piece`."""
     df = table.to_pandas()
     for name, values in derive(token_columns(table), config, nulls(table)).items():
         df[name] = values
