@@ -33,6 +33,38 @@ def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any,
     return values.astype(dtype, copy=copy), valid
 
 
+NUMERIC = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float32, np.float64)
+
+
+def raw(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(values [N], valid [N] bool, None where the column holds no null) of a numeric or bool column, read from
+    Arrow's buffers without a copy (bools unpacked from their bits; other types cast to float64): the values at
+    nulls are whatever the writer left there, to be read with `valid` (read-only: for a kernel that only reads).
+    (None, None) when the batch lacks the column or it holds nulls only."""
+    i = batch.schema.get_field_index(name)
+    if i < 0 or batch.column(i).null_count == batch.num_rows:
+        return None, None
+    col = batch.column(i)
+    if pa.types.is_boolean(col.type):
+        dtype = None
+    else:
+        dtype = col.type.to_pandas_dtype() if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) else None
+        if dtype not in NUMERIC:
+            col, dtype = col.cast(pa.float64()), np.float64
+    bufs, off, n = col.buffers(), col.offset, len(col)
+    valid = bits(bufs[0], off, n) if col.null_count else None
+    if dtype is None:
+        return bits(bufs[1], off, n), valid
+    return np.frombuffer(bufs[1], dtype, count=off + n)[off:], valid
+
+
+def bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """[n] bool of an Arrow bitmap (validity or bool values) from bit `offset` (LSB first)."""
+    start = offset // 8
+    packed = np.frombuffer(buf, np.uint8, count=(offset + n + 7) // 8 - start, offset=start)
+    return np.unpackbits(packed, bitorder="little")[offset % 8:offset % 8 + n].view(bool)
+
+
 def ratio(a: Any, n: Any) -> np.ndarray:
     """a / n elementwise, float64; NaN where n is 0 (a mean of nothing is unknown, not 0)."""
     a, n = np.asarray(a, np.float64), np.asarray(n, np.float64)
