@@ -5,7 +5,7 @@ max and sum of |a - b|, and the first token off as the lowest (seq, pos). float3
 float64 (exact: the difference of two float32 values is exact in float64 for values of one binade, and |a - b| > 0
 holds exactly when a != b in any case).
 
-Rows go in blocks of at most BLOCK rows of one step (recorder files are step-ordered: a step is one run of rows).
+Rows go in the blocks of kernels.blocks (at most BLOCK rows, all of one step: recorder files are step-ordered).
 A block's sums come from one branch-free loop over column slices, which LLVM vectorises (fused.chunk_sums says
 how: conditions combined with & and |, values kept by a select, maxima of values >= +0.0 as their int64 bits,
 sums reordered by fastmath "reassoc"); the block's lowest sequence with a token off comes with them, and its
@@ -21,7 +21,6 @@ import numpy as np
 from kldiag.jit import njit
 
 NONE = np.iinfo(np.int64).max
-BLOCK = 2048  # rows per vectorised block
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 SUMS_JIT = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # sums reordered; NaN and inf kept
 
@@ -150,55 +149,12 @@ def _sl(a, i, j):  # pragma: no cover - compiled
 
 
 @njit(**JIT)
-def _run_end(step, i, n):  # pragma: no cover - compiled
-    """The end of the block from row i: BLOCK rows, or fewer up to the first row of another step."""
-    end = min(i + BLOCK, n)
-    blk, s0 = step[i:end], step[i]
-    same = 0
-    for j in range(len(blk)):  # over a slice, branch-free: vectorised (range(i, end) pays index wraparound)
-        same += blk[j] == s0
-    if same == len(blk):
-        return end
-    j = 1
-    while blk[j] == s0:
-        j += 1
-    return i + j
-
-
-@njit(**JIT)
-def blocks(step):  # pragma: no cover - compiled
-    """The blocks of a batch's rows: (starts [r + 1] int64, the row each block starts at, then n; keys [r] int64,
-    each block's step). A block is at most BLOCK rows, all of one step (_run_end)."""
-    n = len(step)
-    cap = n // BLOCK + 16
-    starts = np.empty(cap + 1, np.int64)
-    keys = np.empty(cap, np.int64)
-    r = i = 0
-    while i < n:
-        if r == cap:  # steps change more often than every BLOCK rows: room for more
-            cap *= 2
-            starts, keys = _grown(starts, cap + 1), _grown(keys, cap)
-        starts[r], keys[r] = i, step[i]
-        i = _run_end(step, i, n)
-        r += 1
-    starts[r] = n
-    return starts[:r + 1].copy(), keys[:r].copy()
-
-
-@njit(**JIT)
-def _grown(a, cap):  # pragma: no cover - compiled
-    out = np.empty(cap, a.dtype)
-    out[:len(a)] = a
-    return out
-
-
-@njit(**JIT)
 def contract_cells(starts, cells, keys, s, it, micro, seq, pos, mask, logp, ok_s, old, ok_o, mu, ok_m, version, ok_v,
                    tol):  # pragma: no cover - compiled
     """([3, s] int64 n_tokens, [3, s] int64 n_off, [3, s] max |D|, [3, s] sum |D|, [3, s] first seq, [3, s] first
     pos); checks 0 parity (mu against pi_old, pi_theta at iteration 0 where pi_old is null), 1 batch (pi_theta against
     pi_old on micro 0 of iteration 0), 2 the tokens of 1 whose policy_version is their step. Rows come in the
-    blocks of `blocks` (starts, keys: each block's step), block b in cell cells[b]. NONE marks a cell with no token
+    blocks of blocks.blocks (starts, keys: each block's step), block b in cell cells[b]. NONE marks a cell with no token
     off. Inputs: [n] arrays of any numeric dtype (mask and ok_*: bool); old, mu, version None where absent; ok_*
     None where the column holds no null."""
     n_tok = np.zeros((3, s), np.int64)

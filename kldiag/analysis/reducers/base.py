@@ -52,10 +52,26 @@ def raw(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray
         if dtype not in NUMERIC:
             col, dtype = col.cast(pa.float64()), np.float64
     bufs, off, n = col.buffers(), col.offset, len(col)
-    valid = bits(bufs[0], off, n) if col.null_count else None
     if dtype is None:
-        return bits(bufs[1], off, n), valid
-    return np.frombuffer(bufs[1], dtype, count=off + n)[off:], valid
+        return bits(bufs[1], off, n), validity(col)
+    return np.frombuffer(bufs[1], dtype, count=off + n)[off:], validity(col)
+
+
+def validity(col: pa.Array) -> np.ndarray | None:
+    """[N] bool, a column's non-null rows, from its validity bitmap; None when it holds no null."""
+    if not col.null_count:
+        return None
+    buf = col.buffers()[0]
+    return col.is_valid().to_numpy(zero_copy_only=False) if buf is None else bits(buf, col.offset, len(col))
+
+
+def filled(batch: pa.RecordBatch, name: str, fill: Any) -> np.ndarray:
+    """[N] values of a numeric or bool column as stored (raw: no copy where it holds no null), `fill` at nulls and
+    everywhere when the batch lacks it."""
+    values, valid = raw(batch, name)
+    if values is None:
+        return np.full(batch.num_rows, fill, np.asarray(fill).dtype)
+    return values if valid is None else np.where(valid, values, fill)
 
 
 def bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:

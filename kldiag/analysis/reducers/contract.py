@@ -27,21 +27,13 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis.core import keyed
+from kldiag.analysis.kernels import blocks as KB
 from kldiag.analysis.kernels import contract as KK
-from kldiag.analysis.reducers.base import ListReducer, raw
+from kldiag.analysis.reducers.base import ListReducer, filled, raw
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")
 
-
-
-def filled(batch: pa.RecordBatch, name: str, fill: Any) -> np.ndarray:
-    """[N] values of a column as stored (Arrow's buffer, no copy, where it holds no null), `fill` at nulls and
-    everywhere when the batch lacks it."""
-    values, valid = raw(batch, name)
-    if values is None:
-        return np.full(batch.num_rows, fill, np.asarray(fill).dtype)
-    return values if valid is None else np.where(valid, values, fill)
 
 
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
@@ -52,7 +44,7 @@ def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | 
     step = filled(batch, "step", 0)
     if not len(step) or (old is None and mu is None):  # no pi_old nor mu: neither check compares a token
         return None
-    starts, keys = KK.blocks(step)
+    starts, keys = KB.blocks(step)
     lo, hi = int(keys.min()), int(keys.max())
     if hi - lo < 1 << 16:  # a batch's steps are a short range: an offset, no sort
         steps, cells = np.arange(lo, hi + 1, dtype=np.int64), keys - lo
