@@ -133,3 +133,18 @@ def test_raw_reads_buffers_with_offsets_and_validity():
     h, ok = raw(s, "h")  # not a kernel dtype: float64
     assert h.dtype == np.float64 and ok is None and list(h) == [2, 3, 4, 5]
     assert raw(b, "x")[1] is not None and raw(b.slice(2, 2), "x")[1] is None  # no null in the slice
+
+
+def test_first_token_off_found_across_blocks_of_one_step():
+    """One sequence over many blocks, positions descending: its lowest position off is in the last block."""
+    n = 5000
+    logp = np.full(n, -1.0, np.float32)
+    mu = logp.copy()
+    mu[[3, 2500, 4990]] = -1.5
+    b = pa.RecordBatch.from_pydict({"step": np.zeros(n, np.int64), "iteration": np.zeros(n, np.int16),
+                                    "micro": np.zeros(n, np.int32), "seq": np.full(n, 7),
+                                    "pos": np.arange(n, 0, -1).astype(np.int32), "mask": np.ones(n, bool),
+                                    "logp": logp, "logp_old": logp, "logp_sampler": mu})
+    got = K.batch_partial(b, 0.0)
+    assert_same(got, reference(b, 0.0))
+    assert list(got["f_check"]) == [0] and list(got["f_min_pos"]) == [n - 4990] and got["r_n_off"][0] == 3

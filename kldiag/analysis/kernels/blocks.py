@@ -2,8 +2,10 @@
 
 A block is at most BLOCK rows, all of one step: short enough that a block's columns stay in cache between the
 loops that read them, long enough that its per-block work (a flush into its step's cell) costs nothing per row.
-Recorder files are step-ordered, so a step is one run of blocks; rows in any order are still blocked right (a
-step that changes at every row gives blocks of one row).
+A step's first block is HEAD rows: the contract pass looks for a step's first token off in it again, and in
+rows in sequence order that token is near the step's start. Recorder files are step-ordered, so a step is one
+run of blocks; rows in any order are still blocked right (a step that changes at every row gives blocks of one
+row).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import numpy as np
 from kldiag.jit import njit
 
 BLOCK = 2048  # rows per block
+HEAD = 256  # rows of a step's first block: where its first token off usually is, looked for again (contract)
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 
 @njit(**JIT)
-def run_end(step, i, n):  # pragma: no cover - compiled
-    """The end of the block from row i: BLOCK rows, or fewer up to the first row of another step."""
-    end = min(i + BLOCK, n)
+def run_end(step, i, n, size):  # pragma: no cover - compiled
+    """The end of the block from row i: `size` rows, or fewer up to the first row of another step."""
+    end = min(i + size, n)
     blk, s0 = step[i:end], step[i]
     same = 0
     for j in range(len(blk)):  # over a slice, branch-free: vectorised (range(i, end) pays index wraparound)
@@ -52,7 +55,7 @@ def blocks(step):  # pragma: no cover - compiled
             cap *= 2
             starts, keys = _grown(starts, cap + 1), _grown(keys, cap)
         starts[r], keys[r] = i, step[i]
-        i = run_end(step, i, n)
+        i = run_end(step, i, n, HEAD if r == 0 or keys[r - 1] != keys[r] else BLOCK)
         r += 1
     starts[r] = n
     return starts[:r + 1].copy(), keys[:r].copy()
