@@ -46,17 +46,6 @@ def _batch(mk, first, mc, lp, ov, oo):  # pragma: no cover - compiled
     return mk & first & (mc == 0) & oo & (d < np.inf), d
 
 
-@njit(inline="always", **JIT)
-def _fresh(j, version, ok_v, step):  # pragma: no cover - compiled
-    """Row j's recorded weight version is its step (the batch check's fresh tokens)."""
-    return (version[j] == step) if ok_v is None else (version[j] == step) & ok_v[j]
-
-
-@njit(inline="always", **JIT)
-def _valid(v, j, ok):  # pragma: no cover - compiled
-    return v if ok is None else v & ok[j]
-
-
 @njit(**SUMS_JIT)
 def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, ok_v, step, tol):  # pragma: no cover
     """Per check (parity, batch, batch_fresh) of one block's rows (column slices, all of `step`): tokens compared,
@@ -76,7 +65,8 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
             oo = True if ok_o is None else ok_o[j]
         if mu is not None:
             v, d = _parity(mk, first, lp, ov, oo, np.float64(mu[j]))
-            v = _valid(v, j, ok_m)
+            if ok_m is not None:  # here, not in a helper: numba prunes a branch on a None argument of its own
+                v = v & ok_m[j]
             x = _kept(d, v)
             off = v & (x > tol)
             n0 += np.int64(v)
@@ -94,7 +84,9 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
             f1 += np.int64(off)
             q1 = min(q1, np.int64(seq[j]) if off else NONE)
             if version is not None:
-                fresh = _fresh(j, version, ok_v, step)
+                fresh = version[j] == step
+                if ok_v is not None:
+                    fresh = fresh & ok_v[j]
                 v, x, off = v & fresh, _kept(x, fresh), off & fresh
                 n2 += np.int64(v)
                 t2 += x
@@ -123,7 +115,9 @@ def first_pos(check, q, mask, it, micro, seq, pos, logp, ok_s, old, ok_o, mu, ok
                 ov = np.float64(old[j])
                 oo = True if ok_o is None else ok_o[j]
             v, d = _parity(mk, first, lp, ov, oo, np.float64(mu[j]))
-            hit = _valid(v, j, ok_m) & (d > tol) & (seq[j] == q)
+            if ok_m is not None:
+                v = v & ok_m[j]
+            hit = v & (d > tol) & (seq[j] == q)
             best = min(best, np.int64(pos[j]) if hit else NONE)
         return best
     if old is None:  # no batch check without pi_old
@@ -137,7 +131,10 @@ def first_pos(check, q, mask, it, micro, seq, pos, logp, ok_s, old, ok_o, mu, ok
         v, d = _batch(mk, first, micro[j], lp, ov, oo)
         hit = v & (d > tol) & (seq[j] == q)
         if version is not None:
-            hit = hit & (_fresh(j, version, ok_v, step) | (not fresh_only))
+            fresh = version[j] == step
+            if ok_v is not None:
+                fresh = fresh & ok_v[j]
+            hit = hit & (fresh | (not fresh_only))
         best = min(best, np.int64(pos[j]) if hit else NONE)
     return best
 
