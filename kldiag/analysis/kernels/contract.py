@@ -11,7 +11,8 @@ how: conditions combined with & and |, values kept by a select, maxima of values
 sums reordered by fastmath "reassoc"); the block's lowest sequence with a token off comes with them, and its
 lowest position off is looked for in a second loop only when that sequence can be its cell's first (with
 rows in sequence order: once a step). Optional inputs come as None (a column the batch lacks, or all null;
-numba compiles a variant without their work) and their validity as None when they hold no null.
+numba compiles a variant without their work). Nulls come as values that compare as a null does (NaN log-probs,
+a weight version that is no step), but for pi_old's: a null there is not a NaN (pi_theta stands in for it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _batch(mk, first, mc, lp, ov, oo):  # pragma: no cover - compiled
 
 
 @njit(**SUMS_JIT)
-def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, ok_v, step, tol):  # pragma: no cover
+def block_sums(mask, it, micro, seq, logp, old, ok_o, mu, version, step, tol):  # pragma: no cover
     """Per check (parity, batch, batch_fresh) of one block's rows (column slices, all of `step`): tokens compared,
     tokens off, bits of the max |D|, sum |D|, lowest seq off (NONE: none); 15 values, check by check."""
     n0 = f0 = n1 = f1 = n2 = f2 = 0
@@ -56,8 +57,6 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
     q0 = q1 = q2 = NONE
     for j in range(len(mask)):
         mk, first, lp = mask[j], it[j] == 0, np.float64(logp[j])
-        if ok_s is not None:
-            lp = lp if ok_s[j] else np.nan  # null pi_theta: compared nowhere, as NaN
         if old is None:
             ov, oo = lp, False
         else:
@@ -65,8 +64,6 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
             oo = True if ok_o is None else ok_o[j]
         if mu is not None:
             v, d = _parity(mk, first, lp, ov, oo, np.float64(mu[j]))
-            if ok_m is not None:  # here, not in a helper: numba prunes a branch on a None argument of its own
-                v = v & ok_m[j]
             x = _kept(d, v)
             off = v & (x > tol)
             n0 += np.int64(v)
@@ -85,8 +82,6 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
             q1 = min(q1, np.int64(seq[j]) if off else NONE)
             if version is not None:
                 fresh = version[j] == step
-                if ok_v is not None:
-                    fresh = fresh & ok_v[j]
                 v, x, off = v & fresh, _kept(x, fresh), off & fresh
                 n2 += np.int64(v)
                 t2 += x
@@ -97,63 +92,42 @@ def block_sums(mask, it, micro, seq, logp, ok_s, old, ok_o, mu, ok_m, version, o
 
 
 @njit(**JIT)
-def first_pos(check, q, mask, it, micro, seq, pos, logp, ok_s, old, ok_o, mu, ok_m, version, ok_v, step,
+def first_pos(check, q, mask, it, micro, seq, pos, logp, old, ok_o, mu, version, step,
               tol):  # pragma: no cover - compiled
-    """The lowest pos of the block's tokens off in `check` whose seq is q (NONE: none); block_sums' conditions,
-    branch-free (vectorised)."""
+    """The lowest pos of the block's tokens off in `check` whose seq is q (NONE: none); block_sums' conditions.
+    A scalar loop (one check a row): it runs on a step's first block, HEAD rows, about once a step."""
     best = NONE
-    if check == 0:
-        if mu is None:
-            return best
-        for j in range(len(mask)):
-            mk, first, lp = mask[j], it[j] == 0, np.float64(logp[j])
-            if ok_s is not None:
-                lp = lp if ok_s[j] else np.nan
-            if old is None:
-                ov, oo = lp, False
-            else:
-                ov = np.float64(old[j])
-                oo = True if ok_o is None else ok_o[j]
-            v, d = _parity(mk, first, lp, ov, oo, np.float64(mu[j]))
-            if ok_m is not None:
-                v = v & ok_m[j]
-            hit = v & (d > tol) & (seq[j] == q)
-            best = min(best, np.int64(pos[j]) if hit else NONE)
-        return best
-    if old is None:  # no batch check without pi_old
-        return best
-    fresh_only = check == 2 and version is not None
     for j in range(len(mask)):
+        if seq[j] != q:
+            continue
         mk, first, lp = mask[j], it[j] == 0, np.float64(logp[j])
-        if ok_s is not None:
-            lp = lp if ok_s[j] else np.nan  # null pi_theta: compared nowhere, as NaN
-        ov, oo = np.float64(old[j]), True if ok_o is None else ok_o[j]  # old is not None: checks 1, 2
-        v, d = _batch(mk, first, micro[j], lp, ov, oo)
-        hit = v & (d > tol) & (seq[j] == q)
-        if version is not None:
-            fresh = version[j] == step
-            if ok_v is not None:
-                fresh = fresh & ok_v[j]
-            hit = hit & (fresh | (not fresh_only))
-        best = min(best, np.int64(pos[j]) if hit else NONE)
+        if old is None:
+            ov, oo = lp, False
+        else:
+            ov = np.float64(old[j])
+            oo = True if ok_o is None else ok_o[j]
+        if check == 0:
+            if mu is None:
+                return NONE
+            v, d = _parity(mk, first, lp, ov, oo, np.float64(mu[j]))
+        else:
+            v, d = _batch(mk, first, micro[j], lp, ov, oo)
+            if check == 2 and version is not None:
+                v = v & (version[j] == step)
+        if v and d > tol:
+            best = min(best, np.int64(pos[j]))
     return best
 
 
 @njit(**JIT)
-def _sl(a, i, j):  # pragma: no cover - compiled
-    """a[i:j], or None for an input the batch lacks."""
-    return None if a is None else a[i:j]
-
-
-@njit(**JIT)
-def contract_cells(starts, cells, keys, s, it, micro, seq, pos, mask, logp, ok_s, old, ok_o, mu, ok_m, version, ok_v,
+def contract_cells(starts, cells, keys, s, it, micro, seq, pos, mask, logp, old, ok_o, mu, version,
                    tol):  # pragma: no cover - compiled
     """([3, s] int64 n_tokens, [3, s] int64 n_off, [3, s] max |D|, [3, s] sum |D|, [3, s] first seq, [3, s] first
     pos); checks 0 parity (mu against pi_old, pi_theta at iteration 0 where pi_old is null), 1 batch (pi_theta against
     pi_old on micro 0 of iteration 0), 2 the tokens of 1 whose policy_version is their step. Rows come in the
     blocks of blocks.blocks (starts, keys: each block's step), block b in cell cells[b]. NONE marks a cell with no token
-    off. Inputs: [n] arrays of any numeric dtype (mask and ok_*: bool); old, mu, version None where absent; ok_*
-    None where the column holds no null."""
+    off. Inputs: [n] arrays of any numeric dtype (mask and ok_o: bool); old, mu, version None where absent; ok_o
+    (pi_old present) None where logp_old holds no null. logp and mu NaN at nulls, version no step of the batch."""
     n_tok = np.zeros((3, s), np.int64)
     n_off = np.zeros((3, s), np.int64)
     top = np.zeros((3, s), np.int64)  # bits of values >= +0.0
@@ -162,8 +136,13 @@ def contract_cells(starts, cells, keys, s, it, micro, seq, pos, mask, logp, ok_s
     f_pos = np.full((3, s), NONE, np.int64)
     for b in range(len(keys)):
         i, j, g, st = starts[b], starts[b + 1], cells[b], keys[b]
-        r = block_sums(mask[i:j], it[i:j], micro[i:j], seq[i:j], logp[i:j], _sl(ok_s, i, j), _sl(old, i, j),
-                       _sl(ok_o, i, j), _sl(mu, i, j), _sl(ok_m, i, j), _sl(version, i, j), _sl(ok_v, i, j), st, tol)
+        # the block's slices; the optional ones None where absent (numba prunes these branches on arguments)
+        bm, bi, bmc, bs, bp, bl = mask[i:j], it[i:j], micro[i:j], seq[i:j], pos[i:j], logp[i:j]
+        bo = None if old is None else old[i:j]
+        bko = None if ok_o is None else ok_o[i:j]
+        bmu = None if mu is None else mu[i:j]
+        bv = None if version is None else version[i:j]
+        r = block_sums(bm, bi, bmc, bs, bl, bo, bko, bmu, bv, st, tol)
         for c in range(3):
             cnt, off, mx, sm, q = (r[0], r[1], r[2], r[3], r[4]) if c == 0 else (
                 (r[5], r[6], r[7], r[8], r[9]) if c == 1 else (r[10], r[11], r[12], r[13], r[14]))
@@ -174,9 +153,7 @@ def contract_cells(starts, cells, keys, s, it, micro, seq, pos, mask, logp, ok_s
             top[c, g] = max(top[c, g], mx)
             tot[c, g] += sm
             if off and q <= f_seq[c, g]:
-                p = first_pos(c, q, mask[i:j], it[i:j], micro[i:j], seq[i:j], pos[i:j], logp[i:j], _sl(ok_s, i, j),
-                              _sl(old, i, j), _sl(ok_o, i, j), _sl(mu, i, j), _sl(ok_m, i, j), _sl(version, i, j),
-                              _sl(ok_v, i, j), st, tol)
+                p = first_pos(c, q, bm, bi, bmc, bs, bp, bl, bo, bko, bmu, bv, st, tol)
                 f_pos[c, g] = p if q < f_seq[c, g] else min(f_pos[c, g], p)
                 f_seq[c, g] = q
     return n_tok, n_off, top.view(np.float64), tot, f_seq, f_pos

@@ -54,7 +54,15 @@ def raw(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray
     bufs, off, n = col.buffers(), col.offset, len(col)
     if dtype is None:
         return bits(bufs[1], off, n), validity(col)
-    return np.frombuffer(bufs[1], dtype, count=off + n)[off:], validity(col)
+    return readonly(np.frombuffer(bufs[1], dtype, count=off + n)[off:]), validity(col)
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of `a`: the arrays a kernel reads all read-only, whether Arrow's buffer was mutable or not
+    (numba compiles one variant of a kernel per writeable flag)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def validity(col: pa.Array) -> np.ndarray | None:
@@ -70,15 +78,15 @@ def filled(batch: pa.RecordBatch, name: str, fill: Any) -> np.ndarray:
     everywhere when the batch lacks it."""
     values, valid = raw(batch, name)
     if values is None:
-        return np.full(batch.num_rows, fill, np.asarray(fill).dtype)
-    return values if valid is None else np.where(valid, values, fill)
+        return readonly(np.full(batch.num_rows, fill, np.asarray(fill).dtype))
+    return values if valid is None else readonly(np.where(valid, values, fill))
 
 
 def bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
     """[n] bool of an Arrow bitmap (validity or bool values) from bit `offset` (LSB first)."""
     start = offset // 8
     packed = np.frombuffer(buf, np.uint8, count=(offset + n + 7) // 8 - start, offset=start)
-    return np.unpackbits(packed, bitorder="little")[offset % 8:offset % 8 + n].view(bool)
+    return readonly(np.unpackbits(packed, bitorder="little")[offset % 8:offset % 8 + n].view(bool))
 
 
 def ratio(a: Any, n: Any) -> np.ndarray:

@@ -29,7 +29,7 @@ import pyarrow as pa
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import blocks as KB
 from kldiag.analysis.kernels import contract as KK
-from kldiag.analysis.reducers.base import ListReducer, filled, raw
+from kldiag.analysis.reducers.base import ListReducer, filled, raw, readonly
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")
@@ -38,9 +38,10 @@ CHECKS = ("parity", "batch", "batch_fresh")
 
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
     """The rows of one record batch (module docstring; one compiled pass, kernels.contract.contract_cells); None
-    when it has nothing to compare. Columns go to the kernel as stored: an optional one the batch lacks (or holds
-    nulls only) as None, which compiles its check out (no logp_sampler: no parity work)."""
-    (old, ok_o), (mu, ok_m), (version, ok_v) = (raw(batch, k) for k in ("logp_old", "logp_sampler", "policy_version"))
+    when it has nothing to compare. Columns go to the kernel as stored (base.raw: Arrow's buffers); an optional
+    one the batch lacks (or holds nulls only) as None, which compiles its check out (no logp_sampler: no parity
+    work). Nulls become values that compare as nulls do: NaN log-probs (a copy of a column that holds some)."""
+    (old, ok_o), (mu, ok_m) = raw(batch, "logp_old"), raw(batch, "logp_sampler")
     step = filled(batch, "step", 0)
     if not len(step) or (old is None and mu is None):  # no pi_old nor mu: neither check compares a token
         return None
@@ -52,13 +53,14 @@ def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | 
         steps, cells = np.unique(keys, return_inverse=True)
         cells = cells.reshape(-1).astype(np.int64)
     it, micro, seq, pos = (filled(batch, name, 0) for name in ("iteration", "micro", "seq", "pos"))
-    mask = filled(batch, "mask", False).astype(bool, copy=False)
-    logp, ok_s = raw(batch, "logp")
-    if logp is None:  # NaN: no token of either check, as with every pi_theta null
-        logp = np.full(len(step), np.nan, np.float32)
+    mask = readonly(filled(batch, "mask", False).astype(bool, copy=False))  # read-only: one compiled variant
+    logp = filled(batch, "logp", np.float32(np.nan))
+    mu = mu if ok_m is None else readonly(np.where(ok_m, mu, np.float32(np.nan)))
+    version, ok_v = raw(batch, "policy_version")
+    if ok_v is not None:  # a null version is no step's: never fresh
+        version = readonly(np.where(ok_v, version.astype(np.int64), lo - 1))
     n_tok, n_off, top, tot, f_seq, f_pos = KK.contract_cells(starts, cells, keys, len(steps), it, micro, seq, pos, mask,
-                                                             logp, ok_s, old, ok_o, mu, ok_m, version, ok_v,
-                                                             float(tol))
+                                                             logp, old, ok_o, mu, version, float(tol))
     c, g = np.nonzero(n_tok)
     if not len(c):
         return None
