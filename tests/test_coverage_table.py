@@ -65,3 +65,50 @@ def test_analyze_json_and_text_carry_it(tmp_path, capsys):
     head = next(line for line in out.splitlines() if line.lstrip().startswith("step "))
     assert "mismatch_kl" in head and "routed_differ" in head and "k3_mean" not in head
     assert "flagged: not measured" in out and "flagged: 0 of" not in out
+
+
+def _reference_counts(batch):
+    """batch_counts from its definition, in numpy: per step of the loss tokens, the non-null rows of each column."""
+    import numpy as np
+
+    from kldiag.analysis.reducers.coverage_table import COUNTED
+
+    n = batch.num_rows
+    mask = batch.column("mask").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    step = batch.column("step").to_numpy(zero_copy_only=False)
+    steps = np.unique(step[mask])
+    tokens = [(mask & (step == s)).sum() for s in steps]
+    out = {"step": steps.astype(np.int64), "n_tokens": np.asarray(tokens, np.int64)}
+    for name, column in COUNTED.items():
+        ok = (batch.column(column).is_valid().to_numpy(zero_copy_only=False) if column in batch.schema.names
+              else np.zeros(n, bool))
+        out[f"n_{name}"] = np.asarray([(mask & ok & (step == s)).sum() for s in steps], np.int64)
+    return out
+
+
+def test_batch_counts_equal_numpy_on_nulls_absent_columns_and_slices():
+    import numpy as np
+    import pyarrow as pa
+
+    from kldiag.analysis.reducers.coverage_table import batch_counts
+
+    rng = np.random.default_rng(0)
+    n = 9000
+    step = np.repeat(np.asarray([2, 5, 6, 1 << 40]), [3000, 2500, 3490, 10])  # a step past any offset range
+    step[4000:4010] = 2  # a step back: rows out of order
+    nulls = {k: rng.random(n) < 0.1 for k in ("mask", "logp_ref", "turn", "task", "route_differ")}
+    task = pa.array(rng.choice(["a", "b"], n), mask=nulls["task"])
+    cols = {"step": pa.array(step), "mask": pa.array(rng.random(n) < 0.8, mask=nulls["mask"]),
+            "logp_sampler": pa.array(rng.normal(size=n).astype(np.float32)),
+            "logp_ref": pa.array(rng.normal(size=n).astype(np.float32), mask=nulls["logp_ref"]),
+            "logp_old": pa.nulls(n, pa.float32()), "turn": pa.array(np.zeros(n, np.int16), mask=nulls["turn"]),
+            "route_differ": pa.array(np.ones(n, np.int16), mask=nulls["route_differ"]), "task": task}
+    b = pa.RecordBatch.from_pydict(cols)
+    variants = [b, b.slice(7, 5000), b.slice(3001, 17), b.slice(0, 0),
+                b.set_column(b.schema.get_field_index("task"), "task", task.dictionary_encode()).slice(5, 8000),
+                pa.RecordBatch.from_pydict({**cols, "mask": pa.array(np.zeros(n, bool))})]
+    for v in variants:
+        got, want = batch_counts(v), _reference_counts(v)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == np.int64 and np.array_equal(got[k], want[k]), (k, got[k], want[k])

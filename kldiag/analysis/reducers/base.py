@@ -49,6 +49,62 @@ def column(batch: pa.RecordBatch, name: str, fill: Any, dtype: Any,
     return values.astype(dtype, copy=copy), valid
 
 
+NUMERIC = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float32, np.float64)
+
+
+def raw(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(values [N], valid [N] bool, None where the column holds no null) of a numeric or bool column, read from
+    Arrow's buffers without a copy (bools unpacked from their bits; other types cast to float64): the values at
+    nulls are whatever the writer left there, to be read with `valid` (read-only: for a kernel that only reads).
+    (None, None) when the batch lacks the column or it holds nulls only."""
+    i = batch.schema.get_field_index(name)
+    if i < 0 or batch.column(i).null_count == batch.num_rows:
+        return None, None
+    col = batch.column(i)
+    if pa.types.is_boolean(col.type):
+        dtype = None
+    else:
+        dtype = col.type.to_pandas_dtype() if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) else None
+        if dtype not in NUMERIC:
+            col, dtype = col.cast(pa.float64()), np.float64
+    bufs, off, n = col.buffers(), col.offset, len(col)
+    if dtype is None:
+        return bits(bufs[1], off, n), validity(col)
+    return readonly(np.frombuffer(bufs[1], dtype, count=off + n)[off:]), validity(col)
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of `a`: the arrays a kernel reads all read-only, whether Arrow's buffer was mutable or not
+    (numba compiles one variant of a kernel per writeable flag)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def validity(col: pa.Array) -> np.ndarray | None:
+    """[N] bool, a column's non-null rows, from its validity bitmap; None when it holds no null."""
+    if not col.null_count:
+        return None
+    buf = col.buffers()[0]
+    return col.is_valid().to_numpy(zero_copy_only=False) if buf is None else bits(buf, col.offset, len(col))
+
+
+def filled(batch: pa.RecordBatch, name: str, fill: Any) -> np.ndarray:
+    """[N] values of a numeric or bool column as stored (raw: no copy where it holds no null), `fill` at nulls and
+    everywhere when the batch lacks it."""
+    values, valid = raw(batch, name)
+    if values is None:
+        return readonly(np.full(batch.num_rows, fill, np.asarray(fill).dtype))
+    return values if valid is None else readonly(np.where(valid, values, fill))
+
+
+def bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """[n] bool of an Arrow bitmap (validity or bool values) from bit `offset` (LSB first)."""
+    start = offset // 8
+    packed = np.frombuffer(buf, np.uint8, count=(offset + n + 7) // 8 - start, offset=start)
+    return readonly(np.unpackbits(packed, bitorder="little")[offset % 8:offset % 8 + n].view(bool))
+
+
 def ratio(a: Any, n: Any) -> np.ndarray:
     """a / n elementwise, float64; NaN where n is 0 (a mean of nothing is unknown, not 0)."""
     a, n = np.asarray(a, np.float64), np.asarray(n, np.float64)

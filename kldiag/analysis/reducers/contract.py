@@ -27,8 +27,9 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis.core import keyed
+from kldiag.analysis.kernels import blocks as KB
 from kldiag.analysis.kernels import contract as KK
-from kldiag.analysis.reducers.base import ListReducer, column
+from kldiag.analysis.reducers.base import ListReducer, filled, raw, readonly
 
 PARITY, BATCH, BATCH_FRESH = 0, 1, 2
 CHECKS = ("parity", "batch", "batch_fresh")
@@ -36,25 +37,30 @@ CHECKS = ("parity", "batch", "batch_fresh")
 
 
 def batch_partial(batch: pa.RecordBatch, tol: float) -> dict[str, np.ndarray] | None:
-    """The rows of one record batch (module docstring; one compiled loop, contract_kernel.contract_cells); None when
-    it has nothing to compare."""
-    step, _ = column(batch, "step", 0, np.int64, copy=False)
-    if not len(step):
+    """The rows of one record batch (module docstring; one compiled pass, kernels.contract.contract_cells); None
+    when it has nothing to compare. Columns go to the kernel as stored (base.raw: Arrow's buffers); an optional
+    one the batch lacks (or holds nulls only) as None, which compiles its check out (no logp_sampler: no parity
+    work). Nulls become values that compare as nulls do: NaN log-probs (a copy of a column that holds some)."""
+    (old, ok_o), (mu, ok_m) = raw(batch, "logp_old"), raw(batch, "logp_sampler")
+    step = filled(batch, "step", 0)
+    if not len(step) or (old is None and mu is None):  # no pi_old nor mu: neither check compares a token
         return None
-    lo, hi = int(step.min()), int(step.max())
+    starts, keys = KB.blocks(step)
+    lo, hi = int(keys.min()), int(keys.max())
     if hi - lo < 1 << 16:  # a batch's steps are a short range: an offset, no sort
-        steps, sidx = np.arange(lo, hi + 1, dtype=np.int64), step - lo
+        steps, cells = np.arange(lo, hi + 1, dtype=np.int64), keys - lo
     else:
-        steps, sidx = np.unique(step, return_inverse=True)
-    version, ok_v = column(batch, "policy_version", -1, np.int64, copy=False)
-    cols = [column(batch, name, fill, dt, copy=False) for name, fill, dt in (
-        ("iteration", 0, np.int64), ("micro", 0, np.int64), ("seq", 0, np.int64), ("pos", 0, np.int64),
-        ("mask", False, bool), ("logp", np.nan, np.float32), ("logp_old", np.nan, np.float32),
-        ("logp_sampler", np.nan, np.float32))]
-    (it, _), (micro, _), (seq, _), (pos, _), (mask, _), (logp, ok_s), (old, ok_o), (mu, ok_m) = cols
-    n_tok, n_off, top, tot, f_seq, f_pos = KK.contract_cells(sidx.reshape(-1).astype(np.int64), len(steps), it, micro,
-                                                             seq, pos, mask, logp, ok_s, old, ok_o, mu, ok_m,
-                                                             ok_v & (version == step), float(tol))
+        steps, cells = np.unique(keys, return_inverse=True)
+        cells = cells.reshape(-1).astype(np.int64)
+    it, micro, seq, pos = (filled(batch, name, 0) for name in ("iteration", "micro", "seq", "pos"))
+    mask = readonly(filled(batch, "mask", False).astype(bool, copy=False))  # read-only: one compiled variant
+    logp = filled(batch, "logp", np.float32(np.nan))
+    mu = mu if ok_m is None else readonly(np.where(ok_m, mu, np.float32(np.nan)))
+    version, ok_v = raw(batch, "policy_version")
+    if ok_v is not None:  # a null version is no step's: never fresh
+        version = readonly(np.where(ok_v, version.astype(np.int64), lo - 1))
+    n_tok, n_off, top, tot, f_seq, f_pos = KK.contract_cells(starts, cells, keys, len(steps), it, micro, seq, pos, mask,
+                                                             logp, old, ok_o, mu, version, float(tol))
     c, g = np.nonzero(n_tok)
     if not len(c):
         return None

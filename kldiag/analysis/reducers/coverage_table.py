@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 
 from kldiag.analysis.core import keyed
+from kldiag.analysis.kernels import blocks as KB
+from kldiag.analysis.reducers.base import filled, validity
 from kldiag.analysis.reducers.topk import TopkReducer
 from kldiag.analysis.runtime.runner import reduced
 
@@ -35,19 +37,19 @@ INPUTS = (*COUNTED, *TOPK)
 
 
 def batch_counts(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """Per step of the batch's loss tokens: n_tokens and n_<input> (keyed.reduce_by_key form). A column with no
-    null (or only nulls) costs no per-row work: its count is the step's tokens (or 0)."""
-    mask_col = batch.column("mask")
-    mask = mask_col.to_numpy(zero_copy_only=False).astype(bool, copy=False)
-    step = batch.column("step").to_numpy(zero_copy_only=False)[mask].astype(np.int64, copy=False)
-    if not len(step):
+    """Per step of the batch's loss tokens: n_tokens and n_<input> (keyed.reduce_by_key form). Counted per block
+    of one step (kernels.blocks) from Arrow's buffers as stored (base.raw); a column with no null (or only
+    nulls) costs no per-row work: its count is the step's tokens (or 0)."""
+    mask = filled(batch, "mask", False).astype(bool, copy=False)
+    starts, keys = KB.blocks(filled(batch, "step", 0))
+    per_block = KB.block_counts(starts, mask, None)
+    if not per_block.sum():
         return _empty()
-    lo = int(step.min())
-    idx = step - lo
-    width = int(idx.max()) + 1
-    tokens = np.bincount(idx, minlength=width)
+    steps, cells = np.unique(keys, return_inverse=True)  # one key a block: a few hundred a batch
+    cells = cells.reshape(-1)
+    tokens = _by_step(cells, per_block, len(steps))
     keep = tokens > 0
-    out = {"step": np.arange(lo, lo + width, dtype=np.int64)[keep], "n_tokens": tokens[keep].astype(np.int64)}
+    out = {"step": steps[keep].astype(np.int64), "n_tokens": tokens[keep]}
     for name, column in COUNTED.items():
         i = batch.schema.get_field_index(column)
         col = batch.column(i) if i >= 0 else None
@@ -56,8 +58,15 @@ def batch_counts(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         elif not col.null_count:
             out[f"n_{name}"] = out["n_tokens"].copy()
         else:
-            valid = col.is_valid().to_numpy(zero_copy_only=False)[mask]
-            out[f"n_{name}"] = np.bincount(idx, weights=valid, minlength=width)[keep].astype(np.int64)
+            counts = KB.block_counts(starts, mask, validity(col))
+            out[f"n_{name}"] = _by_step(cells, counts, len(steps))[keep]
+    return out
+
+
+def _by_step(cells: np.ndarray, per_block: np.ndarray, n: int) -> np.ndarray:
+    """[n] int64: the blocks' counts summed by their step's cell."""
+    out = np.zeros(n, np.int64)
+    np.add.at(out, cells, per_block)
     return out
 
 
