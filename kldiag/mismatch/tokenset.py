@@ -141,11 +141,18 @@ FLOAT_COLUMNS = ("logp", "logp_old", "logp_ref", "logp_sampler", "advantage", "e
 def columns_of(t: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
     """The COLUMNS of a table as compact arrays: ints (-1 where null), floats as stored (NaN where
     null), mask (false where null) and old_valid (logp_old recorded)."""
-    out = {c: pc.fill_null(t.column(c), -1).to_numpy(zero_copy_only=False) for c in INT_COLUMNS}
-    out.update({c: t.column(c).to_numpy(zero_copy_only=False) for c in FLOAT_COLUMNS})
-    out["mask"] = pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
-    out["old_valid"] = t.column("logp_old").is_valid().to_numpy(zero_copy_only=False)
-    return out
+    return {c: column_of(t, c) for c in (*INT_COLUMNS, *FLOAT_COLUMNS, "mask", "old_valid")}
+
+
+def column_of(t: pa.Table | pa.RecordBatch, c: str) -> np.ndarray:
+    """One of columns_of's arrays."""
+    if c == "mask":
+        return pc.fill_null(t.column("mask"), False).to_numpy(zero_copy_only=False).astype(bool)
+    if c == "old_valid":
+        return t.column("logp_old").is_valid().to_numpy(zero_copy_only=False)
+    if c in FLOAT_COLUMNS:
+        return t.column(c).to_numpy(zero_copy_only=False)
+    return pc.fill_null(t.column(c), -1).to_numpy(zero_copy_only=False)
 
 
 def chunks(v) -> list[np.ndarray]:

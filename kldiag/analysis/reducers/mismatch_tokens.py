@@ -10,7 +10,10 @@ on-policy) and m = logp_sampler (the engine's log mu),
 `MismatchTokensReducer` (the reducer protocol, reduce.py) keeps the `keep` tokens with the largest
 |mismatch| (`w_` arrays) and the `keep` tokens routed differently (route_differ > 0: format v1.3, both
 sides' routes recorded; `r_` arrays), the largest |mismatch| first, then by (step, seq, pos) so that a
-merge of cached or parallel partials selects the same rows as a serial pass.
+merge of cached or parallel partials selects the same rows as a serial pass. A batch's rows are cut to
+the candidates at or above the running keep-th |mismatch| by one compiled pass (kernels/mismatch_top.py,
+about 1.5 ns a row), from the part's selection so far: `select` then ranks those few. A batch without
+logp_sampler or route_differ values (absent or all null) is skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from kldiag.analysis.core.batch import bools
+from kldiag.analysis.kernels.mismatch_top import INF32, top_candidates
+from kldiag.format import ROUTE_DIFFER, ROUTE_LAYERS
 
 KEYS = ("step", "iteration", "seq", "pos", "token_id")
 FIELDS = (*KEYS, "logp_old", "logp_sampler", "mismatch", "route_differ", "route_layers")
@@ -50,16 +57,6 @@ def select(rows: list[dict[str, np.ndarray]], keep: int) -> dict[str, np.ndarray
     return {k: v[order] for k, v in cat.items()}
 
 
-def _top(size: np.ndarray, rows: np.ndarray, keep: int) -> np.ndarray:
-    """Of `rows`, those that can be among the `keep` largest `size`: every row at or above the keep-th largest
-    (ties all kept, so `select` breaks them by key as a serial pass would); a cheap cut before the sort."""
-    if len(rows) <= 4 * keep:
-        return rows
-    s = size[rows]
-    cut = np.partition(s, len(s) - keep)[len(s) - keep]
-    return rows[s >= cut]
-
-
 def _float(batch: pa.RecordBatch, name: str) -> np.ndarray:
     """A log-prob column as stored (float32), NaN where null: no fill or widening pass over the batch."""
     i = batch.schema.get_field_index(name)
@@ -68,38 +65,56 @@ def _float(batch: pa.RecordBatch, name: str) -> np.ndarray:
     return batch.column(i).to_numpy(zero_copy_only=False)
 
 
-def batch_rows(batch: pa.RecordBatch, keep: int) -> dict[str, dict[str, np.ndarray]]:
+def _present(batch: pa.RecordBatch, name: str) -> bool:
+    """Whether the batch has a non-null value of column `name` (from the schema and the null count)."""
+    i = batch.schema.get_field_index(name)
+    return i >= 0 and batch.column(i).null_count < batch.num_rows
+
+
+def floors(state: dict, keep: int) -> tuple[float, float]:
+    """The sizes a row must reach to enter the selections `state` holds ("w_", "r_"): the keep-th |mismatch|
+    of a full selection (ranked as `select` ranks: NaN -1, inf first), else 0 and -1 (any row)."""
+    out = []
+    for p, none in (("w_", 0.0), ("r_", -1.0)):
+        m = state[p]["mismatch"] if p in state else ()
+        out.append(float(np.nan_to_num(np.abs(m), nan=-1.0, posinf=np.inf).min()) if len(m) >= keep else none)
+    return out[0], out[1]
+
+
+def batch_rows(batch: pa.RecordBatch, keep: int,
+               floor: tuple[float, float] = (0.0, -1.0)) -> dict[str, dict[str, np.ndarray]]:
     """The batch's candidates (FIELDS) for the largest |mismatch| ("w_") and the routed-differently tokens
-    ("r_"): the per-token work is the mismatch and a partition; the other columns are gathered at the few
-    candidate rows only."""
-    mask = _num(batch, "mask", False, bool)
-    i = batch.schema.get_field_index("logp_sampler")
-    has_mu = i >= 0 and batch.column(i).null_count < batch.num_rows
-    j = batch.schema.get_field_index("route_differ")
-    has_routes = j >= 0 and batch.column(j).null_count < batch.num_rows
-    if not (has_mu or has_routes):
+    ("r_"), at or above `floor` (floors' of the selection so far): the per-token work is one compiled pass
+    (kernels/mismatch_top.py); the other columns are gathered at the few candidate rows only."""
+    has_mu, has_routes = _present(batch, "logp_sampler"), _present(batch, ROUTE_DIFFER)
+    if keep < 1 or not (has_mu or has_routes):
         return {}
-    logp, o = _float(batch, "logp"), _float(batch, "logp_old")
-    old = np.where(np.isnan(o), logp, o)
-    mu = _float(batch, "logp_sampler")
-    with np.errstate(invalid="ignore", over="ignore"):
-        mism = old - mu  # NaN where either is null or not finite (inf - inf, and inf - x, left out below)
-        size = np.abs(mism)
-    size = np.where(np.isfinite(size), size, -1.0)
-    differ = _num(batch, "route_differ", 0, np.int64) if has_routes else np.zeros(batch.num_rows, np.int64)
-    picks = {"w_": _top(size, np.flatnonzero(mask & (size >= 0)), keep),
-             "r_": _top(size, np.flatnonzero(mask & (differ > 0)), keep)}
+    mask = bools(batch, "mask") if "mask" in batch.schema.names else np.zeros(batch.num_rows, bool)
+    logp, o, mu = _float(batch, "logp"), _float(batch, "logp_old"), _float(batch, "logp_sampler")
+    differ = _int(batch, ROUTE_DIFFER) if has_routes else np.zeros(0, np.int16)
+    rows_w, rows_r = top_candidates(mask, logp, o, mu, differ, has_routes, keep, *floor, INF32)
     out = {}
-    for p, rows in picks.items():
+    for p, rows in (("w_", rows_w), ("r_", rows_r)):
         if not len(rows):
             continue
-        taken = batch.select([c for c in (*KEYS, "route_layers") if c in batch.schema.names]).take(pa.array(rows))
+        taken = batch.select([c for c in (*KEYS, ROUTE_LAYERS) if c in batch.schema.names]).take(pa.array(rows))
+        o_r, mu_r = o[rows], mu[rows]
+        old = np.where(np.isnan(o_r), logp[rows], o_r)
+        with np.errstate(invalid="ignore", over="ignore"):
+            mism = old - mu_r  # float32, as stored; NaN where either is null or inf - inf
         row = {k: _num(taken, k, -1, np.int64) for k in KEYS}
-        row.update(logp_old=old[rows].astype(np.float64), logp_sampler=mu[rows].astype(np.float64),
-                   mismatch=mism[rows].astype(np.float64), route_differ=differ[rows],
-                   route_layers=_num(taken, "route_layers", 0, np.int64))
+        row.update(logp_old=old.astype(np.float64), logp_sampler=mu_r.astype(np.float64),
+                   mismatch=mism.astype(np.float64),
+                   route_differ=differ[rows].astype(np.int64) if has_routes else np.zeros(len(rows), np.int64),
+                   route_layers=_num(taken, ROUTE_LAYERS, 0, np.int64))
         out[p] = row
     return out
+
+
+def _int(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """An integer column as stored, 0 where null."""
+    col = batch.column(batch.schema.get_field_index(name))
+    return (pc.fill_null(col, 0) if col.null_count else col).to_numpy(zero_copy_only=False)
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,7 @@ class MismatchTokensReducer:
 
     keep: int = 100
     name: str = "mismatch_tokens"
-    version: int = 1
+    version: int = 2  # 2: a routed token of infinite |mismatch| always ranked first (the batch cut dropped it)
     columns: tuple[str, ...] = ("step", "iteration", "seq", "pos", "token_id", "mask", "logp", "logp_old",
                                 "logp_sampler", "route_differ", "route_layers")
 
@@ -121,7 +136,7 @@ class MismatchTokensReducer:
     def add(self, state: dict, batch: pa.RecordBatch) -> None:
         if not batch.num_rows:
             return
-        for p, rows in batch_rows(batch, self.keep).items():
+        for p, rows in batch_rows(batch, self.keep, floors(state, self.keep)).items():
             state[p] = select([state[p], rows], self.keep)
 
     def finish(self, state: dict, dropped: int) -> dict[str, np.ndarray]:
