@@ -304,16 +304,19 @@ def _piece(k0, k1, pit, b, mm_, x_, k_, w_, cnt_, grid, gmax):  # pragma: no cov
         else:
             p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
         pit, k0 = pit + 1, k0 + 1
-    for pb, hi in ((3, 8), (4, 32), (5, 1 << 62)):  # the longer bins, in turn: a run of one cell each
-        if k0 < k1 and pit < hi:
-            k = min(k1, k0 + hi - pit)
-            if k - k0 >= LONG:
-                acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
-            else:
-                acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
-            _add_cell(grid, gmax, b, pb, acc, amax)
-            p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
-            pit, k0 = pit + (k - k0), k
+    # The longer bins, in turn: a run of one cell each. A loop, not one over the bins' (pb, hi) tuple: numba
+    # unrolls that, and the three copies of both sums (twice, fold inlines _piece twice) made fold 25% slower.
+    while k0 < k1:
+        pb = 3 if pit < 8 else (4 if pit < 32 else 5)
+        hi = 8 if pit < 8 else (32 if pit < 32 else 1 << 62)  # the bin's end (POS_EDGES)
+        k = min(k1, k0 + hi - pit)
+        if k - k0 >= LONG:
+            acc, amax = _cell_sums(mm_[k0:k], x_[k0:k], k_[k0:k], w_[k0:k], cnt_[k0:k])
+        else:
+            acc, amax = _short_sums(mm_, x_, k_, w_, cnt_, k0, k)
+        _add_cell(grid, gmax, b, pb, acc, amax)
+        p_abs, p_n = p_abs + acc[G_MABS], p_n + acc[G_NM]
+        pit, k0 = pit + (k - k0), k
     return pit, p_abs, p_n, first_abs, first_n
 
 
