@@ -396,3 +396,38 @@ def test_fold_keeps_only_spans_that_can_be_examples_and_the_examples_are_unchang
         np.testing.assert_array_equal(got[f"ex_{k}"], want[k], err_msg=k)
     for k in TU.SUMS:
         np.testing.assert_array_equal(got[k], every[k], err_msg=k)
+
+
+def test_turns_across_every_position_bin_edge_and_chunk_edge():
+    """Turns of every length around the position bins' edges (3, 8, 32) and longer than a kernel chunk, some cut
+    by the chunk's end, with nulls and NaN: the one-pass fold (turn_kernel._piece's runs of one cell) against
+    the numpy reference; counts exactly, sums to float rounding (numpy adds in another order)."""
+    from kldiag.analysis.kernels.turns import CHUNK
+
+    rng = np.random.default_rng(8)
+    lengths = [1, 2, 3, 4, 5, 7, 8, 9, 10, 31, 32, 33, 34, CHUNK + 40, 2, 3, 9, 33]
+    mask, seq = [], []
+    for q in range(3):  # three sequences, each every length once (the last cut from the first by an offset)
+        for length in lengths[q:] + lengths[:q]:
+            mask += [False] * int(rng.integers(1, 3)) + [True] * length
+            seq += [q] * (len(mask) - len(seq))
+    n = len(mask)
+    cols = {"step": np.zeros(n, np.int64), "iteration": np.zeros(n, np.int64), "seq": np.array(seq),
+            "pos": np.concatenate([np.arange(np.sum(np.array(seq) == q)) for q in range(3)]).astype(np.int32),
+            "mask": np.array(mask)}
+    logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
+    logp["logp_sampler"][::41] = np.nan
+    logp["logp_ref"][::13] -= 9  # flagged tokens
+    arrays = {k: pa.array(v) for k, v in cols.items()}
+    arrays.update({k: pa.array(v, mask=rng.random(n) < 0.1) for k, v in logp.items()})
+    batch = pa.RecordBatch.from_pydict(arrays)
+    t = TU._columns(batch)
+    got = TU.batch_partial(t, 0, (E.TAU, E.WEIGHT_LIMIT, E.CLAMP), 8, check=True)
+    assert got is not None and n > 2 * CHUNK
+    want = _reference_grid({**t, "turn": None})
+    assert want["tokens"][:, 3:].sum() > 0 and want["tokens"][:, 5].sum() > 0
+    for k in TU.SUMS:
+        if k in ("tokens", "n_mismatch", "n_drift", "n_weight", "flagged"):
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
