@@ -431,3 +431,41 @@ def test_turns_across_every_position_bin_edge_and_chunk_edge():
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
         else:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("absent", [("logp_ref",), ("logp_old",), ("logp_old", "logp_ref")])
+def test_fold_without_a_columns_expm1_gives_the_same_partial(absent):
+    """Where no row has logp_old (on-policy) or logp_ref, fold leaves out that column's expm1 (turn_kernel._tokens_of):
+    the same sums, bit for bit, as the full computation, and as the reducer gives."""
+    from kldiag.analysis.kernels.turns import fold
+
+    rng = np.random.default_rng(9)
+    n = 3000
+    lp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
+    lp["logp"][::101] = np.nan  # a non-finite logp: its drift is not finite either way
+    lp["logp"][::103] = 0.3
+    arrays = {"step": pa.array(np.repeat(np.arange(3), n // 3)), "iteration": pa.array(np.zeros(n, np.int64)),
+              "seq": pa.array(np.repeat(np.arange(30), n // 30)), "pos": pa.array(np.tile(np.arange(n // 30), 30)),
+              "mask": pa.array(rng.random(n) < 0.9)}
+    arrays.update({k: pa.nulls(n, pa.float32()) if k in absent else pa.array(v, mask=rng.random(n) < 0.1)
+                   for k, v in lp.items()})
+    t = TU._columns(pa.RecordBatch.from_pydict(arrays))
+    th = (E.TAU, E.WEIGHT_LIMIT, E.CLAMP)
+
+    def folded(has):
+        grid, gmax = np.zeros((TU.N_TURN, TU.N_POS, len(TU.SUMS))), np.full((TU.N_TURN, TU.N_POS), -np.inf)
+        steps, seqs = np.zeros((3, TU.N_TURN, 4)), np.zeros(4)
+        params = np.array([np.log(E.TAU), E.WEIGHT_LIMIT, E.CLAMP, 0.0, -np.inf])
+        spans, k = fold(t["step"], t["iteration"], t["seq"], t["pos"], t["step"], 0, t["mask"], np.zeros(0, np.int64),
+                        t["logp"], t["logp_old"], t["valid_logp_old"], t["logp_ref"], t["valid_logp_ref"],
+                        t["logp_sampler"], t["valid_logp_sampler"], np.array(has, np.int64), params, True, grid, gmax,
+                        steps, seqs, 8)
+        return grid, gmax, steps, seqs, spans[:k]
+
+    full = folded([1, 1])
+    skipped = folded(["logp_old" not in absent, "logp_ref" not in absent])
+    for a, b in zip(full, skipped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    got = TU.batch_partial(t, 0, th, 8)
+    np.testing.assert_array_equal(got["drift_k3"], full[0][:, :, TU.SUMS.index("drift_k3")])
+    assert got["n_drift"].sum() > 0 and (got["n_weight"].sum() > 0) == ("logp_ref" not in absent)
