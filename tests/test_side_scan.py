@@ -64,3 +64,17 @@ def test_a_column_of_nulls_counts_nothing():
     for s in (1, 2):
         assert without[s][1] == without[s][2] == 0.0 and without[s][0] == with_ent[s][0] > 0
         np.testing.assert_array_equal(without[s][3:], with_ent[s][3:])
+
+
+def test_no_sampler_takes_no_exp_and_gives_the_same_sums():
+    """has_m False (no row has logp_sampler): the sums of the full computation, bit for bit."""
+    rng = np.random.default_rng(2)
+    n = 2 * CHUNK + 5
+    step = np.repeat(np.array([1, 2, 1], np.int64), [CHUNK + 3, CHUNK, 2])
+    logp, old, ent = (-rng.exponential(1.0, n).astype(np.float32) for _ in range(3))
+    smp = np.full(n, np.nan, np.float32)
+    args = (step, rng.random(n) < 0.7, logp, old, smp, ent, LOG_CONF)
+    full, skipped = run_sums(*args), run_sums(*args, False)
+    np.testing.assert_array_equal(full[0], skipped[0])
+    np.testing.assert_array_equal(full[1], skipped[1])
+    assert (skipped[1][:, 4:] == 0).all() and (skipped[1][:, 0] > 0).all()

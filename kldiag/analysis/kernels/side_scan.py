@@ -27,12 +27,14 @@ def _kept(v, ok):  # pragma: no cover - compiled
 
 
 @njit(inline="always", **SUMS_JIT)
-def _chunk(step, mask, logp, old, smp, ent, log_confident, s0):  # pragma: no cover - compiled
+def _chunk(step, mask, logp, old, smp, ent, log_confident, s0, has_m):  # pragma: no cover - compiled
     """(SUMS over one chunk's rows (column slices), the count of rows whose step is not s0): a branch-free
     loop over range(len) that LLVM vectorises, fastexp's exp (within 1 ulp of numpy's); float64 inside.
     Conditions are 0/1 integers and values are kept by masking their bits (_kept): a select on a bool
     load, or counts kept as floats, kept the loop from vectorising. The step compare rides in the same
-    loop, so that the step column is read once and a run's end found without a scalar pass over rows."""
+    loop, so that the step column is read once and a run's end found without a scalar pass over rows.
+    has_m: a constant (_chunk_of), False where no row has logp_sampler: tmpe is NaN there (exp of NaN), and the
+    compiler drops the exp."""
     n = n_ent = n_conf = n_smp = off = 0
     sum_ent = sum_tmpe = 0.0
     for i in range(len(mask)):
@@ -41,7 +43,7 @@ def _chunk(step, mask, logp, old, smp, ent, log_confident, s0):  # pragma: no co
         s, o = np.float64(logp[i]), np.float64(old[i])  # widened: float32 in, float64 inside
         m, e = np.float64(smp[i]), np.float64(ent[i])
         o = s if o != o else o  # null logp_old: on-policy, pi_old is pi_theta
-        tmpe = fastexp.exp(abs(o - m))
+        tmpe = fastexp.exp(abs(o - m)) if has_m else m
         e_ok, t_ok = mk & np.int64(finite(e)), mk & np.int64(finite(tmpe))
         n += mk
         n_ent += e_ok
@@ -53,12 +55,13 @@ def _chunk(step, mask, logp, old, smp, ent, log_confident, s0):  # pragma: no co
 
 
 @njit(**SUMS_JIT)
-def run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
+def run_sums(step, mask, logp, old, smp, ent, log_confident, has_m=True):  # pragma: no cover - compiled
     """SUMS of each run of equal consecutive steps: (run steps [R], sums [R, 6]); float64 inside.
 
     A run is summed in chunks of CHUNK rows from its first row. Each chunk is summed on the guess that its
     rows are all of the run's step (_chunk counts those that are not); where one is not, the rows up to it
-    are summed again and a new run starts there: one vectorised pass, a scalar look only at runs' ends."""
+    are summed again and a new run starts there: one vectorised pass, a scalar look only at runs' ends.
+    has_m False: no row has logp_sampler (smp all NaN), and no exp is taken."""
     n = len(step)
     steps, sums = np.empty(16, np.int64), np.zeros((16, N_SUMS))
     r, a = -1, 0
@@ -70,17 +73,26 @@ def run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cove
                 steps, sums = _grown(steps, sums, r)
             steps[r] = s0
         c1 = min(a + CHUNK, n)
-        got, off = _chunk(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident, s0)
+        got, off = _chunk_of(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident, s0,
+                             has_m)
         if off:  # the run ends inside the chunk: its rows up to there
             c1 = a + 1
             while step[c1] == s0:
                 c1 += 1
-            got, off = _chunk(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident,
-                              s0)
+            got, off = _chunk_of(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident,
+                                 s0, has_m)
         for q in range(N_SUMS):
             sums[r, q] += got[q]
         a = c1
     return steps[:r + 1].copy(), sums[:r + 1].copy()
+
+
+@njit(inline="always", **SUMS_JIT)
+def _chunk_of(step, mask, logp, old, smp, ent, log_confident, s0, has_m):  # pragma: no cover - compiled
+    """_chunk with has_m as a constant: one loop each way."""
+    if has_m:
+        return _chunk(step, mask, logp, old, smp, ent, log_confident, s0, True)
+    return _chunk(step, mask, logp, old, smp, ent, log_confident, s0, False)
 
 
 @njit(**JIT)

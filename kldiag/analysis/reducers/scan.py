@@ -49,9 +49,9 @@ def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np
             return _nans(len(c))
         return c.to_numpy(zero_copy_only=False)  # float32, NaN where null; Arrow's buffer where none is
 
-    step = batch.column("step").to_numpy(zero_copy_only=False)
+    step, smp = batch.column("step").to_numpy(zero_copy_only=False), batch.column("logp_sampler")
     steps, sums = run_sums(step, bools(batch, "mask"), col("logp"), col("logp_old"), col("logp_sampler"),
-                           col("entropy"), math.log(confident_p))
+                           col("entropy"), math.log(confident_p), smp.null_count < len(smp))
     out: dict[int, np.ndarray] = {}
     for s, v in zip(steps.tolist(), sums, strict=True):  # a step split in runs: its runs summed in row order
         out[s] = out[s] + v if s in out else v
