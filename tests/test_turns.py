@@ -396,3 +396,76 @@ def test_fold_keeps_only_spans_that_can_be_examples_and_the_examples_are_unchang
         np.testing.assert_array_equal(got[f"ex_{k}"], want[k], err_msg=k)
     for k in TU.SUMS:
         np.testing.assert_array_equal(got[k], every[k], err_msg=k)
+
+
+def test_turns_across_every_position_bin_edge_and_chunk_edge():
+    """Turns of every length around the position bins' edges (3, 8, 32) and longer than a kernel chunk, some cut
+    by the chunk's end, with nulls and NaN: the one-pass fold (turn_kernel._piece's runs of one cell) against
+    the numpy reference; counts exactly, sums to float rounding (numpy adds in another order)."""
+    from kldiag.analysis.kernels.turns import CHUNK
+
+    rng = np.random.default_rng(8)
+    lengths = [1, 2, 3, 4, 5, 7, 8, 9, 10, 31, 32, 33, 34, CHUNK + 40, 2, 3, 9, 33]
+    mask, seq = [], []
+    for q in range(3):  # three sequences, each every length once (the last cut from the first by an offset)
+        for length in lengths[q:] + lengths[:q]:
+            mask += [False] * int(rng.integers(1, 3)) + [True] * length
+            seq += [q] * (len(mask) - len(seq))
+    n = len(mask)
+    cols = {"step": np.zeros(n, np.int64), "iteration": np.zeros(n, np.int64), "seq": np.array(seq),
+            "pos": np.concatenate([np.arange(np.sum(np.array(seq) == q)) for q in range(3)]).astype(np.int32),
+            "mask": np.array(mask)}
+    logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
+    logp["logp_sampler"][::41] = np.nan
+    logp["logp_ref"][::13] -= 9  # flagged tokens
+    arrays = {k: pa.array(v) for k, v in cols.items()}
+    arrays.update({k: pa.array(v, mask=rng.random(n) < 0.1) for k, v in logp.items()})
+    batch = pa.RecordBatch.from_pydict(arrays)
+    t = TU._columns(batch)
+    got = TU.batch_partial(t, 0, (E.TAU, E.WEIGHT_LIMIT, E.CLAMP), 8, check=True)
+    assert got is not None and n > 2 * CHUNK
+    want = _reference_grid({**t, "turn": None})
+    assert want["tokens"][:, 3:].sum() > 0 and want["tokens"][:, 5].sum() > 0
+    for k in TU.SUMS:
+        if k in ("tokens", "n_mismatch", "n_drift", "n_weight", "flagged"):
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("absent", [("logp_ref",), ("logp_old",), ("logp_old", "logp_ref")])
+def test_fold_without_a_columns_expm1_gives_the_same_partial(absent):
+    """Where no row has logp_old (on-policy) or logp_ref, fold leaves out that column's expm1 (turn_kernel._tokens_of):
+    the same sums, bit for bit, as the full computation, and as the reducer gives."""
+    from kldiag.analysis.kernels.turns import fold
+
+    rng = np.random.default_rng(9)
+    n = 3000
+    lp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
+    lp["logp"][::101] = np.nan  # a non-finite logp: its drift is not finite either way
+    lp["logp"][::103] = 0.3
+    arrays = {"step": pa.array(np.repeat(np.arange(3), n // 3)), "iteration": pa.array(np.zeros(n, np.int64)),
+              "seq": pa.array(np.repeat(np.arange(30), n // 30)), "pos": pa.array(np.tile(np.arange(n // 30), 30)),
+              "mask": pa.array(rng.random(n) < 0.9)}
+    arrays.update({k: pa.nulls(n, pa.float32()) if k in absent else pa.array(v, mask=rng.random(n) < 0.1)
+                   for k, v in lp.items()})
+    t = TU._columns(pa.RecordBatch.from_pydict(arrays))
+    th = (E.TAU, E.WEIGHT_LIMIT, E.CLAMP)
+
+    def folded(has):
+        grid, gmax = np.zeros((TU.N_TURN, TU.N_POS, len(TU.SUMS))), np.full((TU.N_TURN, TU.N_POS), -np.inf)
+        steps, seqs = np.zeros((3, TU.N_TURN, 4)), np.zeros(4)
+        params = np.array([np.log(E.TAU), E.WEIGHT_LIMIT, E.CLAMP, 0.0, -np.inf])
+        spans, k = fold(t["step"], t["iteration"], t["seq"], t["pos"], t["step"], 0, t["mask"], np.zeros(0, np.int64),
+                        t["logp"], t["logp_old"], t["valid_logp_old"], t["logp_ref"], t["valid_logp_ref"],
+                        t["logp_sampler"], t["valid_logp_sampler"], np.array(has, np.int64), params, True, grid, gmax,
+                        steps, seqs, 8)
+        return grid, gmax, steps, seqs, spans[:k]
+
+    full = folded([1, 1])
+    skipped = folded(["logp_old" not in absent, "logp_ref" not in absent])
+    for a, b in zip(full, skipped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    got = TU.batch_partial(t, 0, th, 8)
+    np.testing.assert_array_equal(got["drift_k3"], full[0][:, :, TU.SUMS.index("drift_k3")])
+    assert got["n_drift"].sum() > 0 and (got["n_weight"].sum() > 0) == ("logp_ref" not in absent)

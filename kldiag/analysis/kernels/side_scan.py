@@ -16,51 +16,88 @@ from kldiag.jit import njit
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 SUMS_JIT = dict(JIT, fastmath={"reassoc", "contract", "nsz"})  # vectorised sums; NaN and inf kept (fused.py)
 CHUNK = 1024  # rows per vectorised chunk
+N_SUMS = 6
+
+
+@njit(inline="always", **JIT)
+def _kept(v, ok):  # pragma: no cover - compiled
+    """v where ok (0 or 1), else +0.0, by masking its bits: `v if ok else 0.0` in the loop kept LLVM from
+    vectorising it (4x slower)."""
+    return np.int64(np.float64(v).view(np.int64) & -np.int64(ok)).view(np.float64)
 
 
 @njit(inline="always", **SUMS_JIT)
-def _chunk(mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
-    """SUMS over one chunk's rows (column slices): a branch-free loop over range(len) that LLVM vectorises,
-    fastexp's exp (within 1 ulp of numpy's); float64 inside. Counts are integers: counted as floats
-    (1.0 if c else 0.0) the loop did not vectorise, 10x slower."""
-    n = n_ent = n_conf = n_smp = 0
+def _chunk(step, mask, logp, old, smp, ent, log_confident, s0, has_m):  # pragma: no cover - compiled
+    """(SUMS over one chunk's rows (column slices), the count of rows whose step is not s0): a branch-free
+    loop over range(len) that LLVM vectorises, fastexp's exp (within 1 ulp of numpy's); float64 inside.
+    Conditions are 0/1 integers and values are kept by masking their bits (_kept): a select on a bool
+    load, or counts kept as floats, kept the loop from vectorising. The step compare rides in the same
+    loop, so that the step column is read once and a run's end found without a scalar pass over rows.
+    has_m: a constant (_chunk_of), False where no row has logp_sampler: tmpe is NaN there (exp of NaN), and the
+    compiler drops the exp."""
+    n = n_ent = n_conf = n_smp = off = 0
     sum_ent = sum_tmpe = 0.0
     for i in range(len(mask)):
-        mk = mask[i]
+        off += np.int64(step[i] != s0)
+        mk = np.int64(mask[i])
         s, o = np.float64(logp[i]), np.float64(old[i])  # widened: float32 in, float64 inside
         m, e = np.float64(smp[i]), np.float64(ent[i])
         o = s if o != o else o  # null logp_old: on-policy, pi_old is pi_theta
-        tmpe = fastexp.exp(abs(o - m))
-        e_ok, t_ok = mk & finite(e), mk & finite(tmpe)
-        n += np.int64(mk)
-        n_ent += np.int64(e_ok)
-        sum_ent += e if e_ok else 0.0
-        n_conf += np.int64(mk & (s > log_confident))
-        n_smp += np.int64(t_ok)
-        sum_tmpe += tmpe if t_ok else 0.0
-    return float(n), float(n_ent), sum_ent, float(n_conf), float(n_smp), sum_tmpe
+        tmpe = fastexp.exp(abs(o - m)) if has_m else m
+        e_ok, t_ok = mk & np.int64(finite(e)), mk & np.int64(finite(tmpe))
+        n += mk
+        n_ent += e_ok
+        sum_ent += _kept(e, e_ok)
+        n_conf += mk & np.int64(s > log_confident)
+        n_smp += t_ok
+        sum_tmpe += _kept(tmpe, t_ok)
+    return (float(n), float(n_ent), sum_ent, float(n_conf), float(n_smp), sum_tmpe), off
 
 
 @njit(**SUMS_JIT)
-def run_sums(step, mask, logp, old, smp, ent, log_confident):  # pragma: no cover - compiled
-    """SUMS of each run of equal consecutive steps: (run steps [R], sums [R, 6]); float64 inside."""
+def run_sums(step, mask, logp, old, smp, ent, log_confident, has_m=True):  # pragma: no cover - compiled
+    """SUMS of each run of equal consecutive steps: (run steps [R], sums [R, 6]); float64 inside.
+
+    A run is summed in chunks of CHUNK rows from its first row. Each chunk is summed on the guess that its
+    rows are all of the run's step (_chunk counts those that are not); where one is not, the rows up to it
+    are summed again and a new run starts there: one vectorised pass, a scalar look only at runs' ends.
+    has_m False: no row has logp_sampler (smp all NaN), and no exp is taken."""
     n = len(step)
-    runs = 1 if n else 0
-    for i in range(1, n):
-        if step[i] != step[i - 1]:
-            runs += 1
-    steps = np.empty(runs, np.int64)
-    sums = np.zeros((runs, 6))
+    steps, sums = np.empty(16, np.int64), np.zeros((16, N_SUMS))
     r, a = -1, 0
-    for i in range(n + 1):
-        if i == n or (i > 0 and step[i] != step[i - 1]):  # rows a..i - 1 are run r
-            for c0 in range(a, i, CHUNK):
-                c1 = min(c0 + CHUNK, i)
-                got = _chunk(mask[c0:c1], logp[c0:c1], old[c0:c1], smp[c0:c1], ent[c0:c1], log_confident)
-                for q in range(6):
-                    sums[r, q] += got[q]
-            a = i
-        if i < n and (i == 0 or step[i] != step[i - 1]):
+    while a < n:
+        s0 = step[a]
+        if r < 0 or s0 != steps[r]:  # a run starts
             r += 1
-            steps[r] = step[i]
-    return steps, sums
+            if r == len(steps):
+                steps, sums = _grown(steps, sums, r)
+            steps[r] = s0
+        c1 = min(a + CHUNK, n)
+        got, off = _chunk_of(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident, s0,
+                             has_m)
+        if off:  # the run ends inside the chunk: its rows up to there
+            c1 = a + 1
+            while step[c1] == s0:
+                c1 += 1
+            got, off = _chunk_of(step[a:c1], mask[a:c1], logp[a:c1], old[a:c1], smp[a:c1], ent[a:c1], log_confident,
+                                 s0, has_m)
+        for q in range(N_SUMS):
+            sums[r, q] += got[q]
+        a = c1
+    return steps[:r + 1].copy(), sums[:r + 1].copy()
+
+
+@njit(inline="always", **SUMS_JIT)
+def _chunk_of(step, mask, logp, old, smp, ent, log_confident, s0, has_m):  # pragma: no cover - compiled
+    """_chunk with has_m as a constant: one loop each way."""
+    if has_m:
+        return _chunk(step, mask, logp, old, smp, ent, log_confident, s0, True)
+    return _chunk(step, mask, logp, old, smp, ent, log_confident, s0, False)
+
+
+@njit(**JIT)
+def _grown(steps, sums, r):  # pragma: no cover - compiled
+    """steps and sums with twice the rows, the first r kept."""
+    s2, m2 = np.empty(2 * len(steps), np.int64), np.zeros((2 * len(steps), N_SUMS))
+    s2[:r], m2[:r] = steps[:r], sums[:r]
+    return s2, m2

@@ -27,14 +27,31 @@ COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
 
 
+_NANS: list[np.ndarray] = [np.full(1 << 16, np.nan, np.float32)]  # read-only NaN rows, shared (_nans)
+_NANS[0].flags.writeable = False
+
+
+def _nans(n: int) -> np.ndarray:
+    """n float32 NaN, read-only, from one array kept for every batch: a column the run lacks (no entropy
+    recorded) costs no fill per batch."""
+    if len(_NANS[0]) < n:
+        a = np.full(n, np.nan, np.float32)
+        a.flags.writeable = False
+        _NANS[0] = a
+    return _NANS[0][:n]
+
+
 def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np.ndarray]:
     """{step: SUMS vector} of one record batch: one compiled pass over the columns as stored."""
     def col(name: str) -> np.ndarray:
-        return batch.column(name).to_numpy(zero_copy_only=False)  # float32, NaN where null
+        c = batch.column(name)
+        if c.null_count == len(c) and c.null_count:
+            return _nans(len(c))
+        return c.to_numpy(zero_copy_only=False)  # float32, NaN where null; Arrow's buffer where none is
 
-    mask = bools(batch, "mask")
-    steps, sums = run_sums(col("step"), mask, col("logp"), col("logp_old"), col("logp_sampler"), col("entropy"),
-                            math.log(confident_p))
+    step, smp = batch.column("step").to_numpy(zero_copy_only=False), batch.column("logp_sampler")
+    steps, sums = run_sums(step, bools(batch, "mask"), col("logp"), col("logp_old"), col("logp_sampler"),
+                           col("entropy"), math.log(confident_p), smp.null_count < len(smp))
     out: dict[int, np.ndarray] = {}
     for s, v in zip(steps.tolist(), sums, strict=True):  # a step split in runs: its runs summed in row order
         out[s] = out[s] + v if s in out else v

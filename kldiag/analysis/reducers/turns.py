@@ -177,9 +177,11 @@ def batch_partial(t: dict[str, np.ndarray], rank: int, thresholds, keep: int,
     rec = np.asarray(t["turn"], np.int64) if "turn" in t else np.zeros(0, np.int64)
     tau, limit, clamp = thresholds
     params = np.array([np.log(tau), limit, clamp, 0.0, -np.inf])
+    has = np.array([t["valid_logp_old"].any(), t["valid_logp_ref"].any()], np.int64)  # else fold skips an expm1
     spans, n_spans = fold(t["step"], t["iteration"], t["seq"], t["pos"], idx, lo, np.asarray(t["mask"], bool), rec,
                           t["logp"], t["logp_old"], t["valid_logp_old"], t["logp_ref"], t["valid_logp_ref"],
-                          t["logp_sampler"], t["valid_logp_sampler"], params, check, grid, gmax, per_step, seqs, keep)
+                          t["logp_sampler"], t["valid_logp_sampler"], has, params, check, grid, gmax, per_step, seqs,
+                          keep)
     if n_spans < 0:
         return None
     used = per_step[:, :, 1].sum(1) > 0  # steps with a token whose mismatch is known
