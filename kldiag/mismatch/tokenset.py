@@ -202,8 +202,9 @@ def _selection(cols: dict, keep: list | None) -> tuple[list, int]:
 class GatheredTokenSet(TokenSet):
     """A TokenSet (from_columns) whose arrays are gathered from the columns when first read: step, seq and
     pos (its order) at once, each other array on its first use. The Mismatch page's view, what-if and
-    crosswalk read 12 of the 16 arrays of a 2M-token sample: the other copies (about 16 MB each, most of the
-    set's cost) are never made. Equal to the eager set array for array (`take`, ==, repr read them all)."""
+    crosswalk read 13 of the 16 arrays: group, token_id and rank of a 2M-token sample (16 MB each) are never
+    copied. Equal to the eager set array for array (`take`, ==, repr read them all); its `__dict__` holds only
+    the arrays read so far."""
 
     def __init__(self, make: dict, step: np.ndarray, seq: np.ndarray, pos: np.ndarray, step_stride: int):
         self.__dict__.update(step=step, seq=seq, pos=pos, step_stride=step_stride, meta={}, group_share=1.0)
@@ -229,12 +230,12 @@ def _varies(col) -> bool:
 
 
 def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
-                 keep: list | None = None) -> TokenSet:
+                 keep: list | None = None, lazy: bool = False) -> TokenSet:
     """A TokenSet from columns_of's arrays (of one table, or a merged sample's chunks); `keep`: a bool mask
     per chunk of the rows to take (all when None). An array already of the TokenSet's dtype may be the
-    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are. Each array
-    but step, seq and pos is gathered when first read (GatheredTokenSet): `cols` must not change meanwhile
-    (a sample's arrays never do)."""
+    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are. `lazy`: each
+    array but step, seq and pos gathered when first read (GatheredTokenSet; the token sample's sets), so
+    `cols` must not change meanwhile (a sample's arrays never do); else all of them now, a plain TokenSet."""
     sels, n = _selection(cols, keep)
     step, seq, pos = (_gather(cols[c], sels, n, np.int64) for c in ("step", "seq", "pos"))
     idx = None
@@ -265,7 +266,10 @@ def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
     make.update({c: (lambda ts, c=c: rows_of(c, np.float64)) for c in FLOAT_COLUMNS})
     make.update(logp_old=logp_old, logp_sampler=logp_sampler, mask=lambda ts: rows_of("mask", bool),
                 has_old=lambda ts: rows_of("old_valid", bool))
-    return GatheredTokenSet(make, step, seq, pos, step_stride)
+    ts = GatheredTokenSet(make, step, seq, pos, step_stride)
+    if lazy:
+        return ts
+    return TokenSet(**{f.name: getattr(ts, f.name) for f in fields(TokenSet)})
 
 
 def from_table(t: pa.Table, all_iterations: bool = False, step_stride: int = 1) -> TokenSet:
