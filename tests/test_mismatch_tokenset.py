@@ -64,6 +64,7 @@ def test_bounded_fit_finds_the_temperature_of_the_whole_sample():
 def test_lazy_sets_equal_eager_ones_and_gather_only_what_is_read():
     """from_columns(lazy=True) (the token sample's sets): array for array the eager set, with reuse iterations,
     rows out of order, chunks and keep masks; an array is copied only when read."""
+    import pickle
     from dataclasses import fields
 
     t = engine_table(steps=4, groups=6, group_size=2, length=5)
@@ -87,3 +88,5 @@ def test_lazy_sets_equal_eager_ones_and_gather_only_what_is_read():
                 else:
                     assert a == b, f.name
             assert len(lazy.take(np.arange(3))) == 3
+            plain = pickle.loads(pickle.dumps(lazy))  # as the eager set: its arrays gathered
+            assert type(plain) is TS.TokenSet and np.array_equal(plain.token_id, eager.token_id)

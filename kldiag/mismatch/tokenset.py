@@ -219,6 +219,13 @@ class GatheredTokenSet(TokenSet):
                 self.__dict__[name] = make[name](self)
         return self.__dict__[name]
 
+    def __reduce__(self):  # pickled and copied as the plain TokenSet it equals (its gathers are closures)
+        return _plain, ({f.name: getattr(self, f.name) for f in fields(TokenSet)},)
+
+
+def _plain(arrays: dict) -> TokenSet:
+    return TokenSet(**arrays)
+
 
 _GATHER_LOCK = threading.RLock()  # reentrant: logp_old's gather reads logp and has_old
 
