@@ -219,3 +219,20 @@ def test_old_entries_pruned(run, monkeypatch):
         VM.whatif_frame(view, W.WhatIf(cap=cap))
     assert len(entries(run, "whatif")) == 2
     assert len(entries(run, "mismatch_view")) == 1  # another name's entries are left alone
+
+
+def test_code_version_digests_every_kldiag_module(monkeypatch):
+    """The key's code digest covers the faces' modules (a view's, a fit's), not kldiag/analysis alone: an edit
+    of the parity fit or of the Mismatch view makes their stored results misses."""
+    read: list[Path] = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real(self))
+    store.code_version.cache_clear()
+    try:
+        store.code_version()
+    finally:
+        monkeypatch.undo()
+        store.code_version.cache_clear()
+    pkg = Path(store.__file__).resolve().parents[2]
+    names = {p.relative_to(pkg).as_posix() for p in read}
+    assert {"mismatch/parity.py", "views/mismatch.py", "diagnosis/core.py", "analysis/cache/store.py"} <= names

@@ -59,3 +59,34 @@ def test_bounded_fit_finds_the_temperature_of_the_whole_sample():
     assert part.fit.tokens < len(ts) // 2
     assert part.fit.implied_temperature == pytest.approx(1.3, abs=0.02)
     assert part.fit.implied_temperature == pytest.approx(whole.fit.implied_temperature, abs=0.02)
+
+
+def test_lazy_sets_equal_eager_ones_and_gather_only_what_is_read():
+    """from_columns(lazy=True) (the token sample's sets): array for array the eager set, with reuse iterations,
+    rows out of order, chunks and keep masks; an array is copied only when read."""
+    import pickle
+    from dataclasses import fields
+
+    t = engine_table(steps=4, groups=6, group_size=2, length=5)
+    cols = TS.columns_of(t)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(t))
+    again = {c: v[order] for c, v in cols.items()}  # the rows again, shuffled, as a second reuse iteration
+    again["iteration"] = again["iteration"] + 1
+    chunked = {c: [cols[c], again[c]] for c in cols}
+    for all_iterations in (False, True):
+        for keep in (None, [rng.random(len(t)) < 0.7, np.ones(len(t), bool)]):
+            lazy = TS.from_columns(chunked, all_iterations, 2, keep, lazy=True)
+            eager = TS.from_columns(chunked, all_iterations, 2, keep)
+            assert type(eager) is TS.TokenSet and "token_id" not in lazy.__dict__
+            assert lazy.has_sampler and "mask" in lazy.__dict__ and "token_id" not in lazy.__dict__
+            for f in fields(TS.TokenSet):
+                a, b = getattr(lazy, f.name), getattr(eager, f.name)
+                if isinstance(b, np.ndarray):
+                    assert a.dtype == b.dtype, f.name
+                    np.testing.assert_array_equal(a, b, err_msg=f.name)
+                else:
+                    assert a == b, f.name
+            assert len(lazy.take(np.arange(3))) == 3
+            plain = pickle.loads(pickle.dumps(lazy))  # as the eager set: its arrays gathered
+            assert type(plain) is TS.TokenSet and np.array_equal(plain.token_id, eager.token_id)

@@ -206,14 +206,16 @@ def main() -> None:
     """The page, section by section: a new section is a function above and one line here. Its view is a
     local: the page's globals (kept alive by a widget's callback) never hold the run's Analysis."""
     run = D.page("Mismatch")
-    view = D.mismatch_view(run.path, run.keys)
-    if view.step_stride > 1 or view.group_share < 1:
-        st.caption(VM.sample_caption(view))
-    routing_section(run)  # an MoE run leads with its routing: the verdict's finding when it names one
-    parity_section(run, view)
-    turns_section(run)
-    whatif_section(run, view)
-    audit_section(run, crosswalk_section(run))
+    # a first visit reads the token sample for the view, the what-if and the crosswalk: its set made once
+    with VM.held(run.analysis):
+        view = D.mismatch_view(run.path, run.keys)
+        if view.step_stride > 1 or view.group_share < 1:
+            st.caption(VM.sample_caption(view))
+        routing_section(run)  # an MoE run leads with its routing: the verdict's finding when it names one
+        parity_section(run, view)
+        turns_section(run)
+        whatif_section(run, view)
+        audit_section(run, crosswalk_section(run))
 
 
 main()

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kldiag.analysis import analyze
+from kldiag.analysis.cache import store
 from kldiag.analysis.rules.episodes import Persistence, sustained
 from kldiag.analysis.types import AnalysisConfig
 from kldiag.mismatch import kept as K
@@ -328,14 +329,19 @@ def check(ts: TS.TokenSet, config: ParityConfig = ParityConfig()) -> ParityRepor
 
 def report_for(analysis, config: ParityConfig = ParityConfig()) -> ParityReport | None:
     """check() on the analysed run's shared token sample (SS.sample_of), kept in `analysis.memo` (and for
-    the next analysis of a grown run while its sample is the same: kept.py): both parity detectors, the
-    report and the dashboard's Mismatch page share one fit."""
+    the next analysis of a grown run while its sample is the same: kept.py) and in the run's result store
+    (kldiag.analysis.cache.store): both parity detectors, the report and the dashboard's Mismatch page share
+    one fit, and a fresh process reads the one the diagnosis made (the Mismatch page's first visit after the
+    Overview's: no thinned set, no fit)."""
     key = ("parity", config)
     if key not in analysis.memo:
-        ts = tokens_for(analysis, config)
-        analysis.memo[key] = None if ts is None else K.kept(SS.sample_of(analysis), "parity", config,
-                                                             lambda: check(ts, config))
+        analysis.memo[key] = store.cached(analysis, "parity", asdict(config), lambda: _report(analysis, config))
     return analysis.memo[key]
+
+
+def _report(analysis, config: ParityConfig) -> ParityReport | None:
+    ts = tokens_for(analysis, config)
+    return None if ts is None else K.kept(SS.sample_of(analysis), "parity", config, lambda: check(ts, config))
 
 
 def tokens_for(analysis, config: ParityConfig = ParityConfig()) -> TS.TokenSet | None:

@@ -273,7 +273,7 @@ class Sample:
         key = all_iterations and self.reused()  # without reuse iterations both sets are the same tokens
         ts = self._sets.get(key)
         if ts is None:
-            ts = from_columns(self.cols, key, self.stride)
+            ts = from_columns(self.cols, key, self.stride, lazy=True)  # an array copied when first read
             ts.meta, ts.group_share = dict(self.meta), self.share
             self._sets[key] = ts
         return ts
@@ -323,7 +323,7 @@ class Sample:
                 keep, chunks(self.cols["group"]), chunks(self.cols["seq"]), chunks(self.cols["step"]), strict=True)]
         elif k == 1:
             return self.tokens(all_iterations)
-        ts = from_columns(self.cols, True, self.stride * k, keep)
+        ts = from_columns(self.cols, True, self.stride * k, keep, lazy=True)
         ts.meta, ts.group_share = dict(self.meta), share
         return ts
 

@@ -11,6 +11,7 @@ Memory: ~100 bytes a token; `max_tokens` keeps every k-th step of a larger run (
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -205,27 +206,84 @@ def _selection(cols: dict, keep: list | None) -> tuple[list, int]:
     return [kept_runs(k) for k in keep], int(sum(int(k.sum()) for k in keep))
 
 
+class GatheredTokenSet(TokenSet):
+    """A TokenSet (from_columns) whose arrays are gathered from the columns when first read: step, seq and
+    pos (its order) at once, each other array on its first use. The Mismatch page's view, what-if and
+    crosswalk read 13 of the 16 arrays: group, token_id and rank of a 2M-token sample (16 MB each) are never
+    copied. Equal to the eager set array for array (`take`, ==, repr read them all); its `__dict__` holds only
+    the arrays read so far."""
+
+    def __init__(self, make: dict, step: np.ndarray, seq: np.ndarray, pos: np.ndarray, step_stride: int):
+        self.__dict__.update(step=step, seq=seq, pos=pos, step_stride=step_stride, meta={}, group_share=1.0)
+        self.__dict__["_make"] = make  # name -> fn(self): the array, gathered in this set's rows and order
+
+    def __getattr__(self, name: str):
+        make = self.__dict__.get("_make")  # only names missing from the instance land here
+        if make is None or name not in make:
+            raise AttributeError(name)
+        with _GATHER_LOCK:  # a page's sessions share one set: one gather per array
+            if name not in self.__dict__:
+                self.__dict__[name] = make[name](self)
+        return self.__dict__[name]
+
+    def __reduce__(self):  # pickled and copied as the plain TokenSet it equals (its gathers are closures)
+        return _plain, ({f.name: getattr(self, f.name) for f in fields(TokenSet)},)
+
+
+def _plain(arrays: dict) -> TokenSet:
+    return TokenSet(**arrays)
+
+
+_GATHER_LOCK = threading.RLock()  # reentrant: logp_old's gather reads logp and has_old
+
+
+def _varies(col) -> bool:
+    """Whether a column's chunks hold two different values (a sample without reuse iterations: no)."""
+    parts = [c for c in chunks(col) if len(c)]
+    return bool(parts) and min(int(c.min()) for c in parts) != max(int(c.max()) for c in parts)
+
+
 def from_columns(cols: dict, all_iterations: bool = False, step_stride: int = 1,
-                 keep: list | None = None) -> TokenSet:
+                 keep: list | None = None, lazy: bool = False) -> TokenSet:
     """A TokenSet from columns_of's arrays (of one table, or a merged sample's chunks); `keep`: a bool mask
     per chunk of the rows to take (all when None). An array already of the TokenSet's dtype may be the
-    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are."""
+    caller's (as np.asarray leaves it); the two it writes (logp_old, logp_sampler) never are. `lazy`: each
+    array but step, seq and pos gathered when first read (GatheredTokenSet; the token sample's sets), so
+    `cols` must not change meanwhile (a sample's arrays never do); else all of them now, a plain TokenSet."""
     sels, n = _selection(cols, keep)
-    ints = {c: _gather(cols[c], sels, n, np.int64) for c in INT_COLUMNS}
-    # logp_old and logp_sampler are written below: never the caller's arrays
-    floats = {c: _gather(cols[c], sels, n, np.float64, c in ("logp_old", "logp_sampler")) for c in FLOAT_COLUMNS}
-    mask, has_old = _gather(cols["mask"], sels, n, bool), _gather(cols["old_valid"], sels, n, bool)
-    idx = None if all_iterations else first_iteration(ints["seq"], ints["iteration"])
+    step, seq, pos = (_gather(cols[c], sels, n, np.int64) for c in ("step", "seq", "pos"))
+    idx = None
+    if not all_iterations and _varies(cols["iteration"]):
+        idx = first_iteration(seq, _gather(cols["iteration"], sels, n, np.int64))
     if idx is not None:
-        ints, floats = {k: v[idx] for k, v in ints.items()}, {k: v[idx] for k, v in floats.items()}
-        mask, has_old = mask[idx], has_old[idx]
-    if not _sorted(ints["step"], ints["seq"], ints["pos"]):
-        order = np.lexsort((ints["pos"], ints["seq"], ints["step"]))
-        ints, floats = {k: v[order] for k, v in ints.items()}, {k: v[order] for k, v in floats.items()}
-        mask, has_old = mask[order], has_old[order]
-    np.copyto(floats["logp_old"], floats["logp"], where=~has_old)
-    np.copyto(floats["logp_sampler"], np.nan, where=~mask)  # mu exists only where it sampled
-    return TokenSet(**ints, **floats, mask=mask, has_old=has_old, step_stride=step_stride)
+        step, seq, pos = step[idx], seq[idx], pos[idx]
+    order = None if _sorted(step, seq, pos) else np.lexsort((pos, seq, step))
+    if order is not None:
+        step, seq, pos = step[order], seq[order], pos[order]
+
+    def rows_of(c: str, dtype, copy: bool = False) -> np.ndarray:
+        v = _gather(cols[c], sels, n, dtype, copy)
+        v = v if idx is None else v[idx]
+        return v if order is None else v[order]
+
+    def logp_old(ts: TokenSet) -> np.ndarray:  # written: never the caller's array
+        v = rows_of("logp_old", np.float64, True)
+        np.copyto(v, ts.logp, where=~ts.has_old)
+        return v
+
+    def logp_sampler(ts: TokenSet) -> np.ndarray:
+        v = rows_of("logp_sampler", np.float64, True)
+        np.copyto(v, np.nan, where=~ts.mask)  # mu exists only where it sampled
+        return v
+
+    make = {c: (lambda ts, c=c: rows_of(c, np.int64)) for c in INT_COLUMNS if c not in ("step", "seq", "pos")}
+    make.update({c: (lambda ts, c=c: rows_of(c, np.float64)) for c in FLOAT_COLUMNS})
+    make.update(logp_old=logp_old, logp_sampler=logp_sampler, mask=lambda ts: rows_of("mask", bool),
+                has_old=lambda ts: rows_of("old_valid", bool))
+    ts = GatheredTokenSet(make, step, seq, pos, step_stride)
+    if lazy:
+        return ts
+    return TokenSet(**{f.name: getattr(ts, f.name) for f in fields(TokenSet)})
 
 
 def from_table(t: pa.Table, all_iterations: bool = False, step_stride: int = 1) -> TokenSet:

@@ -99,8 +99,8 @@ def contract_signal_whatif(a: Analysis) -> dict[str, Any]:
     thresholds, each correction with its framework's loss denominator ("whatif"; docs/metrics.md)."""
     estimator = (a.manifest.config or {}).get("estimator") or "k3"
     c = runner.reduced(a, K.ContractReducer())
-    view = VM.view_of(a)
-    with VM.holding(view):
+    with VM.held(a):  # the view (a store miss) and the replays read one token set
+        view = VM.view_of(a)
         why = VM.whatif_missing(VM.whatif_frame(view, W.WhatIf()))
         whatif = None if why else [{k: clean(v) for k, v in r.items()} for r in VM.whatif_table(view)]
     return {"contract": {name: K.summary(c, i) for i, name in enumerate(K.CHECKS)},
