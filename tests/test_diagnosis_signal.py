@@ -158,3 +158,12 @@ def test_no_advantage_no_rows():
     b = _batch().drop_columns(["advantage"])
     assert SG.batch_partial(b) is None
     assert SG.merge_partials([SG.batch_partial(b)])["step"].tolist() == []
+
+
+def test_the_compiled_pass_on_no_rows():
+    from kldiag.analysis.kernels import signal as SK
+
+    i, b, f = np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, np.float32)
+    assert SK.key_runs(i, i, i).tolist() == [0]
+    keys, cnt, val = SK.signal_rows(i, i, i, b, f, b, f, b, f, b, f, b, SG.SPREAD_TOL, 10.0)
+    assert keys.shape == (0, 3) and cnt.shape == (0, 3) and val.shape == (0, 9)

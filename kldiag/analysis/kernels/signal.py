@@ -41,15 +41,16 @@ def from_ordered(b):  # pragma: no cover
 def key_runs(step, group, seq):  # pragma: no cover
     """Start row of each run of equal (step, group, seq), and n last: int64 [runs + 1]."""
     n = len(step)
-    out = np.empty(n + 1, np.int64)
-    out[0] = 0
+    out = np.zeros(n + 1, np.int64)
+    if n == 0:
+        return out
     k = 1
     for i in range(1, n):
         if (step[i] != step[i - 1]) | (group[i] != group[i - 1]) | (seq[i] != seq[i - 1]):
             out[k] = i
             k += 1
     out[k] = n
-    return out[:k + 1] if n else out[:1]
+    return out[:k + 1]
 
 
 @njit(inline="always", **SUMS)
