@@ -105,8 +105,6 @@ def test_the_compiled_pass_sums_the_numpy_weights():
 
 def _reference_rows(b: pa.RecordBatch) -> dict[tuple, list]:
     """The signal rows of a batch by a plain Python loop over its tokens (the kernel's conventions)."""
-    from kldiag import estimators as E
-
     d = b.to_pydict()
     out: dict[tuple, list] = {}
     for i in range(b.num_rows):
@@ -145,7 +143,7 @@ def test_the_compiled_pass_on_findings_nulls_and_keys_that_come_back():
         "logp_ref": pa.array([-0.5, -9.0, -1.0, None, None, -0.2, -1.0, -1.0, -1.0, -1.0, nan, -1.0], pa.float32())})
     m = SG.merge_partials([SG.batch_partial(b)])
     want = _reference_rows(b)
-    got = {(int(s), int(g), int(q)): i for i, (s, g, q) in enumerate(zip(m["step"], m["group"], m["seq"]))}
+    got = {(int(s), int(g), int(q)): i for i, (s, g, q) in enumerate(zip(m["step"], m["group"], m["seq"], strict=True))}
     assert sorted(got) == sorted(want)
     names = ["n_tokens", "n_kl_alone", "n_ref", "max_adv", "min_adv", "sum_pg",
              *(f"sum_w_{n}" for n in ("k1", "k2", "k3", "k3_is", "k3_clamped", "kl_rev"))]
