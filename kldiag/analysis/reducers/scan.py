@@ -21,24 +21,11 @@ import pyarrow as pa
 
 from kldiag.analysis.core.batch import bools
 from kldiag.analysis.kernels.side_scan import run_sums
+from kldiag.analysis.reducers.base import shared_full
 from kldiag.analysis.runtime import runner
 
 COLUMNS = ["step", "mask", "logp", "logp_old", "logp_sampler", "entropy"]
 SUMS = ("n", "n_entropy", "sum_entropy", "n_confident", "n_sampler", "sum_tmpe")
-
-
-_NANS: list[np.ndarray] = [np.full(1 << 16, np.nan, np.float32)]  # read-only NaN rows, shared (_nans)
-_NANS[0].flags.writeable = False
-
-
-def _nans(n: int) -> np.ndarray:
-    """n float32 NaN, read-only, from one array kept for every batch: a column the run lacks (no entropy
-    recorded) costs no fill per batch."""
-    if len(_NANS[0]) < n:
-        a = np.full(n, np.nan, np.float32)
-        a.flags.writeable = False
-        _NANS[0] = a
-    return _NANS[0][:n]
 
 
 def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np.ndarray]:
@@ -46,7 +33,7 @@ def batch_sums(batch: pa.RecordBatch, confident_p: float = 0.99) -> dict[int, np
     def col(name: str) -> np.ndarray:
         c = batch.column(name)
         if c.null_count == len(c) and c.null_count:
-            return _nans(len(c))
+            return shared_full(len(c), np.nan, np.float32)  # a column the run lacks: no fill per batch
         return c.to_numpy(zero_copy_only=False)  # float32, NaN where null; Arrow's buffer where none is
 
     step, smp = batch.column("step").to_numpy(zero_copy_only=False), batch.column("logp_sampler")
