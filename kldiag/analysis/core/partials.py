@@ -23,7 +23,7 @@ import numpy as np
 from kldiag.analysis.core import around, keyed
 from kldiag.analysis.core.batch import COLUMNS, Thresholds
 from kldiag.analysis.core.stats import batch_partials, select_first, select_top
-from kldiag.analysis.kernels.ride import EstimatorRide
+from kldiag.analysis.kernels.ride import EstimatorRide, SignalRide
 from kldiag.format import PartInfo
 
 # bump when the meaning or layout of a partial changes (7: n_placeholder; o, m read in the loss only; 8: the
@@ -77,12 +77,13 @@ class PartReducer:
         self.top: keyed.Keyed = {}
         self.bad: keyed.Keyed = {}
         self.rows, self.floor = 0, -np.inf
-        self.ride: EstimatorRide | None = None  # a reducer riding in this pass (AnalysisReducer.carry)
+        self.ride: EstimatorRide | None = None  # reducers riding in this pass (AnalysisReducer.carry)
+        self.signal: SignalRide | None = None
         self.edge = around.Edge()  # the previous batch's rows at its edges: the flagged rows' context
 
     def add(self, batch) -> None:
         self.edge.head = None
-        r = batch_partials(batch, self.part.rank, self.th, self.floor, self.ride, self.edge)
+        r = batch_partials(batch, self.part.rank, self.th, self.floor, self.ride, self.edge, self.signal)
         if self.edge.head is not None:  # the rows left open by the batches before: an empty batch leaves them open
             self.top, self.bad = around.close(self.top, self.edge.head), around.close(self.bad, self.edge.head)
         self.steps.append(r.steps)
@@ -137,12 +138,20 @@ class AnalysisReducer:
 
     def carry(self, state: PartReducer, rider, rider_state) -> bool:
         """Take `rider`'s per-token work into this part's pass (reduce.PartFold: a reducer whose `rides` names
-        this one); False: it reads its batches itself. One rider: the Estimators page's (its `ride(state)`
-        gives a fused_ride.EstimatorRide), with the analysis's thresholds."""
-        if state.ride is not None or not hasattr(rider, "ride"):
+        this one); False: it reads its batches itself. Two riders: the Estimators page's (its `ride(state)`
+        gives a fused_ride.EstimatorRide), with the analysis's thresholds, and the learning signal's (a
+        fused_ride.SignalRide: it rides in the estimators' pass, and alone where they do not ride:
+        stats.batch_partials)."""
+        if not hasattr(rider, "ride"):
             return False
         ride = rider.ride(rider_state)
-        if (ride.tau, ride.weight_limit, ride.clamp) != (self.th.tau, self.th.weight_limit, self.th.clamp):
+        if isinstance(ride, SignalRide):
+            if state.signal is not None:
+                return False
+            state.signal = ride
+            return True
+        if state.ride is not None or (ride.tau, ride.weight_limit, ride.clamp) != (
+                self.th.tau, self.th.weight_limit, self.th.clamp):
             return False  # its flags are the analysis's only with the analysis's thresholds
         state.ride = ride
         return True

@@ -234,11 +234,16 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float, tail: Keyed | None
 
 
 def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: float = -np.inf,
-                   ride: fused_ride.EstimatorRide | None = None, edge: around.Edge | None = None) -> BatchResult:
+                   ride: fused_ride.EstimatorRide | None = None, edge: around.Edge | None = None,
+                   signal: fused_ride.SignalRide | None = None) -> BatchResult:
     """Everything the analysis keeps from one record batch of format v1 columns; with `ride`, the
-    Estimators page's per-token work in the same compiled pass (fused_ride.py). A batch the pass reads
-    otherwise (empty, or sorted first) goes to the ride's own pass (`alone`): its tokens numbered as stored.
+    Estimators page's per-token work in the same compiled pass (fused_ride.py), and with `signal` too, the
+    learning signal's. A batch the pass reads otherwise (empty, or sorted first; the signal's: without the
+    estimators' ride) goes to each rider's own pass (`alone`): its tokens numbered as stored.
     `edge`: what the part's previous batch left (around.Edge), advanced past this one."""
+    if signal is not None and (ride is None or batch.num_rows == 0):
+        signal.alone(batch)
+        signal = None
     if batch.num_rows == 0:
         if ride is not None:
             ride.alone(batch)
@@ -246,9 +251,10 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
     b = Batch.from_arrow(batch)
     starts, ordered = scans.seq_starts(b.step, b.seq)
     if not ordered:  # recorder files are step-ordered; other writers' may not be: sort once
-        if ride is not None:
-            ride.alone(batch)
-            ride = None
+        for rider in (ride, signal):
+            if rider is not None:
+                rider.alone(batch)
+        ride = signal = None
         b = Batch.from_arrow(batch.take(pa.array(np.argsort(b.step, kind="stable"))))
         starts, _ = scans.seq_starts(b.step, b.seq)
     sidx, n_steps = scans.step_of_seqs(b.step, starts)
@@ -257,7 +263,7 @@ def batch_partials(batch: pa.RecordBatch, rank: int, th: Thresholds, top_floor: 
         res = fused.fused_pass(starts, sidx, n_steps, *kernel_inputs(b), params, ABS_GRID, D_GRID)
     else:
         res = fused_ride.run(b, starts, sidx, n_steps, kernel_inputs(b), null_masks(b), params, ABS_GRID, D_GRID,
-                             ride)
+                             ride, signal)
     bad_any = res[8]
     seqs = seq_keyed(b, rank, starts, res[0], res[1], clean=len(bad_any) == 0 and not b.partial_nulls)
     steps = step_keyed(b, rank, starts, sidx, res)

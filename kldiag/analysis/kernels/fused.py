@@ -66,10 +66,11 @@ def make_chunk_sums(WITH_EST: bool):  # noqa: N803 - a compile-time constant
     chunk_sums' loop holds none of the estimators' extras and stays what LLVM vectorises."""
 
     @njit(inline="always", **SUMS)
-    def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed, packed_e, w_k3, code):
+    def chunk_sums(s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid, packed, packed_e, w_k3, code, rho_k):
         """(ACC_F, ACC_I as three packed words, ACC_B) of one chunk's rows (column slices), and
         packed[i] = row i's four histogram bins (FIELD bits each; n_edges + 1: not binned). With WITH_EST,
-        (that tuple, the extras, their maxima) and packed_e, w_k3, code filled: fused_ride.chunk_sums_est.
+        (that tuple, the extras, their maxima) and packed_e, w_k3, code, rho_k (row i's rho) filled:
+        fused_ride.chunk_sums_est.
 
         One branch-free loop, so that LLVM vectorises it: conditions are combined with & and |,
         finite values are masked by multiplying with 0/1, values that may be inf by a select.
@@ -161,6 +162,7 @@ def make_chunk_sums(WITH_EST: bool):  # noqa: N803 - a compile-time constant
                 x4 = max(x4, bits(0.0 if clamped else w) if mk else NONE_BITS)
                 packed_e[i] = abs_bin(ad, m1, k0, n_abs) if vd else n_abs + 1
                 w_k3[i] = w
+                rho_k[i] = rho
                 code[i] = np.uint8(mk) | (np.uint8(flag) << 1) | (np.uint8(clamped) << 2)
                 hi_f = max(hi_f, bits(w) if flag else NONE_BITS)
         sums = ((sum_d, sum_d2, sum_w, sum_w_is, sum_wf, sum_rho, sum_rho2, sum_drift, sum_mm, sum_k3, sum_k3_is,
@@ -259,7 +261,7 @@ def fused_pass(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, a
         for c0 in range(starts[j], starts[j + 1], CHUNK):
             c1 = min(c0 + CHUNK, starts[j + 1])
             sums = chunk_sums(s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], adv[c0:c1], mask[c0:c1], bad[c0:c1], has,
-                              params, abs_grid, d_grid, packed, no_e, no_w, no_c)
+                              params, abs_grid, d_grid, packed, no_e, no_w, no_c, no_w)
             if add_chunk(sums, acc, packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k]):  # bad rows: note them
                 n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, bad_rows, n_bad_rows)
         add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kldiag.analysis.kernels import estimators as E
+from kldiag.analysis.kernels import signal as SK
 from kldiag.analysis.kernels.fused import (
     BAD_INVALID,
     BAD_NONFINITE,
@@ -111,12 +112,15 @@ def count_bins_est(packed_e, packed, code, rows, h, normal, saturated, bin_zero)
 @njit(**SUMS)
 def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, params, abs_grid, d_grid,
                    s_null, o_null, r_null, m_null, fsum, icount, hist, scal, top_w, top_j, worst_w,
-                   worst_j, chunk_r0, chunk_j):  # pragma: no cover - compiled
+                   worst_j, chunk_r0, chunk_j, group, ok, sig_par, sig_cnt, sig_val):  # pragma: no cover - compiled
     """fused.fused_pass's outputs, and estimator_kernel.token_pass's into fsum .. worst_j, from one pass over
     the rows. Arguments: fused_pass's; null masks bool [n] (r_null true at every row without a reference);
     token_pass's outputs; chunk_r0, chunk_j [n_seq + n // CHUNK + 1] (token_rows_at's: each chunk's first
     row and first token number; chunk_j's entry after the last chunk the tokens in all). The estimators'
-    thresholds are the analysis's (params). Returns (fused_pass's nine, k3_weight_lost, number of chunks).
+    thresholds are the analysis's (params). With the learning signal riding (sig_cnt [n_seq, 3], sig_val
+    [n_seq, 9]; else both [0, .]): group int64 [n], ok bool [n] all true (no column with a null), sig_par
+    (tol, clamp), and each sequence's signal_kernel.signal_rows row written at its index (signal_kernel.run_row).
+    Returns (fused_pass's nine, k3_weight_lost, number of chunks, whether each sequence had one group).
 
     A chunk some token in the loss of which has a non-finite d or x (or no reference) is not normal: there
     the estimators' own chunk_sums runs on its rows (rare: such tokens are findings)."""
@@ -130,18 +134,23 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
     bin_zero = abs_bin(0.0, abs_grid[0], abs_grid[1], abs_grid[2])
     est_acc = E.accumulators(abs_grid, top_w, top_j, worst_w, worst_j)
     no_f, no_b, no_i = np.empty(0), np.empty(0, np.bool_), np.empty(0, np.int64)
+    rho_k, sig_on, one_group = np.empty(E.CHUNK), len(sig_cnt) > 0, True
     n_bad_rows, tok, n_chunks, low = 0, 0, 0, (1 << COUNT_BITS) - 1
     for j in range(n_seq):
         k = start_sequence(sidx, j, acc)
+        sig = SK.run_start()
         for c0 in range(starts[j], starts[j + 1], CHUNK):
             c1 = min(c0 + CHUNK, starts[j + 1])
             (cf, ci, cb), extra, maxima = chunk_sums_est(
                 s[c0:c1], o[c0:c1], r[c0:c1], m[c0:c1], adv[c0:c1], mask[c0:c1], bad[c0:c1], has, params, abs_grid,
-                d_grid, packed, packed_e, w_k3, code)
+                d_grid, packed, packed_e, w_k3, code, rho_k)
             if add_chunk((cf, ci, cb), acc, packed, c1 - c0, h_d[k], h_w[k], h_w_is[k], h_rho[k]):
                 n_bad_rows = bad_rows_of(c0, c1, s, o, r, m, mask, bad, auto, bad_rows, n_bad_rows)
             tokens = (ci[1] >> (6 * COUNT_BITS)) & low
             normal = (ci[0] & low) == tokens and ((ci[0] >> COUNT_BITS) & low) == tokens  # n_d, n_x
+            if sig_on:  # before E.chunk_sums, which writes w_k3 its own way
+                sig = ride_chunk(sig, normal, c0, c1, s, o, r, adv, mask, group, ok, rho_k, w_k3, sig_par)
+                one_group = one_group and SK.one_key(group[c0:c1], group[starts[j]])
             if normal:
                 est = normal_chunk(cf, ci, cb, extra, maxima)
             else:
@@ -153,10 +162,25 @@ def fused_pass_est(starts, sidx, n_steps, s, o, r, m, adv, mask, bad, has, param
                            bin_zero)
             tok = E.add_chunk(est, packed_e, w_k3, code, c1 - c0, c0, tok, est_acc, False, no_f, no_b, no_i, False)
         add_sequence(acc_f, acc_i, acc_b, seq_f[j], seq_i[j], step_f[k], step_i[k], step_b[k])
+        if sig_on:
+            SK.run_row(sig, sig_cnt[j], sig_val[j])
     chunk_j[n_chunks] = tok
     add_weight_bins(h_w, h_w_is, est_acc[6])
     lost = E.totals(est_acc, abs_grid, fsum, icount, hist, scal)
-    return pass_result(out, n_bad_rows, abs_grid, d_grid) + (lost, n_chunks)
+    return pass_result(out, n_bad_rows, abs_grid, d_grid) + (lost, n_chunks, one_group)
+
+
+@njit(inline="always", **JIT)
+def ride_chunk(sig, normal, c0, c1, s, o, r, adv, mask, group, ok, rho_k, w_k3, sig_par):  # pragma: no cover
+    """A chunk's learning-signal sums added into its sequence's (signal_kernel.run_add): from this pass's rho and
+    |K3 weight| on a normal chunk (signal_kernel.ride_sums), by the signal's own pass elsewhere (run_sums)."""
+    tol, clamp = sig_par[0], sig_par[1]
+    if normal:
+        t = SK.ride_sums(mask[c0:c1], adv[c0:c1], s[c0:c1], r[c0:c1], rho_k, w_k3, tol, clamp)
+    else:
+        t = SK.run_sums(mask[c0:c1], adv[c0:c1], ok[c0:c1], s[c0:c1], ok[c0:c1], o[c0:c1], ok[c0:c1], r[c0:c1],
+                        ok[c0:c1], tol, clamp)
+    return SK.run_add(sig, t)
 
 
 @njit(inline="always", **JIT)
@@ -187,21 +211,57 @@ class EstimatorRide:
     alone: Callable[[Any], None]
 
 
-def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride: EstimatorRide) -> tuple:
+@dataclass(frozen=True)
+class SignalRide:
+    """The learning-signal reducer riding in the Estimators page's ridden pass (fused_pass_est): its thresholds
+    (signal_kernel.run_sums' tol and clamp), inputs(batch) ((group, ok): int64 [n] group ids with nulls filled, a
+    read-only all-true bool [n]),
+    take(b, starts, group, cnt, val) (signal_rows' counts and values of each sequence starting at starts[:-1];
+    those without a loss token are all zeros) and alone(batch), its own pass over a batch the ride cannot read: one
+    with a null log-prob or advantage, without pi_ref or an advantage, or a sequence of two groups."""
+
+    tol: float
+    clamp: float
+    inputs: Callable[[Any], tuple[np.ndarray, np.ndarray]]
+    take: Callable[[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+    alone: Callable[[Any], None]
+
+
+def signal_reads(b) -> bool:
+    """Whether the signal can ride on kernel.Batch b: every log-prob and advantage without a null, pi_ref and the
+    advantage present (ok all true in fused_pass_est; where not, the signal's own pass knows its nulls)."""
+    return (not b.partial_nulls and b.raw["logp_ref"] is not None and b.raw["advantage"] is not None
+            and b.null["advantage"] is None)
+
+
+def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride: EstimatorRide,
+        signal: SignalRide | None = None) -> tuple:
     """fused_pass's tuple of one batch (inputs: stats.kernel_inputs(b); nulls: stats.null_masks(b); params: the
     analysis's, whose first three are the ride's thresholds); the estimators' outputs go to
     ride.take(b, out) as named arrays: fsum, icount, hist, scal (estimator_kernel.token_pass's),
-    k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's)."""
+    k3_weight_lost [1], top_j, worst_j (the kept token numbers), chunk_r0, chunk_j (token_rows_at's); with
+    `signal`, its rows to signal.take (or the batch to signal.alone: signal_reads)."""
     fsum, icount = np.zeros((4, E.N_EST)), np.zeros((1, E.N_EST), np.int64)
     hist, scal = np.zeros((E.N_EST, abs_grid[2] + 1), np.int64), np.zeros(5, np.int64)
     top_w, top_j = np.empty(ride.keep_top), np.empty(ride.keep_top, np.int64)
     worst_w, worst_j = np.empty(ride.keep_flagged), np.empty(ride.keep_flagged, np.int64)
     cap = len(starts) + b.n // CHUNK + 1
     chunk_r0, chunk_j = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    sig_on = signal is not None and signal_reads(b)
+    n_sig = len(starts) - 1 if sig_on else 0
+    group, ok = signal.inputs(b.arrow) if sig_on else (np.empty(0, np.int64), np.empty(0, np.bool_))
+    sig_cnt, sig_val = np.zeros((n_sig, 3), np.int64), np.empty((n_sig, 9))
+    sig_par = np.array([signal.tol, signal.clamp]) if sig_on else np.zeros(2)
     res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *nulls,
-                         fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, chunk_r0, chunk_j)
+                         fsum, icount, hist, scal, top_w, top_j, worst_w, worst_j, chunk_r0, chunk_j,
+                         group, ok, sig_par, sig_cnt, sig_val)
     n_chunks = res[10]
     ride.take(b, {"fsum": fsum, "icount": icount, "hist": hist, "scal": scal, "k3_weight_lost": np.array([res[9]]),
                   "top_j": top_j[:scal[E.S_TOP]], "worst_j": worst_j[:scal[E.S_WORST]],
                   "chunk_r0": chunk_r0[:n_chunks], "chunk_j": chunk_j[:n_chunks + 1]})
+    if signal is not None:
+        if sig_on and res[11]:
+            signal.take(b, starts, group, sig_cnt, sig_val)
+        else:
+            signal.alone(b.arrow)
     return res[:9]

@@ -22,7 +22,7 @@ when read: `per_step`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +30,8 @@ import pyarrow as pa
 from kldiag import estimators as E
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import signal as SK
-from kldiag.analysis.reducers.base import ListReducer, column
+from kldiag.analysis.kernels.ride import SignalRide
+from kldiag.analysis.reducers.base import ListReducer, all_valid, column
 
 SPREAD_TOL = 1e-6  # rewards (advantages) closer than this count as equal
 KEYS = ("step", "group", "seq")
@@ -69,13 +70,33 @@ def batch_partial(batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
     (step, _), (group, _), (seq, _), (mask, _), (adv, ok_a), (logp, ok_s), (old, ok_o), (ref, ok_r) = cols
     keys, cnt, val = SK.signal_rows(step, group, seq, mask, adv, ok_a, logp, ok_s, old, ok_o, ref, ok_r,
                                     SPREAD_TOL, E.CLAMP)
-    if not len(keys):
+    return rows_partial(keys[:, 0], keys[:, 1], keys[:, 2], cnt, val)
+
+
+def rows_partial(step: np.ndarray, group: np.ndarray, seq: np.ndarray, cnt: np.ndarray,
+                 val: np.ndarray) -> dict[str, np.ndarray] | None:
+    """The partial of signal_kernel.signal_rows' rows (keys [r], counts [r, 3], values [r, 9]); None for no row."""
+    if not len(step):
         return None
-    out = {"step": keys[:, 0], "group": keys[:, 1], "seq": keys[:, 2], "n_tokens": cnt[:, 0],
+    out = {"step": step, "group": group, "seq": seq, "n_tokens": cnt[:, 0],
            "n_kl_alone": cnt[:, 1], "n_ref": cnt[:, 2], "max_adv": val[:, 0], "min_adv": val[:, 1],
            "sum_pg": val[:, 2]}
     out.update({_wsum(name): val[:, 3 + j] for j, name in enumerate(SK.ESTIMATOR_ORDER)})
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def ride_inputs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(group int64 [n], nulls as NO_GROUP; an all-true read-only bool [n]): fused_ride.SignalRide.inputs."""
+    return column(batch, "group", NO_GROUP, np.int64, copy=False)[0], all_valid(batch.num_rows)
+
+
+def ridden_partial(b, starts: np.ndarray, group: np.ndarray, cnt: np.ndarray,
+                   val: np.ndarray) -> dict[str, np.ndarray] | None:
+    """batch_partial's rows from the ridden pass's per-sequence rows (fused_ride.SignalRide.take: one sequence of
+    kernel.Batch b per entry of starts[:-1], one group in each), those with a loss token."""
+    keep = cnt[:, 0] > 0
+    at = starts[:-1][keep]
+    return rows_partial(b.step[at].astype(np.int64), group[at], b.seq[at].astype(np.int64), cnt[keep], val[keep])
 
 
 def empty() -> dict[str, np.ndarray]:
@@ -94,7 +115,8 @@ class SignalReducer(ListReducer):
     """The learning-signal rows (module docstring)."""
 
     name: str = "signal"
-    version: int = 4  # 3: the compiled pass (kernels/signal.py); 4: its runs summed by a vectorised loop
+    rides: ClassVar[str] = "analysis"  # with the Estimators page's reducer, its tokens summed in that pass
+    version: int = 5  # 3: the compiled pass (kernels/signal.py); 4: its runs summed by a vectorised loop; 5: riding
     columns: tuple[str, ...] = ("step", "seq", "group", "mask", "logp", "logp_old", "logp_ref", "advantage")
 
     def settings(self) -> dict:
@@ -102,6 +124,16 @@ class SignalReducer(ListReducer):
 
     def partial(self, batch: pa.RecordBatch) -> dict[str, np.ndarray] | None:
         return batch_partial(batch)
+
+    def ride(self, state: list) -> SignalRide:
+        """Its per-token work in the analysis's compiled pass when the Estimators page's rides there too
+        (K.PartFold, stats.batch_partials): each batch's partial from that pass (`ridden_partial`), equal to
+        batch_partial's, its sums to rounding (tests/test_fused_ride.py)."""
+        def take(b, starts, group, cnt, val) -> None:
+            p = ridden_partial(b, starts, group, cnt, val)
+            if p is not None:
+                state.append(p)
+        return SignalRide(SPREAD_TOL, E.CLAMP, ride_inputs, take, lambda batch: self.add(state, batch))
 
     def merge(self, partials) -> dict[str, np.ndarray]:
         return merge_partials(partials)
