@@ -169,6 +169,19 @@ def test_analyze_json_has_turns(agentic, capsys):
     assert len(t["steps"]) == 6
 
 
+def test_multi_turn_is_summarys_flag(agentic, tmp_path):
+    from kldiag.analysis.pipeline import analyze
+    from kldiag.analysis.types import AnalysisConfig
+    from kldiag.tools.synth import SynthConfig, make_run
+
+    single = tmp_path / "single"
+    make_run(single, SynthConfig(steps=3, seqs_per_step=4, seq_len=(5, 30), vocab_size=0))
+    for run in (agentic["retok"], agentic["recorded"], single):
+        a = analyze(run, AnalysisConfig())
+        assert TU.multi_turn(a) is TU.turns_of(a)["multi_turn"]
+    assert TU.multi_turn(analyze(agentic["retok"], AnalysisConfig()))
+
+
 def test_recorded_turn_column_is_read(agentic):
     from kldiag.analysis.pipeline import analyze
     from kldiag.analysis.types import AnalysisConfig

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kldiag.analysis.reducers import staleness as S
-from kldiag.analysis.reducers.turns import turns_of
+from kldiag.analysis.reducers.turns import multi_turn
 from kldiag.analysis.rules import episodes as EP
 from kldiag.analysis.runtime.runner import reduced
 from kldiag.diagnosis import causes as C
@@ -89,7 +89,7 @@ def _summary(vf: dict, ev: dict) -> str:
 def _unstamped(analysis, ctx: C.Context) -> list[Cause]:
     """The cause from jumps inside the sequences (kldiag.diagnosis.version_jumps), for a run without version
     changes recorded inside its sequences."""
-    if turns_of(analysis)["multi_turn"]:  # a jump at a turn's first token is also what re-tokenisation leaves
+    if multi_turn(analysis):  # a jump at a turn's first token is also what re-tokenisation leaves
         return []  # (engine_retokenization): without version stamps the two cannot be told apart
     ts = P.tokens_for(analysis)
     found = None if ts is None else VJ.jump_evidence(ts, ctx.config)

@@ -378,6 +378,12 @@ def summary(m: dict[str, np.ndarray]) -> dict[str, Any]:
             "steps": steps, "examples": examples}
 
 
+def multi_turn(analysis, reducer: TurnReducer | None = None) -> bool:
+    """summary()'s "multi_turn" of an analysed run (a sequence with two or more turns) without the rest of
+    summary (its per-step rows: 0.1 s at 2,000 steps)."""
+    return scalar(reduced(analysis, reducer or TurnReducer())["seq_multi"]) > 0
+
+
 def turns_of(analysis, reducer: TurnReducer | None = None) -> dict[str, Any]:
     """summary() of an analysed run: from the analysis's own read when it was made with the reducer
     (diagnosis.core.reducers() lists it), else one more pass over the parts lacking a cached partial."""
