@@ -148,3 +148,18 @@ def test_empty_set_gives_empty_tables():
     v = D.every_view(ts)
     assert v["by_step"].num_rows == 0 and v["by_prob"].num_rows == 0 and v["by_entropy"] is None
     assert v["summary"]["tokens"] == 0
+
+
+@pytest.mark.parametrize("edges", [D.PROB_EDGES, D.POS_EDGES.astype(np.float64), np.linspace(0.1, 3.0, 11),
+                                   np.arange(300.0)])
+def test_bucket_index_is_the_clipped_searchsorted(edges):
+    """Values on the edges, between them, outside them and not finite: the bucket searchsorted gives (clipped to
+    the buckets), k where not finite; the counting form and (past 255 buckets) searchsorted itself."""
+    rng = np.random.default_rng(1)
+    x = np.concatenate([edges, np.nextafter(edges, -np.inf), np.nextafter(edges, np.inf),
+                        rng.uniform(edges[0] - 1, edges[-1] * 1.5 + 1, 5000), [np.nan, np.inf, -np.inf, -1e300]])
+    k = len(edges) - 1
+    want = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, k - 1)
+    want[~np.isfinite(x)] = k
+    got = D.bucket_index(x, edges)
+    assert got.dtype == np.int64 and np.array_equal(got, want)

@@ -64,10 +64,18 @@ def summands(ts: TokenSet, a: int, b: int) -> np.ndarray:
 
 def bucket_index(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """int64: x's bucket [edges[i], edges[i + 1]) (below the first: 0, at or above the last: the last bucket),
-    k = len(edges) - 1 where x is not finite (in no bucket)."""
+    k = len(edges) - 1 where x is not finite (in no bucket). With a few edges (at most 256), the count of inner
+    edges at or below x: searchsorted(edges, x, "right") - 1, clipped, from the same comparisons, about five
+    times faster than its binary search per value."""
     k = len(edges) - 1
-    idx = np.searchsorted(edges, x, side="right") - 1
-    np.clip(idx, 0, k - 1, out=idx)
+    if k > 255:
+        idx = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, k - 1)
+    else:
+        count, at = np.zeros(len(x), np.uint8), np.empty(len(x), bool)
+        for e in edges[1:-1]:
+            np.greater_equal(x, e, out=at)
+            np.add(count, at, out=count, casting="unsafe")
+        idx = count.astype(np.int64)
     idx[~np.isfinite(x)] = k
     return idx
 
