@@ -219,7 +219,7 @@ def main() -> None:
     """The page, section by section: a new section is a function above and one line here. Its view is a
     local: the page's globals (kept alive by a widget's callback) never hold the run's Analysis."""
     run = D.page("Mismatch")
-    # a first visit reads the token sample for the view, the what-if and the crosswalk: its set made once
+    # a first visit reads the token sample for the view (the what-if and the crosswalk too, once opened): one set
     with VM.held(run.analysis):
         view = D.mismatch_view(run.path, run.keys)
         if view.step_stride > 1 or view.group_share < 1:
