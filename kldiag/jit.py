@@ -37,7 +37,7 @@ PACKAGE = Path(__file__).resolve().parent
 KERNEL_FILES = ("analysis/kernels/estimators.py", "analysis/kernels/fastexp.py", "analysis/kernels/fused.py",
                 "analysis/kernels/ride.py", "analysis/kernels/token.py", "analysis/kernels/scans.py",
                 "analysis/kernels/turns.py", "analysis/kernels/side_scan.py",
-                "integrations/trl/kernel.py", "mismatch/decompose.py", "mismatch/sample.py", "mismatch/whatif.py",
+                "integrations/trl/kernel.py", "mismatch/sample.py", "mismatch/whatif.py",
                 "analysis/kernels/contract.py", "analysis/kernels/signal.py", "analysis/kernels/blocks.py",
                 "analysis/kernels/mismatch_top.py")
 

@@ -14,13 +14,27 @@ MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _page(monkeypatch, run: str) -> AppTest:
+def _page(monkeypatch, run: str, opened: bool = True) -> AppTest:
+    """The Mismatch page of `run`, its what-if and crosswalk expanders opened (as a user's click does) unless
+    not `opened`."""
     monkeypatch.setenv("KLDIAG_RUNS", os.pathsep.join([str(ROOT / run)]))
     at = AppTest.from_file(str(MAIN), default_timeout=120).run()
     at = at.switch_page("app_pages/mismatch.py").run()
+    if opened:
+        at = open_sections(at)
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     return at
+
+
+def open_sections(at: AppTest) -> AppTest:
+    """Open the page's what-if and crosswalk expanders (their bodies run only once opened) and rerun."""
+    at.session_state[WHATIF_KEY] = True
+    at.session_state[CROSSWALK_KEY] = True
+    return at.run()
+
+
+WHATIF_KEY, CROSSWALK_KEY = "mm_whatif", "mm_crosswalk"
 
 
 def _metrics(at: AppTest) -> dict[str, str]:
@@ -69,3 +83,19 @@ def test_the_2026_corrections_on_the_page(monkeypatch):
     for method in ("dppo_kl", "m2po", "any_token"):
         at.selectbox(key="wi_method").set_value(method).run()
         assert not at.exception, method
+
+
+def test_what_if_and_crosswalk_run_only_once_opened(monkeypatch):
+    """The first render shows the two sections' expanders closed, with no figure of theirs (nothing computed: no
+    0% or empty table in their place); opened, each shows its figures."""
+    at = _page(monkeypatch, "sample_logs/demo_k3", opened=False)
+    labels = [e.label for e in at.expander]
+    assert any(lab.startswith("What if") for lab in labels) and any("crosswalk" in lab for lab in labels)
+    assert "Tokens masked or clipped" not in _metrics(at) and not at.dataframe
+    assert "Implied engine temperature" in _metrics(at)  # the parity section above them is drawn
+    at.session_state[WHATIF_KEY] = True
+    at.run()
+    assert "Tokens masked or clipped" in _metrics(at) and not at.dataframe
+    at.session_state[CROSSWALK_KEY] = True
+    at.run()
+    assert "rollout_corr/k3_kl" in at.dataframe[0].value.columns

@@ -151,6 +151,23 @@ def test_live_toggle_shows_new_step(server, page):
     assert page.locator('[data-testid="stException"]').count() == 0
 
 
+def test_mismatch_sections_below_the_fold_open(sample_server, page):
+    """The what-if and the crosswalk run only once their expanders are opened: closed, no figure of theirs; a
+    click reruns the page and draws them."""
+    _open(page, sample_server, "mismatch", ".main-svg")
+    main = page.locator('[data-testid="stMain"]')
+    assert main.get_by_text("Tokens masked or clipped").count() == 0
+    assert main.locator('[data-testid="stDataFrame"]').count() == 0
+    page.get_by_text("What if: corrections replayed").first.click()
+    expect(main.get_by_text("Tokens masked or clipped").first).to_be_visible(timeout=30_000)
+    page.get_by_text("The framework's own metrics (crosswalk)").first.click()
+    expect(main.locator('[data-testid="stDataFrame"]').first).to_be_visible(timeout=30_000)  # the framework's table
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "sample_mismatch_opened.png"), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0
+
+
 @pytest.mark.parametrize("path", list(PAGES), ids=[p or "overview" for p in PAGES])
 def test_sample_run_pages_render(sample_server, page, path):
     _open(page, sample_server, path, PAGES[path])

@@ -90,3 +90,20 @@ def test_lazy_sets_equal_eager_ones_and_gather_only_what_is_read():
             assert len(lazy.take(np.arange(3))) == 3
             plain = pickle.loads(pickle.dumps(lazy))  # as the eager set: its arrays gathered
             assert type(plain) is TS.TokenSet and np.array_equal(plain.token_id, eager.token_id)
+
+
+def test_sorted_check_in_blocks_sees_a_pair_across_a_block_edge(monkeypatch):
+    """_sorted checks (step, seq, pos) order block by block: a pair out of order anywhere, the pair straddling
+    two blocks included, makes it false; ties in pos within a sequence are out of order (pos strictly grows)."""
+    monkeypatch.setattr(TS, "SORT_BLOCK", 8)
+    n = 64
+    step, seq, pos = np.repeat(np.arange(4), 16), np.repeat(np.arange(8), 8), np.tile(np.arange(8), 8)
+    assert TS._sorted(step, seq, pos)
+    assert TS._sorted(step[:1], seq[:1], pos[:1]) and TS._sorted(step[:0], seq[:0], pos[:0])
+    for i in range(1, n):  # swap rows i - 1 and i: out of order whatever block edge lies between them
+        order = np.arange(n)
+        order[[i - 1, i]] = order[[i, i - 1]]
+        assert not TS._sorted(step[order], seq[order], pos[order]), i
+    tie = pos.copy()
+    tie[8] = tie[9]  # sequence 1's first two tokens both at position 1
+    assert not TS._sorted(step, seq, tie)
