@@ -214,3 +214,44 @@ def test_unreadable_state_files_fall_back(source, tmp_path):
     for path in folder.glob("*.state"):  # the state too: the per-part partials are merged again
         path.write_bytes(b"")
     assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
+
+
+def test_the_token_sample_is_written_once(source, tmp_path):
+    """A concatenation's partials (the token sample's) that a saved state covers are not also written one
+    file a part: the state is their one copy. Those of later parts, which no state covers yet, are."""
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:-1]:
+        publish(run, item)
+    cold = analyze(run, AnalysisConfig(), VD.reducers())
+    cache = open_run(run).cache_dir()
+    sample = next(r for r in VD.reducers() if getattr(r, "merge_every", None) == 0)
+    parts = open_run(run).parts()
+    assert reducer_prefix.load(cache, parts, runner.bound(sample, parts)).k == len(parts)
+    assert not list((cache / sample.name).glob("*.part"))  # in the state only
+    assert len(list((cache / "scan").glob("*.part"))) == len(parts)  # another reducer's: one a part, as before
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), dict(cold.reduced))
+    publish(run, staged[-1])  # one part on: no new state due, so its partial is written
+    grown = analyze(run, AnalysisConfig(), VD.reducers())
+    assert_same(dict(grown.reduced), dict(analyze(run, NOCACHE, VD.reducers()).reduced))
+    assert len(list((cache / sample.name).glob("*.part"))) == 1
+    parts = open_run(run).parts()
+    os.utime(parts[0].path, ns=(Path(parts[0].path).stat().st_mtime_ns + 10**9,) * 2)  # the state invalid
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced),
+                dict(analyze(run, NOCACHE, VD.reducers()).reduced))  # its parts read again
+
+
+def test_held_partials_are_written_without_a_state(source, tmp_path, monkeypatch):
+    """When no state is due (PREFIX_TAIL parts not yet past the last one), every computed partial of a
+    concatenation is written as the pass ends, before any face reads the reducer."""
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 100)
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:3]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    for item in staged[3:5]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())  # its results never read
+    sample = next(r for r in VD.reducers() if getattr(r, "merge_every", None) == 0)
+    assert len(list((open_run(run).cache_dir() / sample.name).glob("*.part"))) == 2

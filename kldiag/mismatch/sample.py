@@ -181,6 +181,35 @@ class SampleReducer:
         return {**empty_columns(), **tail} if not out["step"] else {**out, **tail}
 
 
+    def length(self, partial) -> int:
+        """A partial's rows (runner.Accumulator records each part's, for head)."""
+        return rows(partial)
+
+    def head(self, merged, n: int) -> dict | None:
+        """merge() of the partials whose rows are the first n of `merged`: those rows, sliced (views), when
+        merged is their plain concatenation (share_level 0); None once capped, when merged lacks the rows
+        the cap dropped, which a merge of fewer parts may keep (side_prefix.cut)."""
+        if int(merged["share_level"][0]) if "share_level" in merged else 0:
+            return None
+        if n == 0 or not rows(merged):
+            return empty_columns() if n == 0 else None
+        if n > rows(merged):
+            return None
+        out = {c: _first(v, n) for c, v in merged.items() if c not in ("stride", "share_level")}
+        return {**out, "stride": merged["stride"], "share_level": np.zeros(1, np.int64)}
+
+
+def _first(v, n: int) -> list[np.ndarray]:
+    """The first n rows of a column (an array or a list of chunks), as views of its chunks."""
+    out = []
+    for c in chunks(v):
+        if n <= 0:
+            break
+        out.append(c[:n])
+        n -= len(c)
+    return out
+
+
 def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[list[np.ndarray], int]:
     """(keep masks, level): the kept rows under SHARE_LADDER[level'] of their group's hash, level' >= level
     the smallest with at most cap rows. Each group run's hash is compared with the ladder once: the number

@@ -47,7 +47,14 @@ class Accumulator:
     merging in steps would copy again and again).
 
     `state` (reducer_prefix.State) starts it where the merge of parts[0:state.k] left off: it is then
-    handed only the partials of the later parts, and its result equals the merge of every part's."""
+    handed only the partials of the later parts, and its result equals the merge of every part's.
+
+    A concatenation that can cut its merge back (the reducer's `head`, reducer_prefix.cut) counts each
+    part's rows (`length`), which its state records, and its partials computed in this pass are held
+    (`hold`), not written at once: a state that `keep` saves and that can be cut back holds the same rows,
+    so it is their one copy in the cache, and `save_held` writes only those of the parts after it (the
+    token sample: 120 MB at 30M rows, once, not twice). A state that cannot be cut back (the sample once
+    capped) leaves every held partial written, as a restart falls back on them."""
 
     def __init__(self, reducer: Reducer, every: int | None = None, state: reducer_prefix.State | None = None):
         self.reducer = reducer
@@ -57,11 +64,38 @@ class Accumulator:
         self.done: Arrays | None = state.result if state else None  # parts[0:k] merged, nothing after
         self.start = self.next = state.k if state else 0  # the index the next partial should have
         self.gap: reducer_prefix.State | None = None  # the state before the first unreadable part
+        self.held: dict[int, tuple[Path, Arrays]] = {}  # part index: (its cache file, its partial), unwritten
+        self.covered = 0  # parts[0:covered] are in a state keep() saved: their held partials are not written
+        cuts = not self.every and hasattr(reducer, "head") and hasattr(reducer, "length")
+        had = state.rows if state else []  # None: a state whose rows were not recorded
+        self.rows: list[int] | None = list(had) if cuts and had is not None else None  # each part's, parts[0] on
+
+    def hold(self, i: int, path: Path, arrays: Arrays) -> bool:
+        """Keep part i's computed partial to write later (save_held), if this reducer's merge is a
+        concatenation; False: write it now."""
+        if self.rows is None:
+            return False
+        self.held[i] = (path, arrays)
+        return True
+
+    def save_held(self) -> None:
+        """Write the held partials that no saved state covers (the parts after it, or all of them)."""
+        for i, (path, arrays) in sorted(self.held.items()):
+            if i >= self.covered:
+                reduce.save_arrays(path, arrays)
+        self.held = {}
+
+    def cuts_back(self, state: reducer_prefix.State) -> bool:
+        """Whether a later read can cut `state` back (its rows recorded, the reducer's head takes its partial)."""
+        return (state.rows is not None and state.acc is None and len(state.buf) == 1
+                and self.reducer.head(state.buf[0], 0) is not None)
 
     def __call__(self, i: int, arrays: Arrays) -> None:
         if i != self.next and self.gap is None:  # parts next..i-1 were unreadable: a prefix stops there
             self.gap = self.state()
         self.next, self.done = i + 1, None
+        if self.rows is not None and self.gap is None:
+            self.rows.append(self.reducer.length(arrays))
         self.buf.append(arrays)
         if self.every and len(self.buf) >= self.every:
             self.flush()
@@ -76,7 +110,8 @@ class Accumulator:
         for a reducer whose merge is a concatenation)."""
         if not self.every and len(self.buf) > 1:
             self.buf = [self.reducer.merge(self.buf)]
-        return reducer_prefix.State(self.next, self.acc, list(self.buf))
+        rows = list(self.rows) if self.rows is not None and len(self.rows) == self.next else None
+        return reducer_prefix.State(self.next, self.acc, list(self.buf), rows=rows)
 
     def result(self) -> Arrays:
         if self.done is not None:
@@ -100,7 +135,9 @@ class Accumulator:
         out = self.result()
         if self.gap is None and state.k == len(parts):
             state.result = out
-        reducer_prefix.save(cache_dir, parts, self.reducer, state)
+        if reducer_prefix.save(cache_dir, parts, self.reducer, state) and self.cuts_back(state):
+            self.covered = state.k
+        self.save_held()
         return out
 
 
@@ -144,6 +181,7 @@ def results(accs: dict[str, Accumulator], cache_dir: Path, parts: Sequence[PartI
     for name, acc in accs.items():
         if use_cache and acc.due():
             out[name]
+        acc.save_held()  # a state not due: every held partial written now, not when (if) a face reads it
     return out
 
 
@@ -211,7 +249,9 @@ class Pass:
             for r in rs:
                 arrays = got.get(r.name)
                 if arrays is not None and self.cfg.use_cache:
-                    reduce.save_arrays(self._path(i, r), arrays)
+                    hold = getattr(sinks[r.name], "hold", None)  # an Accumulator's (a concatenation's: later)
+                    if hold is None or not hold(i, self._path(i, r), arrays):
+                        reduce.save_arrays(self._path(i, r), arrays)
                 sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
         self.computed -= len(self.failed & set(pending))  # a part that could not be read was not analysed
 
