@@ -5,7 +5,9 @@ partial some reducer lacks is read once for all those reducers (only the union o
 in this process's reader threads (`cfg.threads`, default one per core) or in Ray tasks; results
 come back in part order and each partial is saved to the cache and handed to its reducer's sink
 at once, so nothing is held until the end: a sink merges as partials arrive (`Accumulator`, or the
-analysis's sealing merge). `opened_parts` counts the parts read, for tests and benches.
+analysis's sealing merge). The exception, a concatenation that can cut its state back (the token
+sample): its partials are written as the pass ends, only those of parts no saved state covers
+(`Accumulator.hold`). `opened_parts` counts the parts read, for tests and benches.
 """
 
 from __future__ import annotations
