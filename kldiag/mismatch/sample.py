@@ -180,7 +180,6 @@ class SampleReducer:
         tail = {"stride": np.array([every], np.int64), "share_level": np.array([level], np.int64)}
         return {**empty_columns(), **tail} if not out["step"] else {**out, **tail}
 
-
     def length(self, partial) -> int:
         """A partial's rows (runner.Accumulator records each part's, for head)."""
         return rows(partial)

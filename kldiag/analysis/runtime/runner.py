@@ -73,8 +73,8 @@ class Accumulator:
         self.rows: list[int] | None = list(had) if cuts and had is not None else None  # each part's, parts[0] on
 
     def hold(self, i: int, path: Path, arrays: Arrays) -> bool:
-        """Keep part i's computed partial to write later (save_held), if this reducer's merge is a
-        concatenation; False: write it now."""
+        """Keep part i's computed partial to write later (save_held), if this reducer is a concatenation
+        that can cut its state back (its rows counted); False: write it now."""
         if self.rows is None:
             return False
         self.held[i] = (path, arrays)
