@@ -308,9 +308,9 @@ def test_a_restart_decodes_only_the_parts_it_changed(tmp_path, monkeypatch):
 
 
 def test_appended_rewritten_and_removed_parts(tmp_path, monkeypatch):
-    """A part appended (a live run) is the only one decoded; a rewritten part and a removed one cut the
-    state back to the parts before them, and those after are decoded again (their rows were in the state
-    only). Every sample equals a cold one bit for bit."""
+    """A part appended (a live run) or rewritten is the only one decoded: the state is cut back to the parts
+    before it and the parts after it that it holds are sliced out of it; a removed part decodes nothing.
+    Every sample equals a cold one bit for bit."""
     decodes = sample_decodes(monkeypatch)
     make_run(tmp_path / "run", SYNTH)
     last = sorted((tmp_path / "run").rglob("*.parquet"))[-1]
@@ -322,10 +322,12 @@ def test_appended_rewritten_and_removed_parts(tmp_path, monkeypatch):
     assert check_against_cold(tmp_path / "run", decodes) == [parts[-1].key]
     os.utime(parts[6].path, ns=(Path(parts[6].path).stat().st_mtime_ns + 10**9,) * 2)  # rewritten: a new key
     parts = open_run(tmp_path / "run").parts()
-    assert check_against_cold(tmp_path / "run", decodes) == [p.key for p in parts[6:10]]  # the 11th: cached
+    assert check_against_cold(tmp_path / "run", decodes) == [parts[6].key]
     Path(parts[3].path).unlink()  # a part removed
-    parts = open_run(tmp_path / "run").parts()
-    assert check_against_cold(tmp_path / "run", decodes) == [p.key for p in parts[3:5]]  # the old 6th on: cached
+    assert check_against_cold(tmp_path / "run", decodes) == []
+    cache = open_run(tmp_path / "run").cache_dir()
+    assert len(list((cache / "tokens").glob("*.part"))) == 2  # the appended and the rewritten part's: no state
+    # covers them; the others are in the state only
 
 
 def test_a_capped_sample_keeps_its_per_part_partials(tmp_path, monkeypatch):
@@ -360,3 +362,23 @@ def test_a_state_of_another_cache_version_is_a_miss(source, tmp_path, monkeypatc
     sample_of(run)
     state = reducer_prefix.load(open_run(run).cache_dir(), parts, red)
     assert state.k == len(parts) and sum(state.rows) == len(state.result["step"])
+
+
+def test_spare_partials_are_written_when_their_state_is_replaced(tmp_path, monkeypatch):
+    """A cut state's later parts are handed out of it; when a new state that stops before some of them (at an
+    unreadable part) replaces it, their partials are written one a part, so the next read decodes none."""
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 1)  # a state saved at every read
+    decodes = sample_decodes(monkeypatch)
+    make_run(tmp_path / "run", SYNTH)
+    check_against_cold(tmp_path / "run", decodes)
+    parts = open_run(tmp_path / "run").parts()
+    os.utime(parts[6].path, ns=(Path(parts[6].path).stat().st_mtime_ns + 10**9,) * 2)
+    Path(parts[8].path).write_bytes(b"not parquet")  # unreadable: a state stops before it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parts = open_run(tmp_path / "run").parts()
+        assert check_against_cold(tmp_path / "run", decodes) == [parts[6].key, parts[8].key]
+        state = reducer_prefix.load(open_run(tmp_path / "run").cache_dir(), parts,
+                                    runner.bound(SampleReducer(), parts))
+        assert state.k == 8 and not state.spare
+        assert check_against_cold(tmp_path / "run", decodes) == [parts[8].key]  # 9, 10: written

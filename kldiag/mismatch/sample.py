@@ -181,31 +181,31 @@ class SampleReducer:
         return {**empty_columns(), **tail} if not out["step"] else {**out, **tail}
 
     def length(self, partial) -> int:
-        """A partial's rows (runner.Accumulator records each part's, for head)."""
+        """A partial's rows (runner.Accumulator records each part's, for slice_rows)."""
         return rows(partial)
 
-    def head(self, merged, n: int) -> dict | None:
-        """merge() of the partials whose rows are the first n of `merged`: those rows, sliced (views), when
-        merged is their plain concatenation (share_level 0); None once capped, when merged lacks the rows
-        the cap dropped, which a merge of fewer parts may keep (side_prefix.cut)."""
+    def slice_rows(self, merged, start: int, stop: int) -> dict | None:
+        """merge() of the partials whose rows are merged's start:stop: those rows (views of its chunks) when
+        merged is their plain concatenation (share_level 0); None once capped (merged lacks the rows the cap
+        dropped, which a merge of other parts may keep: side_prefix.cut) or past its rows."""
         if int(merged["share_level"][0]) if "share_level" in merged else 0:
             return None
-        if n == 0 or not rows(merged):
-            return empty_columns() if n == 0 else None
-        if n > rows(merged):
+        if not 0 <= start <= stop <= rows(merged):
             return None
-        out = {c: _first(v, n) for c, v in merged.items() if c not in ("stride", "share_level")}
+        if start == stop:
+            return empty_columns()
+        out = {c: _between(v, start, stop) for c, v in merged.items() if c not in ("stride", "share_level")}
         return {**out, "stride": merged["stride"], "share_level": np.zeros(1, np.int64)}
 
 
-def _first(v, n: int) -> list[np.ndarray]:
-    """The first n rows of a column (an array or a list of chunks), as views of its chunks."""
-    out = []
+def _between(v, start: int, stop: int) -> list[np.ndarray]:
+    """Rows start:stop of a column (an array or a list of chunks), as views of its chunks."""
+    out, at = [], 0
     for c in chunks(v):
-        if n <= 0:
-            break
-        out.append(c[:n])
-        n -= len(c)
+        a, b = max(start - at, 0), min(stop - at, len(c))
+        if a < b:
+            out.append(c[a:b])
+        at += len(c)
     return out
 
 

@@ -19,12 +19,13 @@ and is rewritten once PREFIX_TAIL parts follow it. Beside the state, `result` ho
 of parts[0:k] when the pass that wrote it read exactly those parts: a warm read of an unchanged run
 loads that one file and merges nothing.
 
-A concatenation whose reducer can cut its merge back (`head(merged, n)`: the merge of the partials whose
-rows are merged's first n, None when it cannot say, the token sample once capped) records each part's
-rows and key: a state whose listing no longer matches from part j on (a restart's superseded steps, a
-rewritten, removed or inserted part) is cut back to parts[0:j], a slice of its one partial, and only the
-parts after j are read again. The runner then writes such a reducer's per-part partials only for the
-parts no state covers (runner.Accumulator.hold): the sample is in the cache once.
+A concatenation whose reducer can cut its merge (`slice_rows(merged, start, stop)`: the merge of the
+partials whose rows are merged's start:stop, None when it cannot say, the token sample once capped)
+records each part's rows and key: a state whose listing no longer matches from part j on (a restart's
+superseded steps, a rewritten, removed or inserted part) is cut back to parts[0:j], a slice of its one
+partial, and the later parts it holds that are still listed are handed out as slices too (`State.spare`):
+only the parts it does not hold are read again. The runner then writes such a reducer's per-part
+partials only for the parts no state covers (runner.Accumulator.hold): the sample is in the cache once.
 
 Files: CACHE/reducers/<namespace>.json (k, digest of the k keys, whether a result was written, or
 "state" when the state's one partial is the result: a concatenation's; a concatenation's "rows" and
@@ -36,6 +37,7 @@ a digest of the reducer's name, version and settings.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -60,6 +62,7 @@ class State:
     buf: list[Arrays]
     result: Arrays | None = None  # merge([acc, *buf]) when it was written with the state
     rows: list[int] | None = None  # a concatenation's: each part's rows in buf[0], parts[0:k] in order
+    spare: dict[str, Arrays] | None = None  # a cut state's: part digest -> that later part's partial, from it
 
 
 def namespace(r: Reducer) -> str:
@@ -123,10 +126,10 @@ def part_digest(p: PartInfo) -> str:
     return hashlib.sha1(p.key.encode()).hexdigest()[:16]
 
 
-def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None:
-    """r's cached state when the listing starts with its parts, else a concatenation's cut back to the
-    parts that still lead the listing (`cut`), else None. Only the result is read when the listing is
-    exactly its parts (the state is not needed then)."""
+def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, cut_back: bool = False) -> State | None:
+    """r's cached state when the listing starts with its parts, else (cut_back: where a read starts r) a
+    concatenation's cut back to the parts that still lead the listing (`cut`), else None. Only the result
+    is read when the listing is exactly its parts (the state is not needed then)."""
     folder = Path(cache_dir) / FOLDER
     ns = namespace(r)
     meta = _meta(folder, ns)
@@ -139,7 +142,7 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
     if k <= 0:
         return None
     if k > len(parts) or digest(parts[:k]) != want:
-        return cut(folder / f"{ns}-{want}.state", meta, rows, parts, r)
+        return cut(folder / f"{ns}-{want}.state", meta, rows, parts, r) if cut_back else None
     if k == len(parts) and with_result and meta["result"] != "state":
         result = _load(folder / f"{ns}-{want}.result")
         if result is not None:
@@ -154,31 +157,43 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
 
 
 def _rows(meta: dict, k: int) -> list[int] | None:
-    """The state's rows per part (a concatenation's), when its JSON lists one count for each of its k parts."""
+    """The state's rows per part (a concatenation's), when its JSON lists one count and key for each of its k parts."""
     rows, keys = meta.get("rows"), meta.get("keys")
     if not (isinstance(rows, list) and isinstance(keys, list) and len(rows) == len(keys) == k):
         return None
-    return rows if all(type(n) is int and n >= 0 for n in rows) else None
+    ok = all(type(n) is int and n >= 0 for n in rows) and all(isinstance(key, str) for key in keys)
+    return rows if ok else None
 
 
 def cut(path: Path, meta: dict, rows: list[int] | None, parts: Sequence[PartInfo], r: Reducer) -> State | None:
-    """A concatenation's state cut back to parts[0:j], the parts of it that still lead the listing (j > 0):
-    the first sum(rows[:j]) rows of its one partial (r.head), else None (not a concatenation's, no part
-    matches, or r cannot cut its merge: the token sample once capped)."""
-    head = getattr(r, "head", None)
-    if rows is None or head is None or meta.get("acc") or meta.get("buf") != 1:
+    """A concatenation's state cut back to parts[0:j], the parts of it that still lead the listing: the first
+    rows of its one partial, those parts' (r.slice_rows), with `spare` the rows of each later part of it that
+    the listing still holds (after a part rewritten, removed or inserted at j, or another rank's restart);
+    None when it is not a concatenation's, r cannot cut its merge (the token sample once capped) or no part
+    of it is listed."""
+    part_rows = getattr(r, "slice_rows", None)
+    if rows is None or part_rows is None or meta.get("acc") or meta.get("buf") != 1:
         return None
+    listed = [part_digest(p) for p in parts]
     j = 0
-    for key, p in zip(meta["keys"], parts, strict=False):  # the state may list more parts, or fewer
-        if key != part_digest(p):
+    for key, now in zip(meta["keys"], listed, strict=False):  # the state may list more parts, or fewer
+        if key != now:
             break
         j += 1
-    raw = _load(path) if j else None
+    later = set(listed[j:])
+    if not j and not later & set(meta["keys"]):
+        return None
+    raw = _load(path)
     if raw is None:
         return None
     merged = from_arrays(raw, False, 1)[1][0]
-    got = head(merged, sum(rows[:j]))
-    return State(j, None, [got], rows=rows[:j]) if got is not None else None
+    ends = [0, *itertools.accumulate(rows)]
+    head = part_rows(merged, 0, ends[j])
+    spare = {key: part_rows(merged, ends[m], ends[m + 1])
+             for m, key in enumerate(meta["keys"]) if m >= j and key in later}
+    if head is None or any(v is None for v in spare.values()):
+        return None
+    return State(j, None, [head] if j else [], rows=rows[:j], spare=spare)
 
 
 def save(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, state: State) -> bool:

@@ -51,12 +51,14 @@ class Accumulator:
     `state` (reducer_prefix.State) starts it where the merge of parts[0:state.k] left off: it is then
     handed only the partials of the later parts, and its result equals the merge of every part's.
 
-    A concatenation that can cut its merge back (the reducer's `head`, reducer_prefix.cut) counts each
+    A concatenation that can cut its merge (the reducer's `slice_rows`, reducer_prefix.cut) counts each
     part's rows (`length`), which its state records, and its partials computed in this pass are held
-    (`hold`), not written at once: a state that `keep` saves and that can be cut back holds the same rows,
-    so it is their one copy in the cache, and `save_held` writes only those of the parts after it (the
-    token sample: 120 MB at 30M rows, once, not twice). A state that cannot be cut back (the sample once
-    capped) leaves every held partial written, as a restart falls back on them."""
+    (`hold`), not written at once: a state that `keep` saves and that can be cut holds the same rows, so
+    it is their one copy in the cache, and `save_held` writes only those of the parts after it (the
+    token sample: 120 MB at 30M rows, once, not twice). A state that cannot be cut (the sample once
+    capped) leaves every held partial written, as a restart falls back on them. A cut state's `spare`
+    partials (later parts it holds, still listed) are handed out by `take` instead of being read; they
+    are written only when a new state replaces the one that holds them and does not cover them."""
 
     def __init__(self, reducer: Reducer, every: int | None = None, state: reducer_prefix.State | None = None):
         self.reducer = reducer
@@ -66,31 +68,42 @@ class Accumulator:
         self.done: Arrays | None = state.result if state else None  # parts[0:k] merged, nothing after
         self.start = self.next = state.k if state else 0  # the index the next partial should have
         self.gap: reducer_prefix.State | None = None  # the state before the first unreadable part
-        self.held: dict[int, tuple[Path, Arrays]] = {}  # part index: (its cache file, its partial), unwritten
+        self.held: dict[int, tuple[Path, Arrays, bool]] = {}  # part index: (its cache file, its partial,
+        # whether it came from the loaded state), unwritten
         self.covered = 0  # parts[0:covered] are in a state keep() saved: their held partials are not written
-        cuts = not self.every and hasattr(reducer, "head") and hasattr(reducer, "length")
+        self.replaced = False  # keep() saved a state: the loaded one, and the spare partials it held, are gone
+        self.spare: dict[str, Arrays] = dict(state.spare) if state and state.spare else {}
+        cuts = not self.every and hasattr(reducer, "slice_rows") and hasattr(reducer, "length")
         had = state.rows if state else []  # None: a state whose rows were not recorded
         self.rows: list[int] | None = list(had) if cuts and had is not None else None  # each part's, parts[0] on
 
-    def hold(self, i: int, path: Path, arrays: Arrays) -> bool:
-        """Keep part i's computed partial to write later (save_held), if this reducer is a concatenation
-        that can cut its state back (its rows counted); False: write it now."""
+    def hold(self, i: int, path: Path, arrays: Arrays, spare: bool = False) -> bool:
+        """Keep part i's computed partial (or spare: one `take` gave) to write later (save_held), if this
+        reducer is a concatenation that can cut its state (its rows counted); False: write it now."""
         if self.rows is None:
             return False
-        self.held[i] = (path, arrays)
+        self.held[i] = (path, arrays, spare)
         return True
 
+    def take(self, i: int, part: PartInfo, path: Path) -> Arrays | None:
+        """Part i's partial from the loaded state (a cut state's spare, held), else None."""
+        arrays = self.spare.pop(reducer_prefix.part_digest(part), None)
+        if arrays is not None and not self.hold(i, path, arrays, spare=True):
+            reduce.save_arrays(path, arrays)  # not reached: a state has spare partials only when rows count
+        return arrays
+
     def save_held(self) -> None:
-        """Write the held partials that no saved state covers (the parts after it, or all of them)."""
-        for i, (path, arrays) in sorted(self.held.items()):
-            if i >= self.covered:
+        """Write the held partials that no saved state covers (the parts after it, or all of them; a spare
+        one only once the state that held it is replaced)."""
+        for i, (path, arrays, spare) in sorted(self.held.items()):
+            if i >= self.covered and (self.replaced or not spare):
                 reduce.save_arrays(path, arrays)
         self.held = {}
 
     def cuts_back(self, state: reducer_prefix.State) -> bool:
-        """Whether a later read can cut `state` back (its rows recorded, the reducer's head takes its partial)."""
+        """Whether a later read can cut `state` (its rows recorded, the reducer's slice_rows takes its partial)."""
         return (state.rows is not None and state.acc is None and len(state.buf) == 1
-                and self.reducer.head(state.buf[0], 0) is not None)
+                and self.reducer.slice_rows(state.buf[0], 0, 0) is not None)
 
     def __call__(self, i: int, arrays: Arrays) -> None:
         if i != self.next and self.gap is None:  # parts next..i-1 were unreadable: a prefix stops there
@@ -137,8 +150,9 @@ class Accumulator:
         out = self.result()
         if self.gap is None and state.k == len(parts):
             state.result = out
-        if reducer_prefix.save(cache_dir, parts, self.reducer, state) and self.cuts_back(state):
-            self.covered = state.k
+        if reducer_prefix.save(cache_dir, parts, self.reducer, state):
+            self.replaced = True
+            self.covered = state.k if self.cuts_back(state) else 0
         self.save_held()
         return out
 
@@ -189,8 +203,9 @@ def results(accs: dict[str, Accumulator], cache_dir: Path, parts: Sequence[PartI
 
 def accumulators(cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer],
                  use_cache: bool) -> dict[str, Accumulator]:
-    """An Accumulator per reducer, started from its cached prefix state when there is one."""
-    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r) if use_cache else None)
+    """An Accumulator per reducer, started from its cached prefix state when there is one (a concatenation's
+    cut back to the parts that still lead the listing: reducer_prefix.cut)."""
+    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r, cut_back=True) if use_cache else None)
             for r in reducers}
 
 
@@ -233,7 +248,8 @@ class Pass:
         loaded: dict[tuple[int, str], Arrays] = {}
         jobs = []
         for i, rs in enumerate(need):
-            missing = [r for r in rs if not (self.cfg.use_cache and self._load(i, r, loaded))]
+            missing = [r for r in rs if not (self.cfg.use_cache and (self._take(i, r, sinks.get(r.name), loaded)
+                                                                     or self._load(i, r, loaded)))]
             if missing:
                 jobs.append((i, missing))
         self.computed = len(jobs)
@@ -256,6 +272,14 @@ class Pass:
                         reduce.save_arrays(self._path(i, r), arrays)
                 sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
         self.computed -= len(self.failed & set(pending))  # a part that could not be read was not analysed
+
+    def _take(self, i: int, r: Reducer, sink, loaded: dict) -> bool:
+        """Part i's partial of r from the sink's loaded state (Accumulator.take: a cut state's), if it has it."""
+        take = getattr(sink, "take", None)
+        got = take(i, self.parts[i], self._path(i, r)) if take is not None else None
+        if got is not None:
+            loaded[(i, r.name)] = got
+        return got is not None
 
     def _load(self, i: int, r: Reducer, loaded: dict) -> bool:
         path = self._path(i, r)
