@@ -382,3 +382,21 @@ def test_spare_partials_are_written_when_their_state_is_replaced(tmp_path, monke
                                     runner.bound(SampleReducer(), parts))
         assert state.k == 8 and not state.spare
         assert check_against_cold(tmp_path / "run", decodes) == [parts[8].key]  # 9, 10: written
+
+
+def test_one_ranks_restart_decodes_only_its_parts(tmp_path, monkeypatch):
+    """Rank 0 restarts at step 30, rank 1 goes on: the listing (by first step) interleaves the ranks, so the
+    state is cut at rank 0's first changed part, and rank 1's later parts come out of it, not decoded."""
+    decodes = sample_decodes(monkeypatch)
+    two = dataclasses.replace(SYNTH, ranks=2, rows_per_file=240)
+    make_run(tmp_path / "run", two)
+    old = {p.key for p in open_run(tmp_path / "run").parts()}
+    check_against_cold(tmp_path / "run", decodes)
+    make_run(tmp_path / "run", dataclasses.replace(two, ranks=1, attempt=1, seed=3), steps=range(30, 40),
+             manifest=False)
+    parts = open_run(tmp_path / "run").parts()
+    changed = [p.key for p in parts if p.key not in old]
+    first = next(i for i, p in enumerate(parts) if p.key not in old)
+    assert {p.rank for p in parts if p.key not in old} == {0}
+    assert any(p.rank == 1 for p in parts[first:])  # rank 1's parts after the cut: in the state
+    assert check_against_cold(tmp_path / "run", decodes) == changed
