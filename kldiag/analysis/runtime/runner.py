@@ -87,6 +87,8 @@ class Accumulator:
 
     def take(self, i: int, part: PartInfo, path: Path) -> Arrays | None:
         """Part i's partial from the loaded state (a cut state's spare, held), else None."""
+        if not self.spare:
+            return None
         arrays = self.spare.pop(reducer_prefix.part_digest(part), None)
         if arrays is not None and not self.hold(i, path, arrays, spare=True):
             reduce.save_arrays(path, arrays)  # not reached: a state has spare partials only when rows count
