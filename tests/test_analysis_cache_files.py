@@ -49,7 +49,8 @@ def test_the_default_reads_cache_is_all_live(run):
     got = folders(run)
     n_parts = len(open_run(run).parts())
     assert n_parts > 3
-    assert {"analysis", "tokens", "turns", "estimators", "topk", "reducers", "prefix"} <= set(got)
+    assert {"analysis", "turns", "estimators", "topk", "reducers", "prefix"} <= set(got)
+    assert "tokens" not in got or got["tokens"].files == 0  # the token sample: in its merged state only (reducers/)
     assert all(u.stale_files == 0 for u in got.values())
     assert got["analysis"].files == got["turns"].files == n_parts  # a partial per part
     assert got["analysis"].bytes == sum(f.stat().st_size for f in (run / ".kldiag" / "analysis").iterdir())
@@ -92,7 +93,7 @@ def test_parts_no_longer_listed_retired_folders_and_dead_temporary_files_are_sta
     stale = stale_names(run)
     assert stale["context"] == {"0123.part"}
     assert dead.name in stale["turns"] and young.name not in stale["turns"]  # a write in flight is kept
-    for folder in ("analysis", "turns", "tokens", "scan"):
+    for folder in ("analysis", "turns", "scan"):  # the token sample's partials: in its merged state only
         assert len(stale[folder] - {dead.name}) == 1, folder  # the removed part's partial
 
 

@@ -266,3 +266,26 @@ def test_kept_columns_of_a_batch_without_nulls_are_its_own_arrays():
         for c in want:
             assert got[c].dtype == want[c].dtype and got[c].base is None, c
             np.testing.assert_array_equal(got[c], want[c], err_msg=c)
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 4])
+def test_rows_of_a_merge_are_the_merge_of_those_parts(tmp_path, j):
+    """slice_rows(merge(parts), rows of parts[:j]) merged with the parts after j, and the merge of the slices of
+    each part, equal the merge of every part bit for bit, from the merge or from its cache file (one array a
+    column); a capped merge cannot be cut (None)."""
+    parts = [partial(np.arange(8 * i, 8 * i + 8), i) for i in range(4)]
+    red = SS.SampleReducer(stride=1, cap=10_000)
+    assert reduce.save_arrays(tmp_path / "state", red.merge(parts))
+    ends = np.cumsum([0, *(red.length(p) for p in parts)])
+    want = red.merge(parts)
+    for merged in (red.merge(parts), reduce.load_arrays(tmp_path / "state")):
+        head = red.slice_rows(merged, 0, ends[j])
+        assert TS.rows(head) == ends[j]
+        each = [red.slice_rows(merged, ends[m], ends[m + 1]) for m in range(j, 4)]
+        for got in (red.merge([head, *parts[j:]]), red.merge([head, *each])):
+            assert set(got) == set(want)
+            for c in want:
+                np.testing.assert_array_equal(np.concatenate(TS.chunks(got[c])), np.concatenate(TS.chunks(want[c])))
+    assert red.slice_rows(merged, 0, ends[-1] + 1) is None  # more rows than it holds
+    capped = SS.SampleReducer(stride=1, cap=100).merge(parts)
+    assert int(capped["share_level"][0]) > 0 and SS.SampleReducer(stride=1, cap=100).slice_rows(capped, 0, 0) is None

@@ -20,6 +20,8 @@ from kldiag.analysis import protocol as reduce
 from kldiag.analysis.cache import side_prefix as reducer_prefix
 from kldiag.analysis.runtime import runner
 from kldiag.format import open_run
+from kldiag.mismatch.sample import SAMPLE_CAP, SampleReducer
+from kldiag.tools.synth import SynthConfig, make_run
 from kldiag.views import dashboard as VD
 
 NOCACHE = AnalysisConfig(use_cache=False)
@@ -214,3 +216,187 @@ def test_unreadable_state_files_fall_back(source, tmp_path):
     for path in folder.glob("*.state"):  # the state too: the per-part partials are merged again
         path.write_bytes(b"")
     assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), cold)
+
+
+def test_the_token_sample_is_written_once(source, tmp_path):
+    """A concatenation's partials (the token sample's) that a saved state covers are not also written one
+    file a part: the state is their one copy. Those of later parts, which no state covers yet, are."""
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:-1]:
+        publish(run, item)
+    cold = analyze(run, AnalysisConfig(), VD.reducers())
+    cache = open_run(run).cache_dir()
+    sample = next(r for r in VD.reducers() if getattr(r, "merge_every", None) == 0)
+    parts = open_run(run).parts()
+    assert reducer_prefix.load(cache, parts, runner.bound(sample, parts)).k == len(parts)
+    assert not list((cache / sample.name).glob("*.part"))  # in the state only
+    assert len(list((cache / "scan").glob("*.part"))) == len(parts)  # another reducer's: one a part, as before
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced), dict(cold.reduced))
+    publish(run, staged[-1])  # one part on: no new state due, so its partial is written
+    grown = analyze(run, AnalysisConfig(), VD.reducers())
+    assert_same(dict(grown.reduced), dict(analyze(run, NOCACHE, VD.reducers()).reduced))
+    assert len(list((cache / sample.name).glob("*.part"))) == 1
+    parts = open_run(run).parts()
+    os.utime(parts[0].path, ns=(Path(parts[0].path).stat().st_mtime_ns + 10**9,) * 2)  # the state invalid
+    assert_same(dict(analyze(run, AnalysisConfig(), VD.reducers()).reduced),
+                dict(analyze(run, NOCACHE, VD.reducers()).reduced))  # its parts read again
+
+
+def test_held_partials_are_written_without_a_state(source, tmp_path, monkeypatch):
+    """When no state is due (PREFIX_TAIL parts not yet past the last one), every computed partial of a
+    concatenation is written as the pass ends, before any face reads the reducer."""
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 100)
+    run = tmp_path / "run"
+    staged = split_run(source, run, rows=70)
+    for item in staged[:3]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())
+    for item in staged[3:5]:
+        publish(run, item)
+    analyze(run, AnalysisConfig(), VD.reducers())  # its results never read
+    sample = next(r for r in VD.reducers() if getattr(r, "merge_every", None) == 0)
+    assert len(list((open_run(run).cache_dir() / sample.name).glob("*.part"))) == 2
+
+
+SYNTH = SynthConfig(steps=40, seqs_per_step=2, seq_len=(5, 30), ranks=1, rows_per_file=120, vocab_size=0)
+
+
+def sample_decodes(monkeypatch) -> list[str]:
+    """The keys of the parts a Pass decodes for the token sample, in order."""
+    keys: list[str] = []
+    real = runner.Pass._results
+    monkeypatch.setattr(runner.Pass, "_results", lambda self, jobs: keys.extend(
+        p.key for p, rs in jobs if any(r.name == "tokens" for r in rs)) or real(self, jobs))
+    return keys
+
+
+def sample_of(run: Path, cfg: AnalysisConfig = AnalysisConfig(), cap: int = SAMPLE_CAP) -> dict:
+    """The token sample of the run as listed now, from one Pass of its reducer alone."""
+    listed = open_run(run)
+    parts = listed.parts()
+    red = runner.bound(SampleReducer(cap=cap), parts)
+    return runner.Pass(listed.cache_dir(), parts, [red], cfg).merged(red)
+
+
+def check_against_cold(run: Path, decodes: list[str], cap: int = SAMPLE_CAP) -> list[str]:
+    """The parts a warm read decoded (cleared after), once its sample equals a cold one's bit for bit."""
+    decodes.clear()
+    warm = sample_of(run, cap=cap)
+    got = list(decodes)
+    assert_same({"tokens": warm}, {"tokens": sample_of(run, NOCACHE, cap)})
+    decodes.clear()
+    return got
+
+
+def test_a_restart_decodes_only_the_parts_it_changed(tmp_path, monkeypatch):
+    """The revert's case (1392cd0): a restart at step 30 supersedes the steps of the parts from there on
+    (their keys change) and adds its own. The sample's state, written once, is cut back to the parts
+    before it: only the changed and new parts are decoded, not every part."""
+    decodes = sample_decodes(monkeypatch)
+    make_run(tmp_path / "run", SYNTH)
+    old = open_run(tmp_path / "run").parts()
+    assert len(check_against_cold(tmp_path / "run", decodes)) == len(old) == 11  # a fresh cache: all
+    cache = open_run(tmp_path / "run").cache_dir()
+    assert not list((cache / "tokens").glob("*.part"))  # in the state only
+    make_run(tmp_path / "run", dataclasses.replace(SYNTH, attempt=1, seed=3), steps=range(30, 40), manifest=False)
+    parts = open_run(tmp_path / "run").parts()
+    changed = [p.key for p in parts if p.key not in {q.key for q in old}]
+    assert len(changed) == 6 and parts[-len(changed)].step_min >= 29
+    assert check_against_cold(tmp_path / "run", decodes) == changed
+    assert check_against_cold(tmp_path / "run", decodes) == []  # their partials now cached, one a part
+
+
+def test_appended_rewritten_and_removed_parts(tmp_path, monkeypatch):
+    """A part appended (a live run) or rewritten is the only one decoded: the state is cut back to the parts
+    before it and the parts after it that it holds are sliced out of it; a removed part decodes nothing.
+    Every sample equals a cold one bit for bit."""
+    decodes = sample_decodes(monkeypatch)
+    make_run(tmp_path / "run", SYNTH)
+    last = sorted((tmp_path / "run").rglob("*.parquet"))[-1]
+    held = last.read_bytes()
+    last.unlink()
+    assert len(check_against_cold(tmp_path / "run", decodes)) == 10
+    last.write_bytes(held)  # a part appended
+    parts = open_run(tmp_path / "run").parts()
+    assert check_against_cold(tmp_path / "run", decodes) == [parts[-1].key]
+    os.utime(parts[6].path, ns=(Path(parts[6].path).stat().st_mtime_ns + 10**9,) * 2)  # rewritten: a new key
+    parts = open_run(tmp_path / "run").parts()
+    assert check_against_cold(tmp_path / "run", decodes) == [parts[6].key]
+    Path(parts[3].path).unlink()  # a part removed
+    assert check_against_cold(tmp_path / "run", decodes) == []
+    cache = open_run(tmp_path / "run").cache_dir()
+    assert len(list((cache / "tokens").glob("*.part"))) == 2  # the appended and the rewritten part's: no state
+    # covers them; the others are in the state only
+
+
+def test_a_capped_sample_keeps_its_per_part_partials(tmp_path, monkeypatch):
+    """A capped sample's state lacks the rows the cap dropped, which a merge of fewer parts may keep: it
+    cannot be cut back, so its per-part partials are written too and a restart reads them, not the parts."""
+    decodes = sample_decodes(monkeypatch)
+    make_run(tmp_path / "run", SYNTH)
+    old = open_run(tmp_path / "run").parts()
+    check_against_cold(tmp_path / "run", decodes, cap=500)
+    cache = open_run(tmp_path / "run").cache_dir()
+    assert len(list((cache / "tokens").glob("*.part"))) == len(old)
+    assert int(sample_of(tmp_path / "run", cap=500)["share_level"][0]) > 0
+    make_run(tmp_path / "run", dataclasses.replace(SYNTH, attempt=1, seed=3), steps=range(30, 40), manifest=False)
+    parts = open_run(tmp_path / "run").parts()
+    assert check_against_cold(tmp_path / "run", decodes, cap=500) == [p.key for p in parts if p.key not in
+                                                                     {q.key for q in old}]
+
+
+def test_a_state_of_another_cache_version_is_a_miss(source, tmp_path, monkeypatch):
+    """The cache's version is in each state's namespace: an old kldiag's state is never read, and the one
+    this kldiag writes beside it is."""
+    run = tmp_path / "run"
+    for item in split_run(source, run, rows=70):
+        publish(run, item)
+    monkeypatch.setattr(reducer_prefix, "REDUCER_PREFIX_VERSION", 1)
+    sample_of(run)
+    parts = open_run(run).parts()
+    red = runner.bound(SampleReducer(), parts)
+    assert reducer_prefix.load(open_run(run).cache_dir(), parts, red) is not None
+    monkeypatch.setattr(reducer_prefix, "REDUCER_PREFIX_VERSION", 2)
+    assert reducer_prefix.load(open_run(run).cache_dir(), parts, red) is None
+    sample_of(run)
+    state = reducer_prefix.load(open_run(run).cache_dir(), parts, red)
+    assert state.k == len(parts) and sum(state.rows) == len(state.result["step"])
+
+
+def test_spare_partials_are_written_when_their_state_is_replaced(tmp_path, monkeypatch):
+    """A cut state's later parts are handed out of it; when a new state that stops before some of them (at an
+    unreadable part) replaces it, their partials are written one a part, so the next read decodes none."""
+    monkeypatch.setattr(reducer_prefix, "PREFIX_TAIL", 1)  # a state saved at every read
+    decodes = sample_decodes(monkeypatch)
+    make_run(tmp_path / "run", SYNTH)
+    check_against_cold(tmp_path / "run", decodes)
+    parts = open_run(tmp_path / "run").parts()
+    os.utime(parts[6].path, ns=(Path(parts[6].path).stat().st_mtime_ns + 10**9,) * 2)
+    Path(parts[8].path).write_bytes(b"not parquet")  # unreadable: a state stops before it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parts = open_run(tmp_path / "run").parts()
+        assert check_against_cold(tmp_path / "run", decodes) == [parts[6].key, parts[8].key]
+        state = reducer_prefix.load(open_run(tmp_path / "run").cache_dir(), parts,
+                                    runner.bound(SampleReducer(), parts))
+        assert state.k == 8 and not state.spare
+        assert check_against_cold(tmp_path / "run", decodes) == [parts[8].key]  # 9, 10: written
+
+
+def test_one_ranks_restart_decodes_only_its_parts(tmp_path, monkeypatch):
+    """Rank 0 restarts at step 30, rank 1 goes on: the listing (by first step) interleaves the ranks, so the
+    state is cut at rank 0's first changed part, and rank 1's later parts come out of it, not decoded."""
+    decodes = sample_decodes(monkeypatch)
+    two = dataclasses.replace(SYNTH, ranks=2, rows_per_file=240)
+    make_run(tmp_path / "run", two)
+    old = {p.key for p in open_run(tmp_path / "run").parts()}
+    check_against_cold(tmp_path / "run", decodes)
+    make_run(tmp_path / "run", dataclasses.replace(two, ranks=1, attempt=1, seed=3), steps=range(30, 40),
+             manifest=False)
+    parts = open_run(tmp_path / "run").parts()
+    changed = [p.key for p in parts if p.key not in old]
+    first = next(i for i, p in enumerate(parts) if p.key not in old)
+    assert {p.rank for p in parts if p.key not in old} == {0}
+    assert any(p.rank == 1 for p in parts[first:])  # rank 1's parts after the cut: in the state
+    assert check_against_cold(tmp_path / "run", decodes) == changed

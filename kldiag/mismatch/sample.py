@@ -180,6 +180,34 @@ class SampleReducer:
         tail = {"stride": np.array([every], np.int64), "share_level": np.array([level], np.int64)}
         return {**empty_columns(), **tail} if not out["step"] else {**out, **tail}
 
+    def length(self, partial) -> int:
+        """A partial's rows (runner.Accumulator records each part's, for slice_rows)."""
+        return rows(partial)
+
+    def slice_rows(self, merged, start: int, stop: int) -> dict | None:
+        """merge() of the partials whose rows are merged's start:stop: those rows (views of its chunks) when
+        merged is their plain concatenation (share_level 0); None once capped (merged lacks the rows the cap
+        dropped, which a merge of other parts may keep: side_prefix.cut) or past its rows."""
+        if int(merged["share_level"][0]) if "share_level" in merged else 0:
+            return None
+        if not 0 <= start <= stop <= rows(merged):
+            return None
+        if start == stop:
+            return empty_columns()
+        out = {c: _between(v, start, stop) for c, v in merged.items() if c not in ("stride", "share_level")}
+        return {**out, "stride": merged["stride"], "share_level": np.zeros(1, np.int64)}
+
+
+def _between(v, start: int, stop: int) -> list[np.ndarray]:
+    """Rows start:stop of a column (an array or a list of chunks), as views of its chunks."""
+    out, at = [], 0
+    for c in chunks(v):
+        a, b = max(start - at, 0), min(stop - at, len(c))
+        if a < b:
+            out.append(c[a:b])
+        at += len(c)
+    return out
+
 
 def _capped(cols: dict, keep: list[np.ndarray], level: int, cap: int) -> tuple[list[np.ndarray], int]:
     """(keep masks, level): the kept rows under SHARE_LADDER[level'] of their group's hash, level' >= level

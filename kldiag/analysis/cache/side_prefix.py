@@ -19,8 +19,17 @@ and is rewritten once PREFIX_TAIL parts follow it. Beside the state, `result` ho
 of parts[0:k] when the pass that wrote it read exactly those parts: a warm read of an unchanged run
 loads that one file and merges nothing.
 
+A concatenation whose reducer can cut its merge (`slice_rows(merged, start, stop)`: the merge of the
+partials whose rows are merged's start:stop, None when it cannot say, the token sample once capped)
+records each part's rows and key: a state whose listing no longer matches from part j on (a restart's
+superseded steps, a rewritten, removed or inserted part) is cut back to parts[0:j], a slice of its one
+partial, and the later parts it holds that are still listed are handed out as slices too (`State.spare`):
+only the parts it does not hold are read again. The runner then writes such a reducer's per-part
+partials only for the parts no state covers (runner.Accumulator.hold): the sample is in the cache once.
+
 Files: CACHE/reducers/<namespace>.json (k, digest of the k keys, whether a result was written, or
-"state" when the state's one partial is the result: a concatenation's) and
+"state" when the state's one partial is the result: a concatenation's; a concatenation's "rows" and
+"keys", a digest of each part's key) and
 CACHE/reducers/<namespace>-<digest>.state / .result (reduce.save_arrays's layout); the namespace is
 a digest of the reducer's name, version and settings.
 """
@@ -28,6 +37,7 @@ a digest of the reducer's name, version and settings.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -39,7 +49,7 @@ from kldiag.analysis.cache.prefix import PREFIX_TAIL, digest
 from kldiag.analysis.protocol import Arrays, Reducer
 from kldiag.format import PartInfo
 
-REDUCER_PREFIX_VERSION = 1
+REDUCER_PREFIX_VERSION = 2  # 2: a concatenation's state records each part's rows and key (cut back, not dropped)
 FOLDER = "reducers"
 
 
@@ -51,6 +61,8 @@ class State:
     acc: Arrays | None
     buf: list[Arrays]
     result: Arrays | None = None  # merge([acc, *buf]) when it was written with the state
+    rows: list[int] | None = None  # a concatenation's: each part's rows in buf[0], parts[0:k] in order
+    spare: dict[str, Arrays] | None = None  # a cut state's: part digest -> that later part's partial, from it
 
 
 def namespace(r: Reducer) -> str:
@@ -109,9 +121,15 @@ def _meta(folder: Path, ns: str) -> dict | None:
         return None
 
 
-def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None:
-    """r's cached state when the listing starts with its parts, else None. Only the result is read
-    when the listing is exactly its parts (the state is not needed then)."""
+def part_digest(p: PartInfo) -> str:
+    """A digest of one part's key (the state records one per part, to find where a listing stops matching)."""
+    return hashlib.sha1(p.key.encode()).hexdigest()[:16]
+
+
+def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, cut_back: bool = False) -> State | None:
+    """r's cached state when the listing starts with its parts, else (cut_back: where a read starts r) a
+    concatenation's cut back to the parts that still lead the listing (`cut`), else None. Only the result
+    is read when the listing is exactly its parts (the state is not needed then)."""
     folder = Path(cache_dir) / FOLDER
     ns = namespace(r)
     meta = _meta(folder, ns)
@@ -120,19 +138,62 @@ def load(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer) -> State | None
         with_result = bool(meta["result"]) and n_buf >= (meta["result"] == "state")
     except (TypeError, KeyError, ValueError):
         return None
-    if not 0 < k <= len(parts) or digest(parts[:k]) != want:
+    rows = _rows(meta, k)
+    if k <= 0:
         return None
+    if k > len(parts) or digest(parts[:k]) != want:
+        return cut(folder / f"{ns}-{want}.state", meta, rows, parts, r) if cut_back else None
     if k == len(parts) and with_result and meta["result"] != "state":
         result = _load(folder / f"{ns}-{want}.result")
         if result is not None:
-            return State(k, None, [], result)
+            return State(k, None, [], result, rows)
     raw = _load(folder / f"{ns}-{want}.state")
     if raw is None:
         return None
     acc, buf = from_arrays(raw, has_acc, n_buf)
     if k == len(parts) and meta["result"] == "state":  # the state's one partial is the result
-        return State(k, None, [], buf[0])
-    return State(k, acc, buf)
+        return State(k, None, [], buf[0], rows)
+    return State(k, acc, buf, rows=rows)
+
+
+def _rows(meta: dict, k: int) -> list[int] | None:
+    """The state's rows per part (a concatenation's), when its JSON lists one count and key for each of its k parts."""
+    rows, keys = meta.get("rows"), meta.get("keys")
+    if not (isinstance(rows, list) and isinstance(keys, list) and len(rows) == len(keys) == k):
+        return None
+    ok = all(type(n) is int and n >= 0 for n in rows) and all(isinstance(key, str) for key in keys)
+    return rows if ok else None
+
+
+def cut(path: Path, meta: dict, rows: list[int] | None, parts: Sequence[PartInfo], r: Reducer) -> State | None:
+    """A concatenation's state cut back to parts[0:j], the parts of it that still lead the listing: the first
+    rows of its one partial, those parts' (r.slice_rows), with `spare` the rows of each later part of it that
+    the listing still holds (after a part rewritten, removed or inserted at j, or another rank's restart);
+    None when it is not a concatenation's, r cannot cut its merge (the token sample once capped) or no part
+    of it is listed."""
+    part_rows = getattr(r, "slice_rows", None)
+    if rows is None or part_rows is None or meta.get("acc") or meta.get("buf") != 1:
+        return None
+    listed = [part_digest(p) for p in parts]
+    j = 0
+    for key, now in zip(meta["keys"], listed, strict=False):  # the state may list more parts, or fewer
+        if key != now:
+            break
+        j += 1
+    later = set(listed[j:])
+    if not j and not later & set(meta["keys"]):
+        return None
+    raw = _load(path)
+    if raw is None:
+        return None
+    merged = from_arrays(raw, False, 1)[1][0]
+    ends = [0, *itertools.accumulate(rows)]
+    head = part_rows(merged, 0, ends[j])
+    spare = {key: part_rows(merged, ends[m], ends[m + 1])
+             for m, key in enumerate(meta["keys"]) if m >= j and key in later}
+    if head is None or any(v is None for v in spare.values()):
+        return None
+    return State(j, None, [head] if j else [], rows=rows[:j], spare=spare)
 
 
 def save(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, state: State) -> bool:
@@ -149,6 +210,8 @@ def save(cache_dir: Path, parts: Sequence[PartInfo], r: Reducer, state: State) -
     old = _meta(folder, ns)
     tmp = folder / f".{ns}.json.{os.getpid()}.tmp"
     meta = {"k": state.k, "digest": dig, "acc": state.acc is not None, "buf": len(state.buf), "result": with_result}
+    if state.rows is not None and len(state.rows) == state.k and state.acc is None and len(state.buf) == 1:
+        meta.update(rows=[int(n) for n in state.rows], keys=[part_digest(p) for p in parts[:state.k]])
     try:
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, folder / f"{ns}.json")

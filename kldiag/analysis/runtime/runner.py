@@ -5,7 +5,9 @@ partial some reducer lacks is read once for all those reducers (only the union o
 in this process's reader threads (`cfg.threads`, default one per core) or in Ray tasks; results
 come back in part order and each partial is saved to the cache and handed to its reducer's sink
 at once, so nothing is held until the end: a sink merges as partials arrive (`Accumulator`, or the
-analysis's sealing merge). `opened_parts` counts the parts read, for tests and benches.
+analysis's sealing merge). The exception, a concatenation that can cut its state back (the token
+sample): its partials are written as the pass ends, only those of parts no saved state covers
+(`Accumulator.hold`). `opened_parts` counts the parts read, for tests and benches.
 """
 
 from __future__ import annotations
@@ -47,7 +49,16 @@ class Accumulator:
     merging in steps would copy again and again).
 
     `state` (reducer_prefix.State) starts it where the merge of parts[0:state.k] left off: it is then
-    handed only the partials of the later parts, and its result equals the merge of every part's."""
+    handed only the partials of the later parts, and its result equals the merge of every part's.
+
+    A concatenation that can cut its merge (the reducer's `slice_rows`, reducer_prefix.cut) counts each
+    part's rows (`length`), which its state records, and its partials computed in this pass are held
+    (`hold`), not written at once: a state that `keep` saves and that can be cut holds the same rows, so
+    it is their one copy in the cache, and `save_held` writes only those of the parts after it (the
+    token sample: 120 MB at 30M rows, once, not twice). A state that cannot be cut (the sample once
+    capped) leaves every held partial written, as a restart falls back on them. A cut state's `spare`
+    partials (later parts it holds, still listed) are handed out by `take` instead of being read; they
+    are written only when a new state replaces the one that holds them and does not cover them."""
 
     def __init__(self, reducer: Reducer, every: int | None = None, state: reducer_prefix.State | None = None):
         self.reducer = reducer
@@ -57,11 +68,51 @@ class Accumulator:
         self.done: Arrays | None = state.result if state else None  # parts[0:k] merged, nothing after
         self.start = self.next = state.k if state else 0  # the index the next partial should have
         self.gap: reducer_prefix.State | None = None  # the state before the first unreadable part
+        self.held: dict[int, tuple[Path, Arrays, bool]] = {}  # part index: (its cache file, its partial,
+        # whether it came from the loaded state), unwritten
+        self.covered = 0  # parts[0:covered] are in a state keep() saved: their held partials are not written
+        self.replaced = False  # keep() saved a state: the loaded one, and the spare partials it held, are gone
+        self.spare: dict[str, Arrays] = dict(state.spare) if state and state.spare else {}
+        cuts = not self.every and hasattr(reducer, "slice_rows") and hasattr(reducer, "length")
+        had = state.rows if state else []  # None: a state whose rows were not recorded
+        self.rows: list[int] | None = list(had) if cuts and had is not None else None  # each part's, parts[0] on
+
+    def hold(self, i: int, path: Path, arrays: Arrays, spare: bool = False) -> bool:
+        """Keep part i's computed partial (or spare: one `take` gave) to write later (save_held), if this
+        reducer is a concatenation that can cut its state (its rows counted); False: write it now."""
+        if self.rows is None:
+            return False
+        self.held[i] = (path, arrays, spare)
+        return True
+
+    def take(self, i: int, part: PartInfo, path: Path) -> Arrays | None:
+        """Part i's partial from the loaded state (a cut state's spare, held), else None."""
+        if not self.spare:
+            return None
+        arrays = self.spare.pop(reducer_prefix.part_digest(part), None)
+        if arrays is not None and not self.hold(i, path, arrays, spare=True):
+            reduce.save_arrays(path, arrays)  # not reached: a state has spare partials only when rows count
+        return arrays
+
+    def save_held(self) -> None:
+        """Write the held partials that no saved state covers (the parts after it, or all of them; a spare
+        one only once the state that held it is replaced)."""
+        for i, (path, arrays, spare) in sorted(self.held.items()):
+            if i >= self.covered and (self.replaced or not spare):
+                reduce.save_arrays(path, arrays)
+        self.held = {}
+
+    def cuts_back(self, state: reducer_prefix.State) -> bool:
+        """Whether a later read can cut `state` (its rows recorded, the reducer's slice_rows takes its partial)."""
+        return (state.rows is not None and state.acc is None and len(state.buf) == 1
+                and self.reducer.slice_rows(state.buf[0], 0, 0) is not None)
 
     def __call__(self, i: int, arrays: Arrays) -> None:
         if i != self.next and self.gap is None:  # parts next..i-1 were unreadable: a prefix stops there
             self.gap = self.state()
         self.next, self.done = i + 1, None
+        if self.rows is not None and self.gap is None:
+            self.rows.append(self.reducer.length(arrays))
         self.buf.append(arrays)
         if self.every and len(self.buf) >= self.every:
             self.flush()
@@ -76,7 +127,8 @@ class Accumulator:
         for a reducer whose merge is a concatenation)."""
         if not self.every and len(self.buf) > 1:
             self.buf = [self.reducer.merge(self.buf)]
-        return reducer_prefix.State(self.next, self.acc, list(self.buf))
+        rows = list(self.rows) if self.rows is not None and len(self.rows) == self.next else None
+        return reducer_prefix.State(self.next, self.acc, list(self.buf), rows=rows)
 
     def result(self) -> Arrays:
         if self.done is not None:
@@ -100,7 +152,10 @@ class Accumulator:
         out = self.result()
         if self.gap is None and state.k == len(parts):
             state.result = out
-        reducer_prefix.save(cache_dir, parts, self.reducer, state)
+        if reducer_prefix.save(cache_dir, parts, self.reducer, state):
+            self.replaced = True
+            self.covered = state.k if self.cuts_back(state) else 0
+        self.save_held()
         return out
 
 
@@ -144,13 +199,15 @@ def results(accs: dict[str, Accumulator], cache_dir: Path, parts: Sequence[PartI
     for name, acc in accs.items():
         if use_cache and acc.due():
             out[name]
+        acc.save_held()  # a state not due: every held partial written now, not when (if) a face reads it
     return out
 
 
 def accumulators(cache_dir: Path, parts: Sequence[PartInfo], reducers: Sequence[Reducer],
                  use_cache: bool) -> dict[str, Accumulator]:
-    """An Accumulator per reducer, started from its cached prefix state when there is one."""
-    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r) if use_cache else None)
+    """An Accumulator per reducer, started from its cached prefix state when there is one (a concatenation's
+    cut back to the parts that still lead the listing: reducer_prefix.cut)."""
+    return {r.name: Accumulator(r, state=reducer_prefix.load(cache_dir, parts, r, cut_back=True) if use_cache else None)
             for r in reducers}
 
 
@@ -193,7 +250,8 @@ class Pass:
         loaded: dict[tuple[int, str], Arrays] = {}
         jobs = []
         for i, rs in enumerate(need):
-            missing = [r for r in rs if not (self.cfg.use_cache and self._load(i, r, loaded))]
+            missing = [r for r in rs if not (self.cfg.use_cache and (self._take(i, r, sinks.get(r.name), loaded)
+                                                                     or self._load(i, r, loaded)))]
             if missing:
                 jobs.append((i, missing))
         self.computed = len(jobs)
@@ -211,9 +269,19 @@ class Pass:
             for r in rs:
                 arrays = got.get(r.name)
                 if arrays is not None and self.cfg.use_cache:
-                    reduce.save_arrays(self._path(i, r), arrays)
+                    hold = getattr(sinks[r.name], "hold", None)  # an Accumulator's (a concatenation's: later)
+                    if hold is None or not hold(i, self._path(i, r), arrays):
+                        reduce.save_arrays(self._path(i, r), arrays)
                 sinks[r.name](i, arrays if arrays is not None else loaded.pop((i, r.name)))
         self.computed -= len(self.failed & set(pending))  # a part that could not be read was not analysed
+
+    def _take(self, i: int, r: Reducer, sink, loaded: dict) -> bool:
+        """Part i's partial of r from the sink's loaded state (Accumulator.take: a cut state's), if it has it."""
+        take = getattr(sink, "take", None)
+        got = take(i, self.parts[i], self._path(i, r)) if take is not None else None
+        if got is not None:
+            loaded[(i, r.name)] = got
+        return got is not None
 
     def _load(self, i: int, r: Reducer, loaded: dict) -> bool:
         path = self._path(i, r)
