@@ -60,3 +60,11 @@ def test_rows_out_of_pos_order_are_unknown_and_the_part_end_closes_the_rest():
     t = _flagged(_batch([0] * 3, [0, 1, 2], [7, 8, 9]), [1])
     assert t[A.OPEN].tolist() == [1]
     assert A.done(t)[A.CONTEXT][0].tolist() == [A.ABSENT] * 4 + [7, 9] + [A.ABSENT] * 4
+
+
+def test_a_row_after_positions_far_out_of_order_is_unknown():
+    """pos 16 then 15 before pos 10: out of order, then in order again but past the row (the numpy version before
+    the compiled loop raised IndexError on it)."""
+    b = _batch([0] * 4, [15, 16, 10, 11], [1, 2, 3, 4])
+    t = A.done(_flagged(b, [2]))
+    assert (t[A.CONTEXT][0] == A.UNKNOWN).all()

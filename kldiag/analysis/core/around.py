@@ -21,9 +21,9 @@ import numpy as np
 
 from kldiag.analysis.core.batch import Batch
 from kldiag.analysis.core.keyed import Keyed
+from kldiag.analysis.kernels import context
+from kldiag.analysis.kernels.context import ABSENT, NULL_TOKEN, UNKNOWN, WIDTH
 
-WIDTH = 5  # token ids kept on each side (the report shows 5: ReportConfig.context)
-NULL_TOKEN, ABSENT, UNKNOWN = -1, -2, -3
 CONTEXT, OPEN = "context", "context_open"  # the flagged rows' columns; OPEN is dropped when the part ends
 ROW = "batch_row"  # a flagged row's index in its batch, until `attach` turns it into its context
 KEYS = ("step", "seq", "iteration")
@@ -68,51 +68,19 @@ def attach(table: Keyed, b: Batch, tail: Keyed | None) -> Keyed:
 
 def context_of(b: Batch, rows: np.ndarray, tail: Keyed | None) -> tuple[np.ndarray, np.ndarray]:
     """(CONTEXT [len(rows), 2 * WIDTH] int32, OPEN [len(rows)] int64: after-rows scanned when the sequence
-    reaches the batch's end, else -1) of the batch's `rows`, the previous batch's `tail` before it."""
-    rows = np.asarray(rows, np.int64)
-    ctx = np.full((len(rows), 2 * WIDTH), ABSENT, np.int32)
-    open_ = np.full(len(rows), -1, np.int64)
+    reaches the batch's end, else -1) of the batch's `rows`, the previous batch's `tail` before it.
+
+    One compiled loop (kernels/context.py) over the batch's columns as stored: no gather per column."""
+    rows = np.ascontiguousarray(rows, np.int64)
+    ctx = np.empty((len(rows), 2 * WIDTH), np.int32)
+    open_ = np.empty(len(rows), np.int64)
     if not len(rows):
         return ctx, open_
-    me = rows_at(b, rows)
-    k = len(tail["pos"]) if tail else 0
-    steps = np.arange(1, WIDTH + 1)
-    j = np.concatenate([rows[:, None] - steps, rows[:, None] + steps], axis=1)  # [n, 2W]: before, then after
-    got = {c: v.reshape(j.shape) for c, v in _at(b, tail, k, np.clip(j, -k, b.n - 1).ravel()).items()}
-    inside = (j >= -k) & (j < b.n)
-    same = inside & np.all([got[c] == me[c][:, None] for c in KEYS], axis=0)
-    bad = np.zeros(len(rows), bool)
-    for side, cols in ((-1, range(WIDTH)), (1, range(WIDTH, 2 * WIDTH))):
-        alive = np.ones(len(rows), bool)  # still inside the sequence, in pos order
-        last = me["pos"].copy()
-        for d, col in enumerate(cols, 1):
-            if side > 0:
-                open_[alive & ~inside[:, col] & (open_ < 0)] = d - 1
-            alive &= same[:, col]
-            at = np.flatnonzero(alive)
-            if not len(at):
-                break
-            q = got["pos"][at, col]
-            ordered = (q > last[at]) if side > 0 else (q < last[at])
-            bad[at[~ordered]] = True
-            last[at] = q
-            off = (q - me["pos"][at]) * side  # 1..: the slot's distance from the row
-            near = ordered & (off <= WIDTH)
-            ctx[at[near], (WIDTH - 1 + off if side > 0 else WIDTH - off)[near]] = got["token_id"][at[near], col]
-            alive[at[off >= WIDTH]] = False  # every later position is farther
-    ctx[bad] = UNKNOWN
-    open_[bad] = -1
+    tail_rows = np.stack([np.asarray(tail[c], np.int64) for c in ROW_COLUMNS], axis=1) if tail else \
+        np.zeros((0, len(ROW_COLUMNS)), np.int64)
+    context.context_rows(b.step, b.seq, *b.int_view("iteration"), *b.int_view("pos"), *b.int_view("token_id"),
+                         rows, tail_rows, ctx, open_)
     return ctx, open_
-
-
-def _at(b: Batch, tail: Keyed | None, k: int, j: np.ndarray) -> Keyed:
-    """ROW_COLUMNS at batch indices j (j < 0: the tail's row k + j)."""
-    out = rows_at(b, np.maximum(j, 0))
-    before = np.flatnonzero(j < 0)
-    if len(before):
-        for c in ROW_COLUMNS:
-            out[c][before] = tail[c][k + j[before]]
-    return out
 
 
 def close(table: Keyed, head: Keyed | None) -> Keyed:

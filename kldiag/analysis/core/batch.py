@@ -6,7 +6,7 @@ record batch into the arrays it reads (float32 log-probs as stored, NaN at nulls
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +55,28 @@ def bools(batch: pa.RecordBatch, name: str) -> np.ndarray:
     return np.unpackbits(bits, count=col.offset + len(col), bitorder="little")[col.offset:].view(bool)
 
 
+def int_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
+    """(values, validity bits, bit offset) of an integer Arrow array as Batch.int_view gives them; another type
+    is cast to int64 first, a column of nulls only reads as zeros with every bit 0."""
+    n = len(col)
+    if not n:
+        return np.zeros(0, np.int64), np.zeros(0, np.uint8), 0
+    if col.null_count == n:
+        return np.zeros(n, np.int64), np.zeros((n + 7) // 8, np.uint8), 0
+    if not pa.types.is_integer(col.type):
+        col = col.cast(pa.int64())
+    values = np.frombuffer(col.buffers()[1], col.type.to_pandas_dtype(), count=col.offset + n)[col.offset:]
+    if not col.null_count:
+        return values, np.zeros(0, np.uint8), 0
+    return values, np.frombuffer(col.buffers()[0], np.uint8), col.offset
+
+
+def valid_at(bits: np.ndarray, off: int, rows: np.ndarray) -> np.ndarray:
+    """bool [len(rows)]: Arrow's validity bit of each row (bit offset `off`)."""
+    i = np.asarray(rows, np.int64) + off
+    return ((bits[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool)
+
+
 @dataclass
 class Batch:
     """A record batch as numpy: int keys, bool mask, float32 log-probs (NaN at nulls)."""
@@ -66,6 +88,7 @@ class Batch:
     raw: dict[str, np.ndarray | None]  # LOGPS and "advantage", float32
     null: dict[str, np.ndarray | None]  # null masks, None when no row is null
     arrow: pa.RecordBatch  # columns read only at a few rows (group, pos, token_id, ...)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)  # int_view's, by column
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch) -> Batch:
@@ -81,15 +104,27 @@ class Batch:
         """Some log-prob column is null on some rows only: NaN no longer tells a bad value."""
         return any(self.null[name] is not None for name in LOGPS)
 
+    def int_view(self, name: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """Integer column `name` as stored, without a copy: (values [n], a view of Arrow's buffer whose slots at
+        nulls hold anything; validity bits uint8, empty when no row is null; their bit offset). Row i is null
+        when bit i + offset (least significant first) is 0. Made once per batch and column."""
+        got = self._views.get(name)
+        if got is None:
+            got = self._views[name] = int_view(self.arrow.column(name))
+        return got
+
     def at(self, name: str, rows: np.ndarray, fill: int = 0) -> np.ndarray:
         """Integer column `name` at `rows` (nulls as `fill`), without converting the rest."""
-        col = self.arrow.column(name)
-        if col.null_count == 0:  # a view of Arrow's buffer: index it directly
-            return col.to_numpy()[rows].astype(np.int64)
-        col = col.take(pa.array(rows, pa.int64()))
-        if col.null_count:
-            col = col.fill_null(fill)
-        return col.to_numpy(zero_copy_only=False).astype(np.int64)
+        values, bits, off = self.int_view(name)
+        out = values[rows].astype(np.int64)
+        if len(bits):
+            out[~valid_at(bits, off, rows)] = fill
+        return out
+
+    def null_at(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """bool [len(rows)]: integer column `name` is null at `rows`."""
+        _, bits, off = self.int_view(name)
+        return ~valid_at(bits, off, rows) if len(bits) else np.zeros(len(rows), bool)
 
     def bad_codes(self) -> np.ndarray:
         """fused.BAD_* bits per row, from present values only (nulls are absence, not findings);
