@@ -78,9 +78,23 @@ def context_of(b: Batch, rows: np.ndarray, tail: Keyed | None) -> tuple[np.ndarr
         return ctx, open_
     tail_rows = np.stack([np.asarray(tail[c], np.int64) for c in ROW_COLUMNS], axis=1) if tail else \
         np.zeros((0, len(ROW_COLUMNS)), np.int64)
-    context.context_rows(b.step, b.seq, *b.int_view("iteration"), *b.int_view("pos"), *b.int_view("token_id"),
-                         rows, tail_rows, ctx, open_)
+    cols = [_with_bits(*b.int_view(c), b.n) for c in ("iteration", "pos", "token_id")]
+    context.context_rows(b.step, b.seq, *cols[0], *cols[1], *cols[2], rows, tail_rows, ctx, open_)
     return ctx, open_
+
+
+_all_valid = np.zeros(0, np.uint8)
+
+
+def _with_bits(values: np.ndarray, bits: np.ndarray, off: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A Batch.int_view with validity bits even when no row is null: one shared read-only all-set array."""
+    global _all_valid
+    if len(bits):
+        return values, bits, off
+    if len(_all_valid) < (n + 7) // 8:
+        _all_valid = np.full(max((n + 7) // 8, 2 * len(_all_valid)), 255, np.uint8)
+        _all_valid.flags.writeable = False
+    return values, _all_valid, 0
 
 
 def close(table: Keyed, head: Keyed | None) -> Keyed:

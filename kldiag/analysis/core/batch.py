@@ -62,7 +62,7 @@ def int_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
     if not n:
         return np.zeros(0, np.int64), np.zeros(0, np.uint8), 0
     if col.null_count == n:
-        return np.zeros(n, np.int64), np.zeros((n + 7) // 8, np.uint8), 0
+        return np.broadcast_to(np.int64(0), (n,)), np.broadcast_to(np.uint8(0), ((n + 7) // 8,)), 0  # no copy
     if not pa.types.is_integer(col.type):
         col = col.cast(pa.int64())
     values = np.frombuffer(col.buffers()[1], col.type.to_pandas_dtype(), count=col.offset + n)[col.offset:]

@@ -160,11 +160,10 @@ def trl_inputs(b: Batch) -> dict[str, np.ndarray]:
 def flag_rows(b: Batch, rank: int, rows: np.ndarray, wabs: np.ndarray) -> Keyed:
     """The raw columns of the given rows (for `flags`), plus their |k3 weight| (NaN: none) and their index in
     the batch (around.ROW, for around.attach once they are selected)."""
-    take = pa.array(rows, pa.int64())
     out: Keyed = {"step": b.step[rows], "rank": np.full(len(rows), rank, np.int64), "seq": b.seq[rows],
                   "pos": b.at("pos", rows), "micro": b.at("micro", rows), "iteration": b.at("iteration", rows),
                   "token_id": b.at("token_id", rows, -1), "mask": b.mask[rows], "wabs": wabs,
-                  "token_id_null": np.asarray(b.arrow.column("token_id").take(take).is_null()).astype(bool)}
+                  "token_id_null": b.null_at("token_id", rows)}
     for name in (*LOGPS, "advantage"):
         vals, null = b.raw[name], b.null[name]
         out[name] = np.full(len(rows), np.nan) if vals is None else vals[rows].astype(np.float64)
