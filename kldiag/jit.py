@@ -39,7 +39,7 @@ KERNEL_FILES = ("analysis/kernels/estimators.py", "analysis/kernels/fastexp.py",
                 "analysis/kernels/turns.py", "analysis/kernels/side_scan.py",
                 "integrations/trl/kernel.py", "mismatch/sample.py", "mismatch/whatif.py",
                 "analysis/kernels/contract.py", "analysis/kernels/signal.py", "analysis/kernels/blocks.py",
-                "analysis/kernels/mismatch_top.py")
+                "analysis/kernels/mismatch_top.py", "analysis/kernels/context.py")
 
 
 class LazyKernel:
