@@ -112,7 +112,7 @@ def batches_of(table: pa.Table, rng: np.random.Generator) -> list[Batch]:
     cuts = [0]
     while cuts[-1] < rb.num_rows:
         cuts.append(min(rb.num_rows, cuts[-1] + int(rng.integers(1, 41))))
-    return [Batch.from_arrow(rb.slice(lo, hi - lo)) for lo, hi in zip(cuts[:-1], cuts[1:])]
+    return [Batch.from_arrow(rb.slice(lo, hi - lo)) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def test_the_kernel_equals_the_numpy_reference_on_random_parts():

@@ -78,7 +78,7 @@ def context_of(b: Batch, rows: np.ndarray, tail: Keyed | None) -> tuple[np.ndarr
         return ctx, open_
     tail_rows = np.stack([np.asarray(tail[c], np.int64) for c in ROW_COLUMNS], axis=1) if tail else \
         np.zeros((0, len(ROW_COLUMNS)), np.int64)
-    cols = [_with_bits(*b.int_view(c), b.n) for c in ("iteration", "pos", "token_id")]
+    cols = [_with_bits(*b.int_view(c), b.n) for c in ROW_COLUMNS[2:]]  # iteration, pos, token_id
     context.context_rows(b.step, b.seq, *cols[0], *cols[1], *cols[2], rows, tail_rows, ctx, open_)
     return ctx, open_
 

@@ -3,8 +3,9 @@ mean: a row's WIDTH positions before and after it in its sequence, read off the 
 
 The integer columns come as stored (a view of Arrow's values buffer) with Arrow's validity bits: `bits`
 uint8, all set for a column without nulls, and the column's bit offset `off` (Arrow's format: row i is null
-when bit i + off of the bitmap, least significant first, is 0). The bits are read at every row: a test of
-whether a column has any (`len(bits)`) inside the helper made each read about 25x slower (numba 0.68). A null iteration or pos reads as 0, a null token id as
+when bit i + off of the bitmap, least significant first, is 0). The bits are read at every row even when
+all set: a `len(bits)` test in the helper to skip them made this loop about 13x slower (numba 0.68; measured on
+1000 rows of a 1M-row batch, 750 against 56 us). A null iteration or pos reads as 0, a null token id as
 NULL_TOKEN, as core/around.py's rows_at reads them.
 """
 
