@@ -215,9 +215,7 @@ def top_rows(b: Batch, rank: int, th: Thresholds, thr: float, tail: Keyed | None
     d_hi = np.log1p(thr) - 1e-9 if thr > 0 else -np.inf
     d_lo = np.log1p(-thr) + 1e-9 if 0 < thr < 1 else -np.inf
     s, r = ro(b.raw["logp"], np.float32), ro(b.raw["logp_ref"], np.float32)
-    hit = np.empty(b.n, np.bool_)
-    scans.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo, hit)
-    cand = np.flatnonzero(hit)
+    cand = scans.top_candidates(s, r, ro(b.mask, np.bool_), d_hi, d_lo)
     with np.errstate(all="ignore"):
         d = r[cand].astype(np.float64) - s[cand].astype(np.float64)
         w = np.abs(np.expm1(d))

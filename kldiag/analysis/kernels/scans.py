@@ -53,14 +53,30 @@ def step_of_seqs(step, starts):
 
 
 @njit(**JIT)
-def top_candidates(s, r, mask, d_hi, d_lo, out):
-    """out[i] = masked and d = r - s >= d_hi or <= d_lo: where |k3 weight| may reach a threshold.
+def top_candidates(s, r, mask, d_hi, d_lo):
+    """Rows (int64, ascending) masked with d = r - s >= d_hi or <= d_lo: where |k3 weight| may reach a threshold.
 
-    Branch-free, so it vectorises; np.flatnonzero(out) then gives the rows.
+    A branch-free loop (it vectorises) marks the rows; the marks are then read 8 at a time as one uint64, and
+    only a nonzero word is looked into: some 1% of a batch's rows are candidates at its histogram threshold,
+    so this second walk is over a fraction of the rows (np.flatnonzero on the marks took 0.4 ns a row).
     """
-    for i in range(len(s)):
+    n = len(s)
+    hit = np.empty((n + 7) // 8 * 8, np.bool_)
+    for i in range(n):
         d = np.float64(r[i]) - np.float64(s[i])
-        out[i] = mask[i] & ((d >= d_hi) | (d <= d_lo))
+        hit[i] = mask[i] & ((d >= d_hi) | (d <= d_lo))
+    for i in range(n, len(hit)):
+        hit[i] = False
+    words = hit.view(np.uint64)
+    out = np.empty(n, np.int64)  # pages past the candidates are never touched
+    k = 0
+    for q in range(len(words)):
+        if words[q]:
+            for i in range(8 * q, 8 * q + 8):
+                if hit[i]:
+                    out[k] = i
+                    k += 1
+    return out[:k].copy()
 
 
 @njit(**JIT)
