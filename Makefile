@@ -37,9 +37,12 @@ demo: setup
 lab: setup
 	$(VENV)/bin/kldiag lab
 
-# the suite, then the wheel built, installed outside the checkout and run (.ci/wheel_check.sh, 2-3 minutes)
+# the suite on every core (pytest-xdist, at most 4 workers; each test file runs whole on one worker, its
+# module fixtures built once), then the wheel built, installed outside the checkout and run
+# (.ci/wheel_check.sh, 2-3 minutes). `make test JOBS=0`: the suite in this one process, in file order.
+JOBS ?= auto
 test: setup browser prometheus
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --maxprocesses 4 --dist loadfile
 	bash .ci/wheel_check.sh $(PY)
 
 bench: setup

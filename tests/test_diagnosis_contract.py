@@ -17,14 +17,18 @@ from kldiag.diagnosis import contract as DC
 from kldiag.diagnosis import diagnose
 from kldiag.diagnosis.core import reducers
 from kldiag.format import Manifest
+from kldiag.format.schema import RUN_SCHEMA
 from kldiag.tools import truth as T
 
 
 def _batch(**cols) -> pa.RecordBatch:
+    """Rows with the recorded columns' own types (RUN_SCHEMA), as a run's parts hold them: the contract kernel
+    is compiled once per array type it is called with, and these are the types every run gives it."""
     n = len(cols["logp"])
     base = {"step": [0] * n, "iteration": [0] * n, "micro": [0] * n, "seq": [0] * n, "pos": list(range(n)),
             "mask": [True] * n}
-    return pa.RecordBatch.from_pydict({**base, **cols})
+    return pa.RecordBatch.from_pydict({k: v if isinstance(v, pa.Array) else pa.array(v, RUN_SCHEMA.field(k).type)
+                                       for k, v in {**base, **cols}.items()})
 
 
 def test_parity_counts_tokens_off_and_the_first_one():

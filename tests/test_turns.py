@@ -12,6 +12,12 @@ import pytest
 
 from kldiag import estimators as E
 from kldiag.analysis.reducers import turns as TU
+from kldiag.format.schema import RUN_SCHEMA
+
+# Rows are built with the recorded columns' own types (RUN_SCHEMA: int16 iteration and turn, int32 pos, float32
+# log-probs), as a run's parts hold them: every array type the fold is called with is one numba compiles anew (11
+# signatures, 10-20 s each on a clean checkout, when these rows were int64 and float64), and these are the ones
+# every run compiles anyway.
 
 pytestmark = pytest.mark.filterwarnings("ignore:kldiag.*placeholder")
 
@@ -55,12 +61,16 @@ def test_pos_bins_and_overflow_bucket():
     assert TU.turn_bucket(np.array([0, 15, 16, 40])).tolist() == [0, 15, 16, 16]
 
 
+DRIFT = 2.0**-7  # logp - logp_old of every row; a binary fraction, exact in float32 like the 1/64 grid of logp_old
+
+
 def _batch(seqs, rng, step=0, mm_turn_start=0.0):
-    """Rows of sequences given as mask lists; logp_sampler off by mm_turn_start at later turns' first token."""
+    """Rows of sequences given as mask lists; logp_sampler off by mm_turn_start at later turns' first token. The
+    log-probs lie on a grid of 1/64, so that float32 holds them and their differences exactly."""
     cols = {k: [] for k in ("step", "iteration", "seq", "pos", "mask", "logp", "logp_old", "logp_ref", "logp_sampler")}
     for i, m in enumerate(seqs):
         n = len(m)
-        old = -rng.random(n) * 2
+        old = -rng.integers(1, 128, n) / 64.0
         t, p = TU.turn_index(np.eye(1, n, 0, dtype=bool)[0], np.array(m, bool))
         samp = old + np.where((t >= 1) & (p == 0), mm_turn_start, 0.0)
         samp = np.where(np.array(m, bool), samp, 0.0)  # a dump's placeholder on tool tokens
@@ -69,11 +79,11 @@ def _batch(seqs, rng, step=0, mm_turn_start=0.0):
         cols["seq"] += [i] * n
         cols["pos"] += list(range(n))
         cols["mask"] += list(map(bool, m))
-        cols["logp"] += list(old - 0.01)
+        cols["logp"] += list(old - DRIFT)
         cols["logp_old"] += list(old)
         cols["logp_ref"] += list(old - 0.1)
         cols["logp_sampler"] += list(samp)
-    return pa.RecordBatch.from_pydict({k: pa.array(v) for k, v in cols.items()})
+    return pa.RecordBatch.from_pydict({k: pa.array(v, RUN_SCHEMA.field(k).type) for k, v in cols.items()})
 
 
 def _fold(reducer, batches, rank=0):
@@ -128,7 +138,7 @@ def test_figures_by_turn_and_position():
     assert by["1"]["start_mismatch_abs_mean"] == pytest.approx(0.5) and by["1"]["body_mismatch_abs_mean"] == 0.0
     assert by["1"]["tokens"] == 3 * (3 + 9)  # 3 steps x (turn 1 of seq 0, turn 1 of seq 2)
     assert sum(r["tokens"] for r in s["by_turn"]) == 3 * sum(sum(x) for x in SEQS)
-    assert by["0"]["drift_abs_mean"] == pytest.approx(0.01, rel=1e-6)
+    assert by["0"]["drift_abs_mean"] == pytest.approx(DRIFT, rel=1e-6)
     assert s["single_turn_mismatch_abs_mean"] == 0.0  # tool tokens' 0.0 placeholders never count
     pos0 = next(r for r in s["by_position"] if r["pos"] == "0")
     assert pos0["mismatch_abs_max"] == pytest.approx(0.5)
@@ -249,9 +259,9 @@ def test_compiled_fold_matches_numpy_reference(n_seqs, p_mask):
     rng = np.random.default_rng(3)
     n, cols = 4000, {}
     cols["step"] = np.repeat(np.arange(4), n // 4)
-    cols["iteration"] = np.zeros(n, np.int64)
+    cols["iteration"] = np.zeros(n, np.int16)
     cols["seq"] = np.repeat(np.arange(n_seqs), n // n_seqs)
-    cols["pos"] = np.tile(np.arange(n // n_seqs), n_seqs)
+    cols["pos"] = np.tile(np.arange(n // n_seqs), n_seqs).astype(np.int32)
     cols["mask"] = rng.random(n) < p_mask
     logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
     logp["logp_ref"][rng.random(n) < 0.05] -= 8  # some flagged tokens
@@ -277,7 +287,7 @@ def test_compiled_fold_matches_numpy_reference(n_seqs, p_mask):
 def test_fold_checks_the_recorders_order():
     """batch_partial(check=True) folds rows in the recorder's order (each sequence once, keys rising, pos rising
     inside one) and gives None otherwise, so that the reducer sorts them: the same figures either way."""
-    step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int64)
+    step, it = np.repeat([0, 0, 1, 1, 2], 4), np.zeros(20, np.int16)
     seq, pos = np.repeat([3, 5, 0, 9, 1], 4), np.tile(np.arange(4), 5)
     rng = np.random.default_rng(4)
     th, red = (TU.E.TAU, TU.E.WEIGHT_LIMIT, TU.E.CLAMP), TU.TurnReducer()
@@ -356,7 +366,7 @@ def _rows(rng, n_seqs, rank):
         v = -rng.exponential(1.0, n).astype(np.float32)
         v[rng.random(n) < 0.01] = rng.choice([np.nan, np.inf, -np.inf, 0.5], 1)[0]
         arrays[k] = pa.array(v, mask=(rng.random(n) < 0.1) if k != "logp" else None)
-    arrays["turn"] = pa.array(rng.integers(0, 20, n).repeat(1), mask=rng.random(n) < 0.5)
+    arrays["turn"] = pa.array(rng.integers(0, 20, n).astype(np.int16), mask=rng.random(n) < 0.5)
     return pa.RecordBatch.from_pydict(arrays)
 
 
@@ -393,12 +403,13 @@ def test_fold_keeps_only_spans_that_can_be_examples_and_the_examples_are_unchang
     the examples equal the `keep` largest of every span (ties included: start |m - o| on a coarse grid)."""
     rng = np.random.default_rng(11)
     n, n_seqs = 60_000, 600
-    cols = {"step": np.repeat(np.arange(6), n // 6), "iteration": np.zeros(n, np.int64),
-            "seq": np.repeat(np.arange(n_seqs), n // n_seqs), "pos": np.tile(np.arange(n // n_seqs), n_seqs),
-            "mask": rng.random(n) < 0.9}  # about ten turns a sequence
-    old = -rng.exponential(1.0, n)
-    cols.update(logp=old - 0.01, logp_old=old, logp_ref=old - 0.1,
-                logp_sampler=old + rng.integers(0, 40, n) / 8.0)  # ties in the first |m - o|
+    cols = {"step": np.repeat(np.arange(6), n // 6), "iteration": np.zeros(n, np.int16),
+            "seq": np.repeat(np.arange(n_seqs), n // n_seqs),
+            "pos": np.tile(np.arange(n // n_seqs), n_seqs).astype(np.int32), "mask": rng.random(n) < 0.9}
+    old = -np.round(rng.exponential(1.0, n) * 256) / 256  # on a grid of 1/256: old and old + k/8 exact in float32
+    cols.update({k: v.astype(np.float32) for k, v in (("logp", old - 0.01), ("logp_old", old), ("logp_ref", old - 0.1),
+                                                      ("logp_sampler", old + rng.integers(0, 40, n) / 8.0))})
+    # ties in the first |m - o|
     t = TU._columns(pa.RecordBatch.from_pydict({k: pa.array(v) for k, v in cols.items()}))
     th = (E.TAU, E.WEIGHT_LIMIT, E.CLAMP)
     every = TU.batch_partial(t, 0, th, 10**6)  # no span dropped: all of them, in example order
@@ -425,7 +436,7 @@ def test_turns_across_every_position_bin_edge_and_chunk_edge():
             mask += [False] * int(rng.integers(1, 3)) + [True] * length
             seq += [q] * (len(mask) - len(seq))
     n = len(mask)
-    cols = {"step": np.zeros(n, np.int64), "iteration": np.zeros(n, np.int64), "seq": np.array(seq),
+    cols = {"step": np.zeros(n, np.int64), "iteration": np.zeros(n, np.int16), "seq": np.array(seq),
             "pos": np.concatenate([np.arange(np.sum(np.array(seq) == q)) for q in range(3)]).astype(np.int32),
             "mask": np.array(mask)}
     logp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
@@ -457,8 +468,9 @@ def test_fold_without_a_columns_expm1_gives_the_same_partial(absent):
     lp = {k: -rng.exponential(1.0, n).astype(np.float32) for k in ("logp", "logp_old", "logp_ref", "logp_sampler")}
     lp["logp"][::101] = np.nan  # a non-finite logp: its drift is not finite either way
     lp["logp"][::103] = 0.3
-    arrays = {"step": pa.array(np.repeat(np.arange(3), n // 3)), "iteration": pa.array(np.zeros(n, np.int64)),
-              "seq": pa.array(np.repeat(np.arange(30), n // 30)), "pos": pa.array(np.tile(np.arange(n // 30), 30)),
+    arrays = {"step": pa.array(np.repeat(np.arange(3), n // 3)), "iteration": pa.array(np.zeros(n, np.int16)),
+              "seq": pa.array(np.repeat(np.arange(30), n // 30)),
+              "pos": pa.array(np.tile(np.arange(n // 30), 30).astype(np.int32)),
               "mask": pa.array(rng.random(n) < 0.9)}
     arrays.update({k: pa.nulls(n, pa.float32()) if k in absent else pa.array(v, mask=rng.random(n) < 0.1)
                    for k, v in lp.items()})
