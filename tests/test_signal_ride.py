@@ -153,3 +153,17 @@ def test_the_dashboards_first_pass_carries_the_signal_and_gives_its_rows(clean_r
         want = part_fold.compute_part(part, [sig], runner.KERNEL_ROWS)["signal"]
         assert_rows(got, want)
         assert got["n_tokens"].sum() > 100
+
+
+@pytest.mark.parametrize("group", ["recorded", "null", "absent"])
+def test_the_ridden_inputs_are_read_only_whatever_the_group_column_holds(group):
+    """One compiled variant of the ridden pass for every run: numba compiles one per writeable flag."""
+    from kldiag.analysis.reducers.signal import ride_inputs
+
+    b = signal_batch(1, 100, 0.0)
+    if group != "recorded":
+        b = b.drop_columns(["group"]) if group == "absent" else b.set_column(
+            b.schema.get_field_index("group"), "group", pa.nulls(b.num_rows, pa.int64()))
+    g, ok = ride_inputs(b)
+    assert g.dtype == np.int64 and not g.flags.writeable and not ok.flags.writeable and ok.all()
+    assert (g == -1).all() if group != "recorded" else (g == b.column("group").to_numpy()).all()

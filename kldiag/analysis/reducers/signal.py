@@ -31,7 +31,7 @@ from kldiag import estimators as E
 from kldiag.analysis.core import keyed
 from kldiag.analysis.kernels import signal as SK
 from kldiag.analysis.kernels.ride import SignalRide
-from kldiag.analysis.reducers.base import ListReducer, all_valid, column
+from kldiag.analysis.reducers.base import ListReducer, all_valid, column, readonly
 
 SPREAD_TOL = 1e-6  # rewards (advantages) closer than this count as equal
 KEYS = ("step", "group", "seq")
@@ -86,8 +86,10 @@ def rows_partial(step: np.ndarray, group: np.ndarray, seq: np.ndarray, cnt: np.n
 
 
 def ride_inputs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(group int64 [n], nulls as NO_GROUP; an all-true read-only bool [n]): fused_ride.SignalRide.inputs."""
-    return column(batch, "group", NO_GROUP, np.int64, copy=False)[0], all_valid(batch.num_rows)
+    """(group int64 [n], nulls as NO_GROUP; an all-true bool [n]), both read-only whatever the column held (numba
+    compiles the ridden pass once per writeable flag): fused_ride.SignalRide.inputs."""
+    group = column(batch, "group", NO_GROUP, np.int64, copy=False)[0]
+    return readonly(np.ascontiguousarray(group)), all_valid(batch.num_rows)
 
 
 def ridden_partial(b, starts: np.ndarray, group: np.ndarray, cnt: np.ndarray,
