@@ -167,3 +167,16 @@ def test_the_ridden_inputs_are_read_only_whatever_the_group_column_holds(group):
     g, ok = ride_inputs(b)
     assert g.dtype == np.int64 and not g.flags.writeable and not ok.flags.writeable and ok.all()
     assert (g == -1).all() if group != "recorded" else (g == b.column("group").to_numpy()).all()
+
+
+def test_the_ridden_pass_is_compiled_once_with_or_without_the_signal():
+    """The signal's arrays when it does not ride have the types (read-only) of those when it does, and a batch's null
+    masks are read-only whether it holds nulls or not: one variant of the pass (each costs a compile)."""
+    from kldiag.analysis.kernels import ride as R
+
+    before = len(R.fused_pass_est.signatures)
+    ridden(signal_batch(2, 500, 0.0))
+    ridden(signal_batch(3, 500, 0.0, nulls=0.05))  # cannot ride: the pass without the signal's rows
+    b = signal_batch(4, 500, 0.0)
+    ridden(b.set_column(b.schema.get_field_index("group"), "group", pa.nulls(b.num_rows, pa.int64())))
+    assert len(R.fused_pass_est.signatures) - before <= 1

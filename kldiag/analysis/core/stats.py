@@ -141,8 +141,8 @@ def null_masks(b: Batch) -> tuple[np.ndarray, ...]:
     none, out = zeros_u8(b.n).view(np.bool_), []
     for name in LOGPS:
         null = b.null[name]
-        out.append(np.ones(b.n, np.bool_) if b.raw[name] is None else none if null is None
-                   else np.ascontiguousarray(null, np.bool_))
+        out.append(ro(np.ones(b.n, np.bool_), np.bool_) if b.raw[name] is None else none if null is None
+                   else ro(null, np.bool_))  # read-only as `none` is: numba compiles a pass per writeable flag
     return tuple(out)
 
 

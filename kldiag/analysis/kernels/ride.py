@@ -227,6 +227,11 @@ class SignalRide:
     alone: Callable[[Any], None]
 
 
+# Read-only, as SignalRide.inputs' arrays are: numba compiles the ridden pass once per writeable flag
+NO_GROUPS, NO_OK = np.empty(0, np.int64), np.empty(0, np.bool_)
+NO_GROUPS.flags.writeable = NO_OK.flags.writeable = False
+
+
 def signal_reads(b) -> bool:
     """Whether the signal can ride on kernel.Batch b: every log-prob and advantage without a null, pi_ref and the
     advantage present (ok all true in fused_pass_est; where not, the signal's own pass knows its nulls)."""
@@ -249,7 +254,7 @@ def run(b, starts, sidx, n_steps, inputs, nulls, params, abs_grid, d_grid, ride:
     chunk_r0, chunk_j = np.empty(cap, np.int64), np.empty(cap, np.int64)
     sig_on = signal is not None and signal_reads(b)
     n_sig = len(starts) - 1 if sig_on else 0
-    group, ok = signal.inputs(b.arrow) if sig_on else (np.empty(0, np.int64), np.empty(0, np.bool_))
+    group, ok = signal.inputs(b.arrow) if sig_on else (NO_GROUPS, NO_OK)
     sig_cnt, sig_val = np.zeros((n_sig, 3), np.int64), np.empty((n_sig, 9))
     sig_par = np.array([signal.tol, signal.clamp]) if sig_on else np.zeros(2)
     res = fused_pass_est(starts, sidx, n_steps, *inputs, params, abs_grid, d_grid, *nulls,
